@@ -1,0 +1,1 @@
+//! GPU Memory Service (GMS): owns weights outside any engine process.

@@ -1,0 +1,1 @@
+//! Test harness: a private containerd per test run, never the host's.
