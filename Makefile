@@ -1,0 +1,80 @@
+# shadow — hot-standby LLM engines at the container-runtime layer.
+#
+# Every target is idempotent and works as root on a fresh Debian 12 machine:
+#   make deps        install missing Debian packages (containerd, runc, busybox-static, …)
+#   make build       build the workspace (debug: what the tests run)
+#   make lint        rustfmt --check + clippy -D warnings
+#   make test        deps + lint + build + every test, integration tests included
+#   make demo        start a private containerd and run a container through the shim
+#   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
+#   make install     release binaries to $(PREFIX)/bin
+# CI runs `bash .ci/run`, which runs `make test`.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := build
+
+CARGO  ?= cargo
+PREFIX ?= /usr/local
+BINDIR := $(PREFIX)/bin
+
+# Debian packages the build and the tests need. bsdutils gives script(1),
+# which puts a pty on ctr's side for `ctr run -t`.
+DEB_PACKAGES := containerd runc busybox-static podman bsdutils procps util-linux \
+                coreutils gcc libc6-dev pkg-config ca-certificates
+
+# Release binaries `make install` copies, those that exist (gms/ and
+# oci-hooks/ add theirs as they land).
+INSTALL_BINS := containerd-shim-shadow-v1 gmsd shadow-oci-hook
+
+.PHONY: deps build release lint test demo bench-shim install check-root check-cargo
+
+check-root:
+	@if [ "$$(id -u)" != 0 ]; then echo "this target needs root (containerd, runc, mounts)" >&2; exit 1; fi
+
+check-cargo:
+	@command -v $(CARGO) >/dev/null || { \
+	  echo "cargo not found: install Rust stable (https://rustup.rs), Debian's rustc is too old" >&2; exit 1; }
+
+# Only when something is missing: apt-get update, then install it.
+deps: check-root
+	@missing=""; \
+	for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' "$$p" 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "deps: installing$$missing"; \
+	  apt-get update; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; \
+	else \
+	  echo "deps: all present ($(DEB_PACKAGES))"; \
+	fi
+
+build: check-cargo
+	$(CARGO) build --workspace --all-targets
+
+release: check-cargo
+	$(CARGO) build --workspace --release --bins
+
+lint: check-cargo
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+# The README's test command; .ci/run runs exactly this. Integration tests
+# start their own containerd (never the host's) and need root.
+test: deps lint build
+	$(CARGO) test --workspace --no-fail-fast
+
+demo: deps build
+	$(CARGO) run -q -p shadow-tests --bin shadow-demo
+
+bench-shim: deps release
+	$(CARGO) run -q --release -p shadow-tests --bin bench-shim
+
+install: check-root release
+	@install -d $(BINDIR)
+	@for b in $(INSTALL_BINS); do \
+	  if [ -f target/release/$$b ]; then install -m 0755 target/release/$$b $(BINDIR)/$$b && echo "installed $(BINDIR)/$$b"; fi; \
+	done
+
+# --- gms targets (fuzz, bench-gms) go below this line ---

@@ -1,0 +1,348 @@
+//! Container behaviour through `ctr`, written once and run against both
+//! runtimes: `runc_v2::*` proves each test right against containerd's own
+//! shim, `shadow::*` holds our shim to the same behaviour.
+
+use shadow_tests::{Containerd, Runtime, Spawned};
+use std::time::Duration;
+
+/// Generous: the machine is small and shared; a wait is for an event and
+/// only fails the test when the event never comes.
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Start a container that prints `ready` and then idles; return its `ctr run`.
+fn start_idle(cd: &Containerd, rt: Runtime, id: &str, script: &str) -> Spawned {
+    let mut run = cd
+        .container(rt, id)
+        .rm()
+        .cmd(&["sh", "-c", script])
+        .spawn(false)
+        .expect("start ctr run");
+    run.wait_line(WAIT, |l| l.contains("ready"))
+        .unwrap_or_else(|e| panic!("container {id} never got ready: {e}"));
+    run
+}
+
+const IDLE: &str = "echo ready; exec sleep 100000";
+
+fn kill9(cd: &Containerd, id: &str) {
+    cd.ctr()
+        .run(&["task", "kill", "--signal", "SIGKILL", id])
+        .expect("ctr task kill")
+        .assert_success();
+}
+
+fn stdout_and_stderr(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    let out = cd
+        .container(rt, "echo")
+        .rm()
+        .cmd(&[
+            "sh",
+            "-c",
+            "echo to-stderr >&2; echo hello from the container; echo second line",
+        ])
+        .run()
+        .expect("ctr run");
+    out.assert_success();
+    assert_eq!(
+        out.stdout, "hello from the container\nsecond line\n",
+        "{out}"
+    );
+    assert!(out.stderr.contains("to-stderr"), "{out}");
+    assert!(
+        !out.stdout.contains("to-stderr"),
+        "stderr leaked into stdout: {out}"
+    );
+    cd.assert_no_leftovers();
+}
+
+fn exit_codes(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    for (i, code) in [0, 3].into_iter().enumerate() {
+        let out = cd
+            .container(rt, &format!("exit{i}"))
+            .rm()
+            .cmd(&["sh", "-c", &format!("exit {code}")])
+            .run()
+            .expect("ctr run");
+        assert_eq!(out.code(), code, "{out}");
+    }
+    cd.assert_no_leftovers();
+}
+
+fn kill_9_gives_137(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    let run = start_idle(&cd, rt, "victim", IDLE);
+    kill9(&cd, "victim");
+    let out = run.wait(WAIT).expect("ctr run ends");
+    assert_eq!(out.code(), 137, "{out}");
+    cd.assert_no_leftovers();
+}
+
+fn sigterm_reaches_a_trapping_process(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    // PID 1 ignores SIGTERM unless it handles it: trap it and exit with a
+    // code of our own, so the test tells "handled" from "killed".
+    let run = start_idle(
+        &cd,
+        rt,
+        "term",
+        "trap 'echo got-term; exit 42' TERM; echo ready; while :; do sleep 0.1; done",
+    );
+    cd.ctr()
+        .run(&["task", "kill", "--signal", "SIGTERM", "term"])
+        .expect("ctr task kill")
+        .assert_success();
+    let out = run.wait(WAIT).expect("ctr run ends");
+    assert_eq!(out.code(), 42, "{out}");
+    assert!(out.stdout.contains("got-term"), "{out}");
+    cd.assert_no_leftovers();
+}
+
+fn stdin_through_cat(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    let mut run = cd
+        .container(rt, "cat")
+        .rm()
+        .cmd(&["cat"])
+        .spawn(true)
+        .expect("start ctr run");
+    run.write_stdin(b"line one through stdin\n")
+        .expect("write stdin");
+    run.wait_line(WAIT, |l| l == "line one through stdin")
+        .expect("cat echoes line one");
+    run.write_stdin(b"line two\n").expect("write stdin");
+    run.wait_line(WAIT, |l| l == "line two")
+        .expect("cat echoes line two");
+    // ctr 1.6 does not close the task's stdin when its own closes, so cat
+    // would wait forever: end it with a signal.
+    kill9(&cd, "cat");
+    let out = run.wait(WAIT).expect("ctr run ends");
+    assert_eq!(out.code(), 137, "{out}");
+    assert_eq!(out.stdout, "line one through stdin\nline two\n", "{out}");
+    cd.assert_no_leftovers();
+}
+
+fn exec_has_its_own_exit_code(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    let run = start_idle(&cd, rt, "host", IDLE);
+    let out = cd
+        .exec(
+            "host",
+            "e1",
+            &["sh", "-c", "echo in-exec; echo exec-err >&2; exit 5"],
+        )
+        .expect("ctr task exec");
+    assert_eq!(out.code(), 5, "{out}");
+    assert_eq!(out.stdout, "in-exec\n", "{out}");
+    assert!(out.stderr.contains("exec-err"), "{out}");
+    let ok = cd.exec("host", "e2", &["true"]).expect("ctr task exec");
+    assert_eq!(ok.code(), 0, "{ok}");
+    // The exec's exit did not end the task.
+    assert_eq!(
+        cd.ctr().task_status("host").expect("task ls").as_deref(),
+        Some("RUNNING")
+    );
+    kill9(&cd, "host");
+    assert_eq!(run.wait(WAIT).expect("ctr run ends").code(), 137);
+    cd.assert_no_leftovers();
+}
+
+fn task_ps_lists_processes(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    let run = start_idle(&cd, rt, "ps", "sleep 100000 & echo ready; wait");
+    let init = cd
+        .ctr()
+        .tasks()
+        .expect("task ls")
+        .into_iter()
+        .find(|t| t.id == "ps")
+        .expect("task listed");
+    let out = cd.ctr().run(&["task", "ps", "ps"]).expect("ctr task ps");
+    out.assert_success();
+    let pids: Vec<u32> = out
+        .stdout
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert!(
+        pids.contains(&init.pid),
+        "init pid {} not in {out}",
+        init.pid
+    );
+    assert_eq!(pids.len(), 2, "expected the shell and its sleep: {out}");
+    kill9(&cd, "ps");
+    assert_eq!(run.wait(WAIT).expect("ctr run ends").code(), 137);
+    cd.assert_no_leftovers();
+}
+
+/// The freezer state of the task's cgroup (v1 `freezer.state`, v2 `cgroup.freeze`).
+fn frozen(cd: &Containerd, id: &str) -> Option<bool> {
+    let v1 = format!(
+        "/sys/fs/cgroup/freezer/{}/{id}/freezer.state",
+        cd.namespace()
+    );
+    if let Ok(s) = std::fs::read_to_string(v1) {
+        return Some(s.trim() == "FROZEN");
+    }
+    let v2 = format!("/sys/fs/cgroup/{}/{id}/cgroup.freeze", cd.namespace());
+    std::fs::read_to_string(v2).ok().map(|s| s.trim() == "1")
+}
+
+fn pause_and_resume(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    // The loop counts into a file of the rootfs, which the host can read:
+    // progress is visible without going through the task's stdout.
+    let tick = cd.rootfs().join("tmp/tick");
+    let ticks = || -> u64 {
+        std::fs::read_to_string(&tick)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let run = start_idle(
+        &cd,
+        rt,
+        "pz",
+        "echo ready; i=0; while :; do i=$((i+1)); echo $i > /tmp/tick.new; mv /tmp/tick.new /tmp/tick; sleep 0.02; done",
+    );
+    let ctr = cd.ctr();
+    ctr.run(&["task", "pause", "pz"])
+        .expect("pause")
+        .assert_success();
+    assert_eq!(
+        ctr.task_status("pz").expect("task ls").as_deref(),
+        Some("PAUSED")
+    );
+    assert_eq!(
+        frozen(&cd, "pz"),
+        Some(true),
+        "cgroup not frozen after pause"
+    );
+    let at_pause = ticks();
+    ctr.run(&["task", "resume", "pz"])
+        .expect("resume")
+        .assert_success();
+    assert_eq!(
+        ctr.task_status("pz").expect("task ls").as_deref(),
+        Some("RUNNING")
+    );
+    assert_eq!(
+        frozen(&cd, "pz"),
+        Some(false),
+        "cgroup still frozen after resume"
+    );
+    // It runs again: the count moves past where the freeze held it.
+    let deadline = std::time::Instant::now() + WAIT;
+    while ticks() <= at_pause {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no progress after resume (stuck at {at_pause})"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    kill9(&cd, "pz");
+    assert_eq!(run.wait(WAIT).expect("ctr run ends").code(), 137);
+    cd.assert_no_leftovers();
+}
+
+fn task_metrics(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    let run = start_idle(&cd, rt, "m", IDLE);
+    let out = cd
+        .ctr()
+        .run(&["task", "metrics", "m"])
+        .expect("ctr task metrics");
+    out.assert_success();
+    assert!(out.stdout.contains("pids.current"), "{out}");
+    assert!(
+        out.stdout.contains("memory.usage_in_bytes") || out.stdout.contains("memory.usage"),
+        "{out}"
+    );
+    let json = cd
+        .ctr()
+        .run(&["task", "metrics", "--format", "json", "m"])
+        .expect("ctr task metrics json");
+    json.assert_success();
+    let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("metrics json parses");
+    assert!(v.get("pids").is_some() || v.get("Pids").is_some(), "{json}");
+    kill9(&cd, "m");
+    assert_eq!(run.wait(WAIT).expect("ctr run ends").code(), 137);
+    cd.assert_no_leftovers();
+}
+
+fn run_with_tty(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    let run = cd
+        .container(rt, "tty")
+        .rm()
+        .cmd(&["sh", "-c", "tty; [ -t 0 ] && [ -t 1 ] && exit 4"])
+        .spawn_tty()
+        .expect("start ctr run -t");
+    let out = run.wait(WAIT).expect("ctr run -t ends");
+    assert_eq!(out.code(), 4, "{out}");
+    assert!(out.stdout.contains("/dev/pts/"), "{out}");
+    cd.assert_no_leftovers();
+}
+
+fn survives_containerd_restart(rt: Runtime) {
+    let mut cd = Containerd::start().expect("start containerd");
+    let ctr = cd.ctr();
+    // Detached, so no ctr client hangs on to the old daemon.
+    let run = start_idle(&cd, rt, "long", IDLE);
+    let before = ctr.tasks().expect("task ls");
+    let pid = before
+        .iter()
+        .find(|t| t.id == "long")
+        .expect("task listed")
+        .pid;
+    cd.restart().expect("restart containerd");
+    // The ctr client lost its daemon; the task must not have noticed.
+    let _ = run.wait(WAIT);
+    assert!(
+        std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "task process {pid} died with containerd"
+    );
+    let after = ctr.tasks().expect("task ls after restart");
+    let t = after
+        .iter()
+        .find(|t| t.id == "long")
+        .expect("task still listed after restart");
+    assert_eq!((t.pid, t.status.as_str()), (pid, "RUNNING"), "{after:?}");
+    let exec = cd
+        .exec("long", "after-restart", &["echo", "still here"])
+        .expect("exec after restart");
+    assert_eq!(exec.stdout, "still here\n", "{exec}");
+    kill9(&cd, "long");
+    // ctr 1.6 has no `task wait`: watch the status through the restarted daemon.
+    let deadline = std::time::Instant::now() + WAIT;
+    while ctr.task_status("long").expect("task ls").as_deref() != Some("STOPPED") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "task never STOPPED after SIGKILL"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ctr.run(&["task", "delete", "long"])
+        .expect("task delete")
+        .assert_success();
+    ctr.run(&["containers", "delete", "long"])
+        .expect("container delete")
+        .assert_success();
+    cd.assert_no_leftovers();
+}
+
+shadow_tests::runtime_arms!(
+    stdout_and_stderr,
+    exit_codes,
+    kill_9_gives_137,
+    sigterm_reaches_a_trapping_process,
+    stdin_through_cat,
+    exec_has_its_own_exit_code,
+    task_ps_lists_processes,
+    pause_and_resume,
+    task_metrics,
+    run_with_tty,
+    survives_containerd_restart,
+);
