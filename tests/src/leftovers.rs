@@ -112,7 +112,7 @@ pub(crate) fn scan(s: &Scope<'_>) -> Vec<Leftover> {
 }
 
 /// Mount points at or under `dir`, deepest first, from /proc/self/mountinfo.
-pub(crate) fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let mut v: Vec<PathBuf> = text
         .lines()
@@ -175,7 +175,7 @@ pub(crate) fn runc_containers(root: &Path) -> Vec<String> {
 }
 
 /// Processes whose command line names our dir or address, except ourselves.
-pub(crate) fn our_processes(dir: &Path, address: &Path) -> Vec<(i32, String)> {
+pub fn our_processes(dir: &Path, address: &Path) -> Vec<(i32, String)> {
     let me = std::process::id() as i32;
     let dir = dir.display().to_string();
     let address = address.display().to_string();
@@ -257,7 +257,7 @@ fn bound_unix_sockets() -> Vec<PathBuf> {
 /// Where a shim for (address, namespace, id) puts its task socket: both the
 /// Go and the Rust shim kits hash `<address>/<namespace>/<id>` into
 /// `/run/containerd/s/<sha256>`.
-pub(crate) fn shim_socket_paths(address: &Path, namespace: &str, id: &str) -> Vec<PathBuf> {
+pub fn shim_socket_paths(address: &Path, namespace: &str, id: &str) -> Vec<PathBuf> {
     let addr = address.display().to_string();
     [addr.clone(), format!("unix://{addr}")]
         .iter()

@@ -21,10 +21,10 @@ mod leftovers;
 mod process;
 mod rootfs;
 
-pub use containerd::{Container, Containerd, ContainerdBuilder};
+pub use containerd::{Container, Containerd, ContainerdBuilder, RUNC_STATE_ROOT};
 pub use ctr::{Ctr, Output};
 pub use error::Error;
-pub use leftovers::Leftover;
+pub use leftovers::{mounts_under, our_processes, shim_socket_paths, Leftover};
 pub use process::Spawned;
 pub use rootfs::Rootfs;
 
