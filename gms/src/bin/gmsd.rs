@@ -1,0 +1,152 @@
+//! `gmsd`: the GPU Memory Service daemon (`serve`) and its inspection
+//! command (`status`).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use gms::backend::host::HostBackend;
+use gms::backend::Backend;
+use gms::daemon::{self, Config, Limits};
+
+#[derive(Parser)]
+#[command(
+    name = "gmsd",
+    about = "GPU Memory Service daemon: owns weights outside any engine"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve one device until SIGTERM/SIGINT.
+    Serve {
+        /// Directory for the socket (GMS_SOCKET_DIR); created 0700 if missing,
+        /// refused if world-writable.
+        #[arg(long, env = "GMS_SOCKET_DIR", default_value = "/run/shadow/gms")]
+        socket_dir: PathBuf,
+        /// `host`, or a CUDA device (not in this build yet).
+        #[arg(long, default_value = "host")]
+        device: String,
+        /// Most bytes allocated at once (K/M/G/T suffixes).
+        #[arg(long, default_value = "64G", value_parser = gms::parse_bytes)]
+        max_bytes: u64,
+        #[arg(long, default_value_t = 4096)]
+        max_allocations: usize,
+        #[arg(long, default_value_t = 65536)]
+        max_metadata_entries: usize,
+        #[arg(long, default_value = "8M", value_parser = gms::parse_bytes)]
+        max_metadata_bytes: u64,
+        #[arg(long, default_value_t = 256)]
+        max_connections: usize,
+        /// Peer uid allowed to connect (repeatable). Default: gmsd's own uid.
+        #[arg(long = "allow-uid")]
+        allow_uids: Vec<u32>,
+        /// Peer gid allowed to connect (repeatable).
+        #[arg(long = "allow-gid")]
+        allow_gids: Vec<u32>,
+        /// Group owner of the socket, which then gets mode 0660 (else 0600).
+        #[arg(long)]
+        socket_group: Option<u32>,
+        /// error, warn, info, debug or trace (or a tracing filter).
+        #[arg(long, default_value = "info")]
+        log_level: String,
+    },
+    /// Print a running daemon's state, leases, allocations and bytes.
+    Status {
+        #[arg(long)]
+        socket: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve {
+            socket_dir,
+            device,
+            max_bytes,
+            max_allocations,
+            max_metadata_entries,
+            max_metadata_bytes,
+            max_connections,
+            allow_uids,
+            allow_gids,
+            socket_group,
+            log_level,
+        } => {
+            let filter = tracing_subscriber::EnvFilter::try_new(&log_level)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+            tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .init();
+            let backend: Box<dyn Backend> = match device.as_str() {
+                "host" => match HostBackend::new() {
+                    Ok(b) => Box::new(b),
+                    Err(e) => {
+                        eprintln!("gmsd: host backend: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                },
+                other => {
+                    eprintln!(
+                        "gmsd: device '{other}' is not supported by this build (only 'host')"
+                    );
+                    return ExitCode::from(2);
+                }
+            };
+            let config = Config {
+                socket_dir,
+                limits: Limits {
+                    max_bytes,
+                    max_allocations,
+                    max_metadata_entries,
+                    max_metadata_bytes: max_metadata_bytes as usize,
+                    max_connections,
+                },
+                allow_uids,
+                allow_gids,
+                socket_group,
+            };
+            let served = daemon::serve(config, backend, |socket| {
+                // Readiness line for supervisors and tests.
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "ready {}", socket.display());
+                let _ = out.flush();
+            });
+            match served {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("gmsd: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Status { socket, json } => match gms::client::status(&socket) {
+            Ok(report) => {
+                if json {
+                    match serde_json::to_string_pretty(&report) {
+                        Ok(text) => println!("{text}"),
+                        Err(e) => {
+                            eprintln!("gmsd status: {e}");
+                            return ExitCode::FAILURE;
+                        }
+                    }
+                } else {
+                    print!("{}", report.render());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("gmsd status: {e}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}

@@ -1,0 +1,245 @@
+//! Engine-side address space: reserve a range, map an allocation's
+//! descriptor into it, unmap back to a bare reservation, materialise fresh
+//! private memory (KV cache). The client speaks the protocol; a `Mapper`
+//! turns descriptors into addresses, so the CUDA backend adds a mapper
+//! (`cuMemAddressReserve`, `cuMemImportFromShareableHandle`, `cuMemMap`,
+//! `cuMemSetAccess`) without touching the protocol.
+//!
+//! [`HostRange`] is the host implementation: a `PROT_NONE` anonymous
+//! reservation that mappings replace in place with `MAP_FIXED` (only ever
+//! inside the range it owns), and that `Drop` unmaps.
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use nix::errno::Errno;
+
+use crate::backend::Access;
+use crate::{Error, Result};
+
+/// What a range currently holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RangeState {
+    /// Address space only: any access faults.
+    Reserved,
+    /// A GMS allocation is mapped here.
+    Mapped(Access),
+    /// Fresh private memory (KV cache).
+    Materialised,
+}
+
+/// One reserved address range of an engine.
+pub trait Range: Send {
+    fn addr(&self) -> u64;
+    fn len(&self) -> u64;
+    fn state(&self) -> RangeState;
+    /// Maps an allocation's descriptor over the whole range.
+    fn map(&mut self, fd: BorrowedFd<'_>, access: Access) -> Result<()>;
+    /// Back to a bare reservation; the addresses stay ours.
+    fn unmap(&mut self) -> Result<()>;
+    /// Fresh zeroed read-write memory over the whole range.
+    fn materialise(&mut self) -> Result<()>;
+}
+
+/// Makes ranges.
+pub trait Mapper {
+    type Range: Range;
+    /// Reserves `len` bytes; `at` demands that exact address (a reader
+    /// following the writer's layout) and fails if any of it is taken.
+    fn reserve(&self, len: u64, at: Option<u64>) -> Result<Self::Range>;
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HostMapper;
+
+impl Mapper for HostMapper {
+    type Range = HostRange;
+
+    fn reserve(&self, len: u64, at: Option<u64>) -> Result<HostRange> {
+        HostRange::reserve(len, at)
+    }
+}
+
+#[derive(Debug)]
+pub struct HostRange {
+    addr: u64,
+    len: u64,
+    state: RangeState,
+}
+
+fn mmap_raw(
+    addr: u64,
+    len: u64,
+    prot: libc::c_int,
+    flags: libc::c_int,
+    fd: libc::c_int,
+) -> std::result::Result<u64, Errno> {
+    // SAFETY: callers pass either addr 0 (kernel chooses), MAP_FIXED_NOREPLACE
+    // (never replaces anything), or MAP_FIXED over a range the calling
+    // HostRange owns exclusively; no Rust reference points into such a range
+    // across the call except through that HostRange's borrow.
+    let ret = unsafe { libc::mmap(addr as *mut libc::c_void, len as usize, prot, flags, fd, 0) };
+    if ret == libc::MAP_FAILED {
+        Err(Errno::last())
+    } else {
+        Ok(ret as u64)
+    }
+}
+
+impl HostRange {
+    pub fn reserve(len: u64, at: Option<u64>) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::Invalid("reservation of 0 bytes".into()));
+        }
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        if at.is_some() {
+            flags |= libc::MAP_FIXED_NOREPLACE;
+        }
+        let want = at.unwrap_or(0);
+        let addr = match mmap_raw(want, len, libc::PROT_NONE, flags, -1) {
+            Ok(a) => a,
+            Err(Errno::EEXIST) => {
+                return Err(Error::AddressConflict(format!(
+                    "[{want:#x}, {:#x}) is already mapped in this process",
+                    want.saturating_add(len)
+                )))
+            }
+            Err(e) => return Err(Error::sys(format!("reserving {len} bytes at {want:#x}"), e)),
+        };
+        let range = HostRange {
+            addr,
+            len,
+            state: RangeState::Reserved,
+        };
+        // Kernels before 4.17 treat the flag as a hint; `range` unmaps on drop.
+        if at.is_some() && addr != want {
+            return Err(Error::AddressConflict(format!(
+                "wanted {want:#x}, kernel gave {addr:#x}"
+            )));
+        }
+        Ok(range)
+    }
+
+    fn replace(&mut self, prot: libc::c_int, flags: libc::c_int, fd: libc::c_int) -> Result<()> {
+        mmap_raw(self.addr, self.len, prot, flags | libc::MAP_FIXED, fd)
+            .map(|_| ())
+            .map_err(|e| {
+                Error::sys(
+                    format!("mmap over own range {:#x}+{}", self.addr, self.len),
+                    e,
+                )
+            })
+    }
+
+    /// The mapped bytes, or `None` unless readable memory is mapped.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match self.state {
+            RangeState::Reserved => None,
+            // SAFETY: the whole range is mapped readable and owned by self;
+            // the slice borrows self, so it cannot outlive an unmap.
+            _ => Some(unsafe {
+                std::slice::from_raw_parts(self.addr as *const u8, self.len as usize)
+            }),
+        }
+    }
+
+    /// The mapped bytes for writing, or `None` unless mapped read-write.
+    pub fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        match self.state {
+            RangeState::Mapped(Access::ReadWrite) | RangeState::Materialised => {
+                // SAFETY: mapped read-write and exclusively borrowed through self.
+                Some(unsafe {
+                    std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len as usize)
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Range for HostRange {
+    fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn state(&self) -> RangeState {
+        self.state
+    }
+
+    fn map(&mut self, fd: BorrowedFd<'_>, access: Access) -> Result<()> {
+        let prot = match access {
+            Access::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
+            Access::ReadOnly => libc::PROT_READ,
+        };
+        self.replace(prot, libc::MAP_SHARED, fd.as_raw_fd())?;
+        self.state = RangeState::Mapped(access);
+        Ok(())
+    }
+
+    fn unmap(&mut self) -> Result<()> {
+        self.replace(
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+        )?;
+        self.state = RangeState::Reserved;
+        Ok(())
+    }
+
+    fn materialise(&mut self) -> Result<()> {
+        self.replace(
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+        )?;
+        self.state = RangeState::Materialised;
+        Ok(())
+    }
+}
+
+impl Drop for HostRange {
+    fn drop(&mut self) {
+        // SAFETY: the range [addr, addr+len) was reserved by this HostRange
+        // and only ever replaced in place; nothing else owns it.
+        if unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len as usize) } != 0 {
+            tracing::error!(
+                "munmap {:#x}+{} failed: {}",
+                self.addr,
+                self.len,
+                Errno::last()
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_reserve_materialise_release() {
+        let mut r = HostMapper.reserve(1 << 20, None).unwrap();
+        assert!(r.bytes().is_none());
+        r.materialise().unwrap();
+        r.bytes_mut().unwrap()[4096] = 7;
+        assert_eq!(r.bytes().unwrap()[4096], 7);
+        let addr = r.addr();
+        r.unmap().unwrap();
+        assert_eq!(r.addr(), addr, "address kept while released");
+        r.materialise().unwrap();
+        assert_eq!(r.bytes().unwrap()[4096], 0, "fresh pages after release");
+    }
+
+    #[test]
+    fn exact_reservation_refuses_taken_addresses() {
+        // A fixed address far from where this process's mappings live.
+        let at = 0x5a5a_0000_0000;
+        let a = HostMapper.reserve(1 << 20, Some(at)).unwrap();
+        assert_eq!(a.addr(), at);
+        let err = HostMapper.reserve(4096, Some(at + 8192)).unwrap_err();
+        assert!(matches!(err, Error::AddressConflict(_)), "{err}");
+    }
+}

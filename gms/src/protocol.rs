@@ -1,0 +1,453 @@
+//! The GMS wire protocol, version 1: what a message may say, and the one
+//! decoder every byte from a peer goes through.
+//!
+//! Messages are JSON objects `{"version": 1, "op": "...", ...}`. Decoding is
+//! pure (`decode(bytes, fd_count)`) so the fuzzer drives exactly the code the
+//! daemon runs. Every rule is checked here: size, JSON, version, shape, and
+//! the number of file descriptors that came with the message.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::layout::Layout;
+use crate::status::StatusReport;
+use crate::{Error, Result};
+
+/// The protocol version this build speaks.
+pub const VERSION: u32 = 1;
+/// Largest request body a daemon accepts.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+/// Largest response body a client accepts (a layout with all its metadata).
+pub const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
+/// Most file descriptors one message carries (well under `SCM_MAX_FD`).
+pub const MAX_FDS_PER_MESSAGE: usize = 64;
+
+/// What a client asks for in `hello`.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Rw,
+    Ro,
+    RwOrRo,
+}
+
+/// What a client holds once `hello` succeeded.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseKind {
+    Rw,
+    Ro,
+}
+
+impl fmt::Display for LeaseKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LeaseKind::Rw => "rw",
+            LeaseKind::Ro => "ro",
+        })
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// First message of a lease connection.
+    Hello {
+        mode: Mode,
+        #[serde(default)]
+        client: String,
+    },
+    /// Inspection; allowed as the first message, takes no lease.
+    Status,
+    /// Writer: new allocation of `size` bytes (rounded up to the granularity)
+    /// that the writer maps at `va`. Answered with one fd.
+    Allocate {
+        tag: String,
+        size: u64,
+        va: u64,
+    },
+    Free {
+        id: u64,
+    },
+    PutMeta {
+        key: String,
+        value: String,
+    },
+    GetMeta {
+        key: String,
+    },
+    /// Writer: make the layout immutable; the lease becomes `ro`.
+    Commit,
+    GetLayout,
+    /// File descriptors for these allocations, in this order.
+    Export {
+        ids: Vec<u64>,
+    },
+}
+
+impl Request {
+    pub fn op(&self) -> &'static str {
+        match self {
+            Request::Hello { .. } => "hello",
+            Request::Status => "status",
+            Request::Allocate { .. } => "allocate",
+            Request::Free { .. } => "free",
+            Request::PutMeta { .. } => "put_meta",
+            Request::GetMeta { .. } => "get_meta",
+            Request::Commit => "commit",
+            Request::GetLayout => "get_layout",
+            Request::Export { .. } => "export",
+        }
+    }
+
+    /// Requests never carry descriptors in version 1: memory flows from the
+    /// daemon to engines only.
+    pub fn fd_count(&self) -> usize {
+        0
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    BadMessage,
+    UnsupportedVersion,
+    TooLarge,
+    Truncated,
+    WrongFdCount,
+    PermissionDenied,
+    LeaseBusy,
+    NoLayout,
+    NotPermitted,
+    UnknownAllocation,
+    LimitExceeded,
+    AddressConflict,
+    Invalid,
+    Internal,
+    ShuttingDown,
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_else(|| format!("{self:?}"));
+        f.write_str(&text)
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Response {
+    Welcome {
+        lease: LeaseKind,
+        lease_id: u64,
+        backend: String,
+        device: String,
+        granularity: u64,
+        committed: bool,
+    },
+    /// Carries one fd: the allocation, read-write.
+    Allocated {
+        id: u64,
+        size: u64,
+    },
+    Freed {
+        id: u64,
+    },
+    MetaStored {
+        key: String,
+    },
+    Meta {
+        key: String,
+        value: Option<String>,
+    },
+    Committed {
+        generation: u64,
+        allocations: usize,
+        bytes: u64,
+    },
+    Layout {
+        layout: Layout,
+    },
+    /// Carries `ids.len()` fds, in the order of `ids`.
+    Exported {
+        ids: Vec<u64>,
+    },
+    Status {
+        status: Box<StatusReport>,
+    },
+    /// Always the last message on a connection: the daemon closes it next.
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+impl Response {
+    pub fn op(&self) -> &'static str {
+        match self {
+            Response::Welcome { .. } => "welcome",
+            Response::Allocated { .. } => "allocated",
+            Response::Freed { .. } => "freed",
+            Response::MetaStored { .. } => "meta_stored",
+            Response::Meta { .. } => "meta",
+            Response::Committed { .. } => "committed",
+            Response::Layout { .. } => "layout",
+            Response::Exported { .. } => "exported",
+            Response::Status { .. } => "status",
+            Response::Error { .. } => "error",
+        }
+    }
+
+    pub fn fd_count(&self) -> usize {
+        match self {
+            Response::Allocated { .. } => 1,
+            Response::Exported { ids } => ids.len(),
+            _ => 0,
+        }
+    }
+
+    pub fn error(err: &Error) -> Self {
+        Response::Error {
+            code: err.code(),
+            message: err.to_string(),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Envelope<'a, T> {
+    version: u32,
+    #[serde(flatten)]
+    body: &'a T,
+}
+
+fn encode<T: Serialize>(body: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(&Envelope {
+        version: VERSION,
+        body,
+    })
+    .map_err(|e| Error::Malformed(format!("cannot encode message: {e}")))
+}
+
+pub fn encode_request(req: &Request) -> Result<Vec<u8>> {
+    encode(req)
+}
+
+pub fn encode_response(resp: &Response) -> Result<Vec<u8>> {
+    encode(resp)
+}
+
+/// Checks size, JSON and version, and returns the body without `version`.
+fn open_envelope(bytes: &[u8], limit: usize) -> Result<serde_json::Value> {
+    if bytes.len() > limit {
+        return Err(Error::TooLarge {
+            size: bytes.len(),
+            limit,
+        });
+    }
+    let mut value: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| Error::NotJson(e.to_string()))?;
+    let object = value
+        .as_object_mut()
+        .ok_or_else(|| Error::Malformed("a message must be a JSON object".into()))?;
+    match object.remove("version") {
+        Some(serde_json::Value::Number(n)) if n.as_u64() == Some(u64::from(VERSION)) => {}
+        Some(other) => {
+            return Err(Error::UnsupportedVersion {
+                got: other.to_string(),
+                supported: VERSION,
+            })
+        }
+        None => return Err(Error::Malformed("missing field 'version'".into())),
+    }
+    Ok(value)
+}
+
+/// Decodes one request body that arrived with `fd_count` descriptors.
+pub fn decode(bytes: &[u8], fd_count: usize) -> Result<Request> {
+    let body = open_envelope(bytes, MAX_REQUEST_BYTES)?;
+    let req: Request = serde_json::from_value(body).map_err(|e| Error::Malformed(e.to_string()))?;
+    if fd_count != req.fd_count() {
+        return Err(Error::WrongFdCount {
+            op: req.op().into(),
+            got: fd_count,
+            want: req.fd_count(),
+        });
+    }
+    validate(&req)?;
+    Ok(req)
+}
+
+/// Shape rules that JSON types cannot express; limits that depend on the
+/// daemon's configuration are checked there.
+fn validate(req: &Request) -> Result<()> {
+    match req {
+        Request::Hello { client, .. } if client.len() > 256 => {
+            Err(Error::Invalid("client name longer than 256 bytes".into()))
+        }
+        Request::Allocate { tag, .. } if !valid_tag(tag) => Err(Error::Invalid(format!(
+            "tag {tag:?}: 1-64 characters of [A-Za-z0-9_.-]"
+        ))),
+        Request::Allocate { size: 0, .. } => Err(Error::Invalid("allocation of 0 bytes".into())),
+        Request::Export { ids } if ids.is_empty() || ids.len() > MAX_FDS_PER_MESSAGE => {
+            Err(Error::Invalid(format!(
+                "export of {} allocations: between 1 and {MAX_FDS_PER_MESSAGE} per message",
+                ids.len()
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
+pub fn valid_tag(tag: &str) -> bool {
+    !tag.is_empty()
+        && tag.len() <= 64
+        && tag
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+/// Decodes one response body that arrived with `fd_count` descriptors.
+pub fn decode_response(bytes: &[u8], fd_count: usize) -> Result<Response> {
+    let body = open_envelope(bytes, MAX_RESPONSE_BYTES)?;
+    let resp: Response =
+        serde_json::from_value(body).map_err(|e| Error::Malformed(e.to_string()))?;
+    if fd_count != resp.fd_count() {
+        return Err(Error::WrongFdCount {
+            op: resp.op().into(),
+            got: fd_count,
+            want: resp.fd_count(),
+        });
+    }
+    Ok(resp)
+}
+
+/// Valid requests of every kind: the fuzzer's seed corpus and round-trip tests.
+pub fn sample_requests() -> Vec<Request> {
+    vec![
+        Request::Hello {
+            mode: Mode::RwOrRo,
+            client: "engine-0".into(),
+        },
+        Request::Hello {
+            mode: Mode::Ro,
+            client: String::new(),
+        },
+        Request::Status,
+        Request::Allocate {
+            tag: "weights".into(),
+            size: 1 << 21,
+            va: 0x7f00_0000_0000,
+        },
+        Request::Free { id: 3 },
+        Request::PutMeta {
+            key: "layer.0.w".into(),
+            value: r#"{"alloc":1,"offset":0,"shape":[4096,4096],"dtype":"bf16"}"#.into(),
+        },
+        Request::GetMeta { key: "k".into() },
+        Request::Commit,
+        Request::GetLayout,
+        Request::Export { ids: vec![1, 2, 3] },
+    ]
+}
+
+/// Metadata as carried in a layout: tensor name → free-form JSON text.
+pub type Metadata = BTreeMap<String, String>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_request_round_trips() {
+        for req in sample_requests() {
+            let bytes = encode_request(&req).unwrap();
+            assert_eq!(
+                decode(&bytes, 0).unwrap(),
+                req,
+                "{}",
+                String::from_utf8_lossy(&bytes)
+            );
+        }
+    }
+
+    #[test]
+    fn wire_shape_is_the_documented_one() {
+        let bytes = encode_request(&Request::Hello {
+            mode: Mode::RwOrRo,
+            client: "e".into(),
+        })
+        .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["version"], 1);
+        assert_eq!(v["op"], "hello");
+        assert_eq!(v["mode"], "rw_or_ro");
+    }
+
+    #[test]
+    fn bad_input_gets_the_right_error() {
+        let code = |b: &[u8], fds| decode(b, fds).unwrap_err().code();
+        assert_eq!(
+            code(b"{\"version\":1,\"op\":\"comm", 0),
+            ErrorCode::BadMessage
+        );
+        assert_eq!(code(b"\xff\xfe", 0), ErrorCode::BadMessage);
+        assert_eq!(code(b"[1,2]", 0), ErrorCode::BadMessage);
+        assert_eq!(code(br#"{"op":"commit"}"#, 0), ErrorCode::BadMessage);
+        assert_eq!(
+            code(br#"{"version":2,"op":"commit"}"#, 0),
+            ErrorCode::UnsupportedVersion
+        );
+        assert_eq!(
+            code(br#"{"version":"1","op":"commit"}"#, 0),
+            ErrorCode::UnsupportedVersion
+        );
+        assert_eq!(
+            code(br#"{"version":1,"op":"commit"}"#, 2),
+            ErrorCode::WrongFdCount
+        );
+        assert_eq!(
+            code(br#"{"version":1,"op":"launch"}"#, 0),
+            ErrorCode::BadMessage
+        );
+        assert_eq!(
+            code(br#"{"version":1,"op":"free","id":1,"extra":0}"#, 0),
+            ErrorCode::BadMessage
+        );
+        assert_eq!(
+            code(
+                br#"{"version":1,"op":"allocate","tag":"a b","size":1,"va":4096}"#,
+                0
+            ),
+            ErrorCode::Invalid
+        );
+        assert_eq!(
+            code(
+                br#"{"version":1,"op":"allocate","tag":"w","size":0,"va":4096}"#,
+                0
+            ),
+            ErrorCode::Invalid
+        );
+        assert_eq!(
+            code(br#"{"version":1,"op":"export","ids":[]}"#, 0),
+            ErrorCode::Invalid
+        );
+        let big = vec![b' '; MAX_REQUEST_BYTES + 1];
+        assert_eq!(code(&big, 0), ErrorCode::TooLarge);
+    }
+
+    #[test]
+    fn responses_check_their_descriptor_count() {
+        let bytes = encode_response(&Response::Allocated { id: 1, size: 4096 }).unwrap();
+        assert!(decode_response(&bytes, 1).is_ok());
+        assert_eq!(
+            decode_response(&bytes, 0).unwrap_err().code(),
+            ErrorCode::WrongFdCount
+        );
+    }
+}

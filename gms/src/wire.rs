@@ -1,0 +1,267 @@
+//! Framing over a Unix stream socket: a 4-byte little-endian length, then
+//! that many bytes of JSON; file descriptors ride along with the first bytes
+//! of a frame as `SCM_RIGHTS`.
+//!
+//! Every descriptor the kernel installs becomes an `OwnedFd` before anything
+//! else happens, including when the control data was truncated
+//! (`MSG_CTRUNC`) or the frame turns out bad: nothing a peer sends can leak
+//! a descriptor into this process. (`nix`'s `RecvMsg::cmsgs` refuses to
+//! iterate a truncated buffer, which would leak exactly those descriptors, so
+//! the receive path walks the control buffer itself.)
+
+use std::io::IoSlice;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::errno::Errno;
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
+
+use crate::protocol::MAX_FDS_PER_MESSAGE;
+use crate::{Error, Result};
+
+const HEADER: usize = 4;
+
+/// One received frame: its body and the descriptors that came with it.
+#[derive(Debug)]
+pub struct Frame {
+    pub body: Vec<u8>,
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Sends one frame. Descriptors go with the first byte.
+pub fn send(sock: BorrowedFd<'_>, body: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+    if fds.len() > MAX_FDS_PER_MESSAGE {
+        return Err(Error::LimitExceeded(format!(
+            "{} descriptors in one message, limit is {MAX_FDS_PER_MESSAGE}",
+            fds.len()
+        )));
+    }
+    let len = u32::try_from(body.len()).map_err(|_| Error::TooLarge {
+        size: body.len(),
+        limit: u32::MAX as usize,
+    })?;
+    let header = len.to_le_bytes();
+    let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+    let mut frame = Vec::with_capacity(HEADER + body.len());
+    frame.extend_from_slice(&header);
+    frame.extend_from_slice(body);
+    let mut sent = 0;
+    while sent < frame.len() {
+        let cmsg = [ControlMessage::ScmRights(&raw)];
+        // Descriptors only with the first chunk; later chunks are plain bytes.
+        let cmsgs: &[ControlMessage] = if sent == 0 && !raw.is_empty() {
+            &cmsg
+        } else {
+            &[]
+        };
+        match sendmsg::<UnixAddr>(
+            sock.as_raw_fd(),
+            &[IoSlice::new(&frame[sent..])],
+            cmsgs,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Ok(n) => sent += n,
+            Err(Errno::EINTR) => continue,
+            Err(e) => {
+                return Err(Error::sys(
+                    format!("sendmsg on socket fd {}", sock.as_raw_fd()),
+                    e,
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Receives into `buf`, appending any descriptors to `fds`. Returns the byte
+/// count (0 at end of stream).
+fn recv_some(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<usize> {
+    // Room for one more descriptor than allowed, so "too many" is seen as a
+    // count rather than only as MSG_CTRUNC.
+    let space = {
+        // SAFETY: CMSG_SPACE is pure arithmetic on its argument.
+        unsafe {
+            libc::CMSG_SPACE(((MAX_FDS_PER_MESSAGE + 1) * std::mem::size_of::<RawFd>()) as u32)
+        }
+    } as usize;
+    // u64 storage keeps the control buffer aligned for cmsghdr.
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    loop {
+        // SAFETY: msghdr is plain data; zeroed is a valid "no name" header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: msg points at live buffers (iov -> buf, control) that outlive
+        // the call; the kernel writes at most their stated lengths.
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            let err = Errno::last();
+            if err == Errno::EINTR {
+                continue;
+            }
+            return Err(Error::sys(
+                format!("recvmsg on socket fd {}", sock.as_raw_fd()),
+                err,
+            ));
+        }
+        // Take ownership of every installed descriptor first.
+        // SAFETY: the kernel set msg_controllen to the bytes it wrote, and the
+        // CMSG_* macros stay within that length.
+        unsafe {
+            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+            while !cmsg.is_null() {
+                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(cmsg);
+                    let payload = (*cmsg).cmsg_len as usize - (data as usize - cmsg as usize);
+                    for i in 0..payload / std::mem::size_of::<RawFd>() {
+                        let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                        // SAFETY: the kernel just installed this descriptor for
+                        // us; nothing else refers to it.
+                        fds.push(OwnedFd::from_raw_fd(fd));
+                    }
+                }
+                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            }
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(Error::ControlTruncated {
+                max: MAX_FDS_PER_MESSAGE,
+            });
+        }
+        return Ok(n as usize);
+    }
+}
+
+fn recv_exact(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+    already: usize,
+) -> Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = recv_some(sock, &mut buf[got..], fds)?;
+        if n == 0 {
+            if got + already == 0 {
+                return Err(Error::Closed);
+            }
+            return Err(Error::Truncated {
+                got: already + got,
+                want: already + buf.len(),
+            });
+        }
+        got += n;
+    }
+    Ok(())
+}
+
+/// Receives one frame of at most `limit` body bytes. `Error::Closed` means
+/// the peer closed cleanly between frames.
+pub fn recv(sock: impl AsFd, limit: usize) -> Result<Frame> {
+    let sock = sock.as_fd();
+    let mut fds = Vec::new();
+    let mut header = [0u8; HEADER];
+    recv_exact(sock, &mut header, &mut fds, 0)?;
+    let len = u32::from_le_bytes(header) as usize;
+    if len > limit {
+        return Err(Error::TooLarge { size: len, limit });
+    }
+    let mut body = vec![0u8; len];
+    recv_exact(sock, &mut body, &mut fds, HEADER)?;
+    if fds.len() > MAX_FDS_PER_MESSAGE {
+        return Err(Error::WrongFdCount {
+            op: "frame".into(),
+            got: fds.len(),
+            want: MAX_FDS_PER_MESSAGE,
+        });
+    }
+    Ok(Frame { body, fds })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    /// Descriptors of this process that refer to the memfd called `name`
+    /// (tests run in parallel threads, so a plain count would be racy).
+    fn fds_named(name: &str) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|target| target.to_string_lossy().contains(name))
+            .count()
+    }
+
+    #[test]
+    fn frames_carry_bytes_and_descriptors() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = tempfile::tempfile().unwrap();
+        send(a.as_fd(), b"hello", &[file.as_fd(), file.as_fd()]).unwrap();
+        send(a.as_fd(), b"", &[]).unwrap();
+        let f = recv(&b, 1024).unwrap();
+        assert_eq!(f.body, b"hello");
+        assert_eq!(f.fds.len(), 2);
+        let f = recv(&b, 1024).unwrap();
+        assert!(f.body.is_empty() && f.fds.is_empty());
+        drop(a);
+        assert!(matches!(recv(&b, 1024), Err(Error::Closed)));
+    }
+
+    #[test]
+    fn oversized_truncated_and_overfull_frames_are_errors_without_leaks() {
+        {
+            let (a, b) = UnixStream::pair().unwrap();
+            send(a.as_fd(), &[b'x'; 100], &[]).unwrap();
+            assert!(matches!(
+                recv(&b, 10),
+                Err(Error::TooLarge {
+                    size: 100,
+                    limit: 10
+                })
+            ));
+        }
+        {
+            let (a, b) = UnixStream::pair().unwrap();
+            use std::io::Write;
+            (&a).write_all(&[10, 0, 0, 0, b'x']).unwrap();
+            drop(a);
+            assert!(matches!(
+                recv(&b, 100),
+                Err(Error::Truncated { got: 5, want: 14 })
+            ));
+        }
+        {
+            // More descriptors than the receiver has room for: MSG_CTRUNC;
+            // the ones that did arrive must be closed, not leaked.
+            let (a, b) = UnixStream::pair().unwrap();
+            let file = nix::sys::memfd::memfd_create(
+                "gms-wire-ctrunc-test",
+                nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
+            )
+            .unwrap();
+            let many: Vec<RawFd> = vec![file.as_raw_fd(); MAX_FDS_PER_MESSAGE + 5];
+            let cmsg = [ControlMessage::ScmRights(&many)];
+            sendmsg::<UnixAddr>(
+                a.as_raw_fd(),
+                &[IoSlice::new(&[1, 0, 0, 0, b'x'])],
+                &cmsg,
+                MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+            assert!(matches!(recv(&b, 100), Err(Error::ControlTruncated { .. })));
+            assert_eq!(
+                fds_named("gms-wire-ctrunc-test"),
+                1,
+                "only our own descriptor is left"
+            );
+        }
+    }
+}
