@@ -30,7 +30,11 @@ pub enum RangeState {
 /// One reserved address range of an engine.
 pub trait Range: Send {
     fn addr(&self) -> u64;
+    /// Never 0: reservations of zero bytes are refused.
     fn len(&self) -> u64;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     fn state(&self) -> RangeState;
     /// Maps an allocation's descriptor over the whole range.
     fn map(&mut self, fd: BorrowedFd<'_>, access: Access) -> Result<()>;

@@ -1,0 +1,754 @@
+//! End-to-end tests: the real `gmsd` binary, real engine processes
+//! (`gms-probe`), real SIGKILL/SIGSEGV/SIGTERM. Each test has its own socket
+//! directory; guards kill and reap every process they started, even when an
+//! assertion fails, and the tests check that the daemon is left with nothing.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use gms::client::{self, Client};
+use gms::protocol::{self, ErrorCode, LeaseKind, Mode, Request, Response};
+use gms::status::StatusReport;
+use gms::wire;
+use serde_json::Value;
+
+const DEADLINE: Duration = Duration::from_secs(20);
+const MIB: u64 = 1 << 20;
+
+fn kill(pid: u32, sig: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
+}
+
+/// Polls `cond` until it holds or the deadline passes (then panics with `what`).
+fn wait_for<T>(what: &str, mut cond: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        if let Some(v) = cond() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+struct Gmsd {
+    child: Child,
+    dir: tempfile::TempDir,
+    socket: PathBuf,
+    /// Open descriptors when ready, before any connection.
+    idle_fds: usize,
+}
+
+impl Gmsd {
+    fn start(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let socket_dir = dir.path().join("gms");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gmsd"))
+            .args(["serve", "--socket-dir"])
+            .arg(&socket_dir)
+            .args(["--log-level", "warn"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        let stdout = child.stdout.take().unwrap();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        let socket = match line.trim().strip_prefix("ready ") {
+            Some(path) => PathBuf::from(path),
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("gmsd did not become ready: {line:?}");
+            }
+        };
+        assert_eq!(socket, socket_dir.join("gms-host.sock"));
+        let idle_fds = std::fs::read_dir(format!("/proc/{}/fd", child.id()))
+            .unwrap()
+            .count();
+        Gmsd {
+            child,
+            dir,
+            socket,
+            idle_fds,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn status(&self) -> StatusReport {
+        client::status(&self.socket).unwrap()
+    }
+
+    fn probe(&self, args: &[&str]) -> Probe {
+        Probe::spawn(&self.socket, args)
+    }
+
+    fn rss_kib(&self) -> u64 {
+        let text = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap()
+    }
+
+    fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .unwrap()
+            .count()
+    }
+
+    /// Waits until the daemon holds exactly the descriptors it had before
+    /// its first connection (connection threads close theirs shortly after
+    /// the peer does, so this polls with a deadline).
+    fn assert_fds_back_to_idle(&self) {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let now = self.open_fds();
+            if now == self.idle_fds {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon holds {now} descriptors, {} when idle",
+                self.idle_fds
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Waits until no connection is open (a closed peer is noticed by the
+    /// daemon's connection thread, not synchronously with the close).
+    fn wait_idle(&self) -> StatusReport {
+        wait_for("all connections to end", || {
+            let s = self.status();
+            // The status connection itself is the one left.
+            (s.connections == 1).then_some(s)
+        })
+    }
+
+    /// SIGTERM, then the exit must be clean and the socket gone.
+    fn stop(mut self) -> ExitStatus {
+        kill(self.pid(), nix::sys::signal::Signal::SIGTERM);
+        let status = self.child.wait().unwrap();
+        assert!(!self.socket.exists(), "socket removed on stop");
+        status
+    }
+}
+
+impl Drop for Gmsd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = &self.dir;
+    }
+}
+
+/// An engine-side process; killed and reaped on drop.
+struct Probe {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Probe {
+    fn spawn(socket: &Path, args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gms-probe"))
+            .arg("--socket")
+            .arg(socket)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Probe {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The next line, which must start with `keyword`; its JSON payload.
+    fn expect(&mut self, keyword: &str) -> Value {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        let rest = line
+            .strip_prefix(keyword)
+            .unwrap_or_else(|| panic!("expected '{keyword}', probe said {line:?}"));
+        serde_json::from_str(rest.trim()).unwrap()
+    }
+
+    fn tell(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn sigkill(&mut self) -> ExitStatus {
+        let _ = self.child.kill();
+        self.child.wait().unwrap()
+    }
+
+    fn wait(&mut self) -> ExitStatus {
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn writer(gmsd: &Gmsd, count: usize, size: &str, commit: bool) -> (Probe, Value) {
+    let count = count.to_string();
+    let mut args = vec!["writer", "--count", &count, "--size", size, "--seed", "7"];
+    if commit {
+        args.push("--commit");
+    }
+    let mut p = gmsd.probe(&args);
+    let ready = p.expect("ready");
+    (p, ready)
+}
+
+#[test]
+fn two_readers_map_the_committed_layout_at_the_writers_addresses() {
+    let gmsd = Gmsd::start(&[]);
+    let (_w, written) = writer(&gmsd, 3, "4M", true);
+    assert_eq!(
+        written["lease"], "ro",
+        "a committed writer continues as a reader"
+    );
+    let mut r1 = gmsd.probe(&["reader"]);
+    let mut r2 = gmsd.probe(&["reader"]);
+    let (a, b) = (r1.expect("ready"), r2.expect("ready"));
+    for r in [&a, &b] {
+        assert_eq!(r["vas"], written["vas"]);
+        assert_eq!(r["checksum"], written["checksum"]);
+        assert_eq!(r["generation"], written["generation"]);
+    }
+    let s = gmsd.status();
+    assert_eq!(s.state, "committed");
+    assert_eq!(s.leases.len(), 3);
+    assert!(s.leases.iter().all(|l| l.kind == LeaseKind::Ro));
+    assert_eq!(s.bytes, 12 * MIB);
+    assert_eq!(s.resident_bytes, 12 * MIB);
+    let pids: Vec<i32> = s.leases.iter().map(|l| l.pid).collect();
+    assert!(pids.contains(&(r1.pid() as i32)) && pids.contains(&(r2.pid() as i32)));
+}
+
+#[test]
+fn writer_killed_before_commit_has_everything_discarded() {
+    let gmsd = Gmsd::start(&[]);
+    let rss_before = gmsd.rss_kib();
+    let (mut w, _) = writer(&gmsd, 2, "32M", false);
+    let s = gmsd.status();
+    assert_eq!(
+        (s.state.as_str(), s.bytes, s.resident_bytes),
+        ("loading", 64 * MIB, 64 * MIB)
+    );
+    let rss_loaded = gmsd.rss_kib();
+    assert!(
+        rss_loaded >= rss_before + 60 * 1024,
+        "pages are charged to the daemon: RSS {rss_before} -> {rss_loaded} KiB"
+    );
+    let status = w.sigkill();
+    assert_eq!(status.signal(), Some(libc::SIGKILL));
+    let s = wait_for("the writer's lease to end", || {
+        let s = gmsd.status();
+        s.leases.is_empty().then_some(s)
+    });
+    assert_eq!((s.state.as_str(), s.bytes, s.allocations), ("empty", 0, 0));
+    let rss_after = gmsd.rss_kib();
+    assert!(
+        rss_after < rss_before + 8 * 1024,
+        "memory returned: RSS {rss_before} -> {rss_loaded} -> {rss_after} KiB"
+    );
+    // Nothing committed, so the next rw_or_ro engine loads.
+    let c = Client::connect(&gmsd.socket, Mode::RwOrRo, "next").unwrap();
+    assert_eq!(c.lease(), LeaseKind::Rw);
+}
+
+#[test]
+fn writer_killed_after_commit_leaves_the_layout_for_a_new_reader() {
+    let gmsd = Gmsd::start(&[]);
+    let (mut w, written) = writer(&gmsd, 2, "2M", true);
+    w.sigkill();
+    let s = wait_for("the writer's lease to end", || {
+        let s = gmsd.status();
+        s.leases.is_empty().then_some(s)
+    });
+    assert_eq!((s.state.as_str(), s.bytes), ("committed", 4 * MIB));
+    let mut r = gmsd.probe(&["reader", "--mode", "rw_or_ro"]);
+    let read = r.expect("ready");
+    assert_eq!(read["lease"], "ro");
+    assert_eq!(read["vas"], written["vas"]);
+    assert_eq!(read["checksum"], written["checksum"]);
+}
+
+#[test]
+fn a_killed_reader_loses_only_its_own_lease() {
+    let gmsd = Gmsd::start(&[]);
+    let (_w, written) = writer(&gmsd, 1, "2M", true);
+    let mut r1 = gmsd.probe(&["reader"]);
+    let mut r2 = gmsd.probe(&["reader"]);
+    r1.expect("ready");
+    r2.expect("ready");
+    r1.sigkill();
+    let s = wait_for("two leases left", || {
+        let s = gmsd.status();
+        (s.leases.len() == 2).then_some(s)
+    });
+    assert!(s.leases.iter().all(|l| l.pid != r1.pid() as i32));
+    assert_eq!((s.state.as_str(), s.bytes), ("committed", 2 * MIB));
+    r2.tell("check");
+    assert_eq!(r2.expect("checksum"), written["checksum"]);
+}
+
+#[test]
+fn a_reader_writing_to_its_mapping_dies_of_sigsegv_alone() {
+    let gmsd = Gmsd::start(&[]);
+    let (_w, written) = writer(&gmsd, 1, "2M", true);
+    let mut reader = gmsd.probe(&["reader"]);
+    reader.expect("ready");
+    let mut vandal = gmsd.probe(&["reader-write"]);
+    let mapped = vandal.expect("mapped");
+    assert_ne!(
+        mapped["mprotect_write"], "allowed",
+        "read-only fd cannot be made writable"
+    );
+    let status = vandal.wait();
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
+    reader.tell("check");
+    assert_eq!(
+        reader.expect("checksum"),
+        written["checksum"],
+        "bytes unchanged"
+    );
+    let s = wait_for("the vandal's lease to end", || {
+        let s = gmsd.status();
+        (s.leases.len() == 2).then_some(s)
+    });
+    assert_eq!(s.state, "committed");
+}
+
+#[test]
+fn rw_is_refused_while_readers_are_attached_and_rw_or_ro_picks() {
+    let gmsd = Gmsd::start(&[]);
+    let first = Client::connect(&gmsd.socket, Mode::RwOrRo, "first").unwrap();
+    assert_eq!(first.lease(), LeaseKind::Rw);
+    // While a writer loads, nobody else gets in, whatever they ask.
+    for mode in [Mode::Rw, Mode::Ro, Mode::RwOrRo] {
+        let err = Client::connect(&gmsd.socket, mode, "second").err().unwrap();
+        assert!(
+            matches!(
+                err,
+                gms::Error::Remote {
+                    code: ErrorCode::LeaseBusy,
+                    ..
+                }
+            ),
+            "{mode:?}: {err}"
+        );
+    }
+    drop(first);
+    let mut w = Client::connect_wait(&gmsd.socket, Mode::Rw, "w", DEADLINE).unwrap();
+    let mut weights = vec![w.allocate("weights", 4096).unwrap()];
+    w.commit(&mut weights).unwrap();
+    let second = Client::connect(&gmsd.socket, Mode::RwOrRo, "second").unwrap();
+    assert_eq!(second.lease(), LeaseKind::Ro);
+    let err = Client::connect(&gmsd.socket, Mode::Rw, "replacer")
+        .err()
+        .unwrap();
+    assert!(
+        matches!(
+            err,
+            gms::Error::Remote {
+                code: ErrorCode::LeaseBusy,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop((w, weights, second));
+    // No reader left: exclusive write is available again, and the old
+    // layout stays committed until the new writer commits.
+    let replacer = Client::connect_wait(&gmsd.socket, Mode::Rw, "replacer", DEADLINE).unwrap();
+    assert_eq!(replacer.lease(), LeaseKind::Rw);
+    assert_eq!(gmsd.status().state, "replacing");
+}
+
+#[test]
+fn sleep_wake_and_kv_cache_in_a_real_lease() {
+    let gmsd = Gmsd::start(&[]);
+    let mut w = Client::connect(&gmsd.socket, Mode::Rw, "engine").unwrap();
+    let mut weights = vec![w.allocate("weights", 3 * MIB).unwrap()];
+    weights[0].bytes_mut().unwrap()[..5].copy_from_slice(b"hello");
+    w.put_meta("tensor.a", r#"{"alloc":1,"offset":0}"#).unwrap();
+    w.commit(&mut weights).unwrap();
+    assert_eq!(
+        w.get_meta("tensor.a").unwrap().as_deref(),
+        Some(r#"{"alloc":1,"offset":0}"#)
+    );
+    let addr = weights[0].addr();
+    weights[0].sleep().unwrap();
+    assert!(!weights[0].is_awake() && weights[0].bytes().is_none());
+    weights[0].wake().unwrap();
+    assert_eq!(weights[0].addr(), addr);
+    assert_eq!(&weights[0].bytes().unwrap()[..5], b"hello");
+    assert!(
+        weights[0].bytes_mut().is_none(),
+        "committed weights are read-only"
+    );
+
+    let mut kv = w.reserve_kv(8 * MIB).unwrap();
+    assert!(kv.bytes_mut().is_none());
+    kv.materialise().unwrap();
+    kv.bytes_mut().unwrap()[MIB as usize] = 9;
+    kv.release().unwrap();
+    kv.materialise().unwrap();
+    assert_eq!(kv.bytes_mut().unwrap()[MIB as usize], 0);
+}
+
+#[test]
+fn a_thousand_connect_allocate_disconnect_cycles_leak_nothing() {
+    let gmsd = Gmsd::start(&[]);
+    let cycle = || {
+        // The previous cycle's lease ends when the daemon sees the close,
+        // which may be a moment after it: rw is refused until then.
+        let mut c = Client::connect_wait(&gmsd.socket, Mode::Rw, "cycle", DEADLINE).unwrap();
+        let mut w = c.allocate("weights", MIB).unwrap();
+        w.bytes_mut().unwrap()[0] = 1;
+    };
+    // Warm up thread stacks and allocator arenas before the baseline.
+    for _ in 0..50 {
+        cycle();
+    }
+    gmsd.wait_idle();
+    gmsd.assert_fds_back_to_idle();
+    let rss = gmsd.rss_kib();
+    for _ in 0..1000 {
+        cycle();
+    }
+    let s = gmsd.wait_idle();
+    assert_eq!((s.bytes, s.allocations, s.state.as_str()), (0, 0, "empty"));
+    gmsd.assert_fds_back_to_idle();
+    let rss_after = gmsd.rss_kib();
+    // A leaked 1 MiB allocation per cycle would be ~1000 MiB.
+    assert!(rss_after < rss + 4 * 1024, "RSS {rss} -> {rss_after} KiB");
+}
+
+/// Sends raw bytes (and fds) on a fresh connection and returns the error
+/// code the daemon answered with, checking it then closed the connection.
+fn raw_exchange(socket: &Path, setup: &[Request], send: impl FnOnce(&UnixStream)) -> ErrorCode {
+    let s = UnixStream::connect(socket).unwrap();
+    for req in setup {
+        wire::send(s.as_fd(), &protocol::encode_request(req).unwrap(), &[]).unwrap();
+        let f = wire::recv(&s, protocol::MAX_RESPONSE_BYTES).unwrap();
+        let resp = protocol::decode_response(&f.body, f.fds.len()).unwrap();
+        assert!(
+            !matches!(resp, Response::Error { .. }),
+            "setup {req:?} failed: {resp:?}"
+        );
+    }
+    send(&s);
+    let f = wire::recv(&s, protocol::MAX_RESPONSE_BYTES).unwrap();
+    let code = match protocol::decode_response(&f.body, f.fds.len()).unwrap() {
+        Response::Error { code, message } => {
+            assert!(!message.is_empty());
+            code
+        }
+        other => panic!("expected an error, got {other:?}"),
+    };
+    assert!(
+        matches!(
+            wire::recv(&s, protocol::MAX_RESPONSE_BYTES),
+            Err(gms::Error::Closed)
+        ),
+        "connection closed after the error"
+    );
+    code
+}
+
+fn frame(s: &UnixStream, body: &[u8]) {
+    wire::send(s.as_fd(), body, &[]).unwrap();
+}
+
+/// Name, requests that set the stage, the bad thing sent, the expected code.
+type BadCase = (
+    &'static str,
+    Vec<Request>,
+    Box<dyn FnOnce(&UnixStream)>,
+    ErrorCode,
+);
+
+#[test]
+fn bad_input_gets_a_clear_error_and_a_closed_connection() {
+    let gmsd = Gmsd::start(&[
+        "--max-bytes",
+        "8M",
+        "--max-allocations",
+        "2",
+        "--max-metadata-bytes",
+        "64",
+    ]);
+    let sock = &gmsd.socket;
+    let rw = || {
+        vec![Request::Hello {
+            mode: Mode::Rw,
+            client: "bad".into(),
+        }]
+    };
+    let alloc = |va: u64, size: u64| Request::Allocate {
+        tag: "weights".into(),
+        size,
+        va,
+    };
+    let cases: Vec<BadCase> = vec![
+        (
+            "non-JSON",
+            vec![],
+            Box::new(|s| frame(s, b"\x00\x01 not json")),
+            ErrorCode::BadMessage,
+        ),
+        (
+            "unknown version",
+            vec![],
+            Box::new(|s| frame(s, br#"{"version":9,"op":"status"}"#)),
+            ErrorCode::UnsupportedVersion,
+        ),
+        (
+            "unknown op",
+            vec![],
+            Box::new(|s| frame(s, br#"{"version":1,"op":"format_disk"}"#)),
+            ErrorCode::BadMessage,
+        ),
+        (
+            "oversized",
+            vec![],
+            Box::new(|s| {
+                use std::io::Write;
+                (&*s).write_all(&(1u32 << 30).to_le_bytes()).unwrap();
+            }),
+            ErrorCode::TooLarge,
+        ),
+        (
+            "truncated",
+            vec![],
+            Box::new(|s| {
+                use std::io::Write;
+                (&*s).write_all(&[50, 0, 0, 0, b'{']).unwrap();
+                s.shutdown(std::net::Shutdown::Write).unwrap();
+            }),
+            ErrorCode::Truncated,
+        ),
+        (
+            "descriptor with a request",
+            vec![],
+            Box::new(|s| {
+                let body = protocol::encode_request(&Request::Status).unwrap();
+                let file = tempfile::tempfile().unwrap();
+                wire::send(s.as_fd(), &body, &[file.as_fd()]).unwrap();
+            }),
+            ErrorCode::WrongFdCount,
+        ),
+        (
+            "op before hello",
+            vec![],
+            Box::new(|s| frame(s, &protocol::encode_request(&Request::Commit).unwrap())),
+            ErrorCode::NotPermitted,
+        ),
+        (
+            "hello twice",
+            rw(),
+            Box::new(|s| frame(s, &protocol::encode_request(&rw()[0]).unwrap())),
+            ErrorCode::NotPermitted,
+        ),
+        (
+            "unknown id",
+            rw(),
+            Box::new(|s| {
+                frame(
+                    s,
+                    &protocol::encode_request(&Request::Export { ids: vec![999] }).unwrap(),
+                )
+            }),
+            ErrorCode::UnknownAllocation,
+        ),
+        (
+            "ro without a layout",
+            vec![],
+            Box::new(|s| {
+                let hello = Request::Hello {
+                    mode: Mode::Ro,
+                    client: String::new(),
+                };
+                frame(s, &protocol::encode_request(&hello).unwrap())
+            }),
+            ErrorCode::NoLayout,
+        ),
+        (
+            "byte limit",
+            rw(),
+            Box::new(move |s| {
+                frame(
+                    s,
+                    &protocol::encode_request(&alloc(0x5a00_0000_0000, 16 * MIB)).unwrap(),
+                )
+            }),
+            ErrorCode::LimitExceeded,
+        ),
+        (
+            "allocation limit",
+            vec![
+                rw()[0].clone(),
+                alloc(0x5a00_0000_0000, 4096),
+                alloc(0x5a00_0010_0000, 4096),
+            ],
+            Box::new(move |s| {
+                frame(
+                    s,
+                    &protocol::encode_request(&alloc(0x5a00_0020_0000, 4096)).unwrap(),
+                )
+            }),
+            ErrorCode::LimitExceeded,
+        ),
+        (
+            "overlapping address",
+            vec![rw()[0].clone(), alloc(0x5a00_0000_0000, 8192)],
+            Box::new(move |s| {
+                frame(
+                    s,
+                    &protocol::encode_request(&alloc(0x5a00_0000_1000, 4096)).unwrap(),
+                )
+            }),
+            ErrorCode::AddressConflict,
+        ),
+        (
+            "unaligned address",
+            rw(),
+            Box::new(move |s| {
+                frame(
+                    s,
+                    &protocol::encode_request(&alloc(0x5a00_0000_0010, 4096)).unwrap(),
+                )
+            }),
+            ErrorCode::Invalid,
+        ),
+        (
+            "metadata limit",
+            rw(),
+            Box::new(|s| {
+                let put = Request::PutMeta {
+                    key: "k".into(),
+                    value: "x".repeat(100),
+                };
+                frame(s, &protocol::encode_request(&put).unwrap())
+            }),
+            ErrorCode::LimitExceeded,
+        ),
+    ];
+    for (name, setup, send, want) in cases {
+        let got = raw_exchange(sock, &setup, send);
+        assert_eq!(got, want, "case '{name}'");
+        // The writer that broke a rule lost its lease and its allocations.
+        let s = gmsd.wait_idle();
+        assert_eq!(
+            (s.bytes, s.leases.len()),
+            (0, 0),
+            "case '{name}' left state behind"
+        );
+    }
+    gmsd.assert_fds_back_to_idle();
+    assert!(
+        gmsd.stop().success(),
+        "daemon survived all of it and stops cleanly"
+    );
+}
+
+#[test]
+fn a_peer_whose_uid_is_not_allowed_is_refused() {
+    let gmsd = Gmsd::start(&["--allow-uid", "4242"]);
+    for result in [
+        Client::connect(&gmsd.socket, Mode::RwOrRo, "intruder").err(),
+        client::status(&gmsd.socket).err(),
+    ] {
+        let err = result.expect("refused");
+        assert!(
+            matches!(
+                err,
+                gms::Error::Remote {
+                    code: ErrorCode::PermissionDenied,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn sigterm_frees_everything_and_mapped_readers_keep_their_pages() {
+    let gmsd = Gmsd::start(&[]);
+    let (_w, written) = writer(&gmsd, 2, "2M", true);
+    let mut reader = gmsd.probe(&["reader"]);
+    reader.expect("ready");
+    let status = gmsd.stop();
+    assert!(status.success(), "{status:?}");
+    // The kernel keeps pages alive while a process maps them.
+    reader.tell("check");
+    assert_eq!(reader.expect("checksum"), written["checksum"]);
+}
+
+#[test]
+fn world_writable_socket_dir_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gmsd"))
+        .args(["serve", "--socket-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("world-writable"));
+}
+
+#[test]
+fn status_command_prints_state_and_json() {
+    let gmsd = Gmsd::start(&[]);
+    let (_w, _) = writer(&gmsd, 1, "1M", true);
+    let text = Command::new(env!("CARGO_BIN_EXE_gmsd"))
+        .args(["status", "--socket"])
+        .arg(&gmsd.socket)
+        .output()
+        .unwrap();
+    assert!(text.status.success());
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("state committed") && text.contains("weights"),
+        "{text}"
+    );
+    let json = Command::new(env!("CARGO_BIN_EXE_gmsd"))
+        .args(["status", "--json", "--socket"])
+        .arg(&gmsd.socket)
+        .output()
+        .unwrap();
+    let report: StatusReport = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!((report.bytes, report.leases.len()), (MIB, 1));
+}
