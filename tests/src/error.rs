@@ -25,6 +25,9 @@ pub enum Error {
     /// A bounded wait ran out; the process involved was killed.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout { what: String, after: Duration },
+    /// A process ended its output without printing what we waited for.
+    #[error("{what}: output ended before the line we waited for")]
+    OutputEnded { what: String },
     /// containerd did not come up, or went away.
     #[error("containerd at {address}: {reason}; log: {log}")]
     Containerd {

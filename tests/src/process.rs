@@ -201,7 +201,14 @@ impl Spawned {
                 Ok(Line::Eof) => {
                     self.open_streams -= 1;
                     if self.open_streams == 0 {
-                        return Err(self.timeout_error("a matching line (output ended)", timeout));
+                        return Err(Error::OutputEnded {
+                            what: format!(
+                                "`{}` (stdout: {:?}, stderr: {:?})",
+                                self.what,
+                                self.stdout_so_far(),
+                                self.stderr_so_far()
+                            ),
+                        });
                     }
                 }
                 Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
