@@ -131,3 +131,21 @@ fn runc_v2_ignores_shadow_annotations() {
     assert_eq!(out.code(), 0, "{out}");
     cd.assert_no_leftovers();
 }
+
+/// A shim config file that does not parse (named per container with
+/// `ctr run --runtime-config-path`, as a CRI entry's `ConfigPath` names it)
+/// is refused with an error naming the file, never silently ignored.
+#[test]
+fn shadow_refuses_unparsable_shim_config() {
+    let cd = Containerd::start().expect("start containerd");
+    let bad = cd.dir().join("shadow-bad.toml");
+    std::fs::write(&bad, "log_level = \"info\"\n[runc\nbinary = ").expect("write config");
+    let out = cd
+        .container(Runtime::Shadow, "badconf")
+        .rm()
+        .flags(&["--runtime-config-path", &bad.display().to_string()])
+        .cmd(&["true"])
+        .run()
+        .expect("ctr run");
+    assert_refused(&cd, &out, &[&bad.display().to_string()]);
+}

@@ -33,7 +33,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .shim_profile("release")
         .namespace(format!("bench-shim-{}", std::process::id()))
         .start()?;
-    println!("bench-shim: private containerd at {}", cd.address().display());
+    println!(
+        "bench-shim: private containerd at {}",
+        cd.address().display()
+    );
     println!("bench-shim: {runs} runs per runtime of `ctr run --rm <busybox> true`, interleaved");
 
     let runtimes = [Runtime::RuncV2, Runtime::Shadow];
@@ -73,7 +76,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 times[k].len(),
                 failures[k]
             ),
-            None => println!("{:<26} no successful run ({} failed)", rt.runtime_type(), failures[k]),
+            None => println!(
+                "{:<26} no successful run ({} failed)",
+                rt.runtime_type(),
+                failures[k]
+            ),
         }
         if let Some(e) = &first_error[k] {
             println!("{:<26} first error: {e}", "");
@@ -83,7 +90,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let ratio = s.as_secs_f64() / r.as_secs_f64();
         println!(
             "median ratio shadow / runc-v2: {ratio:.3}  (target <= {TARGET_RATIO:.2}: {})",
-            if ratio <= TARGET_RATIO { "met" } else { "NOT met" }
+            if ratio <= TARGET_RATIO {
+                "met"
+            } else {
+                "NOT met"
+            }
         );
     }
 
@@ -108,7 +119,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     );
                 }
             }
-            Ok(_) => println!("{:<26} no shim process found while the container ran", rt.shim_binary()),
+            Ok(_) => println!(
+                "{:<26} no shim process found while the container ran",
+                rt.shim_binary()
+            ),
             Err(e) => println!("{:<26} RSS not measured: {e}", rt.shim_binary()),
         }
     }
@@ -141,7 +155,8 @@ fn shim_rss(cd: &Containerd, rt: Runtime) -> Result<Vec<(i32, u64)>, Box<dyn std
     run.wait_line(Duration::from_secs(60), |l| l == "ready")?;
     let mut found = Vec::new();
     for (pid, cmdline) in our_processes(cd.dir(), cd.address()) {
-        let serves_it = cmdline.contains(&format!("-id {id} ")) || cmdline.ends_with(&format!("-id {id}"));
+        let serves_it =
+            cmdline.contains(&format!("-id {id} ")) || cmdline.ends_with(&format!("-id {id}"));
         if cmdline.contains(rt.shim_binary()) && serves_it && Some(pid as u32) != cd.pid() {
             let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
             if let Some(kib) = status
@@ -154,7 +169,8 @@ fn shim_rss(cd: &Containerd, rt: Runtime) -> Result<Vec<(i32, u64)>, Box<dyn std
             }
         }
     }
-    cd.ctr().run(&["task", "kill", "--signal", "SIGKILL", &id])?;
+    cd.ctr()
+        .run(&["task", "kill", "--signal", "SIGKILL", &id])?;
     let _ = run.wait(Duration::from_secs(60));
     Ok(found)
 }
@@ -165,7 +181,11 @@ fn median(v: &mut [Duration]) -> Option<Duration> {
     }
     v.sort();
     let n = v.len();
-    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2 })
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2
+    })
 }
 
 fn ms(d: Duration) -> f64 {

@@ -34,7 +34,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("    namespace {}", cd.namespace());
     println!("    rootfs    {} (busybox)", cd.rootfs().display());
 
-    step(&format!("ctr run --rm --runtime {} … hello", rt.runtime_type()));
+    step(&format!(
+        "ctr run --rm --runtime {} … hello",
+        rt.runtime_type()
+    ));
     let mut task = cd
         .container(rt, "hello")
         .rm()
@@ -59,7 +62,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     step("ctr task kill --signal SIGKILL hello");
-    cd.ctr().run(&["task", "kill", "--signal", "SIGKILL", "hello"])?;
+    cd.ctr()
+        .run(&["task", "kill", "--signal", "SIGKILL", "hello"])?;
     let out = task.wait(WAIT)?;
     println!("    ctr run exited with {} (128 + SIGKILL)", out.code());
 
