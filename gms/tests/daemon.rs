@@ -490,10 +490,10 @@ fn frame(s: &UnixStream, body: &[u8]) {
 }
 
 /// Name, requests that set the stage, the bad thing sent, the expected code.
-type BadCase = (
+type BadCase<'a> = (
     &'static str,
     Vec<Request>,
-    Box<dyn FnOnce(&UnixStream)>,
+    Box<dyn FnOnce(&UnixStream) + 'a>,
     ErrorCode,
 );
 
