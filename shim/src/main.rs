@@ -1,7 +1,61 @@
 //! `containerd-shim-shadow-v1`: the binary containerd starts for runtime type
-//! `io.containerd.shadow.v1`.
+//! `io.containerd.shadow.v1`. `start` runs our own start path (see
+//! `start.rs`); every other action (serve, `delete`) goes through
+//! containerd-shim 0.11, which owns flag parsing, the subreaper, the reaper
+//! loop and the ttrpc server.
+
+mod annotations;
+mod bootstrap;
+mod config;
+mod container;
+mod error;
+mod events;
+mod exits;
+mod io;
+mod oom;
+mod options;
+mod plain;
+mod process;
+mod runc;
+mod service;
+mod shim;
+mod start;
+mod stats;
+
+pub const RUNTIME_ID: &str = "io.containerd.shadow.v1";
 
 fn main() {
-    eprintln!("containerd-shim-shadow-v1: under construction");
-    std::process::exit(1);
+    let args: Vec<_> = std::env::args_os().collect();
+    let flags = match containerd_shim::parse(&args[1..]) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("containerd-shim-shadow-v1: {e}");
+            std::process::exit(2);
+        }
+    };
+    if flags.version {
+        println!("containerd-shim-shadow-v1 {}", env!("CARGO_PKG_VERSION"));
+        return;
+    }
+    if flags.action == "start" {
+        if let Err(e) = start::run(&flags) {
+            eprintln!("containerd-shim-shadow-v1 start: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    // One thread: the shim is resident once per pod and must stay small.
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("containerd-shim-shadow-v1: starting tokio: {e}");
+            std::process::exit(1);
+        }
+    };
+    rt.block_on(containerd_shim::asynchronous::run::<shim::ShadowShim>(
+        RUNTIME_ID, None,
+    ));
 }

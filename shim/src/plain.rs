@@ -1,0 +1,571 @@
+//! A plain container: one runc container, exactly as `io.containerd.runc.v2`
+//! runs it. Create mounts the rootfs, wires stdio and runs `runc create`;
+//! everything after that is a runc command plus the exit watcher. Every
+//! failing step of Create undoes the earlier ones, so a refused container
+//! leaves no runc state, mount or open FIFO behind.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use containerd_shim_protos::api::Mount;
+use containerd_shim_protos::events::task::{TaskExecStarted, TaskOOM, TaskStart};
+use containerd_shim_protos::protobuf::well_known_types::any::Any;
+use containerd_shim_protos::types::task::ProcessInfo;
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use oci_spec::runtime::{LinuxResources, Process as ProcessSpec, Spec};
+use runc::options::{CreateOpts, DeleteOpts, ExecOpts, KillOpts};
+use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
+use crate::error::{Error, Result};
+use crate::events::{Event, EventSink};
+use crate::exits::ExitRouter;
+use crate::io::{ChildStdio, ConsoleSocket, ProcessIo};
+use crate::process::Process;
+use crate::runc::RuncClient;
+
+/// What every container of this shim shares.
+pub struct Runtime {
+    pub config: Config,
+    pub namespace: String,
+    pub router: Arc<ExitRouter>,
+    pub events: EventSink,
+}
+
+/// The parts of a Create request a plain container needs.
+pub struct CreateRequest {
+    pub id: String,
+    pub bundle: String,
+    pub rootfs: Vec<Mount>,
+    pub stdio: Stdio,
+}
+
+/// How long Delete waits for a killed, never-started init to be reaped.
+const DELETE_REAP_WAIT: Duration = Duration::from_secs(2);
+
+pub struct PlainContainer {
+    id: String,
+    bundle: String,
+    client: RuncClient,
+    router: Arc<ExitRouter>,
+    events: EventSink,
+    init: Arc<Process>,
+    execs: Mutex<HashMap<String, Arc<Process>>>,
+    /// `bundle/rootfs` when the shim mounted it (Create had rootfs mounts).
+    mounted_rootfs: Option<PathBuf>,
+    oom: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Undo for a half-made container: runs unless disarmed.
+struct CreateUndo<'a> {
+    client: &'a RuncClient,
+    id: &'a str,
+    mounted: Option<PathBuf>,
+    runc_created: bool,
+}
+
+impl CreateUndo<'_> {
+    async fn run(self) {
+        if self.runc_created {
+            let force = DeleteOpts::new().force(true);
+            if let Err(e) = self.client.runc.delete(self.id, Some(&force)).await {
+                log::warn!("cleaning up {}: runc delete: {e}", self.id);
+            }
+        }
+        if let Some(target) = &self.mounted {
+            unmount(target).await;
+        }
+    }
+}
+
+async fn unmount(target: &Path) {
+    let t = target.display().to_string();
+    let res = tokio::task::spawn_blocking(move || {
+        containerd_shim::mount::umount_recursive(Some(&t), libc::MNT_DETACH)
+    })
+    .await;
+    if !matches!(res, Ok(Ok(()))) {
+        log::warn!("unmounting {}: {res:?}", target.display());
+    }
+}
+
+async fn mount_all(mounts: &[Mount], target: &Path) -> Result<()> {
+    std::fs::create_dir_all(target)
+        .map_err(|e| Error::io(format!("creating rootfs {}", target.display()), e))?;
+    for m in mounts {
+        let (ty, src, opts, dst) = (
+            m.type_.clone(),
+            m.source.clone(),
+            m.options.clone(),
+            target.to_path_buf(),
+        );
+        tokio::task::spawn_blocking(move || {
+            let opt = |s: &str| Some(s.to_string()).filter(|s| !s.is_empty());
+            containerd_shim::mount::mount_rootfs(
+                opt(&ty).as_deref(),
+                opt(&src).as_deref(),
+                &opts,
+                &dst,
+            )
+        })
+        .await
+        .map_err(|e| Error::io("mount task", std::io::Error::other(e)))?
+        .map_err(|e| {
+            Error::InvalidArgument(format!(
+                "mounting {} ({}) on {}: {e}",
+                m.source,
+                m.type_,
+                target.display()
+            ))
+        })?;
+    }
+    Ok(())
+}
+
+fn read_pid(path: &Path) -> Result<u32> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::io(format!("reading pid file {}", path.display()), e))?;
+    text.trim().parse().map_err(|_| Error::Decode {
+        what: "runc pid file",
+        reason: format!("{}: {text:?} is not a pid", path.display()),
+    })
+}
+
+/// Re-type a spec value for the runc crate, which uses an older oci-spec.
+fn convert<A: serde::Serialize, B: serde::de::DeserializeOwned>(value: &A) -> Result<B> {
+    serde_json::to_value(value)
+        .and_then(serde_json::from_value)
+        .map_err(|e| Error::InvalidArgument(format!("spec not accepted by runc client: {e}")))
+}
+
+fn signal_of(n: u32) -> Result<Signal> {
+    Signal::try_from(n as i32).map_err(|_| Error::InvalidArgument(format!("unknown signal {n}")))
+}
+
+impl PlainContainer {
+    pub async fn create(rt: &Runtime, req: CreateRequest, spec: &Spec) -> Result<Arc<Self>> {
+        let bundle = PathBuf::from(&req.bundle);
+        let client = RuncClient::new(&rt.config, &rt.namespace, &bundle, rt.router.clone())?;
+        let mut undo = CreateUndo {
+            client: &client,
+            id: &req.id,
+            mounted: None,
+            runc_created: false,
+        };
+        match Self::create_steps(rt, &req, spec, &bundle, &client, &mut undo).await {
+            Ok((init, pid)) => {
+                let container = Arc::new(PlainContainer {
+                    id: req.id.clone(),
+                    bundle: req.bundle.clone(),
+                    client: client.clone(),
+                    router: rt.router.clone(),
+                    events: rt.events.clone(),
+                    init,
+                    execs: Mutex::new(HashMap::new()),
+                    mounted_rootfs: undo.mounted.clone(),
+                    oom: std::sync::Mutex::new(None),
+                });
+                container.watch_oom(pid);
+                Ok(container)
+            }
+            Err(e) => {
+                undo.run().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn create_steps(
+        rt: &Runtime,
+        req: &CreateRequest,
+        spec: &Spec,
+        bundle: &Path,
+        client: &RuncClient,
+        undo: &mut CreateUndo<'_>,
+    ) -> Result<(Arc<Process>, u32)> {
+        if !req.rootfs.is_empty() {
+            let target = bundle.join("rootfs");
+            undo.mounted = Some(target.clone());
+            mount_all(&req.rootfs, &target).await?;
+        }
+        let root = spec
+            .root()
+            .as_ref()
+            .map(|r| r.path().clone())
+            .unwrap_or_else(|| PathBuf::from("rootfs"));
+        let root = if root.is_absolute() {
+            root
+        } else {
+            bundle.join(root)
+        };
+        if !root.is_dir() {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: rootfs {} does not exist",
+                req.id,
+                root.display()
+            )));
+        }
+
+        let pid_file = bundle.join("init.pid");
+        let mut opts = CreateOpts::new().pid_file(&pid_file);
+        let mut console = None;
+        let mut io = None;
+        if req.stdio.terminal {
+            let sock = ConsoleSocket::new()?;
+            opts = opts.console_socket(sock.path());
+            console = Some(sock);
+        } else {
+            let (child, pio) = ProcessIo::pipes(&req.stdio)?;
+            opts = opts.io(Arc::new(child));
+            io = Some(pio);
+        }
+        let created = client.runc.create(&req.id, bundle, Some(&opts)).await;
+        drop(opts); // closes the container's stdio ends in the shim
+        undo.runc_created = true;
+        created.map_err(|e| client.error("create", &req.id, e))?;
+
+        if let Some(sock) = console {
+            let master = sock.receive().await?;
+            io = Some(ProcessIo::console(master, &req.stdio)?);
+        }
+        let pid = read_pid(&pid_file)?;
+        let init = Process::new(&req.id, None, req.stdio.clone(), None);
+        {
+            let mut st = init.state.lock().await;
+            st.pid = pid;
+            st.io = io;
+        }
+        init.watch_exit(rt.router.watch(pid as i32), rt.events.clone());
+        Ok((init, pid))
+    }
+
+    fn watch_oom(&self, pid: u32) {
+        let events = self.events.clone();
+        let id = self.id.clone();
+        match crate::oom::watch(pid, move || {
+            events.send(Event::Oom(TaskOOM {
+                container_id: id.clone(),
+                ..Default::default()
+            }))
+        }) {
+            Ok(task) => *self.oom.lock().unwrap_or_else(|p| p.into_inner()) = task,
+            Err(e) => log::warn!("container {}: no OOM events: {e}", self.id),
+        }
+    }
+
+    async fn process(&self, exec: ExecId<'_>) -> Result<Arc<Process>> {
+        match exec {
+            None => Ok(self.init.clone()),
+            Some(exec_id) => self
+                .execs
+                .lock()
+                .await
+                .get(exec_id)
+                .cloned()
+                .ok_or_else(|| Error::ExecNotFound {
+                    id: self.id.clone(),
+                    exec_id: exec_id.to_string(),
+                }),
+        }
+    }
+
+    async fn start_exec(
+        &self,
+        proc: &Arc<Process>,
+        exec_id: &str,
+        spec: &ProcessSpec,
+    ) -> Result<u32> {
+        let mut st = proc.state.lock().await;
+        if st.status != Status::Created {
+            return Err(Error::FailedPrecondition(format!(
+                "exec {exec_id} in {} was already started",
+                self.id
+            )));
+        }
+        let pid_file = PathBuf::from(&self.bundle).join(format!("exec-{exec_id}.pid"));
+        let mut opts = ExecOpts::new().pid_file(&pid_file).detach(true);
+        let mut console = None;
+        let mut io = None;
+        if proc.stdio.terminal {
+            let sock = ConsoleSocket::new()?;
+            opts = opts.console_socket(sock.path());
+            console = Some(sock);
+        } else {
+            let (child, pio): (ChildStdio, ProcessIo) = ProcessIo::pipes(&proc.stdio)?;
+            opts = opts.io(Arc::new(child));
+            io = Some(pio);
+        }
+        let spec: oci_spec_runc::runtime::Process = convert(spec)?;
+        let ran = self.client.runc.exec(&self.id, &spec, Some(&opts)).await;
+        drop(opts);
+        ran.map_err(|e| self.client.error("exec", &self.id, e))?;
+        if let Some(sock) = console {
+            io = Some(ProcessIo::console(sock.receive().await?, &proc.stdio)?);
+        }
+        let pid = read_pid(&pid_file)?;
+        let _ = std::fs::remove_file(&pid_file);
+        st.pid = pid;
+        st.io = io;
+        st.status = Status::Running;
+        proc.watch_exit(self.router.watch(pid as i32), self.events.clone());
+        self.events.send(Event::ExecStarted(TaskExecStarted {
+            container_id: self.id.clone(),
+            exec_id: exec_id.to_string(),
+            pid,
+            ..Default::default()
+        }));
+        Ok(pid)
+    }
+}
+
+#[async_trait]
+impl Container for PlainContainer {
+    fn bundle(&self) -> &str {
+        &self.bundle
+    }
+
+    fn pid(&self) -> u32 {
+        self.init.state.try_lock().map(|s| s.pid).unwrap_or(0)
+    }
+
+    async fn start(&self, exec: ExecId<'_>) -> Result<u32> {
+        if let Some(exec_id) = exec {
+            let proc = self.process(exec).await?;
+            let spec = proc.spec.clone().ok_or_else(|| Error::ExecNotFound {
+                id: self.id.clone(),
+                exec_id: exec_id.to_string(),
+            })?;
+            return self.start_exec(&proc, exec_id, &spec).await;
+        }
+        let mut st = self.init.state.lock().await;
+        if st.status != Status::Created {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not in the created state",
+                self.id
+            )));
+        }
+        self.client
+            .runc
+            .start(&self.id)
+            .await
+            .map_err(|e| self.client.error("start", &self.id, e))?;
+        st.status = Status::Running;
+        self.events.send(Event::Start(TaskStart {
+            container_id: self.id.clone(),
+            pid: st.pid,
+            ..Default::default()
+        }));
+        Ok(st.pid)
+    }
+
+    async fn state(&self, exec: ExecId<'_>) -> Result<ProcessState> {
+        Ok(self.process(exec).await?.snapshot().await)
+    }
+
+    async fn kill(&self, exec: ExecId<'_>, signal: u32, all: bool) -> Result<()> {
+        let proc = self.process(exec).await?;
+        let st = proc.state.lock().await;
+        if st.status == Status::Stopped && !all {
+            return Err(Error::ExecNotFound {
+                id: self.id.clone(),
+                exec_id: format!("{} (process already finished)", exec.unwrap_or("init")),
+            });
+        }
+        match exec {
+            None => {
+                let opts = KillOpts::new().all(all);
+                self.client
+                    .runc
+                    .kill(&self.id, signal, Some(&opts))
+                    .await
+                    .map_err(|e| self.client.error("kill", &self.id, e))
+            }
+            Some(exec_id) => {
+                if st.pid == 0 {
+                    return Err(Error::FailedPrecondition(format!(
+                        "exec {exec_id} in {} is not started",
+                        self.id
+                    )));
+                }
+                nix::sys::signal::kill(Pid::from_raw(st.pid as i32), signal_of(signal)?)
+                    .map_err(|e| Error::sys(format!("signalling exec {exec_id} pid {}", st.pid), e))
+            }
+        }
+    }
+
+    async fn wait(&self, exec: ExecId<'_>) -> Result<ExitInfo> {
+        let proc = self.process(exec).await?;
+        proc.wait().await
+    }
+
+    async fn delete(&self, exec: ExecId<'_>) -> Result<ExitInfo> {
+        let proc = self.process(exec).await?;
+        let (status, pid, exit) = {
+            let st = proc.state.lock().await;
+            (st.status, st.pid, st.exit)
+        };
+        if matches!(status, Status::Running | Status::Paused) {
+            return Err(Error::FailedPrecondition(format!(
+                "cannot delete {} of {}: it is still running",
+                exec.unwrap_or("the init process"),
+                self.id
+            )));
+        }
+        if let Some(exec_id) = exec {
+            self.execs.lock().await.remove(exec_id);
+            proc.state.lock().await.io = None;
+            return Ok(exit.unwrap_or(ExitInfo {
+                pid,
+                status: 0,
+                at: SystemTime::now(),
+            }));
+        }
+        // Init: remove runc's state (this kills a never-started init).
+        let force = DeleteOpts::new().force(true);
+        if let Err(e) = self.client.runc.delete(&self.id, Some(&force)).await {
+            let e = self.client.error("delete", &self.id, e);
+            if !matches!(
+                e,
+                Error::Runc {
+                    kind: crate::error::RuncFailure::NotFound,
+                    ..
+                }
+            ) {
+                return Err(e);
+            }
+        }
+        let exit = match exit {
+            Some(x) => x,
+            None => proc.wait_for(DELETE_REAP_WAIT).await.unwrap_or(ExitInfo {
+                pid,
+                status: 128 + libc::SIGKILL as u32,
+                at: SystemTime::now(),
+            }),
+        };
+        if let Some(task) = self.oom.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            task.abort();
+        }
+        proc.state.lock().await.io = None;
+        for e in self.execs.lock().await.drain() {
+            e.1.state.lock().await.io = None;
+        }
+        if let Some(target) = &self.mounted_rootfs {
+            unmount(target).await;
+        }
+        let _ = std::fs::remove_file(PathBuf::from(&self.bundle).join("init.pid"));
+        Ok(exit)
+    }
+
+    async fn exec(&self, exec_id: &str, stdio: Stdio, spec: ProcessSpec) -> Result<()> {
+        if self.init.state.lock().await.status == Status::Stopped {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} has exited; cannot exec {exec_id}",
+                self.id
+            )));
+        }
+        let mut execs = self.execs.lock().await;
+        if execs.contains_key(exec_id) {
+            return Err(Error::AlreadyExists(format!(
+                "exec {exec_id} in {}",
+                self.id
+            )));
+        }
+        execs.insert(
+            exec_id.to_string(),
+            Process::new(&self.id, Some(exec_id), stdio, Some(spec)),
+        );
+        Ok(())
+    }
+
+    async fn resize_pty(&self, exec: ExecId<'_>, width: u32, height: u32) -> Result<()> {
+        let proc = self.process(exec).await?;
+        let st = proc.state.lock().await;
+        match &st.io {
+            Some(io) => io.resize(width, height),
+            None => Err(Error::FailedPrecondition("process has no terminal".into())),
+        }
+    }
+
+    async fn close_io(&self, exec: ExecId<'_>) -> Result<()> {
+        let proc = self.process(exec).await?;
+        if let Some(io) = proc.state.lock().await.io.as_mut() {
+            io.close_stdin();
+        }
+        Ok(())
+    }
+
+    async fn pause(&self) -> Result<()> {
+        let mut st = self.init.state.lock().await;
+        if st.status != Status::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not running",
+                self.id
+            )));
+        }
+        self.client
+            .runc
+            .pause(&self.id)
+            .await
+            .map_err(|e| self.client.error("pause", &self.id, e))?;
+        st.status = Status::Paused;
+        Ok(())
+    }
+
+    async fn resume(&self) -> Result<()> {
+        let mut st = self.init.state.lock().await;
+        if st.status != Status::Paused {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not paused",
+                self.id
+            )));
+        }
+        self.client
+            .runc
+            .resume(&self.id)
+            .await
+            .map_err(|e| self.client.error("resume", &self.id, e))?;
+        st.status = Status::Running;
+        Ok(())
+    }
+
+    async fn pids(&self) -> Result<Vec<ProcessInfo>> {
+        let pids = self
+            .client
+            .runc
+            .ps(&self.id)
+            .await
+            .map_err(|e| self.client.error("ps", &self.id, e))?;
+        Ok(pids
+            .into_iter()
+            .map(|pid| ProcessInfo {
+                pid: pid as u32,
+                ..Default::default()
+            })
+            .collect())
+    }
+
+    async fn update(&self, resources: LinuxResources) -> Result<()> {
+        self.client
+            .runc
+            .update(&self.id, &convert(&resources)?)
+            .await
+            .map_err(|e| self.client.error("update", &self.id, e))
+    }
+
+    async fn stats(&self) -> Result<Any> {
+        let pid = self.init.state.lock().await.pid;
+        if pid == 0 {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} has no process",
+                self.id
+            )));
+        }
+        crate::stats::collect(pid)
+    }
+}

@@ -1,0 +1,385 @@
+//! The ttrpc `containerd.task.v2.Task` service: every RPC once, over the
+//! `Container` trait. It owns the table of containers (one shim serves a
+//! whole pod), decides at Create which implementation a spec gets, and
+//! publishes the events that are the service's own (create, delete,
+//! exec-added, paused, resumed). Every RPC is implemented explicitly so
+//! that nothing falls through to the generated NOT_FOUND default.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use containerd_shim::{ExitSignal, TtrpcContext, TtrpcResult};
+use containerd_shim_protos::api::{
+    CloseIORequest, ConnectRequest, ConnectResponse, CreateTaskRequest, CreateTaskResponse,
+    DeleteRequest, DeleteResponse, Empty, ExecProcessRequest, KillRequest, PauseRequest,
+    PidsRequest, PidsResponse, ResizePtyRequest, ResumeRequest, ShutdownRequest, StartRequest,
+    StartResponse, StateRequest, StateResponse, StatsRequest, StatsResponse, UpdateTaskRequest,
+    WaitRequest, WaitResponse,
+};
+use containerd_shim_protos::events::task::{
+    TaskCreate, TaskDelete, TaskExecAdded, TaskIO, TaskPaused, TaskResumed,
+};
+use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
+use containerd_shim_protos::shim::shim::CheckpointTaskRequest;
+use containerd_shim_protos::shim_async::Task;
+use containerd_shim_protos::types::task::Status as ProtoStatus;
+use oci_spec::runtime::{LinuxResources, Process as ProcessSpec, Spec};
+use tokio::sync::Mutex;
+
+use crate::annotations::ShadowAnnotations;
+use crate::container::{Container, ExitInfo, Status, Stdio};
+use crate::error::{Error, Result};
+use crate::events::{Event, EventSink};
+use crate::plain::{CreateRequest, PlainContainer, Runtime};
+
+pub fn timestamp(t: SystemTime) -> Timestamp {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+        ..Default::default()
+    }
+}
+
+fn exec_of(exec_id: &str) -> Option<&str> {
+    Some(exec_id).filter(|s| !s.is_empty())
+}
+
+/// Read and parse `config.json` of a bundle, naming the file on failure.
+pub fn read_spec(bundle: &Path) -> Result<Spec> {
+    let path = bundle.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::InvalidArgument(format!("reading OCI spec {}: {e}", path.display())))?;
+    serde_json::from_str(&text)
+        .map_err(|e| Error::InvalidArgument(format!("parsing OCI spec {}: {e}", path.display())))
+}
+
+pub struct TaskService {
+    runtime: Runtime,
+    containers: Mutex<HashMap<String, Arc<dyn Container>>>,
+    /// Serialises Creates so that an id is checked and taken atomically.
+    creating: Mutex<()>,
+    exit: Arc<ExitSignal>,
+}
+
+impl TaskService {
+    pub fn new(runtime: Runtime, exit: Arc<ExitSignal>) -> Self {
+        TaskService {
+            runtime,
+            containers: Mutex::new(HashMap::new()),
+            creating: Mutex::new(()),
+            exit,
+        }
+    }
+
+    fn events(&self) -> &EventSink {
+        &self.runtime.events
+    }
+
+    async fn get(&self, id: &str) -> Result<Arc<dyn Container>> {
+        self.containers
+            .lock()
+            .await
+            .get(id)
+            .cloned()
+            .ok_or_else(|| Error::ContainerNotFound(id.to_string()))
+    }
+
+    pub async fn do_create(&self, req: CreateTaskRequest) -> Result<u32> {
+        let _creating = self.creating.lock().await;
+        if self.containers.lock().await.contains_key(&req.id) {
+            return Err(Error::AlreadyExists(format!("container {}", req.id)));
+        }
+        if !req.checkpoint.is_empty() {
+            return Err(Error::Unimplemented(
+                "checkpoint/restore is not supported".into(),
+            ));
+        }
+        let spec = read_spec(Path::new(&req.bundle))?;
+        let annotations = spec.annotations().clone().unwrap_or_default();
+        let shadow = ShadowAnnotations::parse(&annotations)?;
+        if shadow.wants_pairing(&annotations) {
+            return Err(Error::Unimplemented(format!(
+                "container {} asks to be paired ({}): pairing is not built yet",
+                req.id,
+                crate::annotations::PAIR
+            )));
+        }
+        let stdio = Stdio {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let container = PlainContainer::create(
+            &self.runtime,
+            CreateRequest {
+                id: req.id.clone(),
+                bundle: req.bundle.clone(),
+                rootfs: req.rootfs.clone(),
+                stdio,
+            },
+            &spec,
+        )
+        .await?;
+        let pid = container.pid();
+        self.containers
+            .lock()
+            .await
+            .insert(req.id.clone(), container as Arc<dyn Container>);
+        self.events().send(Event::Create(TaskCreate {
+            container_id: req.id.clone(),
+            bundle: req.bundle.clone(),
+            rootfs: req.rootfs.clone(),
+            io: Some(TaskIO {
+                stdin: req.stdin.clone(),
+                stdout: req.stdout.clone(),
+                stderr: req.stderr.clone(),
+                terminal: req.terminal,
+                ..Default::default()
+            })
+            .into(),
+            checkpoint: req.checkpoint.clone(),
+            pid,
+            ..Default::default()
+        }));
+        Ok(pid)
+    }
+
+    pub async fn do_delete(&self, id: &str, exec_id: Option<&str>) -> Result<ExitInfo> {
+        let c = self.get(id).await?;
+        let exit = c.delete(exec_id).await?;
+        if exec_id.is_none() {
+            self.containers.lock().await.remove(id);
+            self.events().send(Event::Delete(TaskDelete {
+                container_id: id.to_string(),
+                pid: exit.pid,
+                exit_status: exit.status,
+                exited_at: Some(timestamp(exit.at)).into(),
+                id: id.to_string(),
+                ..Default::default()
+            }));
+        }
+        Ok(exit)
+    }
+
+    pub async fn do_exec(&self, req: ExecProcessRequest) -> Result<()> {
+        let c = self.get(&req.id).await?;
+        let spec_any = req.spec.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "exec {} in {}: no process spec",
+                req.exec_id, req.id
+            ))
+        })?;
+        let spec: ProcessSpec = serde_json::from_slice(&spec_any.value).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "exec {} in {}: process spec: {e}",
+                req.exec_id, req.id
+            ))
+        })?;
+        let stdio = Stdio {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        c.exec(&req.exec_id, stdio, spec).await?;
+        self.events().send(Event::ExecAdded(TaskExecAdded {
+            container_id: req.id.clone(),
+            exec_id: req.exec_id.clone(),
+            ..Default::default()
+        }));
+        Ok(())
+    }
+
+    pub async fn do_state(&self, id: &str, exec_id: Option<&str>) -> Result<StateResponse> {
+        let c = self.get(id).await?;
+        let s = c.state(exec_id).await?;
+        let status = match s.status {
+            Status::Created => ProtoStatus::CREATED,
+            Status::Running => ProtoStatus::RUNNING,
+            Status::Paused => ProtoStatus::PAUSED,
+            Status::Stopped => ProtoStatus::STOPPED,
+        };
+        Ok(StateResponse {
+            id: exec_id.unwrap_or(id).to_string(),
+            bundle: c.bundle().to_string(),
+            pid: s.pid,
+            status: status.into(),
+            stdin: s.stdio.stdin,
+            stdout: s.stdio.stdout,
+            stderr: s.stdio.stderr,
+            terminal: s.stdio.terminal,
+            exit_status: s.exit.map(|e| e.status).unwrap_or(0),
+            exited_at: s.exit.map(|e| timestamp(e.at)).into(),
+            exec_id: exec_id.unwrap_or_default().to_string(),
+            ..Default::default()
+        })
+    }
+
+    pub async fn container_count(&self) -> usize {
+        self.containers.lock().await.len()
+    }
+}
+
+#[async_trait]
+impl Task for TaskService {
+    async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
+        Ok(self.do_state(&req.id, exec_of(&req.exec_id)).await?)
+    }
+
+    async fn create(
+        &self,
+        _ctx: &TtrpcContext,
+        req: CreateTaskRequest,
+    ) -> TtrpcResult<CreateTaskResponse> {
+        let id = req.id.clone();
+        let pid = self.do_create(req).await.inspect_err(|e| {
+            log::warn!("create {id}: {e}");
+        })?;
+        Ok(CreateTaskResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
+        let c = self.get(&req.id).await?;
+        let pid = c.start(exec_of(&req.exec_id)).await?;
+        Ok(StartResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    async fn delete(&self, _ctx: &TtrpcContext, req: DeleteRequest) -> TtrpcResult<DeleteResponse> {
+        let exit = self.do_delete(&req.id, exec_of(&req.exec_id)).await?;
+        Ok(DeleteResponse {
+            pid: exit.pid,
+            exit_status: exit.status,
+            exited_at: Some(timestamp(exit.at)).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn pids(&self, _ctx: &TtrpcContext, req: PidsRequest) -> TtrpcResult<PidsResponse> {
+        let c = self.get(&req.id).await?;
+        Ok(PidsResponse {
+            processes: c.pids().await?,
+            ..Default::default()
+        })
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> TtrpcResult<Empty> {
+        self.get(&req.id).await?.pause().await?;
+        self.events().send(Event::Paused(TaskPaused {
+            container_id: req.id.clone(),
+            ..Default::default()
+        }));
+        Ok(Empty::new())
+    }
+
+    async fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> TtrpcResult<Empty> {
+        self.get(&req.id).await?.resume().await?;
+        self.events().send(Event::Resumed(TaskResumed {
+            container_id: req.id.clone(),
+            ..Default::default()
+        }));
+        Ok(Empty::new())
+    }
+
+    async fn checkpoint(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: CheckpointTaskRequest,
+    ) -> TtrpcResult<Empty> {
+        Err(Error::Unimplemented("checkpoint is not supported by the shadow shim".into()).into())
+    }
+
+    async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
+        let c = self.get(&req.id).await?;
+        c.kill(exec_of(&req.exec_id), req.signal, req.all).await?;
+        Ok(Empty::new())
+    }
+
+    async fn exec(&self, _ctx: &TtrpcContext, req: ExecProcessRequest) -> TtrpcResult<Empty> {
+        self.do_exec(req).await?;
+        Ok(Empty::new())
+    }
+
+    async fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> TtrpcResult<Empty> {
+        let c = self.get(&req.id).await?;
+        c.resize_pty(exec_of(&req.exec_id), req.width, req.height)
+            .await?;
+        Ok(Empty::new())
+    }
+
+    async fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> TtrpcResult<Empty> {
+        let c = self.get(&req.id).await?;
+        if req.stdin {
+            c.close_io(exec_of(&req.exec_id)).await?;
+        }
+        Ok(Empty::new())
+    }
+
+    async fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> TtrpcResult<Empty> {
+        let c = self.get(&req.id).await?;
+        let any = req.resources.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(format!("update {}: no resources given", req.id))
+        })?;
+        let resources: LinuxResources = serde_json::from_slice(&any.value).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "update {}: resources ({}): {e}",
+                req.id, any.type_url
+            ))
+        })?;
+        c.update(resources).await?;
+        Ok(Empty::new())
+    }
+
+    async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {
+        let c = self.get(&req.id).await?;
+        let exit = c.wait(exec_of(&req.exec_id)).await?;
+        Ok(WaitResponse {
+            exit_status: exit.status,
+            exited_at: Some(timestamp(exit.at)).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> TtrpcResult<StatsResponse> {
+        let c = self.get(&req.id).await?;
+        Ok(StatsResponse {
+            stats: Some(c.stats().await?).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn connect(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ConnectRequest,
+    ) -> TtrpcResult<ConnectResponse> {
+        let task_pid = match self.get(&req.id).await {
+            Ok(c) => c.pid(),
+            Err(_) => 0,
+        };
+        Ok(ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(&self, _ctx: &TtrpcContext, _req: ShutdownRequest) -> TtrpcResult<Empty> {
+        // One shim serves a pod: stay while any container of it remains.
+        if self.container_count().await == 0 {
+            self.exit.signal();
+        }
+        Ok(Empty::new())
+    }
+}

@@ -1,0 +1,131 @@
+//! The `containerd_shim::asynchronous::Shim` glue for every action except
+//! `start` (which `start.rs` owns): building the Task service for the
+//! serving daemon, the `delete` action containerd runs after a shim died,
+//! and waiting for the exit signal that Shutdown raises.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use containerd_shim::asynchronous::{publisher::RemotePublisher, ExitSignal, Shim};
+use containerd_shim::{Config as ShimConfig, DeleteResponse, Flags, StartOpts};
+use runc::options::DeleteOpts;
+
+use crate::config::{Config, ConfigSource};
+use crate::events::{spawn_forwarder, EventSink};
+use crate::exits::ExitRouter;
+use crate::plain::Runtime;
+use crate::runc::RuncClient;
+use crate::service::{timestamp, TaskService};
+
+/// The resolved config `start` leaves in each bundle, for the `delete`
+/// action (which containerd runs without the runtime options).
+pub const BUNDLE_CONFIG: &str = "shadow-shim.toml";
+
+pub struct ShadowShim {
+    namespace: String,
+    id: String,
+    bundle: PathBuf,
+    config: Config,
+    exit: Arc<ExitSignal>,
+}
+
+/// The config for this process: the source `start` handed down, else the
+/// copy in the bundle, else the default file.
+pub fn load_config(bundle: &Path) -> crate::error::Result<Config> {
+    let source = ConfigSource::from_env();
+    if source == ConfigSource::default() {
+        let saved = bundle.join(BUNDLE_CONFIG);
+        if saved.exists() {
+            return ConfigSource {
+                body: None,
+                path: Some(saved),
+            }
+            .load();
+        }
+    }
+    source.load()
+}
+
+#[async_trait]
+impl Shim for ShadowShim {
+    type T = TaskService;
+
+    async fn new(_runtime_id: &str, args: &Flags, shim_config: &mut ShimConfig) -> Self {
+        let bundle = if args.bundle.is_empty() {
+            std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."))
+        } else {
+            PathBuf::from(&args.bundle)
+        };
+        let config = match load_config(&bundle) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("containerd-shim-shadow-v1: {e}");
+                std::process::exit(1);
+            }
+        };
+        shim_config.default_log_level = config.log_level.clone();
+        ShadowShim {
+            namespace: args.namespace.clone(),
+            id: args.id.clone(),
+            bundle,
+            config,
+            exit: Arc::new(ExitSignal::default()),
+        }
+    }
+
+    async fn start_shim(&mut self, _opts: StartOpts) -> containerd_shim::Result<String> {
+        // main.rs runs our own start path; reaching this is a programming error.
+        Err(containerd_shim::Error::Unimplemented(
+            "start is handled by the shadow shim's own start path".into(),
+        ))
+    }
+
+    async fn delete_shim(&mut self) -> containerd_shim::Result<DeleteResponse> {
+        let router = ExitRouter::start()
+            .await
+            .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
+        let client = RuncClient::new(&self.config, &self.namespace, &self.bundle, router)
+            .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
+        let force = DeleteOpts::new().force(true);
+        if let Err(e) = client.runc.delete(&self.id, Some(&force)).await {
+            log::warn!("delete {}: runc delete: {e}", self.id);
+        }
+        let rootfs = self.bundle.join("rootfs").display().to_string();
+        if let Err(e) = containerd_shim::mount::umount_recursive(Some(&rootfs), libc::MNT_DETACH) {
+            log::warn!("delete {}: unmounting {rootfs}: {e}", self.id);
+        }
+        Ok(DeleteResponse {
+            pid: 0,
+            exit_status: 128 + libc::SIGKILL as u32,
+            exited_at: Some(timestamp(SystemTime::now())).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn wait(&mut self) {
+        self.exit.wait().await;
+    }
+
+    async fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
+        let router = match ExitRouter::start().await {
+            Ok(r) => r,
+            Err(e) => {
+                log::error!("cannot subscribe to child exits: {e}");
+                std::process::exit(1);
+            }
+        };
+        let (events, rx) = EventSink::channel();
+        spawn_forwarder(publisher, self.namespace.clone(), rx);
+        TaskService::new(
+            Runtime {
+                config: self.config.clone(),
+                namespace: self.namespace.clone(),
+                router,
+                events,
+            },
+            self.exit.clone(),
+        )
+    }
+}
