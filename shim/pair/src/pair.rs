@@ -624,8 +624,7 @@ mod tests {
     fn twenty_failovers_in_a_row_never_spend_the_budget() {
         let mut p = running();
         let mut active = SlotId::ZERO;
-        let mut pid = 1000;
-        for i in 0..20u64 {
+        for (i, pid) in (0..20u64).zip(1001..) {
             let now = 10_000 * (i + 1);
             let a = p.handle(
                 Event::Exited {
@@ -645,7 +644,6 @@ mod tests {
                 t(now + 2),
             );
             assert!(matches!(a.as_slice(), [Action::Promoted(pr)] if pr.number == i + 1));
-            pid += 1;
             p.handle(Event::Spawned { slot: active, pid }, t(now + 3));
             p.handle(
                 Event::Notified {
