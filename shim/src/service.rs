@@ -159,7 +159,6 @@ impl TaskService {
                 pid: exit.pid,
                 exit_status: exit.status,
                 exited_at: Some(timestamp(exit.at)).into(),
-                id: id.to_string(),
                 ..Default::default()
             }));
         }
