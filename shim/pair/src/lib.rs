@@ -1,0 +1,18 @@
+//! Supervision logic of an active/shadow engine pair.
+//!
+//! The shim observes; this crate decides. Keeping the decisions free of
+//! containerd, runc and sockets means every failure policy of DESIGN.md is a
+//! unit test over plain values, and the shim is a thin adapter that turns
+//! [`Action`]s into runc calls.
+
+mod failure;
+mod locks;
+mod notify;
+mod pair;
+mod policy;
+
+pub use failure::{classify, Exit, FailureClass, XidClass};
+pub use locks::{parse_proc_locks, FileId, FlockHolder};
+pub use notify::{parse_notify, Notification};
+pub use pair::{Action, EngineState, Event, Pair, Promotion, Slot, SlotId, Snapshot};
+pub use policy::{RestartBudget, RestartPolicy};

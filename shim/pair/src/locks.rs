@@ -1,0 +1,168 @@
+//! Who holds the election lock, from `/proc/locks`.
+//!
+//! An engine that does not speak sd_notify still takes the lock; the kernel
+//! lists every `flock` with the holder's pid (in the reader's pid namespace,
+//! so host pids for the shim) and the file's device and inode. Matching the
+//! lock file's identity tells the shim which engine serves.
+
+/// A file's identity as `/proc/locks` prints it: `major:minor:inode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FileId {
+    pub major: u32,
+    pub minor: u32,
+    pub inode: u64,
+}
+
+impl FileId {
+    /// From `st_dev`/`st_ino` of a `stat` of the lock file.
+    pub fn from_stat(dev: u64, ino: u64) -> FileId {
+        // glibc's gnu_dev_major/minor encoding.
+        let major = (((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0000_0fff)) as u32;
+        let minor = (((dev >> 12) & 0xffff_ff00) | (dev & 0x0000_00ff)) as u32;
+        FileId {
+            major,
+            minor,
+            inode: ino,
+        }
+    }
+}
+
+/// One active exclusive or shared `flock`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlockHolder {
+    pub pid: u32,
+    pub file: FileId,
+    pub exclusive: bool,
+}
+
+/// The granted `FLOCK` entries of a `/proc/locks` text. Waiters (lines with
+/// `->`) and POSIX/OFD locks are skipped; malformed lines are ignored rather
+/// than trusted.
+pub fn parse_proc_locks(text: &str) -> Vec<FlockHolder> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // "1: FLOCK  ADVISORY  WRITE 1234 00:1a:5678 0 EOF"
+        if fields.len() < 6 || fields.get(1) != Some(&"FLOCK") {
+            continue;
+        }
+        let exclusive = match fields[3] {
+            "WRITE" => true,
+            "READ" => false,
+            _ => continue,
+        };
+        let Ok(pid) = fields[4].parse::<u32>() else {
+            continue;
+        };
+        let mut id = fields[5].split(':');
+        let (Some(maj), Some(min), Some(ino), None) = (id.next(), id.next(), id.next(), id.next())
+        else {
+            continue;
+        };
+        let (Ok(major), Ok(minor), Ok(inode)) = (
+            u32::from_str_radix(maj, 16),
+            u32::from_str_radix(min, 16),
+            ino.parse::<u64>(),
+        ) else {
+            continue;
+        };
+        out.push(FlockHolder {
+            pid,
+            file: FileId {
+                major,
+                minor,
+                inode,
+            },
+            exclusive,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = "\
+1: POSIX  ADVISORY  WRITE 812 00:19:2291 0 EOF
+2: FLOCK  ADVISORY  WRITE 4242 00:2a:1577 0 EOF
+2: -> FLOCK  ADVISORY  WRITE 4243 00:2a:1577 0 EOF
+3: FLOCK  ADVISORY  READ 77 fd:01:99 0 EOF
+4: OFDLCK ADVISORY  READ -1 00:06:9 0 EOF
+garbage
+5: FLOCK  ADVISORY  WRITE notapid 00:2a:1 0 EOF
+";
+
+    #[test]
+    fn granted_flocks_only() {
+        let h = parse_proc_locks(SAMPLE);
+        assert_eq!(h.len(), 2, "{h:?}");
+        assert_eq!(
+            h[0],
+            FlockHolder {
+                pid: 4242,
+                file: FileId {
+                    major: 0,
+                    minor: 0x2a,
+                    inode: 1577
+                },
+                exclusive: true
+            }
+        );
+        assert_eq!(
+            h[1].file,
+            FileId {
+                major: 0xfd,
+                minor: 1,
+                inode: 99
+            }
+        );
+        assert!(!h[1].exclusive);
+    }
+
+    #[test]
+    fn dev_numbers_decode_like_glibc() {
+        // makedev(0, 42) and makedev(253, 1) in the kernel's 32-bit encoding.
+        assert_eq!(
+            FileId::from_stat(42, 7),
+            FileId {
+                major: 0,
+                minor: 42,
+                inode: 7
+            }
+        );
+        assert_eq!(
+            FileId::from_stat((253 << 8) | 1, 7),
+            FileId {
+                major: 253,
+                minor: 1,
+                inode: 7
+            }
+        );
+    }
+
+    /// The real kernel file: a lock this process takes shows up with our pid.
+    #[test]
+    fn sees_a_real_flock() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("shadow-pair-locks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("engine.lock");
+        let f = std::fs::File::create(&path).unwrap();
+        // SAFETY: flock on an fd we own.
+        assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let meta = f.metadata().unwrap();
+        let id = FileId::from_stat(meta.dev(), meta.ino());
+        let text = std::fs::read_to_string("/proc/locks").unwrap();
+        let holders = parse_proc_locks(&text);
+        assert!(
+            holders
+                .iter()
+                .any(|h| h.file == id && h.pid == std::process::id() && h.exclusive),
+            "{id:?} not in {holders:?}"
+        );
+        drop(f);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

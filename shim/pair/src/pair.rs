@@ -1,0 +1,954 @@
+//! The pair: two slots, at most one active engine, and the rules that move
+//! them. [`Pair::handle`] takes one observed [`Event`] and returns the
+//! [`Action`]s the shim must carry out; it never blocks and never performs
+//! I/O, so the whole failure policy is tested with plain values.
+//!
+//! Time is a [`Duration`] since the supervisor started (a monotonic clock
+//! the caller reads), which keeps tests deterministic.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::{
+    failure::{classify, Exit, FailureClass, XidClass},
+    notify::Notification,
+    policy::{RestartBudget, RestartPolicy},
+};
+
+/// Slot `0` or `1`: `SHADOW_ENGINE_ID` inside the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct SlotId(u8);
+
+impl SlotId {
+    pub const ZERO: SlotId = SlotId(0);
+    pub const ONE: SlotId = SlotId(1);
+    pub const BOTH: [SlotId; 2] = [SlotId::ZERO, SlotId::ONE];
+
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    pub fn other(self) -> SlotId {
+        SlotId(1 - self.0)
+    }
+}
+
+impl std::fmt::Display for SlotId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Where one slot's engine is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineState {
+    /// Asked for, not yet running.
+    Spawning,
+    /// Running, initialising (loading or mapping weights).
+    Starting,
+    /// Initialised and blocked on the lock (`STATUS=parked`).
+    Parked,
+    /// Holds the lock and serves.
+    Active,
+    /// Dead, waiting for its respawn delay.
+    Backoff,
+    /// Dead and not coming back (stopping, cold restart, crash loop).
+    Stopped,
+}
+
+/// One slot of the pair.
+#[derive(Clone, Debug, Serialize)]
+pub struct Slot {
+    pub id: SlotId,
+    pub state: EngineState,
+    pub pid: Option<u32>,
+    /// Incremented at each spawn of this slot.
+    pub generation: u32,
+    /// The engine sent at least one sd_notify message: it will send READY=1.
+    pub speaks_notify: bool,
+    pub last_exit: Option<Exit>,
+}
+
+impl Slot {
+    fn new(id: SlotId) -> Slot {
+        Slot {
+            id,
+            state: EngineState::Stopped,
+            pid: None,
+            generation: 0,
+            speaks_notify: false,
+            last_exit: None,
+        }
+    }
+
+    fn alive(&self) -> bool {
+        matches!(
+            self.state,
+            EngineState::Starting | EngineState::Parked | EngineState::Active
+        )
+    }
+}
+
+/// What the shim observed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// The engine of `slot` is running with this pid.
+    Spawned { slot: SlotId, pid: u32 },
+    /// Starting the engine failed before it ran (runc create/start error).
+    SpawnFailed { slot: SlotId },
+    /// The engine of `slot` sent these on the notify socket.
+    Notified {
+        slot: SlotId,
+        notification: Notification,
+    },
+    /// `/proc/locks` shows the engine of `slot` holding the election lock.
+    LockHeld { slot: SlotId },
+    /// The reaper collected the engine of `slot`.
+    Exited { slot: SlotId, exit: Exit },
+    /// A GMS daemon of the pair died.
+    GmsDied,
+    /// An XID was reported for one of the pair's GPUs.
+    Xid(u32),
+    /// A `SpawnAfter` delay for `slot` has elapsed.
+    BackoffElapsed { slot: SlotId },
+    /// containerd asked the task to stop (Kill): no more respawns.
+    Stop,
+}
+
+/// What the shim must do.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "action")]
+pub enum Action {
+    /// Start the engine of `slot` now.
+    Spawn { slot: SlotId },
+    /// Deliver `Event::BackoffElapsed { slot }` after `delay`.
+    SpawnAfter { slot: SlotId, delay: Duration },
+    /// Kill every engine still alive (SIGKILL).
+    KillAll,
+    /// Drop GMS state and start the daemons afresh before the next spawns.
+    RestartGms,
+    /// A promotion finished: record it.
+    Promoted(Promotion),
+    /// The pair is down for good: the task exits with `status`.
+    Exit { status: u32 },
+}
+
+/// The timeline of one failover, from the reap of the active engine.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Promotion {
+    /// Failover number, from 1.
+    pub number: u64,
+    pub from: SlotId,
+    pub to: Option<SlotId>,
+    /// When the dead active engine was reaped.
+    pub reaped_at: Duration,
+    /// When the new active engine was seen holding the lock.
+    pub lock_at: Option<Duration>,
+    /// When it sent READY=1.
+    pub ready_at: Option<Duration>,
+    pub exit: Exit,
+    pub class: FailureClass,
+}
+
+impl Promotion {
+    /// Reap → ready (or → lock for engines without sd_notify).
+    pub fn total(&self) -> Option<Duration> {
+        self.ready_at
+            .or(self.lock_at)
+            .map(|t| t.saturating_sub(self.reaped_at))
+    }
+}
+
+/// Why the pair is going down, once it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Ending {
+    /// containerd asked.
+    Stopping,
+    /// The restart budget is spent.
+    CrashLoop,
+}
+
+/// A pair's observable state, for metrics and `shadowctl`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Snapshot {
+    pub slots: [Slot; 2],
+    pub active: Option<SlotId>,
+    /// An active engine with a parked shadow behind it.
+    pub protected: bool,
+    pub failovers: u64,
+    pub cold_restarts: u64,
+    pub last_promotion: Option<Promotion>,
+}
+
+/// The supervisor's decisions for one pair.
+#[derive(Debug)]
+pub struct Pair {
+    slots: [Slot; 2],
+    active: Option<SlotId>,
+    budget: RestartBudget,
+    /// XIDs seen since the last cold start.
+    xids: Vec<u32>,
+    gms_alive: bool,
+    /// A failover in progress: the dead active's timeline.
+    pending: Option<Promotion>,
+    last_promotion: Option<Promotion>,
+    failovers: u64,
+    cold_restarts: u64,
+    /// Set while both engines are being stopped for a cold restart.
+    cold_restart: bool,
+    ending: Option<Ending>,
+    /// Exit status to report when the pair ends.
+    final_status: Option<u32>,
+}
+
+impl Pair {
+    pub fn new(policy: RestartPolicy) -> Pair {
+        Pair {
+            slots: [Slot::new(SlotId::ZERO), Slot::new(SlotId::ONE)],
+            active: None,
+            budget: RestartBudget::new(policy),
+            xids: Vec::new(),
+            gms_alive: true,
+            pending: None,
+            last_promotion: None,
+            failovers: 0,
+            cold_restarts: 0,
+            cold_restart: false,
+            ending: None,
+            final_status: None,
+        }
+    }
+
+    /// The first actions: start both engines.
+    pub fn start(&mut self) -> Vec<Action> {
+        SlotId::BOTH.iter().map(|s| self.spawn(*s)).collect()
+    }
+
+    pub fn slot(&self, id: SlotId) -> &Slot {
+        &self.slots[id.index()]
+    }
+
+    pub fn active(&self) -> Option<SlotId> {
+        self.active
+    }
+
+    /// The pid containerd should see: the active engine, else any live one.
+    pub fn representative_pid(&self) -> Option<u32> {
+        self.active
+            .and_then(|s| self.slot(s).pid)
+            .or_else(|| self.slots.iter().find(|s| s.alive()).and_then(|s| s.pid))
+    }
+
+    /// Which slot runs `pid`, if any.
+    pub fn slot_of_pid(&self, pid: u32) -> Option<SlotId> {
+        self.slots
+            .iter()
+            .find(|s| s.pid == Some(pid) && s.alive())
+            .map(|s| s.id)
+    }
+
+    pub fn is_ending(&self) -> bool {
+        self.ending.is_some()
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            slots: self.slots.clone(),
+            active: self.active,
+            protected: self.protected(),
+            failovers: self.failovers,
+            cold_restarts: self.cold_restarts,
+            last_promotion: self.last_promotion.clone(),
+        }
+    }
+
+    fn protected(&self) -> bool {
+        match self.active {
+            Some(a) => self.slot(a.other()).state == EngineState::Parked,
+            None => false,
+        }
+    }
+
+    fn spawn(&mut self, slot: SlotId) -> Action {
+        let s = &mut self.slots[slot.index()];
+        s.state = EngineState::Spawning;
+        s.pid = None;
+        s.speaks_notify = false;
+        s.generation += 1;
+        Action::Spawn { slot }
+    }
+
+    /// Applies one event at time `now`.
+    pub fn handle(&mut self, event: Event, now: Duration) -> Vec<Action> {
+        match event {
+            Event::Spawned { slot, pid } => {
+                let s = &mut self.slots[slot.index()];
+                if s.state == EngineState::Spawning {
+                    s.state = EngineState::Starting;
+                    s.pid = Some(pid);
+                }
+                Vec::new()
+            }
+            Event::SpawnFailed { slot } => self.on_death(slot, Exit::Code(255), false, now),
+            Event::Notified { slot, notification } => self.on_notify(slot, notification, now),
+            Event::LockHeld { slot } => self.on_lock(slot, now),
+            Event::Exited { slot, exit } => {
+                if !self.slot(slot).alive() {
+                    // A stale or duplicate exit: nothing of ours was running.
+                    return Vec::new();
+                }
+                let useful = matches!(
+                    self.slot(slot).state,
+                    EngineState::Parked | EngineState::Active
+                );
+                self.on_death(slot, exit, useful, now)
+            }
+            Event::GmsDied => {
+                self.gms_alive = false;
+                self.begin_cold_restart()
+            }
+            Event::Xid(xid) => {
+                self.xids.push(xid);
+                if XidClass::of(xid) == XidClass::DeviceInvalidating {
+                    self.begin_cold_restart()
+                } else {
+                    Vec::new()
+                }
+            }
+            Event::BackoffElapsed { slot } => {
+                if self.ending.is_none()
+                    && !self.cold_restart
+                    && self.slot(slot).state == EngineState::Backoff
+                {
+                    vec![self.spawn(slot)]
+                } else {
+                    Vec::new()
+                }
+            }
+            Event::Stop => {
+                if self.ending.is_some() {
+                    return Vec::new();
+                }
+                self.ending = Some(Ending::Stopping);
+                self.end_or_kill()
+            }
+        }
+    }
+
+    fn on_notify(&mut self, slot: SlotId, n: Notification, now: Duration) -> Vec<Action> {
+        let s = &mut self.slots[slot.index()];
+        if !s.alive() {
+            return Vec::new();
+        }
+        s.speaks_notify = true;
+        match n {
+            Notification::Ready => self.become_active(slot, now, true),
+            n if n.is_parked() => {
+                let s = &mut self.slots[slot.index()];
+                if s.state == EngineState::Starting {
+                    s.state = EngineState::Parked;
+                }
+                Vec::new()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn on_lock(&mut self, slot: SlotId, now: Duration) -> Vec<Action> {
+        if !self.slot(slot).alive() {
+            return Vec::new();
+        }
+        if let Some(p) = self.pending.as_mut() {
+            if p.lock_at.is_none() {
+                p.lock_at = Some(now);
+                p.to = Some(slot);
+            }
+        }
+        // An engine that never spoke sd_notify is active once it holds the
+        // lock; one that speaks it is active at READY=1.
+        if self.slot(slot).speaks_notify {
+            self.active = Some(slot);
+            Vec::new()
+        } else {
+            self.become_active(slot, now, false)
+        }
+    }
+
+    fn become_active(&mut self, slot: SlotId, now: Duration, ready: bool) -> Vec<Action> {
+        self.active = Some(slot);
+        self.slots[slot.index()].state = EngineState::Active;
+        let mut actions = Vec::new();
+        if let Some(mut p) = self.pending.take() {
+            p.to = Some(slot);
+            if ready {
+                p.ready_at = Some(now);
+            }
+            if p.lock_at.is_none() && !ready {
+                p.lock_at = Some(now);
+            }
+            self.last_promotion = Some(p.clone());
+            actions.push(Action::Promoted(p));
+        }
+        actions
+    }
+
+    fn on_death(&mut self, slot: SlotId, exit: Exit, useful: bool, now: Duration) -> Vec<Action> {
+        let was_active = self.active == Some(slot);
+        {
+            let s = &mut self.slots[slot.index()];
+            s.state = EngineState::Stopped;
+            s.pid = None;
+            s.last_exit = Some(exit);
+        }
+        if was_active {
+            self.active = None;
+        }
+        if self.ending.is_some() || self.cold_restart {
+            if self.ending.is_some() && (was_active || self.final_status.is_none()) {
+                self.final_status = Some(exit.status());
+            }
+            return self.end_or_kill();
+        }
+
+        let class = classify(exit, &self.xids, self.gms_alive);
+        if was_active {
+            self.failovers += 1;
+            self.pending = Some(Promotion {
+                number: self.failovers,
+                from: slot,
+                to: None,
+                reaped_at: now,
+                lock_at: None,
+                ready_at: None,
+                exit,
+                class,
+            });
+        }
+        if class == FailureClass::DeviceInvalidating {
+            return self.begin_cold_restart();
+        }
+        let mut actions = Vec::new();
+        // The shadow may already hold the lock: if it is the only live
+        // engine and it is active by lock, the promotion completes when the
+        // shim next sees the lock or READY=1.
+        match self.budget.on_death(useful, now) {
+            Some(delay) if delay.is_zero() => actions.push(self.spawn(slot)),
+            Some(delay) => {
+                self.slots[slot.index()].state = EngineState::Backoff;
+                actions.push(Action::SpawnAfter { slot, delay });
+            }
+            None => {
+                self.ending = Some(Ending::CrashLoop);
+                self.final_status = Some(exit.status());
+                actions.extend(self.end_or_kill());
+            }
+        }
+        actions
+    }
+
+    fn begin_cold_restart(&mut self) -> Vec<Action> {
+        if self.ending.is_some() || self.cold_restart {
+            return Vec::new();
+        }
+        self.cold_restart = true;
+        self.active = None;
+        for s in &mut self.slots {
+            if s.state == EngineState::Backoff {
+                s.state = EngineState::Stopped;
+            }
+        }
+        let mut actions = vec![Action::KillAll];
+        actions.extend(self.finish_cold_restart_if_down());
+        actions
+    }
+
+    fn finish_cold_restart_if_down(&mut self) -> Vec<Action> {
+        if self
+            .slots
+            .iter()
+            .any(|s| s.alive() || s.state == EngineState::Spawning)
+        {
+            return Vec::new();
+        }
+        self.cold_restart = false;
+        self.cold_restarts += 1;
+        self.xids.clear();
+        self.gms_alive = true;
+        let mut actions = vec![Action::RestartGms];
+        actions.extend(self.start());
+        actions
+    }
+
+    /// While ending or cold-restarting: kill what lives; once nothing does,
+    /// exit (ending) or start again (cold restart).
+    fn end_or_kill(&mut self) -> Vec<Action> {
+        let anything_alive = self
+            .slots
+            .iter()
+            .any(|s| s.alive() || s.state == EngineState::Spawning);
+        if self.ending.is_some() {
+            for s in &mut self.slots {
+                if s.state == EngineState::Backoff {
+                    s.state = EngineState::Stopped;
+                }
+            }
+            if anything_alive {
+                return vec![Action::KillAll];
+            }
+            let status = self.final_status.unwrap_or(0);
+            return vec![Action::Exit { status }];
+        }
+        if self.cold_restart {
+            return self.finish_cold_restart_if_down();
+        }
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KILL: Exit = Exit::Signal(9);
+
+    fn t(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    /// A pair with slot 0 active and slot 1 parked, both speaking sd_notify.
+    fn running() -> Pair {
+        let mut p = Pair::new(RestartPolicy::default());
+        assert_eq!(
+            p.start(),
+            vec![
+                Action::Spawn { slot: SlotId::ZERO },
+                Action::Spawn { slot: SlotId::ONE }
+            ]
+        );
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 100,
+            },
+            t(1),
+        );
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ONE,
+                pid: 101,
+            },
+            t(1),
+        );
+        for s in SlotId::BOTH {
+            p.handle(
+                Event::Notified {
+                    slot: s,
+                    notification: Notification::Status("parked".into()),
+                },
+                t(2),
+            );
+        }
+        p.handle(Event::LockHeld { slot: SlotId::ZERO }, t(3));
+        let a = p.handle(
+            Event::Notified {
+                slot: SlotId::ZERO,
+                notification: Notification::Ready,
+            },
+            t(4),
+        );
+        assert!(a.is_empty(), "first activation is not a promotion: {a:?}");
+        assert_eq!(p.active(), Some(SlotId::ZERO));
+        assert!(p.snapshot().protected);
+        p
+    }
+
+    #[test]
+    fn killing_the_active_promotes_the_shadow_and_respawns_the_slot() {
+        let mut p = running();
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: KILL,
+            },
+            t(1000),
+        );
+        assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+        assert_eq!(p.active(), None);
+        assert_eq!(
+            p.representative_pid(),
+            Some(101),
+            "the shadow stands for the task meanwhile"
+        );
+        p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
+        let a = p.handle(
+            Event::Notified {
+                slot: SlotId::ONE,
+                notification: Notification::Ready,
+            },
+            t(1010),
+        );
+        let [Action::Promoted(pr)] = a.as_slice() else {
+            panic!("{a:?}")
+        };
+        assert_eq!((pr.from, pr.to), (SlotId::ZERO, Some(SlotId::ONE)));
+        assert_eq!(pr.lock_at, Some(t(1001)));
+        assert_eq!(pr.total(), Some(t(10)));
+        assert_eq!(pr.class, FailureClass::DevicePreserving);
+        assert_eq!(p.active(), Some(SlotId::ONE));
+        assert_eq!(p.representative_pid(), Some(101));
+        assert!(!p.snapshot().protected, "slot 0 is not parked yet");
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 200,
+            },
+            t(1020),
+        );
+        p.handle(
+            Event::Notified {
+                slot: SlotId::ZERO,
+                notification: Notification::Status("parked".into()),
+            },
+            t(1500),
+        );
+        let snap = p.snapshot();
+        assert!(snap.protected);
+        assert_eq!(snap.failovers, 1);
+        assert_eq!(snap.slots[0].generation, 2);
+    }
+
+    #[test]
+    fn twenty_failovers_in_a_row_never_spend_the_budget() {
+        let mut p = running();
+        let mut active = SlotId::ZERO;
+        for (i, pid) in (0..20u64).zip(1001..) {
+            let now = 10_000 * (i + 1);
+            let a = p.handle(
+                Event::Exited {
+                    slot: active,
+                    exit: KILL,
+                },
+                t(now),
+            );
+            assert_eq!(a, vec![Action::Spawn { slot: active }], "failover {i}");
+            let next = active.other();
+            p.handle(Event::LockHeld { slot: next }, t(now + 1));
+            let a = p.handle(
+                Event::Notified {
+                    slot: next,
+                    notification: Notification::Ready,
+                },
+                t(now + 2),
+            );
+            assert!(matches!(a.as_slice(), [Action::Promoted(pr)] if pr.number == i + 1));
+            p.handle(Event::Spawned { slot: active, pid }, t(now + 3));
+            p.handle(
+                Event::Notified {
+                    slot: active,
+                    notification: Notification::Status("parked".into()),
+                },
+                t(now + 4),
+            );
+            assert!(p.snapshot().protected);
+            active = next;
+        }
+        assert_eq!(p.snapshot().failovers, 20);
+    }
+
+    #[test]
+    fn a_dead_shadow_is_respawned_and_the_active_untouched() {
+        let mut p = running();
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: KILL,
+            },
+            t(100),
+        );
+        assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
+        assert_eq!(p.active(), Some(SlotId::ZERO));
+        assert_eq!(p.snapshot().failovers, 0);
+        assert!(
+            !p.snapshot().protected,
+            "unprotected until the new shadow parks"
+        );
+    }
+
+    #[test]
+    fn engines_without_sd_notify_are_active_by_lock() {
+        let mut p = Pair::new(RestartPolicy::default());
+        p.start();
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 10,
+            },
+            t(0),
+        );
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ONE,
+                pid: 11,
+            },
+            t(0),
+        );
+        p.handle(Event::LockHeld { slot: SlotId::ONE }, t(5));
+        assert_eq!(p.active(), Some(SlotId::ONE));
+        p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: KILL,
+            },
+            t(100),
+        );
+        let a = p.handle(Event::LockHeld { slot: SlotId::ZERO }, t(103));
+        let [Action::Promoted(pr)] = a.as_slice() else {
+            panic!("{a:?}")
+        };
+        assert_eq!(pr.total(), Some(t(3)));
+        assert_eq!(pr.ready_at, None);
+    }
+
+    #[test]
+    fn both_killed_at_once_both_come_back() {
+        let mut p = running();
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: KILL,
+            },
+            t(100),
+        );
+        assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: KILL,
+            },
+            t(100),
+        );
+        assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
+        assert_eq!(p.representative_pid(), None);
+    }
+
+    #[test]
+    fn an_engine_that_always_crashes_backs_off_then_the_task_exits_with_its_status() {
+        let mut p = Pair::new(RestartPolicy {
+            max_consecutive_failures: 3,
+            ..RestartPolicy::default()
+        });
+        p.start();
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 1,
+            },
+            t(0),
+        );
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ONE,
+                pid: 2,
+            },
+            t(0),
+        );
+        let crash = Exit::Code(3);
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: crash,
+            },
+            t(10),
+        );
+        assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: crash,
+            },
+            t(20),
+        );
+        assert!(
+            matches!(a.as_slice(), [Action::SpawnAfter { slot: SlotId::ONE, delay }] if !delay.is_zero())
+        );
+        assert_eq!(p.slot(SlotId::ONE).state, EngineState::Backoff);
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 3,
+            },
+            t(30),
+        );
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: crash,
+            },
+            t(40),
+        );
+        assert!(matches!(a.as_slice(), [Action::SpawnAfter { .. }]));
+        // Fourth early death: budget spent. Slot 1 is in backoff, slot 0 dead:
+        // nothing alive, so the task exits at once with the crash's status.
+        let a = p.handle(Event::BackoffElapsed { slot: SlotId::ONE }, t(500));
+        assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ONE,
+                pid: 4,
+            },
+            t(501),
+        );
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: crash,
+            },
+            t(510),
+        );
+        assert_eq!(a, vec![Action::Exit { status: 3 }]);
+        assert!(p.is_ending());
+        assert!(p
+            .handle(Event::BackoffElapsed { slot: SlotId::ZERO }, t(900))
+            .is_empty());
+    }
+
+    #[test]
+    fn stop_kills_both_and_exits_once_with_the_active_status() {
+        let mut p = running();
+        assert_eq!(p.handle(Event::Stop, t(10)), vec![Action::KillAll]);
+        assert!(
+            p.handle(Event::Stop, t(11)).is_empty(),
+            "a second Kill adds nothing"
+        );
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: KILL,
+            },
+            t(12),
+        );
+        assert_eq!(a, vec![Action::KillAll], "still one alive, no respawn");
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: Exit::Signal(15),
+            },
+            t(13),
+        );
+        assert_eq!(a, vec![Action::Exit { status: 143 }]);
+    }
+
+    #[test]
+    fn gms_death_restarts_the_pair_cold() {
+        let mut p = running();
+        assert_eq!(p.handle(Event::GmsDied, t(10)), vec![Action::KillAll]);
+        assert!(p
+            .handle(
+                Event::Exited {
+                    slot: SlotId::ZERO,
+                    exit: KILL
+                },
+                t(11)
+            )
+            .is_empty());
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: KILL,
+            },
+            t(12),
+        );
+        assert_eq!(
+            a,
+            vec![
+                Action::RestartGms,
+                Action::Spawn { slot: SlotId::ZERO },
+                Action::Spawn { slot: SlotId::ONE }
+            ]
+        );
+        let snap = p.snapshot();
+        assert_eq!(snap.cold_restarts, 1);
+        assert_eq!(snap.failovers, 0, "a cold restart is not a failover");
+    }
+
+    #[test]
+    fn invalidating_xid_restarts_cold_preserving_xid_does_not() {
+        let mut p = running();
+        assert!(p.handle(Event::Xid(13), t(5)).is_empty());
+        assert_eq!(p.handle(Event::Xid(79), t(6)), vec![Action::KillAll]);
+        p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: KILL,
+            },
+            t(7),
+        );
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: KILL,
+            },
+            t(8),
+        );
+        assert_eq!(a.first(), Some(&Action::RestartGms));
+    }
+
+    #[test]
+    fn stale_exits_and_events_for_dead_slots_are_ignored() {
+        let mut p = running();
+        p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: KILL,
+            },
+            t(10),
+        );
+        // Slot 1 is spawning again; a duplicate exit for the old engine.
+        let before = p.snapshot().slots[1].generation;
+        assert!(p
+            .handle(
+                Event::Exited {
+                    slot: SlotId::ONE,
+                    exit: KILL
+                },
+                t(11)
+            )
+            .is_empty());
+        assert_eq!(p.snapshot().slots[1].generation, before);
+        assert!(p
+            .handle(Event::LockHeld { slot: SlotId::ONE }, t(12))
+            .is_empty());
+        assert_eq!(p.active(), Some(SlotId::ZERO));
+    }
+
+    #[test]
+    fn spawn_failure_counts_as_an_early_death() {
+        let mut p = Pair::new(RestartPolicy {
+            max_consecutive_failures: 1,
+            ..RestartPolicy::default()
+        });
+        p.start();
+        let a = p.handle(Event::SpawnFailed { slot: SlotId::ZERO }, t(0));
+        assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ONE,
+                pid: 5,
+            },
+            t(1),
+        );
+        let a = p.handle(Event::SpawnFailed { slot: SlotId::ZERO }, t(2));
+        assert_eq!(a, vec![Action::KillAll]);
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: KILL,
+            },
+            t(3),
+        );
+        assert_eq!(a, vec![Action::Exit { status: 255 }]);
+    }
+}
