@@ -7,6 +7,7 @@
 
 mod failure;
 mod locks;
+pub mod metrics;
 mod notify;
 mod pair;
 mod policy;

@@ -1,0 +1,268 @@
+//! Per-pair metrics in the Prometheus text format, written the way
+//! node-exporter's textfile collector expects: one `.prom` file per pair,
+//! replaced atomically (write a temporary file, then rename) so a scrape
+//! never reads half a file.
+
+use std::{fmt::Write as _, io, path::Path};
+
+use crate::pair::{EngineState, Snapshot};
+
+/// What one GMS daemon of the pair holds, as its status reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GmsFigures {
+    /// `host` or a GPU UUID.
+    pub device: String,
+    pub bytes: u64,
+    pub allocations: u64,
+    pub leases: u64,
+    pub committed: bool,
+}
+
+/// Escapes a label value (backslash, quote, newline).
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+const STATES: [(EngineState, &str); 6] = [
+    (EngineState::Spawning, "spawning"),
+    (EngineState::Starting, "starting"),
+    (EngineState::Parked, "parked"),
+    (EngineState::Active, "active"),
+    (EngineState::Backoff, "backoff"),
+    (EngineState::Stopped, "stopped"),
+];
+
+/// The metrics text of one pair.
+pub fn render(namespace: &str, id: &str, snap: &Snapshot, gms: &[GmsFigures]) -> String {
+    let base = format!("namespace=\"{}\",pair=\"{}\"", label(namespace), label(id));
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, lines: &[(String, String)]| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (labels, value) in lines {
+            let _ = writeln!(out, "{name}{{{base}{labels}}} {value}");
+        }
+    };
+    let one = |v: String| vec![(String::new(), v)];
+    metric(
+        "shadow_pair_failovers_total",
+        "counter",
+        "Promotions of the shadow after the active engine died.",
+        &one(snap.failovers.to_string()),
+    );
+    metric(
+        "shadow_pair_cold_restarts_total",
+        "counter",
+        "Restarts of both engines and GMS after a device-invalidating failure.",
+        &one(snap.cold_restarts.to_string()),
+    );
+    metric(
+        "shadow_pair_protected",
+        "gauge",
+        "1 when an active engine has a parked shadow behind it.",
+        &one(u8::from(snap.protected).to_string()),
+    );
+    let mut states = Vec::new();
+    let mut generations = Vec::new();
+    for slot in &snap.slots {
+        for (state, name) in STATES {
+            states.push((
+                format!(",slot=\"{}\",state=\"{name}\"", slot.id),
+                u8::from(slot.state == state).to_string(),
+            ));
+        }
+        generations.push((
+            format!(",slot=\"{}\"", slot.id),
+            slot.generation.to_string(),
+        ));
+    }
+    metric(
+        "shadow_engine_state",
+        "gauge",
+        "1 for the state each slot's engine is in.",
+        &states,
+    );
+    metric(
+        "shadow_engine_generation",
+        "counter",
+        "Spawns of each slot since the pair was created.",
+        &generations,
+    );
+    if let Some(p) = &snap.last_promotion {
+        let mut phases = Vec::new();
+        if let Some(l) = p.lock_at {
+            phases.push((
+                ",phase=\"reap_to_lock\"".to_string(),
+                format!("{:.6}", l.saturating_sub(p.reaped_at).as_secs_f64()),
+            ));
+        }
+        if let Some(r) = p.ready_at {
+            phases.push((
+                ",phase=\"reap_to_ready\"".to_string(),
+                format!("{:.6}", r.saturating_sub(p.reaped_at).as_secs_f64()),
+            ));
+        }
+        metric(
+            "shadow_pair_last_promotion_seconds",
+            "gauge",
+            "Phases of the last promotion, from the reap of the dead active engine.",
+            &phases,
+        );
+    }
+    if !gms.is_empty() {
+        let per = |f: &dyn Fn(&GmsFigures) -> String| {
+            gms.iter()
+                .map(|g| (format!(",device=\"{}\"", label(&g.device)), f(g)))
+                .collect::<Vec<_>>()
+        };
+        metric(
+            "shadow_gms_bytes",
+            "gauge",
+            "Bytes held by the pair's GMS daemon.",
+            &per(&|g| g.bytes.to_string()),
+        );
+        metric(
+            "shadow_gms_allocations",
+            "gauge",
+            "Allocations held by the pair's GMS daemon.",
+            &per(&|g| g.allocations.to_string()),
+        );
+        metric(
+            "shadow_gms_leases",
+            "gauge",
+            "Engines attached to the pair's GMS daemon.",
+            &per(&|g| g.leases.to_string()),
+        );
+        metric(
+            "shadow_gms_committed",
+            "gauge",
+            "1 when the daemon holds a committed layout.",
+            &per(&|g| u8::from(g.committed).to_string()),
+        );
+    }
+    out
+}
+
+/// Replaces `dir/name` with `text` atomically.
+pub fn write_textfile(dir: &Path, name: &str, text: &str) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, dir.join(name)).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{
+        failure::Exit,
+        notify::Notification,
+        pair::{Event, Pair, SlotId},
+        policy::RestartPolicy,
+    };
+
+    fn snapshot_after_one_failover() -> Snapshot {
+        let mut p = Pair::new(RestartPolicy::default());
+        p.start();
+        let ms = Duration::from_millis;
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 1,
+            },
+            ms(0),
+        );
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ONE,
+                pid: 2,
+            },
+            ms(0),
+        );
+        p.handle(Event::LockHeld { slot: SlotId::ZERO }, ms(1));
+        p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: Exit::Signal(9),
+            },
+            ms(100),
+        );
+        p.handle(Event::LockHeld { slot: SlotId::ONE }, ms(102));
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 3,
+            },
+            ms(103),
+        );
+        p.handle(
+            Event::Notified {
+                slot: SlotId::ZERO,
+                notification: Notification::Status("parked".into()),
+            },
+            ms(150),
+        );
+        p.snapshot()
+    }
+
+    #[test]
+    fn renders_every_family_with_labels() {
+        let snap = snapshot_after_one_failover();
+        let gms = [GmsFigures {
+            device: "host".into(),
+            bytes: 4096,
+            allocations: 1,
+            leases: 2,
+            committed: true,
+        }];
+        let text = render("default", "llm\"1", &snap, &gms);
+        let base = "namespace=\"default\",pair=\"llm\\\"1\"";
+        for line in [
+            format!("shadow_pair_failovers_total{{{base}}} 1"),
+            format!("shadow_pair_protected{{{base}}} 1"),
+            format!("shadow_engine_state{{{base},slot=\"1\",state=\"active\"}} 1"),
+            format!("shadow_engine_state{{{base},slot=\"0\",state=\"parked\"}} 1"),
+            format!("shadow_engine_state{{{base},slot=\"0\",state=\"active\"}} 0"),
+            format!("shadow_engine_generation{{{base},slot=\"0\"}} 2"),
+            format!("shadow_pair_last_promotion_seconds{{{base},phase=\"reap_to_lock\"}} 0.002000"),
+            format!("shadow_gms_bytes{{{base},device=\"host\"}} 4096"),
+            format!("shadow_gms_leases{{{base},device=\"host\"}} 2"),
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        // Every sample line belongs to a family announced with HELP and TYPE.
+        for l in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = l.split('{').next().unwrap();
+            assert!(
+                text.contains(&format!("# TYPE {name} ")),
+                "{name} has no TYPE"
+            );
+        }
+    }
+
+    #[test]
+    fn textfile_is_replaced_whole() {
+        let dir = std::env::temp_dir().join(format!("shadow-metrics-{}", std::process::id()));
+        write_textfile(&dir, "p.prom", "a 1\n").unwrap();
+        write_textfile(&dir, "p.prom", "a 2\n").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join("p.prom")).unwrap(),
+            "a 2\n"
+        );
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "no temporary file left: {names:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
