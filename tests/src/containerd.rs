@@ -190,6 +190,22 @@ impl Containerd {
 
     /// `ctr task exec --exec-id <exec_id> <id> <cmd…>`, to completion.
     pub fn exec<S: AsRef<str>>(&self, id: &str, exec_id: &str, cmd: &[S]) -> Result<Output> {
+        self.ctr().run(&self.exec_args(id, exec_id, cmd))
+    }
+
+    /// `ctr task exec` in the background, with a stdin pipe if asked.
+    pub fn exec_spawn<S: AsRef<str>>(
+        &self,
+        id: &str,
+        exec_id: &str,
+        cmd: &[S],
+        with_stdin: bool,
+    ) -> Result<Spawned> {
+        self.ctr()
+            .spawn(&self.exec_args(id, exec_id, cmd), with_stdin)
+    }
+
+    fn exec_args<S: AsRef<str>>(&self, id: &str, exec_id: &str, cmd: &[S]) -> Vec<String> {
         let mut a: Vec<String> = vec![
             "task".into(),
             "exec".into(),
@@ -200,7 +216,7 @@ impl Containerd {
             id.into(),
         ];
         a.extend(cmd.iter().map(|c| c.as_ref().to_owned()));
-        self.ctr().run(&a)
+        a
     }
 
     /// The dir `ctr` puts its IO FIFOs in (private, so none land in /run/containerd/fifo).

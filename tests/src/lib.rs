@@ -98,7 +98,7 @@ pub fn shim_path(profile: &str) -> Result<PathBuf> {
 /// Generate, for each named behaviour test `fn name(rt: Runtime)` in scope,
 /// a `runc_v2::name` test (reference arm) and a `shadow::name` test (product arm).
 ///
-/// ```ignore
+/// ```text
 /// fn prints_stdout(rt: Runtime) { /* … */ }
 /// shadow_tests::runtime_arms!(prints_stdout, exit_codes);
 /// ```

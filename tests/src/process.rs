@@ -218,6 +218,41 @@ impl Spawned {
         }
     }
 
+    /// Wait until everything printed so far (stdout, stderr) satisfies
+    /// `pred`, re-checked on each new line; for output spread over both
+    /// streams, whose relative order is not defined.
+    pub fn wait_output(
+        &mut self,
+        timeout: Duration,
+        pred: impl Fn(&str, &str) -> bool,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if pred(&self.stdout_so_far(), &self.stderr_so_far()) {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(Line::Out(_)) => {}
+                Ok(Line::Eof) => {
+                    self.open_streams = self.open_streams.saturating_sub(1);
+                    if self.open_streams == 0 && !pred(&self.stdout_so_far(), &self.stderr_so_far())
+                    {
+                        return Err(Error::OutputEnded {
+                            what: format!(
+                                "`{}` (stdout: {:?}, stderr: {:?})",
+                                self.what,
+                                self.stdout_so_far(),
+                                self.stderr_so_far()
+                            ),
+                        });
+                    }
+                }
+                Err(_) => return Err(self.timeout_error("the expected output", timeout)),
+            }
+        }
+    }
+
     /// Wait for the process to exit, at most `timeout`; on timeout it is
     /// killed and the error carries what it printed.
     pub fn wait(mut self, timeout: Duration) -> Result<Output> {

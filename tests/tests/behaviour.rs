@@ -33,26 +33,31 @@ fn kill9(cd: &Containerd, id: &str) {
 
 fn stdout_and_stderr(rt: Runtime) {
     let cd = Containerd::start().expect("start containerd");
-    let out = cd
+    // The container holds on (reading stdin) until the test has seen all its
+    // output: what is checked is delivery, not a race between the last write
+    // and the exit (which ctr can lose under load, even with runc-v2).
+    let mut run = cd
         .container(rt, "echo")
         .rm()
         .cmd(&[
             "sh",
             "-c",
-            "echo to-stderr >&2; echo hello from the container; echo second line",
+            "echo to-stderr >&2; echo hello from the container; echo second line; read x; exit 0",
         ])
-        .run()
-        .expect("ctr run");
+        .spawn(true)
+        .expect("start ctr run");
+    run.wait_output(WAIT, |out, err| {
+        out.ends_with("second line\n") && err.contains("to-stderr\n")
+    })
+    .expect("all output delivered");
+    run.write_stdin(b"done\n").expect("write stdin");
+    let out = run.wait(WAIT).expect("ctr run ends");
     out.assert_success();
     assert_eq!(
         out.stdout, "hello from the container\nsecond line\n",
         "{out}"
     );
-    assert!(out.stderr.contains("to-stderr"), "{out}");
-    assert!(
-        !out.stdout.contains("to-stderr"),
-        "stderr leaked into stdout: {out}"
-    );
+    assert_eq!(out.stderr, "to-stderr\n", "{out}");
     cd.assert_no_leftovers();
 }
 
@@ -274,15 +279,27 @@ fn task_metrics(rt: Runtime) {
 
 fn run_with_tty(rt: Runtime) {
     let cd = Containerd::start().expect("start containerd");
-    let run = cd
+    // As above, the container waits for a line (typed into the terminal)
+    // after printing, so the check is of the terminal, not of a race.
+    let mut run = cd
         .container(rt, "tty")
         .rm()
-        .cmd(&["sh", "-c", "tty; [ -t 0 ] && [ -t 1 ] && exit 4"])
+        .cmd(&[
+            "sh",
+            "-c",
+            "tty; [ -t 0 ] && [ -t 1 ] && echo both-ttys; read x; exit 4",
+        ])
         .spawn_tty()
         .expect("start ctr run -t");
+    let tty = run
+        .wait_line(WAIT, |l| l.starts_with("/dev/"))
+        .expect("tty prints the terminal");
+    assert!(tty.starts_with("/dev/pts/"), "not a pty: {tty:?}");
+    run.wait_line(WAIT, |l| l == "both-ttys")
+        .expect("stdin and stdout are ttys");
+    run.write_stdin(b"bye\n").expect("type a line");
     let out = run.wait(WAIT).expect("ctr run -t ends");
     assert_eq!(out.code(), 4, "{out}");
-    assert!(out.stdout.contains("/dev/pts/"), "{out}");
     cd.assert_no_leftovers();
 }
 
