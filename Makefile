@@ -78,3 +78,15 @@ install: check-root release
 	done
 
 # --- gms targets (fuzz, bench-gms) go below this line ---
+.PHONY: fuzz bench-gms
+# Stable-toolchain fuzzer of the GMS decoder and lease machine, bounded time
+# (FUZZ_SECONDS=600 make fuzz for a longer run).
+FUZZ_SECONDS ?= 60
+fuzz: check-cargo
+	$(CARGO) run -q -p gms --release --bin gms-fuzz -- --seconds $(FUZZ_SECONDS)
+
+# GMS import time of a committed 16 GiB layout in a new reader process, and
+# the writer's load throughput (scales down if MemAvailable is too small).
+bench-gms: check-cargo
+	$(CARGO) build -q -p gms --release --bins
+	./target/release/gms-bench --gib 16
