@@ -24,6 +24,8 @@ pub enum Error {
     ContainerNotFound(String),
     #[error("exec process {exec_id} not found in container {id}")]
     ExecNotFound { id: String, exec_id: String },
+    #[error("{process} of container {id} has already finished")]
+    Finished { id: String, process: String },
     #[error("{0} already exists in this shim")]
     AlreadyExists(String),
     /// The object exists but is in the wrong state for the request.
@@ -93,7 +95,9 @@ impl Error {
                 Code::INVALID_ARGUMENT
             }
             Error::Decode { .. } => Code::INVALID_ARGUMENT,
-            Error::ContainerNotFound(_) | Error::ExecNotFound { .. } => Code::NOT_FOUND,
+            Error::ContainerNotFound(_) | Error::ExecNotFound { .. } | Error::Finished { .. } => {
+                Code::NOT_FOUND
+            }
             Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
             Error::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
             Error::Unimplemented(_) => Code::UNIMPLEMENTED,

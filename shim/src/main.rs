@@ -12,6 +12,7 @@ mod error;
 mod events;
 mod exits;
 mod io;
+mod memory;
 mod oom;
 mod options;
 mod plain;

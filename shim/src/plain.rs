@@ -56,6 +56,8 @@ pub struct PlainContainer {
     router: Arc<ExitRouter>,
     events: EventSink,
     init: Arc<Process>,
+    /// The init pid never changes once runc created it.
+    init_pid: u32,
     execs: Mutex<HashMap<String, Arc<Process>>>,
     /// `bundle/rootfs` when the shim mounted it (Create had rootfs mounts).
     mounted_rootfs: Option<PathBuf>,
@@ -167,6 +169,7 @@ impl PlainContainer {
                     router: rt.router.clone(),
                     events: rt.events.clone(),
                     init,
+                    init_pid: pid,
                     execs: Mutex::new(HashMap::new()),
                     mounted_rootfs: undo.mounted.clone(),
                     oom: std::sync::Mutex::new(None),
@@ -331,7 +334,7 @@ impl Container for PlainContainer {
     }
 
     fn pid(&self) -> u32 {
-        self.init.state.try_lock().map(|s| s.pid).unwrap_or(0)
+        self.init_pid
     }
 
     async fn start(&self, exec: ExecId<'_>) -> Result<u32> {
@@ -372,9 +375,9 @@ impl Container for PlainContainer {
         let proc = self.process(exec).await?;
         let st = proc.state.lock().await;
         if st.status == Status::Stopped && !all {
-            return Err(Error::ExecNotFound {
+            return Err(Error::Finished {
                 id: self.id.clone(),
-                exec_id: format!("{} (process already finished)", exec.unwrap_or("init")),
+                process: exec.map_or("the init process".into(), |e| format!("exec {e}")),
             });
         }
         match exec {

@@ -248,6 +248,8 @@ impl Task for TaskService {
     async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
         let c = self.get(&req.id).await?;
         let pid = c.start(exec_of(&req.exec_id)).await?;
+        // Create and Start touched code the running container will not need.
+        crate::memory::trim();
         Ok(StartResponse {
             pid,
             ..Default::default()
@@ -380,5 +382,105 @@ impl Task for TaskService {
             self.exit.signal();
         }
         Ok(Empty::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_errors_are_invalid_argument_naming_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        let missing = read_spec(d.path()).unwrap_err();
+        assert_eq!(
+            missing.code(),
+            containerd_shim_protos::ttrpc::Code::INVALID_ARGUMENT
+        );
+        assert!(missing.to_string().contains("config.json"));
+        std::fs::write(d.path().join("config.json"), "{\"ociVersion\": 3").unwrap();
+        let bad = read_spec(d.path()).unwrap_err();
+        assert_eq!(
+            bad.code(),
+            containerd_shim_protos::ttrpc::Code::INVALID_ARGUMENT
+        );
+        assert!(bad
+            .to_string()
+            .contains(&d.path().join("config.json").display().to_string()));
+    }
+
+    fn service() -> (TaskService, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+        let (events, rx) = EventSink::channel();
+        let runtime = Runtime {
+            config: crate::config::Config::default(),
+            namespace: "test".into(),
+            router: Arc::new(crate::exits::ExitRouter::default()),
+            events,
+        };
+        (
+            TaskService::new(runtime, Arc::new(ExitSignal::default())),
+            rx,
+        )
+    }
+
+    fn bundle_with(annotations: &str) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("rootfs")).unwrap();
+        let spec = format!(
+            r#"{{"ociVersion":"1.0.2","root":{{"path":"rootfs"}},"process":{{"cwd":"/","user":{{"uid":0,"gid":0}},"args":["/bin/true"]}},"annotations":{{{annotations}}}}}"#
+        );
+        std::fs::write(d.path().join("config.json"), spec).unwrap();
+        d
+    }
+
+    async fn refused(annotations: &str) -> Error {
+        let (svc, mut rx) = service();
+        let b = bundle_with(annotations);
+        let req = CreateTaskRequest {
+            id: "c1".into(),
+            bundle: b.path().display().to_string(),
+            ..Default::default()
+        };
+        let e = svc.do_create(req).await.unwrap_err();
+        // Refused before anything exists: no container, no event.
+        assert_eq!(svc.container_count().await, 0);
+        assert!(rx.try_recv().is_err());
+        e
+    }
+
+    #[tokio::test]
+    async fn pairing_is_refused_as_unimplemented_and_leaves_nothing() {
+        let e = refused(r#""shadow.dev/pair":"true""#).await;
+        assert_eq!(
+            e.code(),
+            containerd_shim_protos::ttrpc::Code::UNIMPLEMENTED,
+            "{e}"
+        );
+        assert!(e.to_string().contains("pairing is not built yet"));
+    }
+
+    #[tokio::test]
+    async fn bad_annotation_is_refused_as_invalid_argument() {
+        let e = refused(r#""shadow.dev/gms":"gpu""#).await;
+        assert_eq!(
+            e.code(),
+            containerd_shim_protos::ttrpc::Code::INVALID_ARGUMENT
+        );
+    }
+
+    #[tokio::test]
+    async fn unknown_container_is_not_found() {
+        let (svc, _rx) = service();
+        let e = svc.do_state("nope", None).await.unwrap_err();
+        assert_eq!(e.code(), containerd_shim_protos::ttrpc::Code::NOT_FOUND);
+        let e = svc.do_delete("nope", None).await.unwrap_err();
+        assert_eq!(e.code(), containerd_shim_protos::ttrpc::Code::NOT_FOUND);
+    }
+
+    #[test]
+    fn timestamps_convert_exactly() {
+        let t = UNIX_EPOCH + std::time::Duration::new(1_700_000_000, 123);
+        let ts = timestamp(t);
+        assert_eq!((ts.seconds, ts.nanos), (1_700_000_000, 123));
     }
 }

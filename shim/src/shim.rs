@@ -28,6 +28,8 @@ pub struct ShadowShim {
     id: String,
     bundle: PathBuf,
     config: Config,
+    /// `-socket`: the ttrpc socket this daemon serves.
+    socket: String,
     exit: Arc<ExitSignal>,
 }
 
@@ -71,6 +73,7 @@ impl Shim for ShadowShim {
             id: args.id.clone(),
             bundle,
             config,
+            socket: args.socket.clone(),
             exit: Arc::new(ExitSignal::default()),
         }
     }
@@ -105,7 +108,24 @@ impl Shim for ShadowShim {
     }
 
     async fn wait(&mut self) {
+        // The server is up: startup code is not needed again.
+        crate::memory::trim();
         self.exit.wait().await;
+        // containerd-shim removes the socket through the bundle's `address`
+        // file, which containerd may already have deleted with the bundle:
+        // remove it here, by the path we were given.
+        let path = self
+            .socket
+            .strip_prefix("unix://")
+            .unwrap_or(&self.socket)
+            .to_string();
+        if !path.is_empty() {
+            if let Err(e) = std::fs::remove_file(&path) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    log::warn!("removing socket {path}: {e}");
+                }
+            }
+        }
     }
 
     async fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
