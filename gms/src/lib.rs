@@ -11,12 +11,13 @@
 //! - [`wire`]: framing and `SCM_RIGHTS` over a stream socket;
 //! - [`lease`]: the lease state machine (pure logic);
 //! - [`layout`]: allocations, metadata and the committed layout;
-//! - [`backend`]: the physical memory behind allocations (`host` here);
+//! - [`backend`]: the physical memory behind allocations (`host`, `cuda`);
 //! - [`daemon`]: `gmsd` itself; [`status`]: what it reports;
-//! - [`client`] and [`mapper`]: the engine side.
+//! - [`client`] and [`mapper`]: the engine side; [`cuda_mapper`] maps on a GPU.
 
 pub mod backend;
 pub mod client;
+pub mod cuda_mapper;
 pub mod daemon;
 mod error;
 pub mod fuzz;

@@ -1,7 +1,8 @@
 //! The physical memory behind allocations. The daemon, the protocol and the
 //! lease code see only these two traits; a backend is one implementation of
-//! them (`host` here: memfd; `cuda` next: `cuMemCreate` + POSIX fd handles).
+//! them (`host`: memfd; `cuda`: `cuMemCreate` + POSIX fd handles).
 
+pub mod cuda;
 pub mod host;
 
 use std::os::fd::OwnedFd;

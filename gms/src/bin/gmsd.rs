@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use gms::backend::cuda::{parse_device, CudaBackend};
 use gms::backend::host::HostBackend;
 use gms::backend::Backend;
 use gms::daemon::{self, Config, Limits};
@@ -28,7 +29,9 @@ enum Command {
         /// refused if world-writable.
         #[arg(long, env = "GMS_SOCKET_DIR", default_value = "/run/shadow/gms")]
         socket_dir: PathBuf,
-        /// `host`, or a CUDA device (not in this build yet).
+        /// `host`, or a CUDA device: an index (`0`), `cuda:0`, or a GPU UUID
+        /// (`GPU-…`, as `nvidia-smi -L` prints it). The socket is then
+        /// `gms-<GPU-UUID>.sock`.
         #[arg(long, default_value = "host")]
         device: String,
         /// Most bytes allocated at once (K/M/G/T suffixes).
@@ -94,12 +97,22 @@ fn main() -> ExitCode {
                         return ExitCode::FAILURE;
                     }
                 },
-                other => {
-                    eprintln!(
-                        "gmsd: device '{other}' is not supported by this build (only 'host')"
-                    );
-                    return ExitCode::from(2);
-                }
+                other => match parse_device(other).and_then(|sel| CudaBackend::open(&sel)) {
+                    Ok(b) => {
+                        tracing::info!(
+                            device = %b.device(),
+                            name = b.device_name(),
+                            ordinal = b.ordinal(),
+                            granularity = b.granularity(),
+                            "cuda backend: no context in this process"
+                        );
+                        Box::new(b)
+                    }
+                    Err(e) => {
+                        eprintln!("gmsd: cuda backend for device '{other}': {e}");
+                        return ExitCode::FAILURE;
+                    }
+                },
             };
             let config = Config {
                 socket_dir,
@@ -140,6 +153,9 @@ fn main() -> ExitCode {
                     }
                 } else {
                     print!("{}", report.render());
+                    if report.backend == "cuda" {
+                        println!("{}", cuda_line(&report));
+                    }
                 }
                 ExitCode::SUCCESS
             }
@@ -149,4 +165,19 @@ fn main() -> ExitCode {
             }
         },
     }
+}
+
+/// The CUDA device behind a report, named as a person looks for it: the
+/// driver is asked (no context) which local device has the report's UUID.
+fn cuda_line(report: &gms::status::StatusReport) -> String {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let name = parse_device(&report.device)
+        .and_then(|sel| CudaBackend::open(&sel))
+        .map(|b| format!("{} (index {})", b.device_name(), b.ordinal()))
+        .unwrap_or_else(|e| format!("(not resolvable here: {e})"));
+    format!(
+        "cuda device {} {name}: {:.2} GiB of device memory held by gmsd",
+        report.device,
+        gib(report.resident_bytes)
+    )
 }

@@ -1,0 +1,507 @@
+//! `libgms`: the GMS engine-side client behind a C ABI, for engines that are
+//! not written in Rust — PyTorch first. Header: `gms/include/gms.h`.
+//!
+//! PyTorch's `CUDAPluggableAllocator` calls plain C functions that carry no
+//! user pointer, so the client is process-wide: one [`Session`] behind one
+//! mutex. Every entry point
+//! - takes that lock (calls from any thread are serialised),
+//! - runs inside `catch_unwind` (a panic never crosses into C),
+//! - reports failure as NULL / a negative number, with the reason kept for
+//!   `gms_last_error()` on the calling thread.
+//!
+//! Ownership: the session owns every mapping and descriptor; C callers get
+//! addresses only. Strings returned by `gms_layout_json`/`gms_get_meta` are
+//! the caller's, freed with `gms_string_free`.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use gms_core::backend::cuda::parse_device;
+use gms_core::client::{Client, Imported, KvCache, Weights};
+use gms_core::cuda_mapper::{connect_wait, CudaMapper, CudaRange};
+use gms_core::mapper::Range;
+use gms_core::protocol::{LeaseKind, Mode};
+
+/// Everything this process holds from its GMS daemon.
+struct Session {
+    /// Field order: mappings go before the connection (the lease) ends.
+    written: BTreeMap<u64, Weights<CudaRange>>,
+    imported: Option<Imported<CudaRange>>,
+    kv: BTreeMap<i64, KvCache<CudaRange>>,
+    next_kv: i64,
+    ordinal: i32,
+    client: Client<CudaMapper>,
+    mapper: CudaMapper,
+}
+
+static SESSION: Mutex<Option<Session>> = Mutex::new(None);
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn session() -> MutexGuard<'static, Option<Session>> {
+    // A panic caught in an earlier call must not make every later call fail.
+    SESSION.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn set_error(msg: String) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Runs `f`, turning an error or a panic into `fallback` + a recorded error.
+fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> Result<T, String>) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(msg)) => {
+            set_error(format!("{what}: {msg}"));
+            fallback
+        }
+        Err(_) => {
+            set_error(format!("{what}: internal panic (a bug in libgms)"));
+            fallback
+        }
+    }
+}
+
+fn with_session<T>(f: impl FnOnce(&mut Session) -> Result<T, String>) -> Result<T, String> {
+    let mut guard = session();
+    let s = guard
+        .as_mut()
+        .ok_or("not connected: call gms_connect first")?;
+    s.mapper.make_current().map_err(|e| e.to_string())?;
+    f(s)
+}
+
+/// A C string argument, or None for NULL.
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string valid for the call.
+unsafe fn opt_str(p: *const c_char, name: &str) -> Result<Option<String>, String> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: the caller promises a NUL-terminated string (header contract).
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str()
+        .map(|s| Some(s.to_owned()))
+        .map_err(|_| format!("{name} is not UTF-8"))
+}
+
+/// # Safety
+/// As [`opt_str`]; NULL is an error.
+unsafe fn req_str(p: *const c_char, name: &str) -> Result<String, String> {
+    // SAFETY: forwarded contract.
+    unsafe { opt_str(p, name) }?.ok_or_else(|| format!("{name} is NULL"))
+}
+
+fn owned_c_string(s: String) -> Result<*mut c_char, String> {
+    CString::new(s)
+        .map(CString::into_raw)
+        .map_err(|_| "result contains a NUL byte".to_string())
+}
+
+/// The reason for the last failure on this thread ("" if none). Valid until
+/// the next libgms call on this thread.
+#[no_mangle]
+pub extern "C" fn gms_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// Connects this process to the GMS daemon of CUDA device `device`.
+///
+/// # Safety
+/// `socket_path` and `client` are NULL or NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn gms_connect(
+    socket_path: *const c_char,
+    mode: c_int,
+    client: *const c_char,
+    device: c_int,
+    timeout_ms: c_int,
+) -> c_int {
+    guarded("gms_connect", -1, || {
+        // SAFETY: header contract.
+        let socket_path = unsafe { opt_str(socket_path, "socket_path") }?;
+        // SAFETY: header contract.
+        let name = unsafe { opt_str(client, "client") }?.unwrap_or_else(|| "libgms".into());
+        let mode = match mode {
+            0 => Mode::Rw,
+            1 => Mode::Ro,
+            2 => Mode::RwOrRo,
+            other => return Err(format!("mode {other}: 0 (rw), 1 (ro) or 2 (rw_or_ro)")),
+        };
+        let mut guard = session();
+        if guard.is_some() {
+            return Err("already connected (gms_disconnect first)".into());
+        }
+        let selector = parse_device(&device.to_string()).map_err(|e| e.to_string())?;
+        let mapper = CudaMapper::open(&selector).map_err(|e| e.to_string())?;
+        let socket = match socket_path {
+            Some(p) => PathBuf::from(p),
+            None => {
+                let dir = std::env::var("GMS_SOCKET_DIR")
+                    .unwrap_or_else(|_| "/run/shadow/gms".to_string());
+                mapper.socket_in(&PathBuf::from(dir))
+            }
+        };
+        let timeout = Duration::from_millis(timeout_ms.max(0) as u64);
+        let client = connect_wait(mapper.clone(), &socket, mode, &name, timeout)
+            .map_err(|e| format!("{}: {e}", socket.display()))?;
+        let lease = client.lease();
+        *guard = Some(Session {
+            written: BTreeMap::new(),
+            imported: None,
+            kv: BTreeMap::new(),
+            next_kv: 0,
+            ordinal: device,
+            client,
+            mapper,
+        });
+        Ok(lease_code(lease))
+    })
+}
+
+fn lease_code(lease: LeaseKind) -> c_int {
+    match lease {
+        LeaseKind::Rw => 0,
+        LeaseKind::Ro => 1,
+    }
+}
+
+/// 0 = rw, 1 = ro, -1 = not connected.
+#[no_mangle]
+pub extern "C" fn gms_lease() -> c_int {
+    guarded("gms_lease", -1, || {
+        let guard = session();
+        let s = guard.as_ref().ok_or("not connected")?;
+        Ok(lease_code(s.client.lease()))
+    })
+}
+
+/// Allocation granularity of the device in bytes; 0 if not connected.
+#[no_mangle]
+pub extern "C" fn gms_granularity() -> u64 {
+    guarded("gms_granularity", 0, || {
+        let guard = session();
+        Ok(guard.as_ref().ok_or("not connected")?.mapper.granularity())
+    })
+}
+
+fn allocate(s: &mut Session, size: u64, tag: &str) -> Result<*mut c_void, String> {
+    if s.client.lease() != LeaseKind::Rw {
+        return Err("this process holds an ro lease: only the writer allocates".into());
+    }
+    let w = s.client.allocate(tag, size).map_err(|e| e.to_string())?;
+    let addr = w.addr();
+    s.written.insert(addr, w);
+    Ok(addr as *mut c_void)
+}
+
+/// Writer: a new GMS allocation of at least `size` bytes, mapped read-write.
+///
+/// # Safety
+/// `tag` is NULL (means "weights") or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn gms_allocate(size: u64, tag: *const c_char) -> *mut c_void {
+    guarded("gms_allocate", std::ptr::null_mut(), || {
+        // SAFETY: header contract.
+        let tag = unsafe { opt_str(tag, "tag") }?.unwrap_or_else(|| "weights".into());
+        with_session(|s| allocate(s, size, &tag))
+    })
+}
+
+fn free(s: &mut Session, ptr: *mut c_void) -> Result<c_int, String> {
+    let addr = ptr as u64;
+    if s.client.welcome().committed {
+        // Committed weights are immutable and outlive this engine.
+        return Ok(1);
+    }
+    let w = s
+        .written
+        .remove(&addr)
+        .ok_or_else(|| format!("{addr:#x} is not a GMS allocation of this process"))?;
+    s.client.free(w).map_err(|e| e.to_string())?;
+    Ok(0)
+}
+
+/// Writer: gives an uncommitted allocation back. 0 = freed, 1 = no-op
+/// (layout committed), -1 = error.
+#[no_mangle]
+pub extern "C" fn gms_free(ptr: *mut c_void) -> c_int {
+    guarded("gms_free", -1, || with_session(|s| free(s, ptr)))
+}
+
+/// PyTorch `CUDAPluggableAllocator` malloc: one GMS allocation per call,
+/// tagged "weights". NULL on failure (torch then reports out-of-memory).
+#[no_mangle]
+pub extern "C" fn gms_torch_malloc(
+    size: isize,
+    device: c_int,
+    _stream: *mut c_void,
+) -> *mut c_void {
+    guarded("gms_torch_malloc", std::ptr::null_mut(), || {
+        let size = u64::try_from(size)
+            .ok()
+            .filter(|s| *s > 0)
+            .ok_or_else(|| format!("size {size}"))?;
+        with_session(|s| {
+            if device != s.ordinal {
+                return Err(format!(
+                    "torch asked for device {device}, libgms is connected to device {}",
+                    s.ordinal
+                ));
+            }
+            allocate(s, size, "weights")
+        })
+    })
+}
+
+/// PyTorch `CUDAPluggableAllocator` free. Before commit the allocation is
+/// returned to gmsd; after commit it is a no-op (the weights are shared).
+#[no_mangle]
+pub extern "C" fn gms_torch_free(
+    ptr: *mut c_void,
+    _size: isize,
+    _device: c_int,
+    _stream: *mut c_void,
+) {
+    guarded("gms_torch_free", (), || {
+        with_session(|s| free(s, ptr).map(|_| ()))
+    })
+}
+
+/// Writer: stores a metadata entry (e.g. a tensor's allocation, offset,
+/// shape, dtype as JSON). 0 or -1.
+///
+/// # Safety
+/// `key` and `value` are NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn gms_put_meta(key: *const c_char, value: *const c_char) -> c_int {
+    guarded("gms_put_meta", -1, || {
+        // SAFETY: header contract.
+        let key = unsafe { req_str(key, "key") }?;
+        // SAFETY: header contract.
+        let value = unsafe { req_str(value, "value") }?;
+        with_session(|s| s.client.put_meta(&key, &value).map_err(|e| e.to_string()))?;
+        Ok(0)
+    })
+}
+
+/// A metadata value: 1 and `*out` set (free with gms_string_free), 0 if the
+/// key is absent, -1 on error.
+///
+/// # Safety
+/// `key` is a NUL-terminated string; `out` a valid pointer.
+#[no_mangle]
+pub unsafe extern "C" fn gms_get_meta(key: *const c_char, out: *mut *mut c_char) -> c_int {
+    guarded("gms_get_meta", -1, || {
+        if out.is_null() {
+            return Err("out is NULL".into());
+        }
+        // SAFETY: header contract.
+        let key = unsafe { req_str(key, "key") }?;
+        let value = with_session(|s| s.client.get_meta(&key).map_err(|e| e.to_string()))?;
+        match value {
+            Some(v) => {
+                let p = owned_c_string(v)?;
+                // SAFETY: `out` is non-NULL and valid per the header.
+                unsafe { *out = p };
+                Ok(1)
+            }
+            None => Ok(0),
+        }
+    })
+}
+
+/// Writer: synchronises the device, freezes the layout (every allocation is
+/// remapped read-only at the same address) and continues as a reader.
+/// Returns the layout generation (> 0) or -1.
+#[no_mangle]
+pub extern "C" fn gms_commit() -> i64 {
+    guarded("gms_commit", -1, || {
+        with_session(|s| {
+            s.mapper.synchronize().map_err(|e| e.to_string())?;
+            let mut weights: Vec<Weights<CudaRange>> =
+                std::mem::take(&mut s.written).into_values().collect();
+            let result = s.client.commit(&mut weights);
+            s.written = weights.into_iter().map(|w| (w.addr(), w)).collect();
+            let generation = result.map_err(|e| e.to_string())?;
+            i64::try_from(generation).map_err(|_| format!("generation {generation}"))
+        })
+    })
+}
+
+/// Reader: maps the committed layout read-only at the writer's addresses.
+/// Returns the number of allocations mapped, or -1.
+#[no_mangle]
+pub extern "C" fn gms_import() -> c_int {
+    guarded("gms_import", -1, || {
+        with_session(|s| {
+            if s.imported.is_some() {
+                return Err("the layout is already imported".into());
+            }
+            let imported = s.client.import().map_err(|e| e.to_string())?;
+            let n = imported.weights.len();
+            s.imported = Some(imported);
+            c_int::try_from(n).map_err(|_| format!("{n} allocations"))
+        })
+    })
+}
+
+/// The layout this lease sees (allocations with id, tag, size, va; and the
+/// metadata) as JSON. Free with gms_string_free. NULL on error.
+#[no_mangle]
+pub extern "C" fn gms_layout_json() -> *mut c_char {
+    guarded("gms_layout_json", std::ptr::null_mut(), || {
+        let layout = with_session(|s| s.client.layout().map_err(|e| e.to_string()))?;
+        let text = serde_json::to_string(&layout).map_err(|e| e.to_string())?;
+        owned_c_string(text)
+    })
+}
+
+/// Frees a string returned by libgms. NULL is ignored.
+///
+/// # Safety
+/// `s` is NULL or a pointer returned by libgms, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn gms_string_free(s: *mut c_char) {
+    if !s.is_null() {
+        // SAFETY: per the contract, `s` came from CString::into_raw here.
+        drop(unsafe { CString::from_raw(s) });
+    }
+}
+
+/// Reserves `bytes` (rounded up to the granularity) of addresses for a KV
+/// cache, backed by nothing yet. Returns a handle >= 0 and stores the
+/// address in `*addr`, or -1.
+///
+/// # Safety
+/// `addr` is a valid pointer.
+#[no_mangle]
+pub unsafe extern "C" fn gms_kv_reserve(bytes: u64, addr: *mut u64) -> i64 {
+    guarded("gms_kv_reserve", -1, || {
+        if addr.is_null() {
+            return Err("addr is NULL".into());
+        }
+        with_session(|s| {
+            let kv = s.client.reserve_kv(bytes).map_err(|e| e.to_string())?;
+            // SAFETY: non-NULL and valid per the header.
+            unsafe { *addr = kv.range().addr() };
+            let id = s.next_kv;
+            s.next_kv += 1;
+            s.kv.insert(id, kv);
+            Ok(id)
+        })
+    })
+}
+
+fn kv_op(
+    kv: i64,
+    op: impl FnOnce(&mut KvCache<CudaRange>) -> gms_core::Result<()>,
+) -> Result<c_int, String> {
+    with_session(|s| {
+        let cache =
+            s.kv.get_mut(&kv)
+                .ok_or_else(|| format!("no KV cache {kv}"))?;
+        op(cache).map_err(|e| e.to_string())?;
+        Ok(0)
+    })
+}
+
+/// Backs a reserved KV cache with fresh device pages (not zeroed). 0 or -1.
+#[no_mangle]
+pub extern "C" fn gms_kv_materialise(kv: i64) -> c_int {
+    guarded("gms_kv_materialise", -1, || kv_op(kv, |c| c.materialise()))
+}
+
+/// Gives a KV cache's pages back, keeping its addresses. 0 or -1.
+#[no_mangle]
+pub extern "C" fn gms_kv_release(kv: i64) -> c_int {
+    guarded("gms_kv_release", -1, || kv_op(kv, |c| c.release()))
+}
+
+/// Unmaps (1) or remaps (0) every weight mapping of this process in place.
+/// 0 or -1.
+#[no_mangle]
+pub extern "C" fn gms_weights_sleep(sleep: c_int) -> c_int {
+    guarded("gms_weights_sleep", -1, || {
+        with_session(|s| {
+            let imported = s.imported.iter_mut().flat_map(|i| i.weights.iter_mut());
+            for w in s.written.values_mut().chain(imported) {
+                let r = if sleep != 0 { w.sleep() } else { w.wake() };
+                r.map_err(|e| e.to_string())?;
+            }
+            Ok(0)
+        })
+    })
+}
+
+/// Ends the lease: unmaps everything, closes the connection. A writer that
+/// has not committed has its allocations discarded by gmsd.
+#[no_mangle]
+pub extern "C" fn gms_disconnect() {
+    guarded("gms_disconnect", (), || {
+        let mut guard = session();
+        if let Some(s) = guard.as_ref() {
+            let _ = s.mapper.synchronize();
+        }
+        *guard = None;
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        // SAFETY: gms_last_error returns a valid NUL-terminated string.
+        unsafe { CStr::from_ptr(gms_last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn calls_without_a_session_fail_with_a_reason() {
+        assert!(gms_torch_malloc(1 << 20, 0, std::ptr::null_mut()).is_null());
+        assert!(last_error().contains("not connected"), "{}", last_error());
+        assert_eq!(gms_commit(), -1);
+        assert_eq!(gms_lease(), -1);
+        gms_torch_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+        assert!(last_error().contains("gms_torch_free"));
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_the_driver_is_touched() {
+        // SAFETY: NULL strings are allowed by the contract.
+        let r = unsafe { gms_connect(std::ptr::null(), 9, std::ptr::null(), 0, 0) };
+        assert_eq!(r, -1);
+        assert!(last_error().contains("mode 9"), "{}", last_error());
+        // SAFETY: NULL key is refused, not dereferenced.
+        assert_eq!(
+            unsafe { gms_put_meta(std::ptr::null(), std::ptr::null()) },
+            -1
+        );
+        assert!(last_error().contains("key is NULL"));
+    }
+
+    /// On a machine without a GPU, connecting names the missing driver.
+    #[test]
+    fn connect_without_a_gpu_is_an_error_not_a_crash() {
+        let dir = CString::new("/nonexistent/gms.sock").unwrap();
+        // SAFETY: valid strings.
+        let r = unsafe { gms_connect(dir.as_ptr(), 2, std::ptr::null(), 0, 0) };
+        assert_eq!(r, -1);
+        let err = last_error();
+        assert!(
+            err.contains("CUDA") || err.contains("/nonexistent"),
+            "{err}"
+        );
+    }
+}

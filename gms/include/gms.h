@@ -1,0 +1,126 @@
+/*
+ * gms.h: libgms, the engine side of the GPU Memory Service (GMS) as a C ABI.
+ *
+ * An engine connects to the gmsd of its GPU (socket gms-<GPU-UUID>.sock in
+ * GMS_SOCKET_DIR), holds a lease for as long as it is connected, and either
+ * loads + commits the weights (rw) or maps the committed weights read-only at
+ * the writer's addresses (ro). Protocol: docs/gms-protocol.md; CUDA notes:
+ * docs/gms-cuda.md.
+ *
+ * Threading: the client is process-wide (PyTorch's allocator callbacks carry
+ * no user pointer). Every call takes one internal lock, so calls from any
+ * thread are safe and serialised. The CUDA primary context of the connected
+ * device is retained and made current on the calling thread by each call.
+ *
+ * Errors: a call that fails returns NULL or a negative number and records a
+ * reason, read with gms_last_error() on the same thread. No call aborts or
+ * unwinds into the caller.
+ *
+ * Ownership: libgms owns every mapping, descriptor and reservation; callers
+ * get device addresses only, valid until gms_disconnect() (or, for KV, until
+ * gms_kv_release()). Strings returned through `char *` / `char **` are the
+ * caller's and are freed with gms_string_free().
+ */
+#ifndef GMS_H
+#define GMS_H
+
+#include <stdint.h>
+#include <sys/types.h> /* ssize_t */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Lease modes for gms_connect. */
+#define GMS_MODE_RW 0
+#define GMS_MODE_RO 1
+#define GMS_MODE_RW_OR_RO 2
+
+/* Leases returned by gms_connect / gms_lease. */
+#define GMS_LEASE_RW 0
+#define GMS_LEASE_RO 1
+
+/* The reason for this thread's last failure ("" if none). The pointer stays
+ * valid until the next libgms call on this thread; do not free it. */
+const char *gms_last_error(void);
+
+/* Connects to the daemon of CUDA device `device` (an ordinal). socket_path:
+ * NULL means $GMS_SOCKET_DIR/gms-<GPU-UUID>.sock (default dir
+ * /run/shadow/gms). mode: GMS_MODE_*. client: a name for `gmsd status`, or
+ * NULL. While the daemon is absent or another engine holds the write lease,
+ * retries for up to timeout_ms. Returns the lease granted (GMS_LEASE_*) or
+ * -1. One connection per process. */
+int gms_connect(const char *socket_path, int mode, const char *client,
+                int device, int timeout_ms);
+
+/* GMS_LEASE_RW, GMS_LEASE_RO, or -1 when not connected. A writer becomes a
+ * reader at commit. */
+int gms_lease(void);
+
+/* Allocation granularity of the device in bytes (2 MiB on an H200); 0 when
+ * not connected. */
+uint64_t gms_granularity(void);
+
+/* Writer: a new GMS allocation of at least `size` bytes (rounded up to the
+ * granularity), mapped read-write at a fresh address. tag: NULL means
+ * "weights". Returns the device address or NULL. */
+void *gms_allocate(uint64_t size, const char *tag);
+
+/* Writer: frees an allocation from gms_allocate / gms_torch_malloc. Returns
+ * 0 (freed), 1 (no-op: the layout is committed and shared), or -1. */
+int gms_free(void *ptr);
+
+/* torch.cuda.memory.CUDAPluggableAllocator(path, "gms_torch_malloc",
+ * "gms_torch_free"): one GMS allocation ("weights") per call; NULL on
+ * failure, which torch reports as out-of-memory. `stream` is a
+ * cudaStream_t; mapping is synchronous, so it is not used. */
+void *gms_torch_malloc(ssize_t size, int device, void *stream);
+void gms_torch_free(void *ptr, ssize_t size, int device, void *stream);
+
+/* Writer: stores key -> value (e.g. a tensor's allocation id, offset, shape,
+ * stride and dtype as JSON). 0 or -1. */
+int gms_put_meta(const char *key, const char *value);
+
+/* Reads a metadata value: 1 and *out set (free with gms_string_free), 0 if
+ * absent, -1 on error. */
+int gms_get_meta(const char *key, char **out);
+
+/* Writer: waits for the device, then freezes the layout: every allocation is
+ * remapped read-only at the same address and the lease becomes ro. Returns
+ * the layout generation (> 0) or -1. */
+int64_t gms_commit(void);
+
+/* Reader: maps every committed allocation read-only at the address the
+ * writer used. Fails (-1) if any of those addresses is taken in this
+ * process. Returns the number of allocations mapped. */
+int gms_import(void);
+
+/* The layout this lease sees as JSON: {"generation":N,"allocations":[{"id",
+ * "tag","size","va"}...],"metadata":{key:value}}. Free with
+ * gms_string_free. NULL on error. */
+char *gms_layout_json(void);
+
+/* Frees a string returned by libgms; NULL is ignored. */
+void gms_string_free(char *s);
+
+/* KV cache: reserve `bytes` of addresses (rounded up), backed by nothing;
+ * returns a handle >= 0 and the address in *addr, or -1. materialise backs
+ * it with fresh, NOT zeroed device pages; release gives the pages back and
+ * keeps the addresses. Both return 0 or -1. */
+int64_t gms_kv_reserve(uint64_t bytes, uint64_t *addr);
+int gms_kv_materialise(int64_t kv);
+int gms_kv_release(int64_t kv);
+
+/* sleep != 0: unmaps every weight mapping of this process, keeping the
+ * addresses; sleep == 0: maps them again. 0 or -1. */
+int gms_weights_sleep(int sleep);
+
+/* Ends the lease: unmaps everything and closes the connection. A writer that
+ * has not committed has its allocations discarded by gmsd. */
+void gms_disconnect(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GMS_H */
