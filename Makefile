@@ -90,3 +90,23 @@ fuzz: check-cargo
 bench-gms: check-cargo
 	$(CARGO) build -q -p gms --release --bins
 	./target/release/gms-bench --gib 16
+
+# --- GPU targets (gpu-bundle, test-gpu) ---
+.PHONY: gpu-bundle test-gpu
+# Where test-gpu finds prebuilt binaries: the GPU machine has no cargo.
+GPU_BIN_DIR ?= .device
+# Extra arguments for tests/gpu/run.py (e.g. --quick, --only failover).
+GPU_TEST_ARGS ?=
+# Release gmsd, gms-cuda-bench, gms-cuda-probe and libgms.so into
+# $(GPU_BIN_DIR), for a GPU machine (x86-64, glibc >= Debian 12's).
+gpu-bundle: check-cargo
+	$(CARGO) build --release -p gms -p gms-cuda -p gms-capi
+	@mkdir -p $(GPU_BIN_DIR)
+	cp target/release/gmsd target/release/gms-cuda-bench target/release/gms-cuda-probe \
+	   target/release/libgms.so $(GPU_BIN_DIR)/
+	@ls -l $(GPU_BIN_DIR)
+
+# GPU tests and figures on a CUDA machine: no cargo, no downloads; python3
+# with torch, nvidia-smi, and the binaries from `make gpu-bundle`.
+test-gpu:
+	python3 tests/gpu/run.py --bin-dir $(GPU_BIN_DIR) $(GPU_TEST_ARGS)

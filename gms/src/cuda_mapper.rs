@@ -41,6 +41,12 @@ pub const DEFAULT_VA_BASE: u64 = 0x7f00_0000_0000;
 /// chunks 91–116 ms.
 pub const KV_CHUNK: u64 = 2 << 30;
 
+/// Size of the address window above the base where writers and KV caches
+/// are placed (address space only; nothing is backed by it).
+pub const VA_WINDOW: u64 = 4 << 40;
+const WINDOW_TRIES: usize = 64;
+const WINDOW_STEP: u64 = 1 << 30;
+
 /// A primary context shared by a mapper and all its ranges.
 struct SharedContext(PrimaryContext);
 
@@ -58,6 +64,7 @@ pub struct CudaMapper {
     device: Device,
     context: Arc<SharedContext>,
     granularity: u64,
+    base: u64,
     next_hint: Arc<AtomicU64>,
 }
 
@@ -85,6 +92,7 @@ impl CudaMapper {
             device,
             context: Arc::new(SharedContext(context)),
             granularity,
+            base,
             next_hint: Arc::new(AtomicU64::new(base)),
         })
     }
@@ -130,6 +138,59 @@ fn parse_address(text: &str) -> Result<u64> {
     parsed.map_err(|_| Error::Config(format!("GMS_VA_BASE={text:?} is not an address")))
 }
 
+impl CudaMapper {
+    fn in_window(&self, addr: u64, len: u64) -> bool {
+        addr >= self.base && addr.saturating_add(len) <= self.base.saturating_add(VA_WINDOW)
+    }
+
+    /// A writer's (or KV) reservation inside the GMS window. Readers must
+    /// find the writer's addresses free, and the window is where their own
+    /// allocations do not go; so a placement the driver made elsewhere is
+    /// given back and the next spot tried.
+    fn reserve_in_window(&self, len: u64, size: usize) -> Result<Reservation> {
+        // Hints aligned to the size's power of two (up to 1 GiB): the
+        // driver was seen on an H200 to ignore hints that were only
+        // granularity-aligned, while aligned ones were honoured.
+        let align = len.next_power_of_two().clamp(self.granularity, WINDOW_STEP);
+        let mut last = 0;
+        for _ in 0..WINDOW_TRIES {
+            let mut hint = 0;
+            let claimed =
+                self.next_hint
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
+                        hint = cur.checked_next_multiple_of(align)?;
+                        hint.checked_add(len)
+                    });
+            if claimed.is_err() {
+                break;
+            }
+            let r = Reservation::reserve(size, self.granularity as usize, hint)
+                .map_err(cuda_error(format!("reserving {len} bytes at {hint:#x}")))?;
+            if r.base() == hint {
+                return Ok(r);
+            }
+            last = r.base();
+            tracing::debug!(
+                hint,
+                got = last,
+                len,
+                "address hint not honoured; trying further up"
+            );
+            drop(r);
+            // Skip past whatever occupies the hint.
+            self.next_hint
+                .fetch_max(hint.saturating_add(WINDOW_STEP), Ordering::Relaxed);
+        }
+        Err(Error::AddressConflict(format!(
+            "the driver would not place {len} bytes inside the GMS address window \
+             [{:#x}, {:#x}) after {WINDOW_TRIES} tries (last offer {last:#x}); set GMS_VA_BASE \
+             to a free region",
+            self.base,
+            self.base.saturating_add(VA_WINDOW)
+        )))
+    }
+}
+
 impl Mapper for CudaMapper {
     type Range = CudaRange;
 
@@ -143,26 +204,26 @@ impl Mapper for CudaMapper {
         let size = usize::try_from(len)
             .map_err(|_| Error::Invalid(format!("reservation of {len} bytes exceeds usize")))?;
         self.make_current()?;
-        let hint = match at {
-            Some(va) => va,
-            // Writers and KV caches: the next free spot above the base; the
-            // driver may choose elsewhere, which is fine for them.
-            None => self.next_hint.fetch_add(len, Ordering::Relaxed),
-        };
-        let reservation = Reservation::reserve(size, self.granularity as usize, hint)
-            .map_err(cuda_error(format!("reserving {len} bytes at {hint:#x}")))?;
-        if let Some(want) = at {
-            if reservation.base() != want {
-                return Err(Error::AddressConflict(format!(
-                    "the driver placed {len} bytes at {:#x} instead of the writer's {want:#x} \
-                     (this process already uses those addresses); the layout is \
-                     address-dependent, so the import stops here",
-                    reservation.base()
-                )));
+        let reservation = match at {
+            Some(want) => {
+                let r = Reservation::reserve(size, self.granularity as usize, want)
+                    .map_err(cuda_error(format!("reserving {len} bytes at {want:#x}")))?;
+                if r.base() != want {
+                    return Err(Error::AddressConflict(format!(
+                        "the driver placed {len} bytes at {:#x} instead of the writer's {want:#x} \
+                         (this process already uses those addresses); the layout is \
+                         address-dependent, so the import stops here",
+                        r.base()
+                    )));
+                }
+                r
             }
-        } else {
-            // Keep later hints above whatever the driver gave us.
-            let end = reservation.base().saturating_add(len);
+            None => self.reserve_in_window(len, size)?,
+        };
+        // Keep later hints (KV caches, a writer's next allocation) above
+        // every range this process holds in the window.
+        let end = reservation.base().saturating_add(len);
+        if self.in_window(reservation.base(), len) {
             self.next_hint.fetch_max(end, Ordering::Relaxed);
         }
         Ok(CudaRange {

@@ -89,6 +89,16 @@ fn main() -> ExitCode {
                 .with_env_filter(filter)
                 .with_writer(std::io::stderr)
                 .init();
+            // libcuda starts threads of its own in cuInit; they must not
+            // take SIGTERM/SIGINT (default action: die) before the daemon's
+            // signalfd does, so block both before any backend is opened.
+            let mut stop = nix::sys::signal::SigSet::empty();
+            stop.add(nix::sys::signal::Signal::SIGTERM);
+            stop.add(nix::sys::signal::Signal::SIGINT);
+            if let Err(e) = stop.thread_block() {
+                eprintln!("gmsd: blocking SIGTERM/SIGINT: {e}");
+                return ExitCode::FAILURE;
+            }
             let backend: Box<dyn Backend> = match device.as_str() {
                 "host" => match HostBackend::new() {
                     Ok(b) => Box::new(b),

@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""A small real PyTorch engine that follows the shadow engine contract.
+
+A few transformer-style layers (hidden 4096 by default) with random weights
+generated from a seed, a real forward pass on the GPU with a KV cache, and
+an HTTP server (POST /v1/completions, GET /health). Weights come through
+GMS: the first engine (lease rw) generates and commits them, every later
+engine (lease ro) maps the committed weights read-only at the same
+addresses. Then, per DESIGN.md:
+
+  1. initialise (weights, a warm-up forward that loads the kernels);
+  2. STATUS=parked on NOTIFY_SOCKET;
+  3. flock(LOCK_EX) on SHADOW_LOCK_PATH;
+  4. wake: materialise the KV cache at its reserved address, bind the port;
+  5. READY=1, then serve.
+
+Environment: SHADOW_ENGINE_ID, SHADOW_LOCK_PATH, NOTIFY_SOCKET,
+GMS_SOCKET_DIR (as the shim sets them); ENGINE_PORT (default 8000),
+ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB, GMS_LIB.
+Prints one JSON line per phase on stdout.
+"""
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "gms", "python"))
+from shadow_gms import FailoverLock, Gms, notify  # noqa: E402
+
+VOCAB = 32000
+HEAD_DIM = 128
+DTYPE = torch.bfloat16
+
+
+def log(**fields):
+    fields.setdefault("t", round(time.time(), 6))
+    print(json.dumps(fields), flush=True)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, hidden, device):
+        super().__init__()
+        kw = dict(device=device, dtype=DTYPE)
+        self.norm1 = torch.nn.Parameter(torch.empty(hidden, **kw))
+        self.qkv = torch.nn.Parameter(torch.empty(3 * hidden, hidden, **kw))
+        self.out = torch.nn.Parameter(torch.empty(hidden, hidden, **kw))
+        self.norm2 = torch.nn.Parameter(torch.empty(hidden, **kw))
+        self.up = torch.nn.Parameter(torch.empty(4 * hidden, hidden, **kw))
+        self.down = torch.nn.Parameter(torch.empty(hidden, 4 * hidden, **kw))
+
+    def forward(self, x, k_cache, v_cache, pos):
+        t, h = x.shape
+        heads = h // HEAD_DIM
+        q, k, v = F.linear(F.rms_norm(x, (h,), self.norm1), self.qkv).split(h, dim=-1)
+        k_cache[pos:pos + t] = k
+        v_cache[pos:pos + t] = v
+        keys = k_cache[:pos + t].view(pos + t, heads, HEAD_DIM).transpose(0, 1)
+        vals = v_cache[:pos + t].view(pos + t, heads, HEAD_DIM).transpose(0, 1)
+        q = q.view(t, heads, HEAD_DIM).transpose(0, 1)
+        # Prefill from position 0 is causal; a one-token decode sees everything.
+        a = F.scaled_dot_product_attention(q, keys, vals, is_causal=(pos == 0 and t > 1))
+        x = x + F.linear(a.transpose(0, 1).reshape(t, h), self.out)
+        return x + F.linear(F.silu(F.linear(F.rms_norm(x, (h,), self.norm2), self.up)), self.down)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, layers, hidden, device):
+        super().__init__()
+        self.hidden = hidden
+        self.embed = torch.nn.Parameter(torch.empty(VOCAB, hidden, device=device, dtype=DTYPE))
+        self.layers = torch.nn.ModuleList(Layer(hidden, device) for _ in range(layers))
+        self.norm = torch.nn.Parameter(torch.empty(hidden, device=device, dtype=DTYPE))
+
+    @torch.no_grad()
+    def init_from_seed(self, seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+
+    @torch.no_grad()
+    def forward(self, tokens, kv, pos):
+        x = self.embed[tokens]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, kv[i][0], kv[i][1], pos)
+        return F.linear(F.rms_norm(x[-1:], (self.hidden,), self.norm), self.embed)
+
+    @torch.no_grad()
+    def generate(self, tokens, max_tokens, kv):
+        max_seq = kv[0][0].shape[0]
+        tokens = tokens[-(max_seq - max_tokens):]
+        ids = torch.tensor(tokens, device="cuda")
+        logits = self.forward(ids, kv, 0)
+        out, pos = [], len(tokens)
+        for _ in range(max_tokens):
+            nxt = int(logits.argmax(-1)[0])
+            out.append(nxt)
+            logits = self.forward(torch.tensor([nxt], device="cuda"), kv, pos)
+            pos += 1
+        return out
+
+
+def kv_views(base, layers, hidden, max_seq):
+    """Per-layer (K, V) tensors of [max_seq, hidden] carved from one range."""
+    per = max_seq * hidden
+    flat = base[: 2 * layers * per]
+    return [(flat[(2 * i) * per:(2 * i + 1) * per].view(max_seq, hidden),
+             flat[(2 * i + 1) * per:(2 * i + 2) * per].view(max_seq, hidden)) for i in range(layers)]
+
+
+def main():
+    engine_id = os.environ.get("SHADOW_ENGINE_ID", "0")
+    port = int(os.environ.get("ENGINE_PORT", "8000"))
+    seed = int(os.environ.get("ENGINE_SEED", "1234"))
+    layers = int(os.environ.get("ENGINE_LAYERS", "8"))
+    hidden = int(os.environ.get("ENGINE_HIDDEN", "4096"))
+    kv_bytes = int(float(os.environ.get("ENGINE_KV_GIB", "8")) * (1 << 30))
+    t_start = time.perf_counter()
+
+    # 1. initialise: weights through GMS (rw_or_ro).
+    gms = Gms(mode="rw_or_ro", client=f"torch-engine-{engine_id}", timeout_s=300)
+    t0 = time.perf_counter()
+    if gms.lease == "rw":
+        with gms.weights_pool():
+            model = Model(layers, hidden, "cuda")
+            model.init_from_seed(seed)
+        generation = gms.commit_module(model)
+        source = "generated+committed"
+    else:
+        model = gms.load_module(Model(layers, hidden, "meta"))
+        generation = gms.layout()["generation"]
+        source = "mapped read-only"
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    log(event="weights", engine=engine_id, lease=gms.lease, source=source, generation=generation,
+        bytes=weight_bytes, ms=round((time.perf_counter() - t0) * 1e3, 2),
+        addr=hex(model.embed.data_ptr()))
+
+    kv = gms.kv_cache(kv_bytes)
+    max_seq = kv.nbytes // (2 * layers * hidden * 2)
+    # Warm-up on a small scratch cache: kernels, cuBLAS handles, allocator.
+    scratch = torch.empty(2 * layers * 64 * hidden, device="cuda", dtype=DTYPE)
+    model.generate([1, 2, 3], 2, kv_views(scratch, layers, hidden, 64))
+    torch.cuda.synchronize()
+    del scratch
+    log(event="parked", engine=engine_id, pid=os.getpid(), kv_addr=hex(kv.addr), kv_bytes=kv.nbytes,
+        init_s=round(time.perf_counter() - t_start, 3))
+
+    # 2-3. park on the election lock.
+    notify(f"STATUS=parked engine {engine_id}", f"MAINPID={os.getpid()}")
+    lock = FailoverLock().acquire()
+    t_wake = time.perf_counter()
+    woke_at = time.time()
+
+    # 4. wake: KV at its reserved address, then the port.
+    kv.materialise()
+    kv_ms = (time.perf_counter() - t_wake) * 1e3
+    caches = kv_views(kv.tensor(DTYPE), layers, hidden, max_seq)
+    serve_lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def reply(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self.reply(200, {"engine": engine_id, "role": "active", "pid": os.getpid()})
+            else:
+                self.reply(404, {"error": "not found"})
+
+        def do_POST(self):
+            if self.path != "/v1/completions":
+                return self.reply(404, {"error": "not found"})
+            try:
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                prompt = str(req.get("prompt", ""))
+                max_tokens = max(1, min(int(req.get("max_tokens", 8)), 256))
+            except (ValueError, TypeError) as e:
+                return self.reply(400, {"error": f"bad request: {e}"})
+            tokens = [b % VOCAB for b in prompt.encode()] or [0]
+            with serve_lock:
+                out = model.generate(tokens, max_tokens, caches)
+            text = "".join(chr(32 + t % 95) for t in out)
+            self.reply(200, {"object": "text_completion", "engine": engine_id, "pid": os.getpid(),
+                             "choices": [{"index": 0, "text": text, "tokens": out}],
+                             "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(out)}})
+
+    HTTPServer.allow_reuse_address = True
+    server = HTTPServer(("127.0.0.1", port), Handler)
+    promote_ms = (time.perf_counter() - t_wake) * 1e3
+
+    # 5. ready.
+    notify("READY=1", f"STATUS=active engine {engine_id}", f"MAINPID={os.getpid()}")
+    log(event="active", engine=engine_id, pid=os.getpid(), woke_at=woke_at,
+        kv_materialise_ms=round(kv_ms, 3), kv_bytes=kv.nbytes, promote_ms=round(promote_ms, 3), port=port)
+    try:
+        server.serve_forever()
+    finally:
+        lock.release()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""libgms through ctypes, and the torch glue on top of it.
+
+Tensors on a reader are views of GMS memory built through
+``__cuda_array_interface__`` (no copy, no allocation): address = the
+allocation's virtual address + the tensor's offset, with the shape, stride
+and dtype the writer recorded. Every dtype travels as an unsigned integer
+of the same width and is reinterpreted with ``Tensor.view(dtype)``, since
+the interface has no bfloat16.
+"""
+
+import contextlib
+import ctypes
+import json
+import os
+import pathlib
+
+import torch
+
+MODES = {"rw": 0, "ro": 1, "rw_or_ro": 2}
+LEASES = {0: "rw", 1: "ro"}
+META_PREFIX = "tensor/"
+
+
+class GmsError(RuntimeError):
+    pass
+
+
+def find_library():
+    """libgms.so: $GMS_LIB, else next to this package, else .device/ or
+    target/release/ of the repository this file sits in."""
+    env = os.environ.get("GMS_LIB")
+    if env:
+        return env
+    here = pathlib.Path(__file__).resolve()
+    repo = here.parents[3]
+    for cand in (here.parent / "libgms.so", repo / ".device" / "libgms.so",
+                 repo / "target" / "release" / "libgms.so"):
+        if cand.exists():
+            return str(cand)
+    raise GmsError("libgms.so not found: set GMS_LIB (make gpu-bundle puts it in .device/)")
+
+
+def _bind(path):
+    lib = ctypes.CDLL(path)
+    c = ctypes
+    sig = {
+        "gms_last_error": (c.c_char_p, []),
+        "gms_connect": (c.c_int, [c.c_char_p, c.c_int, c.c_char_p, c.c_int, c.c_int]),
+        "gms_lease": (c.c_int, []),
+        "gms_granularity": (c.c_uint64, []),
+        "gms_allocate": (c.c_void_p, [c.c_uint64, c.c_char_p]),
+        "gms_free": (c.c_int, [c.c_void_p]),
+        "gms_put_meta": (c.c_int, [c.c_char_p, c.c_char_p]),
+        "gms_get_meta": (c.c_int, [c.c_char_p, c.POINTER(c.c_void_p)]),
+        "gms_commit": (c.c_int64, []),
+        "gms_import": (c.c_int, []),
+        "gms_layout_json": (c.c_void_p, []),
+        "gms_string_free": (None, [c.c_void_p]),
+        "gms_kv_reserve": (c.c_int64, [c.c_uint64, c.POINTER(c.c_uint64)]),
+        "gms_kv_materialise": (c.c_int, [c.c_int64]),
+        "gms_kv_release": (c.c_int, [c.c_int64]),
+        "gms_weights_sleep": (c.c_int, [c.c_int]),
+        "gms_disconnect": (None, []),
+    }
+    for name, (res, args) in sig.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+_TYPESTR = {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+class _DeviceBytes:
+    """An object torch.as_tensor can view: device memory we do not own."""
+
+    def __init__(self, ptr, shape, strides_bytes, typestr):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "strides": tuple(strides_bytes) if strides_bytes is not None else None,
+            "typestr": typestr,
+            "data": (int(ptr), False),
+            "version": 3,
+        }
+
+
+def device_tensor(ptr, dtype, shape, stride=None):
+    """A tensor over existing device memory at ``ptr`` (no copy)."""
+    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    strides_bytes = None if stride is None else [s * size for s in stride]
+    raw = torch.as_tensor(_DeviceBytes(ptr, shape, strides_bytes, _TYPESTR[size]), device="cuda")
+    return raw.view(dtype)
+
+
+class KvCache:
+    """A KV cache range: addresses now, pages on ``materialise()``."""
+
+    def __init__(self, gms, handle, addr, nbytes):
+        self._gms, self.handle, self.addr, self.nbytes = gms, handle, addr, nbytes
+
+    def materialise(self):
+        self._gms._check(self._gms.lib.gms_kv_materialise(self.handle), "gms_kv_materialise")
+
+    def release(self):
+        self._gms._check(self._gms.lib.gms_kv_release(self.handle), "gms_kv_release")
+
+    def tensor(self, dtype=torch.uint8, shape=None, offset=0):
+        """A view of the materialised pages (not zeroed)."""
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+        if shape is None:
+            shape = ((self.nbytes - offset) // size,)
+        return device_tensor(self.addr + offset, dtype, shape)
+
+
+class Gms:
+    """One process's lease on its GPU's GMS daemon."""
+
+    def __init__(self, mode="rw_or_ro", client="engine", device=0, socket_path=None,
+                 timeout_s=60.0, lib_path=None):
+        self.lib = _bind(lib_path or find_library())
+        self.device = device
+        path = socket_path.encode() if socket_path else None
+        torch.cuda.init()  # primary context first, so torch and libgms share it
+        lease = self.lib.gms_connect(path, MODES[mode], client.encode(), device, int(timeout_s * 1000))
+        self._check(lease, "gms_connect")
+        self.lease = LEASES[lease]
+        self._pool = None
+        self._allocator = None
+
+    # -- plumbing ---------------------------------------------------------
+    def _error(self, what):
+        msg = self.lib.gms_last_error()
+        return GmsError(f"{what}: {msg.decode(errors='replace') if msg else 'unknown error'}")
+
+    def _check(self, ret, what):
+        if ret is None or (isinstance(ret, int) and ret < 0):
+            raise self._error(what)
+        return ret
+
+    def _take_string(self, ptr, what):
+        if not ptr:
+            raise self._error(what)
+        try:
+            return ctypes.string_at(ptr).decode()
+        finally:
+            self.lib.gms_string_free(ptr)
+
+    def close(self):
+        self.lib.gms_disconnect()
+
+    # -- layout -----------------------------------------------------------
+    def layout(self):
+        return json.loads(self._take_string(self.lib.gms_layout_json(), "gms_layout_json"))
+
+    def put_meta(self, key, value):
+        self._check(self.lib.gms_put_meta(key.encode(), value.encode()), "gms_put_meta")
+
+    def get_meta(self, key):
+        out = ctypes.c_void_p()
+        found = self._check(self.lib.gms_get_meta(key.encode(), ctypes.byref(out)), "gms_get_meta")
+        return self._take_string(out.value, "gms_get_meta") if found else None
+
+    def import_layout(self):
+        n = self._check(self.lib.gms_import(), "gms_import")
+        self._imported = True
+        return n
+
+    def commit(self):
+        generation = self._check(self.lib.gms_commit(), "gms_commit")
+        self.lease = "ro"
+        self._imported = True  # the writer's own mappings stay, now read-only
+        return generation
+
+    # -- writer: weights through a torch MemPool --------------------------
+    @contextlib.contextmanager
+    def weights_pool(self):
+        """Inside this block every CUDA allocation of torch is GMS memory."""
+        if self.lease != "rw":
+            raise GmsError("weights_pool needs the rw lease (this engine is a reader)")
+        if self._pool is None:
+            self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                self.lib._name, "gms_torch_malloc", "gms_torch_free")
+            self._pool = torch.cuda.MemPool(self._allocator.allocator())
+        try:
+            with torch.cuda.use_mem_pool(self._pool, device=self.device):
+                yield self._pool
+        except torch.OutOfMemoryError as e:
+            # torch reports any NULL from the allocator as OOM; say why.
+            raise self._error(f"allocating weights in GMS ({str(e).splitlines()[0][:120]})") from e
+
+    def tensor_meta(self, tensors, allocations):
+        """name -> JSON metadata of each tensor's place in the layout."""
+        out = {}
+        for name, t in tensors.items():
+            ptr = t.data_ptr()
+            alloc = next((a for a in allocations if a["va"] <= ptr < a["va"] + a["size"]), None)
+            if alloc is None:
+                raise GmsError(f"tensor {name} at {ptr:#x} is not in GMS memory "
+                               "(allocate it inside weights_pool())")
+            out[name] = json.dumps({
+                "alloc": alloc["id"], "offset": ptr - alloc["va"], "shape": list(t.shape),
+                "stride": list(t.stride()), "dtype": str(t.dtype).removeprefix("torch."),
+            })
+        return out
+
+    def commit_tensors(self, tensors):
+        """Records each tensor's metadata, then commits. Returns the generation."""
+        torch.cuda.synchronize(self.device)
+        for name, meta in self.tensor_meta(tensors, self.layout()["allocations"]).items():
+            self.put_meta(META_PREFIX + name, meta)
+        return self.commit()
+
+    def commit_module(self, module):
+        return self.commit_tensors(dict(_module_tensors(module)))
+
+    # -- reader: tensors from the committed layout ------------------------
+    def tensors(self):
+        """name -> tensor, zero-copy views of the committed layout (maps it
+        first if this process has not yet)."""
+        layout = self.layout()
+        if self.lease == "ro" and not getattr(self, "_imported", False):
+            self.import_layout()
+            self._imported = True
+        vas = {a["id"]: a["va"] for a in layout["allocations"]}
+        out = {}
+        for key, text in layout["metadata"].items():
+            if not key.startswith(META_PREFIX):
+                continue
+            m = json.loads(text)
+            out[key[len(META_PREFIX):]] = device_tensor(
+                vas[m["alloc"]] + m["offset"], m["dtype"], m["shape"], m["stride"])
+        return out
+
+    def load_module(self, module):
+        """Points every parameter and buffer of ``module`` (built on the
+        'meta' device, say) at the committed weights. Nothing is read from
+        disk and nothing is copied."""
+        tensors = self.tensors()
+        missing = [n for n, _ in _module_tensors(module) if n not in tensors]
+        if missing:
+            raise GmsError(f"committed layout lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+        for name, _ in list(_module_tensors(module)):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            t = tensors[name]
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+            else:
+                owner._buffers[leaf] = t
+        return module
+
+    # -- KV ---------------------------------------------------------------
+    def kv_cache(self, nbytes):
+        addr = ctypes.c_uint64()
+        handle = self._check(self.lib.gms_kv_reserve(nbytes, ctypes.byref(addr)), "gms_kv_reserve")
+        gran = self.lib.gms_granularity()
+        rounded = -(-nbytes // gran) * gran
+        return KvCache(self, handle, addr.value, rounded)
+
+
+def _module_tensors(module):
+    yield from module.named_parameters(remove_duplicate=True)
+    yield from module.named_buffers(remove_duplicate=True)

@@ -1,0 +1,493 @@
+#!/usr/bin/env python3
+"""GPU tests of GMS on a real NVIDIA GPU (`make test-gpu`).
+
+Needs only python3 + torch on the GPU machine and prebuilt binaries
+(`make gpu-bundle` puts gmsd, gms-cuda-bench and libgms.so in .device/).
+Every process a test starts is registered and killed when the test ends,
+whatever happens; every wait has a deadline. The last line is
+"N passed, M failed"; the exit status is non-zero on any failure.
+
+  python3 tests/gpu/run.py [--bin-dir .device] [--only NAME] [--quick]
+"""
+
+import http.client
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+ARGS = sys.argv[1:]
+BIN = os.path.abspath(ARGS[ARGS.index("--bin-dir") + 1] if "--bin-dir" in ARGS else os.path.join(ROOT, ".device"))
+ONLY = ARGS[ARGS.index("--only") + 1] if "--only" in ARGS else None
+QUICK = "--quick" in ARGS
+WORKER = os.path.join(HERE, "worker.py")
+ENGINE = os.path.join(ROOT, "examples", "torch-engine", "engine.py")
+FIGURES = []
+
+
+def figure(name, value, unit, target=None):
+    line = f"FIGURE {name}: {value} {unit}"
+    if target is not None:
+        line += f" (target {target})"
+    FIGURES.append(line)
+    print(line, flush=True)
+
+
+class Proc:
+    """A child with a line queue of its stdout; stderr goes to a log file."""
+
+    def __init__(self, name, cmd, env=None, stdin=True):
+        self.name = name
+        self.log_path = os.path.join(Session.dir, f"{name}.stderr")
+        self.err = open(self.log_path, "w")
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", GMS_LIB=os.path.join(BIN, "libgms.so"))
+        full_env.update(env or {})
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.err,
+                                  stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                  env=full_env, text=True, start_new_session=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        Session.procs.append(self)
+
+    def _pump(self):
+        for line in self.p.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    @property
+    def pid(self):
+        return self.p.pid
+
+    def expect(self, pred, timeout, what):
+        """The first line (parsed as JSON when it is) for which pred is true."""
+        deadline = time.monotonic() + timeout
+        seen = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{self.name}: no {what} within {timeout}s; saw {seen[-5:]}; stderr: {self.stderr_tail()}")
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"{self.name} ended (rc {self.p.wait()}) before {what}; saw {seen[-5:]}; stderr: {self.stderr_tail()}")
+            seen.append(line)
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                obj = line
+            if pred(obj):
+                return obj
+
+    def event(self, name, timeout=120):
+        return self.expect(lambda o: isinstance(o, dict) and o.get("event") == name, timeout, f"event {name}")
+
+    def send(self, line):
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+
+    def wait(self, timeout):
+        return self.p.wait(timeout=timeout)
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stderr_tail(self):
+        self.err.flush()
+        try:
+            with open(self.log_path) as f:
+                return f.read()[-1500:]
+        except OSError:
+            return ""
+
+
+class Session:
+    dir = None
+    procs = []
+
+    @classmethod
+    def cleanup(cls):
+        for p in reversed(cls.procs):
+            if p.p.poll() is None:
+                p.kill(signal.SIGTERM if p.name.startswith("gmsd") else signal.SIGKILL)
+        for p in reversed(cls.procs):
+            try:
+                p.p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.p.wait(timeout=10)
+            p.err.close()
+        cls.procs = []
+
+
+def gmsd(name, max_bytes="120G"):
+    d = tempfile.mkdtemp(prefix=f"{name}-", dir=Session.dir)
+    os.chmod(d, 0o700)
+    g = Proc(f"gmsd-{name}", [os.path.join(BIN, "gmsd"), "serve", "--socket-dir", d, "--device", "0",
+                               "--max-bytes", max_bytes], stdin=False)
+    line = g.expect(lambda o: isinstance(o, str) and o.startswith("ready "), 30, "ready line")
+    g.socket, g.socket_dir = line.split(" ", 1)[1], d
+    return g
+
+
+def status(g):
+    out = subprocess.run([os.path.join(BIN, "gmsd"), "status", "--socket", g.socket, "--json"],
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0, f"gmsd status: {out.stderr}"
+    return json.loads(out.stdout)
+
+
+def worker(name, g, *args):
+    return Proc(name, [sys.executable, WORKER, *args], env={"GMS_SOCKET_DIR": g.socket_dir})
+
+
+def poll_until(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def smi(*query):
+    out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=20)
+    return out.stdout.strip()
+
+
+def gpu_used_mib():
+    return int(smi("--query-gpu=memory.used", "-i", "0").splitlines()[0])
+
+
+def app_mib():
+    """pid -> MiB used on the GPU, per nvidia-smi --query-compute-apps."""
+    out = {}
+    for line in smi("--query-compute-apps=pid,used_memory").splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            out[int(parts[0])] = int(parts[1]) if parts[1].isdigit() else parts[1]
+    return out
+
+
+# --- tests -------------------------------------------------------------------
+STATE = {}
+
+
+def test_writer_then_reader_same_values_same_addresses():
+    g = STATE["g"] = gmsd("shared")
+    w = STATE["writer"] = worker("writer", g, "writer")
+    assert w.event("lease")["lease"] == "rw"
+    committed = w.event("committed")
+    r = STATE["reader1"] = worker("reader1", g, "reader")
+    assert r.event("values")["equal_to_recomputed"], "reader sees other values than the writer wrote"
+    mapped = r.event("mapped")
+    assert mapped["ptrs"] == committed["ptrs"], (mapped["ptrs"], committed["ptrs"])
+    assert mapped["sums"] == committed["sums"]
+    STATE["sums"], STATE["ptrs"] = committed["sums"], committed["ptrs"]
+    st = status(g)
+    assert st["backend"] == "cuda" and st["device"].startswith("GPU-"), st
+    assert st["state"] == "committed" and len(st["leases"]) == 2, st
+    text = subprocess.run([os.path.join(BIN, "gmsd"), "status", "--socket", g.socket],
+                          capture_output=True, text=True, timeout=10).stdout
+    assert "cuda device GPU-" in text and "NVIDIA" in text, text
+    assert os.path.basename(g.socket) == f"gms-{st['device']}.sock", g.socket
+
+
+def test_sigkill_writer_reader_unaffected_new_reader_same_values():
+    w, r = STATE["writer"], STATE["reader1"]
+    w.kill()
+    w.wait(20)
+    r.send("check")
+    assert r.event("check")["sums"] == STATE["sums"], "reader's bytes changed after the writer died"
+    r2 = worker("reader2", STATE["g"], "reader")
+    assert r2.event("values")["equal_to_recomputed"]
+    m = r2.event("mapped")
+    assert m["sums"] == STATE["sums"] and m["ptrs"] == STATE["ptrs"]
+    r2.send("quit")
+    assert r2.wait(30) == 0
+
+
+def test_read_only_write_fails_that_reader_alone():
+    g, r = STATE["g"], STATE["reader1"]
+    bad = worker("reader-write", g, "reader-write")
+    bad.event("mapped")
+    ev = bad.expect(lambda o: isinstance(o, dict) and o.get("event") in ("write_failed", "write_succeeded"),
+                    60, "write outcome")
+    assert ev["event"] == "write_failed", "a write through a read-only GMS mapping succeeded"
+    print(f"  reader-write failed as it should: {ev['error']}")
+    assert bad.wait(30) != 0
+    assert g.p.poll() is None, "gmsd died"
+    r.send("check")
+    assert r.event("check")["sums"] == STATE["sums"], "bytes changed by a read-only reader's write"
+    r3 = worker("reader3", g, "reader")
+    assert r3.event("mapped")["sums"] == STATE["sums"]
+    r3.send("quit")
+    r3.wait(30)
+    assert len(status(g)["leases"]) == 1
+
+
+def test_rw_or_ro_and_discard_before_commit():
+    g = gmsd("discard")
+    early = worker("ro-before-commit", g, "reader")
+    assert early.wait(60) != 0, "an ro lease was granted with no committed layout"
+    for how in ("--exit-before-commit", "--hold-before-commit"):
+        w = worker(f"writer{how}", g, "writer", how)
+        assert w.event("lease")["lease"] == "rw"
+        filled = w.event("filled")
+        assert filled["layout_bytes"] > 0
+        if how == "--hold-before-commit":
+            assert status(g)["state"] == "loading"
+            w.kill()
+        w.wait(30)
+        st = poll_until(lambda: (lambda s: s if s["state"] == "empty" else None)(status(g)), 10,
+                        "discarded layout after the writer ended")
+        assert st["bytes"] == 0 and st["allocations"] == 0, st
+    w = worker("writer-commits", g, "writer")
+    assert w.event("lease")["lease"] == "rw"
+    sums = w.event("committed")["sums"]
+    w.send("quit")
+    w.wait(30)
+    second = worker("writer-gets-ro", g, "writer")
+    assert second.event("lease")["lease"] == "ro", "rw_or_ro after a commit must be ro"
+    assert second.event("mapped")["sums"] == sums
+    second.send("quit")
+    second.wait(30)
+    g.kill(signal.SIGTERM)
+    assert g.wait(60) == 0
+
+
+def test_measure_attach_and_kv_from_rust_and_python():
+    if "reader1" in STATE and STATE["reader1"].p.poll() is None:
+        STATE["reader1"].send("quit")
+        STATE["reader1"].wait(30)
+    if "g" in STATE:
+        STATE["g"].kill(signal.SIGTERM)
+        STATE["g"].wait(60)
+    wg, kvg = (4, 8) if QUICK else (32, 64)
+    g = gmsd("bench")
+    b = Proc("gms-cuda-bench", [os.path.join(BIN, "gms-cuda-bench"), "--socket-dir", g.socket_dir,
+                                "--weights-gib", str(wg), "--kv-gib", str(kvg), "--readers", "3"], stdin=False)
+    attach, kv = [], []
+    while True:
+        line = b.expect(lambda o: True, 180, "bench output")
+        print(f"  rust: {line}")
+        if isinstance(line, dict) and line.get("step") == "attach":
+            attach.append(line["import_map_ms"])
+        if isinstance(line, dict) and line.get("step") == "kv":
+            kv.append(line["materialise_ms"])
+            if len(kv) == 3:
+                break
+    assert b.wait(60) == 0, b.stderr_tail()
+    figure(f"rust attach (import+map) of {wg} GiB, 3 fresh reader processes", attach, "ms", "<= 5 ms")
+    figure(f"rust KV materialise {kvg} GiB", kv, "ms", "<= 20 ms")
+    py = []
+    for i in range(2):
+        m = worker(f"py-measure{i}", g, "measure", "--kv-gib", str(kvg))
+        ev = m.event("measure", 120)
+        print(f"  python: {ev}")
+        py.append(ev)
+        assert m.wait(60) == 0
+        assert ev["bytes"] == wg << 30
+    figure(f"python attach (gms_import) of {wg} GiB", [e["import_map_ms"] for e in py], "ms", "<= 5 ms")
+    figure(f"python KV materialise {kvg} GiB", [e["kv_materialise_ms"] for e in py], "ms", "<= 20 ms")
+    st = status(g)
+    assert st["resident_bytes"] == wg << 30 and not st["leases"], st
+    g.kill(signal.SIGTERM)
+    assert g.wait(60) == 0
+
+
+class Notifications:
+    """The NOTIFY_SOCKET side: collects sd_notify datagrams."""
+
+    def __init__(self, path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.msgs = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except OSError:
+                return
+            fields = dict(l.split("=", 1) for l in data.decode().splitlines() if "=" in l)
+            fields["_at"] = time.time()
+            self.msgs.put(fields)
+
+    def ready(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                m = self.msgs.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if m.get("READY") == "1":
+                return m
+        raise AssertionError(f"no READY=1 within {timeout}s")
+
+
+def request(port, prompt="hello shadow", timeout=5.0):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 4}),
+                  {"Content-Type": "application/json"})
+        resp = c.getresponse()
+        body = json.loads(resp.read())
+        if resp.status != 200:
+            raise OSError(f"HTTP {resp.status}")
+        return body
+    finally:
+        c.close()
+
+
+def test_torch_engine_failover():
+    g = gmsd("engines")
+    d = tempfile.mkdtemp(prefix="pair-", dir=Session.dir)
+    notes = Notifications(os.path.join(d, "notify.sock"))
+    port = 18000 + os.getpid() % 1000
+    env = {"SHADOW_LOCK_PATH": os.path.join(d, "engine.lock"), "NOTIFY_SOCKET": os.path.join(d, "notify.sock"),
+           "GMS_SOCKET_DIR": g.socket_dir, "ENGINE_PORT": str(port),
+           "ENGINE_LAYERS": "2" if QUICK else "8", "ENGINE_KV_GIB": "2" if QUICK else "8"}
+    engines = {}
+    for slot in ("0", "1"):
+        e = Proc(f"engine{slot}", [sys.executable, ENGINE], env=dict(env, SHADOW_ENGINE_ID=slot), stdin=False)
+        engines[e.pid] = e
+    weights, parked = {}, {}
+    for pid, e in engines.items():
+        weights[pid] = e.event("weights", 240)
+        print(f"  {e.name} weights: {weights[pid]}")
+    for pid, e in engines.items():
+        parked[pid] = e.event("parked", 240)
+    w0, w1 = weights.values()
+    assert w0["addr"] == w1["addr"], "engines do not share the weights' address"
+    assert sorted([w0["source"], w1["source"]]) == ["generated+committed", "mapped read-only"], weights
+    loader = next(pid for pid, w in weights.items() if w["source"] == "generated+committed")
+    figure("cold start of the loading engine (process start -> parked)", parked[loader]["init_s"], "s")
+    figure("start of the mapping engine (process start -> parked)",
+           next(p["init_s"] for pid, p in parked.items() if pid != loader), "s")
+    ready = notes.ready(240)
+    active = engines[int(ready["MAINPID"])]
+    shadow = next(e for pid, e in engines.items() if e is not active)
+    act_ev = active.event("active", 60)
+    first = request(port)
+    assert first["pid"] == active.pid
+    apps = app_mib()
+    figure("device memory of the parked shadow (nvidia-smi per pid)", apps.get(shadow.pid), "MiB")
+    figure("device memory of the active engine (nvidia-smi per pid)", apps.get(active.pid), "MiB")
+    figure("device memory held by gmsd (weights, counted in no engine)", status(g)["resident_bytes"] >> 20, "MiB")
+    figure("KV materialise of the first active engine", act_ev["kv_materialise_ms"], "ms")
+
+    # Steady request stream; SIGKILL the active after it has served a while.
+    stop, results = threading.Event(), []
+
+    def stream():
+        while not stop.is_set():
+            t = time.time()
+            try:
+                body = request(port, timeout=2.0)
+                results.append((t, time.time(), body["pid"], body["choices"][0]["tokens"]))
+            except (OSError, http.client.HTTPException, ValueError):
+                results.append((t, time.time(), None, None))
+                time.sleep(0.001)
+
+    th = threading.Thread(target=stream, daemon=True)
+    th.start()
+    poll_until(lambda: sum(1 for r in results if r[2] == active.pid) >= 20, 60, "20 answers from the active")
+    kill_at = time.time()
+    active.kill()
+    active.wait(30)
+    poll_until(lambda: any(r[2] == shadow.pid for r in results), 60, "an answer from the promoted shadow")
+    stop.set()
+    th.join(10)
+    first_new = min(r[1] for r in results if r[2] == shadow.pid)
+    lost = sum(1 for r in results if r[2] is None and r[0] >= kill_at - 0.5)
+    prom = shadow.event("active", 30)
+    figure("torch-engine failover: SIGKILL -> first answer of the shadow", round((first_new - kill_at) * 1e3, 1),
+           "ms", "published 4.6-6.2 s")
+    figure("shadow's KV materialise on wake", prom["kv_materialise_ms"], "ms")
+    figure("shadow's wake -> port bound", prom["promote_ms"], "ms")
+    figure("requests failed around the kill (retried)", lost, "")
+    old = [r[3] for r in results if r[2] == active.pid]
+    new = [r[3] for r in results if r[2] == shadow.pid]
+    assert old and new and old[-1] == new[0], f"promoted engine answers differently: {old[-1]} vs {new[0]}"
+    ready2 = notes.ready(30)
+    assert int(ready2["MAINPID"]) == shadow.pid
+    shadow.kill()
+    shadow.wait(30)
+    g.kill(signal.SIGTERM)
+    assert g.wait(60) == 0
+
+
+def test_device_memory_back_to_start():
+    Session.cleanup()
+    start = STATE["baseline_mib"]
+    seen = []
+    try:
+        now = poll_until(lambda: (lambda m: seen.append(m) or m <= start + 64)(gpu_used_mib()),
+                         30, "device memory back to the start")
+    except AssertionError:
+        raise AssertionError(f"device memory not back to {start} MiB (+64): last readings {seen[-3:]} MiB, "
+                             f"compute apps {app_mib()}") from None
+    figure("device memory used before / after all tests", f"{start} / {seen[-1]}", "MiB")
+
+
+TESTS = [v for k, v in list(globals().items()) if k.startswith("test_")]
+
+
+def main():
+    Session.dir = tempfile.mkdtemp(prefix="gms-gpu-")
+    for tool in ("gmsd", "gms-cuda-bench", "libgms.so"):
+        if not os.path.exists(os.path.join(BIN, tool)):
+            print(f"missing {BIN}/{tool}: run `make gpu-bundle` on a build machine first")
+            print("0 passed, 1 failed")
+            return 1
+    print(smi("--query-gpu=name,driver_version,memory.used,memory.total"), flush=True)
+    STATE["baseline_mib"] = gpu_used_mib()
+    passed = failed = 0
+    for t in TESTS:
+        if ONLY and ONLY not in t.__name__ and t.__name__ != "test_device_memory_back_to_start":
+            continue
+        t0 = time.monotonic()
+        print(f"--- {t.__name__}", flush=True)
+        try:
+            t()
+            passed += 1
+            print(f"ok   {t.__name__} ({time.monotonic() - t0:.1f}s)", flush=True)
+        except Exception:
+            failed += 1
+            print(f"FAIL {t.__name__} ({time.monotonic() - t0:.1f}s)\n{traceback.format_exc()}", flush=True)
+            for p in Session.procs:
+                if p.p.poll() is not None or p.name.startswith("engine"):
+                    tail = p.stderr_tail()
+                    if tail:
+                        print(f"  [{p.name} stderr] {tail[-800:]}", flush=True)
+    Session.cleanup()
+    shutil.rmtree(Session.dir, ignore_errors=True)
+    print("\n".join(["== figures =="] + FIGURES), flush=True)
+    print(f"{passed} passed, {failed} failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    finally:
+        Session.cleanup()

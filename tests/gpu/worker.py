@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""A torch engine-side process for the GPU tests, driven by run.py.
+
+  worker.py writer [--mode rw_or_ro] [--exit-before-commit | --hold-before-commit]
+  worker.py reader            map the committed layout read-only, report
+  worker.py reader-write      map read-only, then try to write into a weight
+  worker.py measure --kv-gib N   attach timing of whatever is committed + KV
+
+Prints one JSON object per line; after reporting, writer and reader obey
+"check" (report again) and "quit" lines on stdin.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "gms", "python"))
+import torch  # noqa: E402
+from shadow_gms import Gms  # noqa: E402
+
+
+def say(**fields):
+    print(json.dumps(fields), flush=True)
+
+
+def digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def report(event, tensors):
+    torch.cuda.synchronize()
+    say(event=event, pid=os.getpid(),
+        ptrs={k: t.data_ptr() for k, t in tensors.items()},
+        sums={k: digest(t) for k, t in tensors.items()},
+        dtypes={k: str(t.dtype) for k, t in tensors.items()})
+
+
+def serve_checks(tensors):
+    for line in sys.stdin:
+        if line.strip() == "check":
+            report("check", tensors)
+        elif line.strip() == "quit":
+            break
+
+
+def known_tensors():
+    """Values anyone can recompute: the writer fills, readers compare."""
+    n = 16 << 20
+    return {
+        "a": torch.arange(n, dtype=torch.float32, device="cuda") * 3 + 1,
+        "b": (torch.arange(1 << 20, device="cuda") % 251).to(torch.bfloat16).reshape(1024, 1024),
+        "c": torch.full((1000,), 7, dtype=torch.int64, device="cuda"),
+        "d": torch.arange(4096 * 64, dtype=torch.float16, device="cuda").reshape(4096, 64).t(),
+    }
+
+
+def writer(args):
+    mode = args[args.index("--mode") + 1] if "--mode" in args else "rw_or_ro"
+    gms = Gms(mode=mode, client="gpu-test-writer", timeout_s=30)
+    say(event="lease", lease=gms.lease, pid=os.getpid())
+    if gms.lease != "rw":
+        tensors = gms.tensors()
+        report("mapped", tensors)
+        serve_checks(tensors)
+        return 0
+    with gms.weights_pool():
+        tensors = known_tensors()
+    torch.cuda.synchronize()
+    say(event="filled", pid=os.getpid(), layout_bytes=sum(a["size"] for a in gms.layout()["allocations"]))
+    if "--exit-before-commit" in args:
+        os._exit(0)
+    if "--hold-before-commit" in args:
+        sys.stdin.readline()  # the test SIGKILLs us here
+        return 1
+    generation = gms.commit_tensors(tensors)
+    say(event="generation", generation=generation)
+    report("committed", tensors)
+    serve_checks(tensors)
+    return 0
+
+
+def reader(args):
+    gms = Gms(mode="ro", client="gpu-test-reader", timeout_s=30)
+    tensors = gms.tensors()
+    expect = known_tensors()
+    same = all(torch.equal(tensors[k].cpu(), expect[k].cpu()) for k in expect)
+    say(event="values", equal_to_recomputed=same)
+    report("mapped", tensors)
+    serve_checks(tensors)
+    return 0
+
+
+def reader_write(args):
+    gms = Gms(mode="ro", client="gpu-test-reader-write", timeout_s=30)
+    tensors = gms.tensors()
+    report("mapped", tensors)
+    try:
+        tensors["a"].add_(1.0)
+        torch.cuda.synchronize()
+    except Exception as e:  # the expected outcome: a CUDA error in this process only
+        say(event="write_failed", error=str(e).splitlines()[0][:300])
+        os._exit(3)  # the context is poisoned: leave without running destructors
+    say(event="write_succeeded")
+    return 0
+
+
+def measure(args):
+    kv_gib = float(args[args.index("--kv-gib") + 1]) if "--kv-gib" in args else 64
+    t = time.perf_counter()
+    gms = Gms(mode="ro", client="gpu-test-measure", timeout_s=30)
+    connect_ms = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    n = gms.import_layout()
+    import_ms = (time.perf_counter() - t) * 1e3
+    layout = gms.layout()
+    kv = gms.kv_cache(int(kv_gib * (1 << 30)))
+    t = time.perf_counter()
+    kv.materialise()
+    kv_ms = (time.perf_counter() - t) * 1e3
+    view = kv.tensor(torch.uint8)
+    view[-1] = 1  # the pages are usable from torch
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    kv.release()
+    release_ms = (time.perf_counter() - t) * 1e3
+    say(event="measure", allocations=n, bytes=sum(a["size"] for a in layout["allocations"]),
+        connect_ms=round(connect_ms, 2), import_map_ms=round(import_ms, 3),
+        kv_bytes=kv.nbytes, kv_materialise_ms=round(kv_ms, 3), kv_release_ms=round(release_ms, 3))
+    return 0
+
+
+if __name__ == "__main__":
+    cmd, rest = sys.argv[1], sys.argv[2:]
+    fn = {"writer": writer, "reader": reader, "reader-write": reader_write, "measure": measure}[cmd]
+    sys.exit(fn(rest))
