@@ -7,6 +7,26 @@
 //! are needed again, so the cost is a few minor faults. Pages shared with
 //! other processes (libc) are left alone by the kernel.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// How long the shim must be quiet before trimming: trimming on the request
+/// path would make the next requests fault the same pages back in.
+const IDLE_BEFORE_TRIM: Duration = Duration::from_millis(500);
+
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// Trim once no other `trim_when_idle` has been asked for `IDLE_BEFORE_TRIM`.
+pub fn trim_when_idle() {
+    let mine = GENERATION.fetch_add(1, Ordering::SeqCst) + 1;
+    tokio::spawn(async move {
+        tokio::time::sleep(IDLE_BEFORE_TRIM).await;
+        if GENERATION.load(Ordering::SeqCst) == mine {
+            trim();
+        }
+    });
+}
+
 /// Drop resident pages of our own executable's read-only mappings.
 pub fn trim() {
     let Ok(exe) = std::fs::read_link("/proc/self/exe") else {

@@ -249,7 +249,7 @@ impl Task for TaskService {
         let c = self.get(&req.id).await?;
         let pid = c.start(exec_of(&req.exec_id)).await?;
         // Create and Start touched code the running container will not need.
-        crate::memory::trim();
+        crate::memory::trim_when_idle();
         Ok(StartResponse {
             pid,
             ..Default::default()

@@ -109,7 +109,7 @@ impl Shim for ShadowShim {
 
     async fn wait(&mut self) {
         // The server is up: startup code is not needed again.
-        crate::memory::trim();
+        crate::memory::trim_when_idle();
         self.exit.wait().await;
         // containerd-shim removes the socket through the bundle's `address`
         // file, which containerd may already have deleted with the bundle:
