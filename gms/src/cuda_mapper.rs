@@ -47,6 +47,13 @@ pub const VA_WINDOW: u64 = 4 << 40;
 const WINDOW_TRIES: usize = 64;
 const WINDOW_STEP: u64 = 1 << 30;
 
+/// Address space reserved at least per range (only the allocation's own
+/// size is mapped). On an H200 the driver ignored every in-window hint for
+/// a 2 MiB reservation made after a few larger ones, while 20 MiB and larger
+/// reservations were honoured; padding small ranges sidesteps that. Readers
+/// pad identically, and the writer's padding keeps other allocations out.
+pub const MIN_RESERVATION: u64 = 64 << 20;
+
 /// A primary context shared by a mapper and all its ranges.
 struct SharedContext(PrimaryContext);
 
@@ -201,7 +208,8 @@ impl Mapper for CudaMapper {
                 self.granularity
             )));
         }
-        let size = usize::try_from(len)
+        let padded = len.max(MIN_RESERVATION);
+        let size = usize::try_from(padded)
             .map_err(|_| Error::Invalid(format!("reservation of {len} bytes exceeds usize")))?;
         self.make_current()?;
         let reservation = match at {
@@ -218,16 +226,17 @@ impl Mapper for CudaMapper {
                 }
                 r
             }
-            None => self.reserve_in_window(len, size)?,
+            None => self.reserve_in_window(padded, size)?,
         };
         // Keep later hints (KV caches, a writer's next allocation) above
         // every range this process holds in the window.
-        let end = reservation.base().saturating_add(len);
-        if self.in_window(reservation.base(), len) {
+        let end = reservation.base().saturating_add(padded);
+        if self.in_window(reservation.base(), padded) {
             self.next_hint.fetch_max(end, Ordering::Relaxed);
         }
         Ok(CudaRange {
             reservation,
+            len,
             memory: Vec::new(),
             state: RangeState::Reserved,
             device: self.device.clone(),
@@ -241,6 +250,9 @@ pub struct CudaRange {
     // Field order matters for drop: the reservation unmaps and frees the
     // range first, then the handles are released, then the context.
     reservation: Reservation,
+    /// Bytes used (mapped) at the start of the reservation, which may be
+    /// padded to [`MIN_RESERVATION`].
+    len: u64,
     /// Handles mapped here, by offset: one imported allocation, or the KV
     /// chunks created by `materialise`.
     memory: Vec<(usize, PhysicalMemory)>,
@@ -258,7 +270,7 @@ impl CudaRange {
     }
 
     fn len_usize(&self) -> usize {
-        self.reservation.size()
+        self.len as usize
     }
 
     /// Copies device bytes at `offset` to the host (tests, checks).
@@ -303,7 +315,7 @@ impl Range for CudaRange {
     }
 
     fn len(&self) -> u64 {
-        self.reservation.size() as u64
+        self.len
     }
 
     fn state(&self) -> RangeState {
