@@ -30,6 +30,8 @@ pub struct ShadowShim {
     config: Config,
     /// `-socket`: the ttrpc socket this daemon serves.
     socket: String,
+    /// `-address`: containerd's socket, part of the group's socket name.
+    address: String,
     exit: Arc<ExitSignal>,
 }
 
@@ -48,6 +50,22 @@ pub fn load_config(bundle: &Path) -> crate::error::Result<Config> {
         }
     }
     source.load()
+}
+
+/// After a shim died (the reason containerd runs `delete`), its socket file
+/// is left behind. Remove it, but only if nothing answers on it: a pod's
+/// other containers may still be served there.
+fn remove_stale_socket(address: &str, namespace: &str, bundle: &Path, id: &str) {
+    let group = crate::start::grouping(bundle, id);
+    let socket = containerd_shim::socket_address(address, namespace, &group);
+    let path = socket.strip_prefix("unix://").unwrap_or(&socket);
+    if let Err(e) = std::os::unix::net::UnixStream::connect(path) {
+        if e.kind() == std::io::ErrorKind::ConnectionRefused {
+            if let Err(e) = std::fs::remove_file(path) {
+                log::warn!("removing stale socket {path}: {e}");
+            }
+        }
+    }
 }
 
 #[async_trait]
@@ -74,6 +92,7 @@ impl Shim for ShadowShim {
             bundle,
             config,
             socket: args.socket.clone(),
+            address: args.address.clone(),
             exit: Arc::new(ExitSignal::default()),
         }
     }
@@ -95,6 +114,7 @@ impl Shim for ShadowShim {
         if let Err(e) = client.runc.delete(&self.id, Some(&force)).await {
             log::warn!("delete {}: runc delete: {e}", self.id);
         }
+        remove_stale_socket(&self.address, &self.namespace, &self.bundle, &self.id);
         let rootfs = self.bundle.join("rootfs").display().to_string();
         if let Err(e) = containerd_shim::mount::umount_recursive(Some(&rootfs), libc::MNT_DETACH) {
             log::warn!("delete {}: unmounting {rootfs}: {e}", self.id);
