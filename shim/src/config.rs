@@ -18,6 +18,8 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/shadow/config.toml";
 /// source to the serving daemon (its stdin is not the runtime options).
 pub const ENV_CONFIG_PATH: &str = "SHADOW_SHIM_CONFIG_PATH";
 pub const ENV_CONFIG_BODY: &str = "SHADOW_SHIM_CONFIG_BODY";
+/// Replaces the default config file path when no runtime option names one.
+pub const ENV_CONFIG_DEFAULT: &str = "SHADOW_CONFIG";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -25,6 +27,8 @@ pub struct Config {
     pub runc: RuncConfig,
     /// `error`, `warn`, `info`, `debug` or `trace`.
     pub log_level: String,
+    /// Engine pairs (`shadow.dev/pair`): see `crate::pair::config`.
+    pub pair: crate::pair::config::PairConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +45,7 @@ impl Default for Config {
         Config {
             runc: RuncConfig::default(),
             log_level: "info".into(),
+            pair: Default::default(),
         }
     }
 }
@@ -95,7 +100,12 @@ impl ConfigSource {
         }
         match &self.path {
             Some(path) => Config::read(path, true),
-            None => Config::read(Path::new(DEFAULT_CONFIG_PATH), false),
+            // containerd passes its environment to the shims it starts, so an
+            // operator (or a test's private containerd) can move the default.
+            None => match std::env::var_os(ENV_CONFIG_DEFAULT).filter(|p| !p.is_empty()) {
+                Some(path) => Config::read(Path::new(&path), true),
+                None => Config::read(Path::new(DEFAULT_CONFIG_PATH), false),
+            },
         }
     }
 }
@@ -148,6 +158,10 @@ impl Config {
                 reason: "runc.binary must be set and runc.root must be absolute".into(),
             });
         }
+        self.pair.validate().map_err(|reason| Error::Config {
+            path: origin.to_path_buf(),
+            reason,
+        })?;
         Ok(())
     }
 

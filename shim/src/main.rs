@@ -15,6 +15,7 @@ mod io;
 mod memory;
 mod oom;
 mod options;
+mod pair;
 mod plain;
 mod process;
 mod runc;

@@ -86,7 +86,7 @@ impl CreateUndo<'_> {
     }
 }
 
-async fn unmount(target: &Path) {
+pub(crate) async fn unmount(target: &Path) {
     let t = target.display().to_string();
     let res = tokio::task::spawn_blocking(move || {
         containerd_shim::mount::umount_recursive(Some(&t), libc::MNT_DETACH)
@@ -97,7 +97,7 @@ async fn unmount(target: &Path) {
     }
 }
 
-async fn mount_all(mounts: &[Mount], target: &Path) -> Result<()> {
+pub(crate) async fn mount_all(mounts: &[Mount], target: &Path) -> Result<()> {
     std::fs::create_dir_all(target)
         .map_err(|e| Error::io(format!("creating rootfs {}", target.display()), e))?;
     for m in mounts {

@@ -33,6 +33,7 @@ use crate::annotations::ShadowAnnotations;
 use crate::container::{Container, ExitInfo, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
+use crate::pair::{PairRequest, PairedContainer};
 use crate::plain::{CreateRequest, PlainContainer, Runtime};
 
 pub fn timestamp(t: SystemTime) -> Timestamp {
@@ -101,35 +102,42 @@ impl TaskService {
         let spec = read_spec(Path::new(&req.bundle))?;
         let annotations = spec.annotations().clone().unwrap_or_default();
         let shadow = ShadowAnnotations::parse(&annotations)?;
-        if shadow.wants_pairing(&annotations) {
-            return Err(Error::Unimplemented(format!(
-                "container {} asks to be paired ({}): pairing is not built yet",
-                req.id,
-                crate::annotations::PAIR
-            )));
-        }
         let stdio = Stdio {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
             stderr: req.stderr.clone(),
             terminal: req.terminal,
         };
-        let container = PlainContainer::create(
-            &self.runtime,
-            CreateRequest {
-                id: req.id.clone(),
-                bundle: req.bundle.clone(),
-                rootfs: req.rootfs.clone(),
-                stdio,
-            },
-            &spec,
-        )
-        .await?;
+        let container: Arc<dyn Container> = if shadow.wants_pairing(&annotations) {
+            PairedContainer::create(
+                &self.runtime,
+                PairRequest {
+                    id: req.id.clone(),
+                    bundle: req.bundle.clone(),
+                    rootfs: req.rootfs.clone(),
+                    stdio,
+                    gms: shadow.gms,
+                },
+            )
+            .await?
+        } else {
+            PlainContainer::create(
+                &self.runtime,
+                CreateRequest {
+                    id: req.id.clone(),
+                    bundle: req.bundle.clone(),
+                    rootfs: req.rootfs.clone(),
+                    stdio,
+                },
+                &spec,
+            )
+            .await?
+        };
         let pid = container.pid();
         self.containers
             .lock()
             .await
-            .insert(req.id.clone(), container as Arc<dyn Container>);
+            .insert(req.id.clone(), container);
         self.events().send(Event::Create(TaskCreate {
             container_id: req.id.clone(),
             bundle: req.bundle.clone(),
@@ -449,14 +457,27 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn pairing_is_refused_as_unimplemented_and_leaves_nothing() {
-        let e = refused(r#""shadow.dev/pair":"true""#).await;
+    async fn pair_with_a_terminal_is_refused_and_leaves_nothing() {
+        let (mut svc, mut rx) = service();
+        let state = tempfile::tempdir().unwrap();
+        svc.runtime.config.pair.state_dir = state.path().to_path_buf();
+        let b = bundle_with(r#""shadow.dev/pair":"true""#);
+        let req = CreateTaskRequest {
+            id: "c1".into(),
+            bundle: b.path().display().to_string(),
+            terminal: true,
+            ..Default::default()
+        };
+        let e = svc.do_create(req).await.unwrap_err();
         assert_eq!(
             e.code(),
-            containerd_shim_protos::ttrpc::Code::UNIMPLEMENTED,
+            containerd_shim_protos::ttrpc::Code::INVALID_ARGUMENT,
             "{e}"
         );
-        assert!(e.to_string().contains("pairing is not built yet"));
+        assert!(e.to_string().contains("terminal"), "{e}");
+        assert_eq!(svc.container_count().await, 0);
+        assert!(rx.try_recv().is_err());
+        assert_eq!(std::fs::read_dir(state.path()).unwrap().count(), 0);
     }
 
     #[tokio::test]

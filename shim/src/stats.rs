@@ -73,6 +73,18 @@ pub fn collect(pid: u32) -> Result<Any> {
     }
 }
 
+/// Metrics of the cgroup *above* the one of `pid`: an engine pair's
+/// cgroup, whose children are the two engines.
+pub fn collect_parent(pid: u32) -> Result<Any> {
+    let up = |p: PathBuf| p.parent().map(Path::to_path_buf).unwrap_or(p);
+    match CgroupPaths::of_pid(pid)? {
+        CgroupPaths::V1(dirs) => pack(&collect_v1(
+            &dirs.into_iter().map(|(c, d)| (c, up(d))).collect(),
+        )),
+        CgroupPaths::V2(dir) => pack(&collect_v2(&up(dir))),
+    }
+}
+
 fn pack<M: MessageFull>(m: &M) -> Result<Any> {
     Ok(Any {
         type_url: M::descriptor().full_name().to_string(),

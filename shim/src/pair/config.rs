@@ -1,0 +1,156 @@
+//! The `[pair]` table of the shim config file: where a pair keeps its files,
+//! how GMS is run, and the restart rules handed to `shadow_pair`. Every key
+//! has a default, so a host with no config file runs pairs too.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use shadow_pair::RestartPolicy;
+
+/// Which GMS backend a pair gets when its spec does not say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GmsMode {
+    /// `cuda` when the spec has NVIDIA GPUs, else `host`.
+    Auto,
+    Host,
+    Off,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PairConfig {
+    /// Per-pair directories: `<state_dir>/<namespace>/<id>/`.
+    pub state_dir: PathBuf,
+    /// Prometheus textfiles: `<metrics_dir>/shadow-<namespace>-<id>.prom`.
+    pub metrics_dir: PathBuf,
+    /// The `gmsd` binary; empty: next to the shim binary, else on PATH.
+    pub gmsd: String,
+    pub gms: GmsMode,
+    /// `gmsd --max-bytes` (0: gmsd's own default).
+    pub gms_max_bytes: u64,
+    /// `gmsd --max-allocations` (0: gmsd's own default).
+    pub gms_max_allocations: u64,
+    /// How long a fresh gmsd may take to create its socket.
+    pub gms_start_timeout_ms: u64,
+    /// After Kill's signal, how long before the engines get SIGKILL.
+    pub stop_grace_ms: u64,
+    /// `/proc/locks` poll period while a promotion is pending or nobody serves.
+    pub lock_poll_fast_ms: u64,
+    /// `/proc/locks` poll period while an engine serves.
+    pub lock_poll_idle_ms: u64,
+    /// Promotion timelines kept in `state.json`.
+    pub promotions_kept: usize,
+    pub restart: RestartPolicy,
+}
+
+impl Default for PairConfig {
+    fn default() -> Self {
+        PairConfig {
+            state_dir: PathBuf::from("/run/shadow"),
+            metrics_dir: PathBuf::from("/run/shadow/metrics"),
+            gmsd: String::new(),
+            gms: GmsMode::Auto,
+            gms_max_bytes: 0,
+            gms_max_allocations: 0,
+            gms_start_timeout_ms: 5000,
+            stop_grace_ms: 10_000,
+            lock_poll_fast_ms: 1,
+            lock_poll_idle_ms: 200,
+            promotions_kept: 20,
+            restart: RestartPolicy::default(),
+        }
+    }
+}
+
+impl PairConfig {
+    /// Checks what serde cannot; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.state_dir.is_absolute() {
+            return Err(format!(
+                "pair.state_dir = {:?}: must be an absolute path",
+                self.state_dir
+            ));
+        }
+        if !self.metrics_dir.is_absolute() {
+            return Err(format!(
+                "pair.metrics_dir = {:?}: must be an absolute path",
+                self.metrics_dir
+            ));
+        }
+        if self.lock_poll_fast_ms == 0 || self.lock_poll_idle_ms == 0 {
+            return Err("pair.lock_poll_fast_ms and pair.lock_poll_idle_ms must be ≥ 1".into());
+        }
+        if self.restart.backoff_initial > self.restart.backoff_max {
+            return Err(format!(
+                "pair.restart.backoff_initial ({} ms) is above backoff_max ({} ms)",
+                self.restart.backoff_initial.as_millis(),
+                self.restart.backoff_max.as_millis()
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn stop_grace(&self) -> Duration {
+        Duration::from_millis(self.stop_grace_ms)
+    }
+
+    pub fn gms_start_timeout(&self) -> Duration {
+        Duration::from_millis(self.gms_start_timeout_ms)
+    }
+
+    /// The gmsd to run: the configured one, else `gmsd` next to this binary,
+    /// else `gmsd` on PATH.
+    pub fn gmsd_binary(&self) -> PathBuf {
+        if !self.gmsd.is_empty() {
+            return PathBuf::from(&self.gmsd);
+        }
+        std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.canonicalize().ok())
+            .and_then(|exe| exe.parent().map(|d| d.join("gmsd")))
+            .filter(|p| p.is_file())
+            .unwrap_or_else(|| PathBuf::from("gmsd"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use std::path::Path;
+
+    #[test]
+    fn pair_table_parses_with_defaults_and_rejects_unknown_keys() {
+        let c = Config::parse(
+            "[pair]\nstate_dir = \"/tmp/x\"\ngms = \"off\"\n[pair.restart]\nmax_consecutive_failures = 2\nbackoff_initial = 50\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.pair.state_dir, PathBuf::from("/tmp/x"));
+        assert_eq!(c.pair.gms, GmsMode::Off);
+        assert_eq!(c.pair.restart.max_consecutive_failures, 2);
+        assert_eq!(c.pair.restart.backoff_initial, Duration::from_millis(50));
+        assert_eq!(c.pair.lock_poll_idle_ms, 200);
+        let e = Config::parse("[pair]\nstate_dirr = \"/x\"\n", Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("t.toml") && e.contains("state_dirr"), "{e}");
+    }
+
+    #[test]
+    fn relative_dirs_and_inverted_backoff_are_refused_by_key() {
+        let e = Config::parse("[pair]\nstate_dir = \"run\"\n", Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pair.state_dir"), "{e}");
+        let e = Config::parse(
+            "[pair.restart]\nbackoff_initial = 500\nbackoff_max = 100\n",
+            Path::new("t.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("backoff_initial"), "{e}");
+    }
+}

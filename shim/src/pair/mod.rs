@@ -1,0 +1,739 @@
+//! A paired container: one container spec run as two engine containers
+//! (slots 0 and 1) behind one containerd task. Create lays out the pair's
+//! directory, derives the engine bundles, pins namespaces, makes the pair's
+//! cgroup and starts GMS; Start runs both engines and hands the pair to its
+//! supervisor (`supervisor.rs`), which keeps it alive across failovers until
+//! Kill or a spent restart budget. containerd sees one task whose pid is the
+//! active engine.
+
+pub mod cgroup;
+pub mod config;
+pub mod gms;
+pub mod lock;
+pub mod netns;
+pub mod notify;
+pub mod spec;
+pub mod supervisor;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use containerd_shim_protos::api::Mount;
+use containerd_shim_protos::events::task::{TaskExecStarted, TaskStart};
+use containerd_shim_protos::protobuf::well_known_types::any::Any;
+use containerd_shim_protos::types::task::ProcessInfo;
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
+use runc::options::{DeleteOpts, ExecOpts};
+use serde_json::Value;
+use shadow_pair::SlotId;
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, watch, Mutex};
+use tokio::task::JoinHandle;
+
+use self::cgroup::PairCgroup;
+use self::config::GmsMode;
+use self::gms::GmsDaemon;
+use self::netns::PinnedNamespaces;
+use self::notify::NotifySocket;
+use self::supervisor::{EngineSlot, Input, Parts, SharedOutput, Supervisor, View};
+use crate::annotations::GmsBackend;
+use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
+use crate::error::{Error, Result};
+use crate::events::{Event, EventSink};
+use crate::exits::ExitRouter;
+use crate::io::{ConsoleSocket, ProcessIo};
+use crate::plain::Runtime;
+use crate::process::Process;
+use crate::runc::RuncClient;
+
+/// The parts of a Create request a pair needs.
+pub struct PairRequest {
+    pub id: String,
+    pub bundle: String,
+    pub rootfs: Vec<Mount>,
+    pub stdio: Stdio,
+    pub gms: Option<GmsBackend>,
+}
+
+/// The host-side files of one pair: `<state_dir>/<namespace>/<id>/`.
+#[derive(Debug, Clone)]
+pub struct PairDirs {
+    pub root: PathBuf,
+    pub pair: PathBuf,
+    pub gms: PathBuf,
+    pub ns: PathBuf,
+    pub slots: [PathBuf; 2],
+    pub state_json: PathBuf,
+}
+
+impl PairDirs {
+    pub fn new(state_dir: &Path, namespace: &str, id: &str) -> Self {
+        let root = state_dir.join(namespace).join(id);
+        PairDirs {
+            pair: root.join("pair"),
+            gms: root.join("gms"),
+            ns: root.join("ns"),
+            slots: [root.join("slot-0"), root.join("slot-1")],
+            state_json: root.join("state.json"),
+            root,
+        }
+    }
+}
+
+/// Everything Create made, for Delete (and for undoing a failed Create).
+#[derive(Default)]
+struct Made {
+    dirs: Option<PairDirs>,
+    mounted_rootfs: Option<PathBuf>,
+    pins: Option<PinnedNamespaces>,
+    cgroup: Option<PairCgroup>,
+    gms: Option<Arc<std::sync::Mutex<Option<GmsDaemon>>>>,
+    metrics_file: Option<PathBuf>,
+}
+
+impl Made {
+    async fn undo(&mut self) {
+        if let Some(g) = self.gms.take() {
+            let taken = g.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(mut g) = taken {
+                g.terminate().await;
+            }
+        }
+        if let Some(p) = self.pins.take() {
+            p.unpin();
+        }
+        if let Some(c) = self.cgroup.take() {
+            c.remove().await;
+        }
+        if let Some(d) = self.dirs.take() {
+            if let Err(e) = std::fs::remove_dir_all(&d.root) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    log::warn!("removing pair dir {}: {e}", d.root.display());
+                }
+            }
+            // The namespace dir too, once its last pair is gone.
+            if let Some(parent) = d.root.parent() {
+                let _ = std::fs::remove_dir(parent);
+            }
+        }
+        if let Some(m) = self.metrics_file.take() {
+            let _ = std::fs::remove_file(m);
+        }
+        if let Some(r) = self.mounted_rootfs.take() {
+            crate::plain::unmount(&r).await;
+        }
+    }
+}
+
+pub struct PairedContainer {
+    id: String,
+    bundle: String,
+    stdio: Stdio,
+    engines: Arc<[EngineSlot; 2]>,
+    router: Arc<ExitRouter>,
+    events: EventSink,
+    view: watch::Receiver<View>,
+    /// Until Start: the supervisor waiting to run.
+    waiting: Mutex<Option<Supervisor>>,
+    /// After Start: how Kill reaches the supervisor.
+    input: Mutex<Option<mpsc::UnboundedSender<Input>>>,
+    made: Mutex<Made>,
+    execs: Mutex<HashMap<String, Arc<Process>>>,
+    deleted: Mutex<bool>,
+}
+
+fn read_spec_value(bundle: &Path) -> Result<Value> {
+    let path = bundle.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::InvalidArgument(format!("reading OCI spec {}: {e}", path.display())))?;
+    serde_json::from_str(&text)
+        .map_err(|e| Error::InvalidArgument(format!("parsing OCI spec {}: {e}", path.display())))
+}
+
+fn mkdir(p: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(p).map_err(|e| Error::io(format!("creating {}", p.display()), e))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| Error::io(format!("chmod {}", p.display()), e))
+}
+
+/// Open the task's output FIFO and return the pipe's write end and the
+/// copier that drains the pipe into the FIFO.
+fn output_pipe(fifo: &str) -> Result<(Option<std::os::fd::OwnedFd>, Option<JoinHandle<()>>)> {
+    if fifo.is_empty() {
+        return Ok((None, None));
+    }
+    let mut to = pipe::OpenOptions::new()
+        .read_write(true)
+        .open_sender(fifo)
+        .map_err(|e| Error::io(format!("opening output FIFO {fifo}"), e))?;
+    let (tx, mut rx) = pipe::pipe().map_err(|e| Error::io("creating output pipe", e))?;
+    let tx = tx
+        .into_blocking_fd()
+        .map_err(|e| Error::io("output pipe", e))?;
+    let copier = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut rx, &mut to).await;
+    });
+    Ok((Some(tx), Some(copier)))
+}
+
+impl PairedContainer {
+    pub async fn create(rt: &Runtime, req: PairRequest) -> Result<Arc<Self>> {
+        let mut made = Made::default();
+        match Self::create_steps(rt, &req, &mut made).await {
+            Ok((engines, sup, view)) => Ok(Arc::new(PairedContainer {
+                id: req.id.clone(),
+                bundle: req.bundle.clone(),
+                stdio: req.stdio.clone(),
+                engines,
+                router: rt.router.clone(),
+                events: rt.events.clone(),
+                view,
+                waiting: Mutex::new(Some(sup)),
+                input: Mutex::new(None),
+                made: Mutex::new(made),
+                execs: Mutex::new(HashMap::new()),
+                deleted: Mutex::new(false),
+            })),
+            Err(e) => {
+                made.undo().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn create_steps(
+        rt: &Runtime,
+        req: &PairRequest,
+        made: &mut Made,
+    ) -> Result<(Arc<[EngineSlot; 2]>, Supervisor, watch::Receiver<View>)> {
+        let cfg = &rt.config.pair;
+        let bundle = PathBuf::from(&req.bundle);
+        if req.stdio.terminal {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: a paired container cannot have a terminal (both engines share the task's output)",
+                req.id
+            )));
+        }
+        let spec = read_spec_value(&bundle)?;
+        let cgroup_path = spec::pair_cgroup(&spec, &rt.namespace, &req.id)?;
+
+        let dirs = PairDirs::new(&cfg.state_dir, &rt.namespace, &req.id);
+        if dirs.root.exists() {
+            return Err(Error::AlreadyExists(format!(
+                "pair directory {} (a pair {} of namespace {} exists or was not cleaned up)",
+                dirs.root.display(),
+                req.id,
+                rt.namespace
+            )));
+        }
+        made.dirs = Some(dirs.clone());
+        mkdir(&dirs.root, 0o711)?;
+        mkdir(&dirs.pair, 0o777)?;
+        for s in &dirs.slots {
+            mkdir(s, 0o700)?;
+        }
+
+        if !req.rootfs.is_empty() {
+            let target = bundle.join("rootfs");
+            made.mounted_rootfs = Some(target.clone());
+            crate::plain::mount_all(&req.rootfs, &target).await?;
+        }
+        let rootfs = spec::rootfs_of(&spec, &bundle);
+        if !rootfs.is_dir() {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: rootfs {} does not exist",
+                req.id,
+                rootfs.display()
+            )));
+        }
+
+        let lock_file = lock::create_lock_file(&dirs.pair.join("engine.lock"))?;
+        let notify = NotifySocket::bind(&dirs.pair.join("notify.sock"))?;
+
+        let pins = if spec::needs_pinned_namespaces(&spec) {
+            let p = PinnedNamespaces::pin(&dirs.ns)?;
+            made.pins = Some(p);
+            made.pins.as_ref()
+        } else {
+            None
+        };
+
+        made.cgroup = Some(PairCgroup::create(
+            &cgroup_path,
+            spec.pointer("/linux/resources"),
+        )?);
+
+        // GMS: the annotation, else the config's mode; `auto` picks cuda
+        // when the spec has NVIDIA GPUs.
+        let gpus = spec::nvidia_devices(&spec);
+        let backend = match (req.gms, cfg.gms) {
+            (Some(b), _) => b,
+            (None, GmsMode::Off) => GmsBackend::Off,
+            (None, GmsMode::Host) => GmsBackend::Host,
+            (None, GmsMode::Auto) if gpus.is_empty() => GmsBackend::Host,
+            (None, GmsMode::Auto) => GmsBackend::Cuda,
+        };
+        let mut gms = None;
+        if backend != GmsBackend::Off {
+            let device = match backend {
+                GmsBackend::Cuda => {
+                    if gpus.len() > 1 {
+                        log::warn!(
+                            "pair {}: {} GPUs; GMS serves the first ({}) only",
+                            req.id,
+                            gpus.len(),
+                            gpus[0]
+                        );
+                    }
+                    gpus.first().cloned().unwrap_or_else(|| "0".into())
+                }
+                _ => "host".into(),
+            };
+            mkdir(&dirs.gms, 0o755)?;
+            let mut g = GmsDaemon::new(cfg, &dirs.gms, device);
+            if let Err(e) = g.start().await {
+                g.terminate().await;
+                return Err(e);
+            }
+            // Owned by the supervisor from here; Delete gets it back.
+            gms = Some(g);
+        }
+        let gms_dir = gms.as_ref().map(|_| dirs.gms.as_path());
+
+        let mut engines = Vec::new();
+        for slot in SlotId::BOTH {
+            let inputs = spec::EngineInputs {
+                slot,
+                rootfs: &rootfs,
+                pair_dir: &dirs.pair,
+                gms_dir,
+                pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
+                cgroup_parent: &cgroup_path,
+            };
+            let engine = spec::engine_spec(&spec, &inputs)?;
+            let dir = &dirs.slots[slot.index()];
+            let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Decode {
+                what: "engine spec",
+                reason: e.to_string(),
+            })?;
+            std::fs::write(dir.join("config.json"), bytes)
+                .map_err(|e| Error::io(format!("writing engine bundle {}", dir.display()), e))?;
+            engines.push(EngineSlot {
+                runc_id: spec::engine_id(&req.id, slot),
+                bundle: dir.clone(),
+                client: RuncClient::new(&rt.config, &rt.namespace, dir, rt.router.clone())?,
+                cgroup: spec::engine_cgroup(&cgroup_path, slot),
+            });
+        }
+        let engines: Arc<[EngineSlot; 2]> = Arc::new(
+            engines
+                .try_into()
+                .map_err(|_| Error::FailedPrecondition("two engine slots".into()))?,
+        );
+
+        let (out, out_copier) = output_pipe(&req.stdio.stdout)?;
+        let (err, err_copier) = output_pipe(&req.stdio.stderr)?;
+        let (view_tx, view_rx) = watch::channel(View::default());
+        let metrics_file = cfg
+            .metrics_dir
+            .join(format!("shadow-{}-{}.prom", rt.namespace, req.id));
+        made.metrics_file = Some(metrics_file);
+        let sup = Supervisor::new(Parts {
+            id: req.id.clone(),
+            namespace: rt.namespace.clone(),
+            config: cfg.clone(),
+            engines: engines.clone(),
+            output: Arc::new(SharedOutput::new(out, err)),
+            copiers: out_copier.into_iter().chain(err_copier).collect(),
+            router: rt.router.clone(),
+            events: rt.events.clone(),
+            view: view_tx,
+            lock_file,
+            notify,
+            state_json: dirs.state_json.clone(),
+            metrics_dir: cfg.metrics_dir.clone(),
+            gms,
+        });
+        log::info!(
+            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {})",
+            req.id,
+            dirs.root.display(),
+            pins.is_some()
+        );
+        Ok((engines, sup, view_rx))
+    }
+
+    fn status(&self) -> Status {
+        let v = self.view.borrow();
+        if v.exit.is_some() {
+            Status::Stopped
+        } else if v.started {
+            Status::Running
+        } else {
+            Status::Created
+        }
+    }
+
+    async fn process(&self, exec_id: &str) -> Result<Arc<Process>> {
+        self.execs
+            .lock()
+            .await
+            .get(exec_id)
+            .cloned()
+            .ok_or_else(|| Error::ExecNotFound {
+                id: self.id.clone(),
+                exec_id: exec_id.to_string(),
+            })
+    }
+
+    /// An exec runs in the engine that serves (else any live one).
+    fn exec_target(&self) -> Result<&EngineSlot> {
+        let v = self.view.borrow();
+        let slot = v
+            .active
+            .or_else(|| {
+                SlotId::BOTH
+                    .into_iter()
+                    .find(|s| v.pids[s.index()].is_some())
+            })
+            .ok_or_else(|| {
+                Error::FailedPrecondition(format!("pair {} has no live engine to exec in", self.id))
+            })?;
+        Ok(&self.engines[slot.index()])
+    }
+
+    async fn start_exec(&self, proc: &Arc<Process>, exec_id: &str) -> Result<u32> {
+        let mut st = proc.state.lock().await;
+        if st.status != Status::Created {
+            return Err(Error::FailedPrecondition(format!(
+                "exec {exec_id} in {} was already started",
+                self.id
+            )));
+        }
+        let spec = proc.spec.clone().ok_or_else(|| Error::ExecNotFound {
+            id: self.id.clone(),
+            exec_id: exec_id.to_string(),
+        })?;
+        let engine = self.exec_target()?;
+        let pid_file = engine.bundle.join(format!("exec-{exec_id}.pid"));
+        let mut opts = ExecOpts::new().pid_file(&pid_file).detach(true);
+        let mut console = None;
+        let mut io = None;
+        if proc.stdio.terminal {
+            let sock = ConsoleSocket::new()?;
+            opts = opts.console_socket(sock.path());
+            console = Some(sock);
+        } else {
+            let (child, pio) = ProcessIo::pipes(&proc.stdio)?;
+            opts = opts.io(Arc::new(child));
+            io = Some(pio);
+        }
+        let spec: oci_spec_runc::runtime::Process = serde_json::to_value(&spec)
+            .and_then(serde_json::from_value)
+            .map_err(|e| Error::InvalidArgument(format!("exec spec not accepted: {e}")))?;
+        let ran = engine
+            .client
+            .runc
+            .exec(&engine.runc_id, &spec, Some(&opts))
+            .await;
+        drop(opts);
+        ran.map_err(|e| engine.client.error("exec", &engine.runc_id, e))?;
+        if let Some(sock) = console {
+            io = Some(ProcessIo::console(sock.receive().await?, &proc.stdio)?);
+        }
+        let text = std::fs::read_to_string(&pid_file)
+            .map_err(|e| Error::io(format!("reading pid file {}", pid_file.display()), e))?;
+        let _ = std::fs::remove_file(&pid_file);
+        let pid: u32 = text.trim().parse().map_err(|_| Error::Decode {
+            what: "runc exec pid file",
+            reason: format!("{}: {text:?}", pid_file.display()),
+        })?;
+        st.pid = pid;
+        st.io = io;
+        st.status = Status::Running;
+        proc.watch_exit(self.router.watch(pid as i32), self.events.clone());
+        self.events.send(Event::ExecStarted(TaskExecStarted {
+            container_id: self.id.clone(),
+            exec_id: exec_id.to_string(),
+            pid,
+            ..Default::default()
+        }));
+        Ok(pid)
+    }
+}
+
+#[async_trait]
+impl Container for PairedContainer {
+    fn bundle(&self) -> &str {
+        &self.bundle
+    }
+
+    fn pid(&self) -> u32 {
+        self.view.borrow().pid
+    }
+
+    async fn start(&self, exec: ExecId<'_>) -> Result<u32> {
+        if let Some(exec_id) = exec {
+            let proc = self.process(exec_id).await?;
+            return self.start_exec(&proc, exec_id).await;
+        }
+        let mut waiting = self.waiting.lock().await;
+        let Some(mut sup) = waiting.take() else {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not in the created state",
+                self.id
+            )));
+        };
+        let pid = match sup.start_engines().await {
+            Ok(pid) => pid,
+            Err(e) => {
+                // Nothing runs; Delete cleans up. Keep the GMS daemon for it.
+                if let Some(g) = sup.gms.take() {
+                    self.made.lock().await.gms = Some(Arc::new(std::sync::Mutex::new(Some(g))));
+                }
+                return Err(e);
+            }
+        };
+        *self.input.lock().await = Some(sup.tx.clone());
+        self.events.send(Event::Start(TaskStart {
+            container_id: self.id.clone(),
+            pid,
+            ..Default::default()
+        }));
+        let gms_slot = Arc::new(std::sync::Mutex::new(None));
+        self.made.lock().await.gms = Some(gms_slot.clone());
+        tokio::spawn(async move {
+            // The daemon comes back to Delete once the pair is gone.
+            let gms = sup.run_to_end().await;
+            *gms_slot.lock().unwrap_or_else(|p| p.into_inner()) = gms;
+        });
+        Ok(pid)
+    }
+
+    async fn state(&self, exec: ExecId<'_>) -> Result<ProcessState> {
+        if let Some(exec_id) = exec {
+            return Ok(self.process(exec_id).await?.snapshot().await);
+        }
+        let v = self.view.borrow().clone();
+        Ok(ProcessState {
+            pid: v.pid,
+            status: self.status(),
+            stdio: self.stdio.clone(),
+            exit: v.exit,
+        })
+    }
+
+    async fn kill(&self, exec: ExecId<'_>, signal: u32, all: bool) -> Result<()> {
+        if let Some(exec_id) = exec {
+            let proc = self.process(exec_id).await?;
+            let st = proc.state.lock().await;
+            if st.pid == 0 || st.status == Status::Stopped {
+                return Err(Error::Finished {
+                    id: self.id.clone(),
+                    process: format!("exec {exec_id}"),
+                });
+            }
+            let sig = Signal::try_from(signal as i32)
+                .map_err(|_| Error::InvalidArgument(format!("unknown signal {signal}")))?;
+            return nix::sys::signal::kill(Pid::from_raw(st.pid as i32), sig)
+                .map_err(|e| Error::sys(format!("signalling exec {exec_id} pid {}", st.pid), e));
+        }
+        if self.status() == Status::Stopped {
+            if all {
+                return Ok(());
+            }
+            return Err(Error::Finished {
+                id: self.id.clone(),
+                process: "the engine pair".into(),
+            });
+        }
+        Signal::try_from(signal as i32)
+            .map_err(|_| Error::InvalidArgument(format!("unknown signal {signal}")))?;
+        match self.input.lock().await.as_ref() {
+            Some(tx) => {
+                let _ = tx.send(Input::Kill { signal });
+                Ok(())
+            }
+            // Not started: nothing runs; Delete removes the pair.
+            None => Ok(()),
+        }
+    }
+
+    async fn wait(&self, exec: ExecId<'_>) -> Result<ExitInfo> {
+        if let Some(exec_id) = exec {
+            return self.process(exec_id).await?.wait().await;
+        }
+        let mut rx = self.view.clone();
+        let v = rx
+            .wait_for(|v| v.exit.is_some())
+            .await
+            .map_err(|_| Error::FailedPrecondition("pair supervisor is gone".into()))?;
+        v.exit
+            .ok_or_else(|| Error::FailedPrecondition("no exit recorded".into()))
+    }
+
+    async fn delete(&self, exec: ExecId<'_>) -> Result<ExitInfo> {
+        if let Some(exec_id) = exec {
+            let proc = self.process(exec_id).await?;
+            let st = proc.state.lock().await;
+            if st.status == Status::Running {
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot delete exec {exec_id} of {}: it is still running",
+                    self.id
+                )));
+            }
+            let exit = st.exit.unwrap_or(ExitInfo {
+                pid: st.pid,
+                status: 0,
+                at: SystemTime::now(),
+            });
+            drop(st);
+            proc.state.lock().await.io = None;
+            self.execs.lock().await.remove(exec_id);
+            return Ok(exit);
+        }
+        if self.status() == Status::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "cannot delete {}: the engine pair is still running",
+                self.id
+            )));
+        }
+        let mut deleted = self.deleted.lock().await;
+        let exit = self.view.borrow().exit.unwrap_or(ExitInfo {
+            pid: 0,
+            status: 128 + libc::SIGKILL as u32,
+            at: SystemTime::now(),
+        });
+        if *deleted {
+            return Ok(exit);
+        }
+        // A pair that never started: its supervisor (and gmsd) go now.
+        if let Some(mut sup) = self.waiting.lock().await.take() {
+            if let Some(mut g) = sup.gms.take() {
+                g.terminate().await;
+            }
+            sup.output.close();
+        }
+        let force = DeleteOpts::new().force(true);
+        for e in self.engines.iter() {
+            if let Err(err) = e.client.runc.delete(&e.runc_id, Some(&force)).await {
+                let err = e.client.error("delete", &e.runc_id, err);
+                if !matches!(
+                    err,
+                    Error::Runc {
+                        kind: crate::error::RuncFailure::NotFound,
+                        ..
+                    }
+                ) {
+                    log::warn!("pair {}: {err}", self.id);
+                }
+            }
+        }
+        for (_, e) in self.execs.lock().await.drain() {
+            e.state.lock().await.io = None;
+        }
+        self.made.lock().await.undo().await;
+        *deleted = true;
+        Ok(exit)
+    }
+
+    async fn exec(&self, exec_id: &str, stdio: Stdio, spec: ProcessSpec) -> Result<()> {
+        if self.status() != Status::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "pair {} is not running; cannot exec {exec_id}",
+                self.id
+            )));
+        }
+        let mut execs = self.execs.lock().await;
+        if execs.contains_key(exec_id) {
+            return Err(Error::AlreadyExists(format!(
+                "exec {exec_id} in {}",
+                self.id
+            )));
+        }
+        execs.insert(
+            exec_id.to_string(),
+            Process::new(&self.id, Some(exec_id), stdio, Some(spec)),
+        );
+        Ok(())
+    }
+
+    async fn resize_pty(&self, exec: ExecId<'_>, width: u32, height: u32) -> Result<()> {
+        let Some(exec_id) = exec else {
+            return Err(Error::FailedPrecondition(
+                "an engine pair has no terminal".into(),
+            ));
+        };
+        let proc = self.process(exec_id).await?;
+        let st = proc.state.lock().await;
+        match &st.io {
+            Some(io) => io.resize(width, height),
+            None => Err(Error::FailedPrecondition("process has no terminal".into())),
+        }
+    }
+
+    async fn close_io(&self, exec: ExecId<'_>) -> Result<()> {
+        // The pair's engines have no stdin; an exec's can be closed.
+        if let Some(exec_id) = exec {
+            if let Some(io) = self.process(exec_id).await?.state.lock().await.io.as_mut() {
+                io.close_stdin();
+            }
+        }
+        Ok(())
+    }
+
+    async fn pause(&self) -> Result<()> {
+        Err(Error::Unimplemented(
+            "pausing an engine pair is not supported".into(),
+        ))
+    }
+
+    async fn resume(&self) -> Result<()> {
+        Err(Error::Unimplemented(
+            "resuming an engine pair is not supported".into(),
+        ))
+    }
+
+    async fn pids(&self) -> Result<Vec<ProcessInfo>> {
+        let pids = self.view.borrow().pids;
+        let mut out = Vec::new();
+        for slot in SlotId::BOTH {
+            if pids[slot.index()].is_none() {
+                continue;
+            }
+            let e = &self.engines[slot.index()];
+            match e.client.runc.ps(&e.runc_id).await {
+                Ok(list) => out.extend(list.into_iter().map(|pid| ProcessInfo {
+                    pid: pid as u32,
+                    ..Default::default()
+                })),
+                Err(err) => log::debug!("pair {}: ps {}: {err}", self.id, e.runc_id),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn update(&self, _resources: LinuxResources) -> Result<()> {
+        Err(Error::Unimplemented(
+            "updating the resources of an engine pair is not supported yet".into(),
+        ))
+    }
+
+    async fn stats(&self) -> Result<Any> {
+        let pid = self.pid();
+        if pid == 0 {
+            return Err(Error::FailedPrecondition(format!(
+                "pair {} has no process",
+                self.id
+            )));
+        }
+        // The pair's cgroup: the parent of the engine's.
+        crate::stats::collect_parent(pid)
+    }
+}

@@ -1,0 +1,377 @@
+//! One container spec in, two engine specs out. The engines run the
+//! spec's process unchanged on the spec's own rootfs (two runc containers can
+//! share one rootfs), plus what DESIGN.md promises inside every engine: the
+//! pair directory with the election lock and the notify socket, the GMS
+//! socket directory, and the four `SHADOW_*`/`NOTIFY_SOCKET`/`GMS_*`
+//! variables. The pair's resource limits move to a parent cgroup (see
+//! `cgroup.rs`), so each engine keeps only its device rules.
+//!
+//! The derivation works on the JSON value rather than on typed `oci_spec`
+//! structs so that fields this shim does not know survive untouched.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use shadow_pair::SlotId;
+
+use crate::error::{Error, Result};
+
+/// Where the engine finds the pair directory (lock + notify socket).
+pub const ENGINE_PAIR_DIR: &str = "/run/shadow/pair";
+pub const ENGINE_LOCK_PATH: &str = "/run/shadow/pair/engine.lock";
+pub const ENGINE_NOTIFY_SOCKET: &str = "/run/shadow/pair/notify.sock";
+pub const ENGINE_GMS_DIR: &str = "/run/shadow/gms";
+
+/// The host side of what one engine gets.
+#[derive(Debug, Clone)]
+pub struct EngineInputs<'a> {
+    pub slot: SlotId,
+    /// Absolute rootfs of the original bundle.
+    pub rootfs: &'a Path,
+    /// Host dir mounted at [`ENGINE_PAIR_DIR`].
+    pub pair_dir: &'a Path,
+    /// Host dir mounted at [`ENGINE_GMS_DIR`], when the pair has GMS.
+    pub gms_dir: Option<&'a Path>,
+    /// Pinned network and IPC namespace files, used for namespaces the spec
+    /// asks for without a path (no sandbox to share).
+    pub pinned: Option<(&'a Path, &'a Path)>,
+    /// The pair's cgroup (the spec's `cgroupsPath`): engines go below it.
+    pub cgroup_parent: &'a str,
+}
+
+/// The runc container id of a slot's engine.
+pub fn engine_id(id: &str, slot: SlotId) -> String {
+    format!("{id}-s{slot}")
+}
+
+/// The cgroup path of one slot's engine below the pair's cgroup.
+pub fn engine_cgroup(parent: &str, slot: SlotId) -> String {
+    format!("{}/s{slot}", parent.trim_end_matches('/'))
+}
+
+/// The pair's cgroup: the spec's `cgroupsPath`, or one under `/shadow` when
+/// the spec has none. systemd-style paths (`slice:prefix:name`) are refused:
+/// the parent/child layout here is for cgroupfs paths.
+pub fn pair_cgroup(spec: &Value, namespace: &str, id: &str) -> Result<String> {
+    match spec.pointer("/linux/cgroupsPath").and_then(Value::as_str) {
+        Some(p) if p.contains(':') => Err(Error::InvalidArgument(format!(
+            "container {id}: cgroupsPath {p:?} is a systemd cgroup path; engine pairs need a cgroupfs path (SystemdCgroup = false)"
+        ))),
+        Some(p) if !p.is_empty() => Ok(if p.starts_with('/') {
+            p.to_string()
+        } else {
+            format!("/{p}")
+        }),
+        _ => Ok(format!("/shadow/{namespace}/{id}")),
+    }
+}
+
+/// Which namespaces of the spec the pair must pin: those asked for without a
+/// path (network and IPC).
+pub fn needs_pinned_namespaces(spec: &Value) -> bool {
+    namespaces(spec).iter().any(|ns| {
+        matches!(
+            ns.get("type").and_then(Value::as_str),
+            Some("network" | "ipc")
+        ) && ns
+            .get("path")
+            .and_then(Value::as_str)
+            .is_none_or(str::is_empty)
+    })
+}
+
+fn namespaces(spec: &Value) -> Vec<Value> {
+    spec.pointer("/linux/namespaces")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Whether the spec gives the container NVIDIA GPUs (then GMS runs `cuda`).
+pub fn nvidia_devices(spec: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in spec
+        .pointer("/process/env")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+    {
+        if let Some(v) = e.strip_prefix("NVIDIA_VISIBLE_DEVICES=") {
+            if !v.is_empty() && v != "void" && v != "none" {
+                out.extend(v.split(',').map(|s| s.trim().to_string()));
+            }
+        }
+    }
+    for d in spec
+        .pointer("/linux/devices")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        if let Some(p) = d.get("path").and_then(Value::as_str) {
+            if let Some(n) = p.strip_prefix("/dev/nvidia") {
+                if !n.is_empty()
+                    && n.chars().all(|c| c.is_ascii_digit())
+                    && !out.iter().any(|x| x == n)
+                {
+                    out.push(n.to_string());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The absolute rootfs of a bundle's spec.
+pub fn rootfs_of(spec: &Value, bundle: &Path) -> PathBuf {
+    let root = spec
+        .pointer("/root/path")
+        .and_then(Value::as_str)
+        .unwrap_or("rootfs");
+    let root = Path::new(root);
+    if root.is_absolute() {
+        root.to_path_buf()
+    } else {
+        bundle.join(root)
+    }
+}
+
+fn bind(source: &Path, destination: &str) -> Value {
+    json!({
+        "destination": destination,
+        "type": "bind",
+        "source": source.display().to_string(),
+        "options": ["rbind", "rw", "nosuid", "nodev"],
+    })
+}
+
+/// The spec of one engine. Pure: the same inputs give the same spec.
+pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
+    let mut out = spec.clone();
+    let obj = out
+        .as_object_mut()
+        .ok_or_else(|| Error::InvalidArgument("OCI spec is not a JSON object".into()))?;
+    obj.insert(
+        "root".into(),
+        json!({
+            "path": e.rootfs.display().to_string(),
+            "readonly": spec.pointer("/root/readonly").and_then(Value::as_bool).unwrap_or(false),
+        }),
+    );
+
+    // Environment: ours replace any same-named entries of the spec.
+    let mut ours = vec![
+        format!("SHADOW_ENGINE_ID={}", e.slot),
+        format!("SHADOW_LOCK_PATH={ENGINE_LOCK_PATH}"),
+        format!("NOTIFY_SOCKET={ENGINE_NOTIFY_SOCKET}"),
+    ];
+    if e.gms_dir.is_some() {
+        ours.push(format!("GMS_SOCKET_DIR={ENGINE_GMS_DIR}"));
+    }
+    let process = obj
+        .get_mut("process")
+        .and_then(Value::as_object_mut)
+        .ok_or_else(|| Error::InvalidArgument("OCI spec has no process to run".into()))?;
+    let keys: Vec<String> = ours
+        .iter()
+        .filter_map(|kv| kv.split('=').next().map(|k| format!("{k}=")))
+        .collect();
+    let mut env: Vec<Value> = process
+        .get("env")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|v| {
+            v.as_str()
+                .is_none_or(|s| !keys.iter().any(|k| s.starts_with(k.as_str())))
+        })
+        .collect();
+    env.extend(ours.into_iter().map(Value::String));
+    process.insert("env".into(), Value::Array(env));
+    // Both engines share the task's output pipes; a pty cannot be shared.
+    process.insert("terminal".into(), Value::Bool(false));
+
+    let mounts = obj
+        .entry("mounts")
+        .or_insert_with(|| Value::Array(Vec::new()));
+    let mounts = mounts
+        .as_array_mut()
+        .ok_or_else(|| Error::InvalidArgument("OCI spec mounts is not a list".into()))?;
+    mounts.retain(|m| {
+        let d = m.get("destination").and_then(Value::as_str).unwrap_or("");
+        d != ENGINE_PAIR_DIR && d != ENGINE_GMS_DIR
+    });
+    mounts.push(bind(e.pair_dir, ENGINE_PAIR_DIR));
+    if let Some(g) = e.gms_dir {
+        mounts.push(bind(g, ENGINE_GMS_DIR));
+    }
+
+    let linux = obj
+        .entry("linux")
+        .or_insert_with(|| json!({}))
+        .as_object_mut()
+        .ok_or_else(|| Error::InvalidArgument("OCI spec linux is not an object".into()))?;
+    linux.insert(
+        "cgroupsPath".into(),
+        Value::String(engine_cgroup(e.cgroup_parent, e.slot)),
+    );
+    // Limits belong to the pair's cgroup; device rules stay per engine.
+    if let Some(res) = linux.get_mut("resources").and_then(Value::as_object_mut) {
+        res.retain(|k, _| k == "devices");
+    }
+    if let (Some(list), Some((net, ipc))) = (
+        linux.get_mut("namespaces").and_then(Value::as_array_mut),
+        e.pinned,
+    ) {
+        for ns in list.iter_mut() {
+            let pin = match ns.get("type").and_then(Value::as_str) {
+                Some("network") => net,
+                Some("ipc") => ipc,
+                _ => continue,
+            };
+            if ns
+                .get("path")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+            {
+                ns["path"] = Value::String(pin.display().to_string());
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> Value {
+        json!({
+            "ociVersion": "1.0.2",
+            "root": {"path": "rootfs", "readonly": false},
+            "process": {"args": ["/engine", "--port", "8000"], "cwd": "/",
+                        "env": ["PATH=/bin", "SHADOW_ENGINE_ID=7"], "terminal": true},
+            "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
+            "annotations": {"shadow.dev/pair": "true", "x.io/keep": "1"},
+            "linux": {
+                "cgroupsPath": "/ns1/c1",
+                "resources": {"memory": {"limit": 1048576}, "pids": {"limit": 10},
+                              "devices": [{"allow": false, "access": "rwm"}]},
+                "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"}, {"type": "mount"}],
+                "unknownField": {"kept": true}
+            }
+        })
+    }
+
+    fn inputs<'a>(slot: SlotId, pinned: Option<(&'a Path, &'a Path)>) -> EngineInputs<'a> {
+        EngineInputs {
+            slot,
+            rootfs: Path::new("/b/rootfs"),
+            pair_dir: Path::new("/run/shadow/ns1/c1/pair"),
+            gms_dir: Some(Path::new("/run/shadow/ns1/c1/gms")),
+            pinned,
+            cgroup_parent: "/ns1/c1",
+        }
+    }
+
+    #[test]
+    fn engine_gets_env_mounts_cgroup_and_shared_rootfs() {
+        let s = spec();
+        let e = engine_spec(&s, &inputs(SlotId::ONE, None)).unwrap();
+        assert_eq!(e["root"]["path"], "/b/rootfs");
+        assert_eq!(e["process"]["args"], s["process"]["args"]);
+        assert_eq!(e["process"]["terminal"], false);
+        let env: Vec<&str> = e["process"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        assert_eq!(
+            env,
+            [
+                "PATH=/bin",
+                "SHADOW_ENGINE_ID=1",
+                "SHADOW_LOCK_PATH=/run/shadow/pair/engine.lock",
+                "NOTIFY_SOCKET=/run/shadow/pair/notify.sock",
+                "GMS_SOCKET_DIR=/run/shadow/gms"
+            ]
+        );
+        let dests: Vec<&str> = e["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["destination"].as_str().unwrap())
+            .collect();
+        assert_eq!(dests, ["/proc", "/run/shadow/pair", "/run/shadow/gms"]);
+        assert_eq!(e["mounts"][1]["source"], "/run/shadow/ns1/c1/pair");
+        assert_eq!(e["linux"]["cgroupsPath"], "/ns1/c1/s1");
+        assert_eq!(
+            e["linux"]["resources"],
+            json!({"devices": [{"allow": false, "access": "rwm"}]})
+        );
+        assert_eq!(e["linux"]["unknownField"], json!({"kept": true}));
+        assert_eq!(e["annotations"], s["annotations"]);
+        // Without pins, namespaces are left as the spec has them.
+        assert_eq!(e["linux"]["namespaces"], s["linux"]["namespaces"]);
+    }
+
+    #[test]
+    fn pinned_namespaces_fill_only_pathless_net_and_ipc() {
+        let mut s = spec();
+        s["linux"]["namespaces"][2]["path"] = "/proc/1/ns/ipc".into();
+        let pins = (Path::new("/p/ns/net"), Path::new("/p/ns/ipc"));
+        let e = engine_spec(&s, &inputs(SlotId::ZERO, Some(pins))).unwrap();
+        assert_eq!(
+            e["linux"]["namespaces"],
+            json!([{"type": "pid"}, {"type": "network", "path": "/p/ns/net"},
+                   {"type": "ipc", "path": "/proc/1/ns/ipc"}, {"type": "mount"}])
+        );
+        assert!(needs_pinned_namespaces(&s));
+        let mut sandboxed = s.clone();
+        sandboxed["linux"]["namespaces"][1]["path"] = "/var/run/netns/x".into();
+        assert!(!needs_pinned_namespaces(&sandboxed));
+        sandboxed["linux"]["namespaces"] = json!([{"type": "pid"}]);
+        assert!(!needs_pinned_namespaces(&sandboxed), "host network");
+    }
+
+    #[test]
+    fn gms_off_means_no_gms_mount_or_variable() {
+        let mut i = inputs(SlotId::ZERO, None);
+        i.gms_dir = None;
+        let e = engine_spec(&spec(), &i).unwrap();
+        let text = e.to_string();
+        assert!(!text.contains("GMS_SOCKET_DIR") && !text.contains("/run/shadow/gms"));
+        assert!(text.contains("SHADOW_ENGINE_ID=0"));
+    }
+
+    #[test]
+    fn cgroup_paths_and_ids() {
+        assert_eq!(pair_cgroup(&spec(), "ns1", "c1").unwrap(), "/ns1/c1");
+        assert_eq!(
+            pair_cgroup(&json!({}), "ns1", "c1").unwrap(),
+            "/shadow/ns1/c1"
+        );
+        let systemd = json!({"linux": {"cgroupsPath": "system.slice:cri:c1"}});
+        let e = pair_cgroup(&systemd, "ns1", "c1").unwrap_err().to_string();
+        assert!(e.contains("systemd"), "{e}");
+        assert_eq!(engine_id("c1", SlotId::ONE), "c1-s1");
+        assert_eq!(engine_cgroup("/ns1/c1/", SlotId::ZERO), "/ns1/c1/s0");
+    }
+
+    #[test]
+    fn nvidia_gpus_from_env_or_devices() {
+        assert!(nvidia_devices(&spec()).is_empty());
+        let mut s = spec();
+        s["process"]["env"] = json!(["NVIDIA_VISIBLE_DEVICES=0,1"]);
+        assert_eq!(nvidia_devices(&s), ["0", "1"]);
+        let mut s = spec();
+        s["linux"]["devices"] = json!([{"path": "/dev/nvidia2"}, {"path": "/dev/nvidiactl"}]);
+        assert_eq!(nvidia_devices(&s), ["2"]);
+        let mut s = spec();
+        s["process"]["env"] = json!(["NVIDIA_VISIBLE_DEVICES=void"]);
+        assert!(nvidia_devices(&s).is_empty());
+    }
+}
