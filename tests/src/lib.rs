@@ -18,6 +18,7 @@ mod containerd;
 mod ctr;
 mod error;
 mod leftovers;
+pub mod pair;
 mod process;
 mod rootfs;
 

@@ -208,6 +208,9 @@ pub struct Supervisor {
     /// Slots spawned at least once (a respawn must remove the old container).
     spawned_once: [bool; 2],
     stop_signal: Option<u32>,
+    /// Datagrams from an engine that spoke before its spawn was reported
+    /// (runc returns after the engine already runs): replayed on Spawned.
+    early: [Vec<(Datagram, Instant)>; 2],
     promotions: VecDeque<PromotionRecord>,
     last_pid: u32,
     last_written: String,
@@ -279,6 +282,7 @@ impl Supervisor {
             kill_on_spawn: [None, None],
             spawned_once: [false, false],
             stop_signal: None,
+            early: [Vec::new(), Vec::new()],
             promotions: VecDeque::new(),
             last_pid: 0,
             last_written: String::new(),
@@ -408,9 +412,12 @@ impl Supervisor {
                     signal(pid, Signal::SIGKILL);
                     return Vec::new();
                 }
-                let actions = self
+                let mut actions = self
                     .pair
                     .handle(PairEvent::Spawned { slot, pid }, self.now());
+                for (d, at) in std::mem::take(&mut self.early[slot.index()]) {
+                    actions.extend(self.notified(slot, &d, at));
+                }
                 let exit = self.router.watch(pid as i32);
                 let tx = self.tx.clone();
                 tokio::spawn(async move {
@@ -517,6 +524,18 @@ impl Supervisor {
         }
     }
 
+    fn notified(&mut self, slot: SlotId, d: &Datagram, at: Instant) -> Vec<Action> {
+        let now = self.since(at);
+        let mut actions = Vec::new();
+        for notification in parse_notify(&d.bytes) {
+            actions.extend(
+                self.pair
+                    .handle(PairEvent::Notified { slot, notification }, now),
+            );
+        }
+        actions
+    }
+
     fn kill_all(&mut self, sig: Signal) {
         for slot in SlotId::BOTH {
             let s = self.pair.slot(slot);
@@ -534,6 +553,7 @@ impl Supervisor {
         while let Some(action) = queue.pop_front() {
             match action {
                 Action::Spawn { slot } => {
+                    self.early[slot.index()].clear();
                     let generation = self.pair.slot(slot).generation;
                     let fresh = !self.spawned_once[slot.index()];
                     self.spawned_once[slot.index()] = true;

@@ -1,0 +1,118 @@
+//! `make bench-failover`: 50+ SIGKILLs of the active engine of a real pair
+//! (test engine, host network, GMS off) through a private containerd, and
+//! where the time goes. For each failover:
+//!
+//! - end to end: SIGKILL sent (bench clock) → the shim saw `READY=1`
+//!   (`ready_unix_us` in `state.json`);
+//! - engine: lock taken → `READY=1` sent, as the engine reports it;
+//! - kernel handoff: SIGKILL → lock taken by the shadow;
+//! - shim overhead: `READY=1` sent by the engine → seen by the shim (the
+//!   only part of the path the shim adds: the kernel hands the lock over
+//!   without it);
+//! - reap: SIGKILL → the shim reaped the dead engine.
+//!
+//! Prints p50/p99 of each; no figure is asserted.
+
+use shadow_tests::pair::{ask, free_port, until, PairEnv};
+use shadow_tests::{Containerd, ContainerdBuilder};
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+fn now_us() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros()
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn main() {
+    let rounds: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(60);
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    let cd: Containerd = ContainerdBuilder::default()
+        .shim_profile(profile)
+        .start()
+        .expect("containerd");
+    let engine = std::env::current_exe()
+        .expect("exe")
+        .with_file_name("test-engine");
+    PairEnv::install_engine(&cd, &engine).expect("install test-engine");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let port = free_port();
+    let id = "bench";
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--rm", "--net-host"],
+            &["/bin/test-engine", "--port", &port.to_string()],
+        )
+        .expect("ctr run");
+    let long = Duration::from_secs(30);
+    let step = Duration::from_millis(1);
+    let (mut e2e, mut engine_t, mut handoff, mut shim, mut reap) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    let mut st = env.wait_protected(&cd, id, long);
+    for round in 0..rounds {
+        let slot = st["pair"]["active"].as_u64().expect("active") as usize;
+        let pid = st["pids"][slot].as_u64().expect("pid") as i32;
+        let killed_at = now_us();
+        // SAFETY: kill(2) of the active engine's pid from state.json.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        let a = until("new active answers", long, step, || {
+            ask(port).filter(|a| a.slot != slot.to_string())
+        });
+        st = until("promotion recorded and protected", long, step, || {
+            env.state(&cd, id).filter(|v| {
+                v["pair"]["failovers"] == round as u64 + 1 && v["pair"]["protected"] == true
+            })
+        });
+        let p = st["promotions"]
+            .as_array()
+            .and_then(|p| p.last())
+            .cloned()
+            .expect("promotion");
+        let ready_seen = p["ready_unix_us"].as_u64().expect("ready") as f64;
+        let reaped = p["reaped_unix_us"].as_u64().expect("reaped") as f64;
+        let k = killed_at as f64;
+        e2e.push((ready_seen - k) / 1e3);
+        engine_t.push((a.ready_us as f64 - a.lock_us as f64) / 1e3);
+        handoff.push((a.lock_us as f64 - k) / 1e3);
+        shim.push((ready_seen - a.ready_us as f64) / 1e3);
+        reap.push((reaped - k) / 1e3);
+        // Let the respawned shadow settle, as between real failures.
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("failovers: {rounds} (shim profile {profile})");
+    for (name, v) in [
+        ("end to end: SIGKILL → READY seen by shim", &mut e2e),
+        ("kernel handoff: SIGKILL → lock taken", &mut handoff),
+        ("engine: lock taken → READY sent", &mut engine_t),
+        ("shim overhead: READY sent → seen", &mut shim),
+        ("reap: SIGKILL → shim reaped", &mut reap),
+    ] {
+        println!(
+            "  {name:<45} p50 {:>8.3} ms   p99 {:>8.3} ms",
+            pct(v, 0.5),
+            pct(v, 0.99)
+        );
+    }
+    let _ = cd.ctr().run(&["task", "kill", "-s", "SIGKILL", id]);
+    let _ = ctr.wait(long);
+    let _ = Path::new("");
+}

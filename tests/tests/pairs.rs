@@ -1,0 +1,515 @@
+//! Engine pairs through real containerd, real runc, real signals: one
+//! container spec with `shadow.dev/pair=true` runs as two engines; killing
+//! the one that serves hands the port to the other; the task stays running
+//! with the active engine's pid; Kill ends it with one exit; nothing is left.
+
+use serde_json::Value;
+use shadow_tests::pair::{ask, free_port, task_pid, until, PairEnv};
+use shadow_tests::{Containerd, Spawned};
+use std::path::Path;
+use std::time::Duration;
+
+const ENGINE: &str = env!("CARGO_BIN_EXE_test-engine");
+const LONG: Duration = Duration::from_secs(30);
+const STEP: Duration = Duration::from_millis(2);
+
+fn kill(pid: u32, sig: i32) {
+    // SAFETY: kill(2) with a pid read from the pair's state and a signal number.
+    let rc = unsafe { libc::kill(pid as i32, sig) };
+    assert_eq!(rc, 0, "kill {pid}: {}", std::io::Error::last_os_error());
+}
+
+fn active_of(st: &Value) -> (usize, u32) {
+    let slot = st["pair"]["active"].as_u64().expect("active slot") as usize;
+    let pid = st["pids"][slot].as_u64().expect("active pid") as u32;
+    (slot, pid)
+}
+
+/// gmsd from the workspace's target dir, next to the shim.
+fn gmsd() -> String {
+    let p = Path::new(ENGINE).with_file_name("gmsd");
+    assert!(
+        p.is_file(),
+        "{} missing: build it with `cargo build -p gms --bin gmsd`",
+        p.display()
+    );
+    p.display().to_string()
+}
+
+struct Running {
+    env: PairEnv,
+    port: u16,
+    ctr: Option<Spawned>,
+}
+
+fn start(
+    cd: &Containerd,
+    id: &str,
+    extra_cfg: &str,
+    annotations: &[(&str, &str)],
+    engine_args: &[&str],
+) -> Running {
+    PairEnv::install_engine(cd, Path::new(ENGINE)).expect("install engine");
+    let env = PairEnv::new(cd, &format!("gmsd = \"{}\"\n{extra_cfg}", gmsd())).expect("config");
+    let port = free_port();
+    let port_s = port.to_string();
+    let mut cmd = vec!["/bin/test-engine", "--port", &port_s];
+    cmd.extend_from_slice(engine_args);
+    let ctr = env
+        .run(cd, id, annotations, &["--rm", "--net-host"], &cmd)
+        .expect("ctr run");
+    Running {
+        env,
+        port,
+        ctr: Some(ctr),
+    }
+}
+
+impl Running {
+    /// Kill the task with `sig` and check: ctr run ends, one exit, nothing left.
+    fn stop(mut self, cd: &Containerd, id: &str, sig: &str) {
+        cd.ctr()
+            .run(&["task", "kill", "--signal", sig, id])
+            .expect("ctr task kill")
+            .assert_success();
+        let out = self
+            .ctr
+            .take()
+            .expect("ctr")
+            .wait(LONG)
+            .expect("ctr run ends");
+        assert_ne!(out.code(), 0, "{out}");
+        cd.assert_no_leftovers();
+        assert!(!self.env.pair_dir(cd, id).exists(), "pair dir left");
+        assert_eq!(
+            std::fs::read_dir(&self.env.metrics_dir)
+                .map(|d| d.count())
+                .unwrap_or(0),
+            0,
+            "metrics file left"
+        );
+    }
+}
+
+fn wait_new_active(r: &Running, old_slot: usize) -> shadow_tests::pair::Answer {
+    until("the other engine to serve", LONG, STEP, || {
+        ask(r.port).filter(|a| a.slot != old_slot.to_string())
+    })
+}
+
+#[test]
+fn killing_the_active_engine_20_times_fails_over_each_time() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "pair20";
+    let r = start(&cd, id, "gms = \"off\"", &[], &[]);
+    let mut st = r.env.wait_protected(&cd, id, LONG);
+    for round in 0..20 {
+        let (slot, pid) = active_of(&st);
+        assert_eq!(
+            task_pid(&cd, id),
+            Some(pid),
+            "round {round}: State.pid is the active engine"
+        );
+        let shadow = st["pids"][1 - slot].as_u64().expect("shadow pid") as u32;
+        kill(pid, libc::SIGKILL);
+        let a = wait_new_active(&r, slot);
+        assert_eq!(
+            a.slot,
+            (1 - slot).to_string(),
+            "round {round}: the other slot serves"
+        );
+        // The task stays running with the new active's pid; the killed slot
+        // comes back parked.
+        st = until("protected again", LONG, STEP, || {
+            r.env.state(&cd, id).filter(|v| {
+                v["pair"]["protected"] == true
+                    && v["pair"]["active"] == 1 - slot
+                    && v["pids"][1 - slot] == shadow
+            })
+        });
+        assert_eq!(st["pair"]["failovers"], round + 1);
+        until("State.pid follows", LONG, STEP, || {
+            (task_pid(&cd, id) == Some(shadow)).then_some(())
+        });
+        assert_eq!(
+            cd.ctr().task_status(id).expect("ls").as_deref(),
+            Some("RUNNING")
+        );
+    }
+    let last = &st["promotions"]
+        .as_array()
+        .expect("promotions")
+        .last()
+        .cloned()
+        .expect("one");
+    assert!(last["total_ms"].as_f64().is_some(), "{last}");
+    r.stop(&cd, id, "SIGKILL");
+}
+
+#[test]
+fn killing_the_shadow_respawns_it_and_leaves_the_active_alone() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "shadowkill";
+    let r = start(&cd, id, "gms = \"off\"", &[], &[]);
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let (slot, pid) = active_of(&st);
+    let shadow = st["pids"][1 - slot].as_u64().expect("shadow pid") as u32;
+    let generation = st["pair"]["slots"][1 - slot]["generation"]
+        .as_u64()
+        .expect("gen");
+    kill(shadow, libc::SIGKILL);
+    let st = until("shadow respawned and parked", LONG, STEP, || {
+        r.env.state(&cd, id).filter(|v| {
+            v["pair"]["slots"][1 - slot]["generation"].as_u64() > Some(generation)
+                && v["pair"]["protected"] == true
+        })
+    });
+    assert_eq!(active_of(&st), (slot, pid), "active untouched");
+    assert_eq!(st["pair"]["failovers"], 0);
+    assert_eq!(ask(r.port).expect("serves").slot, slot.to_string());
+    r.stop(&cd, id, "SIGKILL");
+}
+
+fn loads(r: &Running, cd: &Containerd, id: &str) -> usize {
+    std::fs::read_to_string(r.env.pair_dir(cd, id).join("pair/loads.log"))
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn both_killed_come_back_without_reloading_weights() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "bothkill";
+    let r = start(&cd, id, "gms = \"host\"", &[], &[]);
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let first = ask(r.port).expect("serves");
+    assert_eq!(loads(&r, &cd, id), 1, "loaded once");
+    for s in 0..2 {
+        kill(st["pids"][s].as_u64().expect("pid") as u32, libc::SIGKILL);
+    }
+    let a = until("a new engine serves", LONG, STEP, || {
+        ask(r.port).filter(|a| a.boot != first.boot)
+    });
+    r.env.wait_protected(&cd, id, LONG);
+    assert!(!a.loaded, "the committed layout is reused, not reloaded");
+    assert_eq!(a.weights, first.weights);
+    assert_eq!(loads(&r, &cd, id), 1, "no second load");
+    r.stop(&cd, id, "SIGKILL");
+}
+
+#[test]
+fn gmsd_death_restarts_the_pair_cold_and_reloads_once() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "gmskill";
+    let r = start(&cd, id, "gms = \"host\"", &[], &[]);
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let gms_pid = st["gms"]["pid"].as_u64().expect("gms status in state.json") as u32;
+    // Capabilities are dropped.
+    let status = std::fs::read_to_string(format!("/proc/{gms_pid}/status")).expect("gmsd status");
+    let eff = status
+        .lines()
+        .find(|l| l.starts_with("CapEff:"))
+        .expect("CapEff");
+    assert!(
+        eff.ends_with("0000000000000000"),
+        "gmsd keeps capabilities: {eff}"
+    );
+    kill(gms_pid, libc::SIGKILL);
+    let st = until("cold restart done", LONG, STEP, || {
+        r.env.state(&cd, id).filter(|v| {
+            v["pair"]["cold_restarts"] == 1
+                && v["pair"]["protected"] == true
+                && v["gms"]["pid"]
+                    .as_u64()
+                    .is_some_and(|p| p as u32 != gms_pid)
+        })
+    });
+    let a = ask(r.port).expect("serves");
+    assert_eq!(a.slot, st["pair"]["active"].to_string());
+    assert_eq!(loads(&r, &cd, id), 2, "reloaded exactly once");
+    r.stop(&cd, id, "SIGKILL");
+}
+
+#[test]
+fn an_engine_that_always_crashes_ends_the_task_with_its_status() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "crashloop";
+    let r = start(
+        &cd,
+        id,
+        "gms = \"off\"\n[pair.restart]\nmax_consecutive_failures = 3\nbackoff_initial = 20\nbackoff_max = 40",
+        &[],
+        &["--crash", "7"],
+    );
+    let mut r = r;
+    let out = r.ctr.take().expect("ctr").wait(LONG).expect("ctr run ends");
+    assert_eq!(out.code(), 7, "{out}");
+    cd.assert_no_leftovers();
+    assert!(!r.env.pair_dir(&cd, id).exists());
+}
+
+#[test]
+fn ctr_kill_ends_the_pair_with_one_exit_and_rm_leaves_nothing() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "killrm";
+    PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let port = free_port().to_string();
+    let mut events = cd.ctr().spawn(&["events"], false).expect("ctr events");
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--net-host"],
+            &["/bin/test-engine", "--port", &port],
+        )
+        .expect("ctr run");
+    let st = env.wait_protected(&cd, id, LONG);
+    let pids: Vec<u32> = (0..2)
+        .map(|s| st["pids"][s].as_u64().expect("pid") as u32)
+        .collect();
+    // SIGTERM (the default of `ctr task kill`): the engine dies of it.
+    cd.ctr()
+        .run(&["task", "kill", id])
+        .expect("kill")
+        .assert_success();
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    assert_eq!(out.code(), 143, "{out}");
+    for p in &pids {
+        assert!(
+            !Path::new(&format!("/proc/{p}")).exists(),
+            "engine {p} still alive"
+        );
+    }
+    assert_eq!(
+        cd.ctr().task_status(id).expect("ls").as_deref(),
+        Some("STOPPED")
+    );
+    // No respawn after Kill.
+    let st = env.state(&cd, id).expect("state");
+    assert!(st["pids"][0].is_null() && st["pids"][1].is_null(), "{st}");
+    cd.ctr()
+        .run(&["task", "rm", id])
+        .expect("task rm")
+        .assert_success();
+    cd.ctr()
+        .run(&["c", "rm", id])
+        .expect("c rm")
+        .assert_success();
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
+    let seen = events.stdout_so_far();
+    events.kill();
+    let exits = seen
+        .lines()
+        .filter(|l| l.contains("/tasks/exit") && l.contains(id))
+        .count();
+    assert_eq!(exits, 1, "exactly one TaskExit: {seen}");
+}
+
+#[test]
+fn an_unmodified_program_under_flock_fails_over() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "flockpair";
+    shadow_tests::pair::install_binary(cd.rootfs(), Path::new("/usr/bin/flock"), "/usr/bin/flock")
+        .expect("install flock");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let port = free_port();
+    let script = format!(
+        "exec /usr/bin/flock \"$SHADOW_LOCK_PATH\" nc -ll -p {port} -e sh -c \"echo slot=$SHADOW_ENGINE_ID\""
+    );
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--rm", "--net-host"],
+            &["sh", "-c", &script],
+        )
+        .expect("ctr run");
+    // No sd_notify: the shim learns the active engine from the lock.
+    let st = until("active by lock", LONG, STEP, || {
+        env.state(&cd, id).filter(|v| v["pair"]["active"].is_u64())
+    });
+    let (slot, pid) = active_of(&st);
+    let first = until("nc answers", LONG, STEP, || ask(port));
+    assert_eq!(first.slot, slot.to_string());
+    kill(pid, libc::SIGKILL);
+    let a = until("the other serves", LONG, STEP, || {
+        ask(port).filter(|a| a.slot != slot.to_string())
+    });
+    assert_eq!(a.slot, (1 - slot).to_string());
+    let st = until("promotion recorded", LONG, STEP, || {
+        env.state(&cd, id)
+            .filter(|v| v["pair"]["failovers"] == 1 && v["pair"]["active"] == 1 - slot)
+    });
+    assert!(st["promotions"][0]["lock_at"].is_object(), "{st}");
+    cd.ctr()
+        .run(&["task", "kill", "-s", "SIGKILL", id])
+        .expect("kill")
+        .assert_success();
+    ctr.wait(LONG).expect("ctr run ends");
+    cd.assert_no_leftovers();
+}
+
+#[test]
+fn the_pair_survives_a_containerd_restart_and_stays_managed() {
+    let mut cd = Containerd::start().expect("containerd");
+    let id = "cdrestart";
+    let r = start(&cd, id, "gms = \"off\"", &[], &[]);
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let (_, pid) = active_of(&st);
+    let (slot, _) = active_of(&st);
+    let shadow = st["pids"][1 - slot].as_u64().expect("shadow pid") as u32;
+    let before = ask(r.port).expect("serving");
+    cd.restart().expect("restart containerd");
+    assert_eq!(ask(r.port).expect("still serving").boot, before.boot);
+    assert_eq!(task_pid(&cd, id), Some(pid));
+    kill(pid, libc::SIGKILL);
+    wait_new_active(&r, slot);
+    until("State.pid follows after restart", LONG, STEP, || {
+        (task_pid(&cd, id) == Some(shadow)).then_some(())
+    });
+    // The ctr run attached before the restart lost its connection; end the
+    // task through the new containerd and remove it.
+    let mut r = r;
+    if let Some(mut c) = r.ctr.take() {
+        cd.ctr()
+            .run(&["task", "kill", "-s", "SIGKILL", id])
+            .expect("kill")
+            .assert_success();
+        until("task stopped", LONG, STEP, || {
+            (cd.ctr().task_status(id).ok().flatten().as_deref() != Some("RUNNING")).then_some(())
+        });
+        c.kill();
+        let _ = cd.ctr().run(&["task", "rm", id]);
+        let _ = cd.ctr().run(&["c", "rm", id]);
+    }
+    cd.assert_no_leftovers();
+    assert!(!r.env.pair_dir(&cd, id).exists());
+}
+
+#[test]
+fn bad_pair_annotations_and_configs_are_refused_leaving_nothing() {
+    let cd = Containerd::start().expect("containerd");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let out = cd
+        .container(shadow_tests::Runtime::Shadow, "badgms")
+        .rm()
+        .flags(&["--runtime-config-path", &env.config.display().to_string()])
+        .annotation("shadow.dev/pair", "true")
+        .annotation("shadow.dev/gms", "tpu")
+        .cmd(&["true"])
+        .run()
+        .expect("ctr run");
+    assert_ne!(out.code(), 0);
+    assert!(
+        out.stderr.contains("shadow.dev/gms") && out.stderr.contains("cuda|host|off"),
+        "{out}"
+    );
+    let bad = cd.dir().join("bad-pair.toml");
+    std::fs::write(&bad, "[pair]\nstate_dir = \"relative\"\n").expect("write");
+    let out = cd
+        .container(shadow_tests::Runtime::Shadow, "badcfg")
+        .rm()
+        .flags(&["--runtime-config-path", &bad.display().to_string()])
+        .annotation("shadow.dev/pair", "true")
+        .cmd(&["true"])
+        .run()
+        .expect("ctr run");
+    assert_ne!(out.code(), 0);
+    assert!(
+        out.stderr.contains("pair.state_dir") && out.stderr.contains("bad-pair.toml"),
+        "{out}"
+    );
+    // A gmsd that cannot start: Create fails naming it, nothing remains.
+    let nogms = cd.dir().join("nogms.toml");
+    std::fs::write(
+        &nogms,
+        format!(
+            "[pair]\nstate_dir = \"{}\"\nmetrics_dir = \"{}\"\ngms = \"host\"\ngmsd = \"/nonexistent/gmsd\"\n",
+            env.state_dir.display(),
+            env.metrics_dir.display()
+        ),
+    )
+    .expect("write");
+    let out = cd
+        .container(shadow_tests::Runtime::Shadow, "nogms")
+        .rm()
+        .flags(&["--runtime-config-path", &nogms.display().to_string()])
+        .annotation("shadow.dev/pair", "true")
+        .cmd(&["true"])
+        .run()
+        .expect("ctr run");
+    assert_ne!(out.code(), 0);
+    assert!(out.stderr.contains("/nonexistent/gmsd"), "{out}");
+    cd.assert_no_leftovers();
+    assert!(!env.state_dir.join(cd.namespace()).join("nogms").exists());
+}
+
+#[test]
+fn pinned_network_and_pair_cgroup_limits() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "pinned";
+    PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    // No --net-host: the spec asks for a network namespace without a path.
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--rm", "--memory-limit", "67108864"],
+            &["/bin/test-engine", "--port", "8000"],
+        )
+        .expect("ctr run");
+    let st = env.wait_protected(&cd, id, LONG);
+    let (slot, pid) = active_of(&st);
+    let shadow = st["pids"][1 - slot].as_u64().expect("pid") as u32;
+    let net = env.pair_dir(&cd, id).join("ns/net");
+    let ns_of = |p: u32| std::fs::read_link(format!("/proc/{p}/ns/net")).expect("ns link");
+    assert_eq!(
+        ns_of(pid),
+        ns_of(shadow),
+        "both engines share one network namespace"
+    );
+    let ask_in_ns = || {
+        let out = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", net.display()))
+            .args(["busybox", "nc", "127.0.0.1", "8000"])
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.contains("slot=").then_some(text)
+    };
+    let first = until("engine answers in the pinned netns", LONG, STEP, ask_in_ns);
+    assert!(first.contains(&format!("slot={slot}")), "{first}");
+    // The limit is on the pair's cgroup; both engines are below it.
+    let parent = format!("/sys/fs/cgroup/memory/{}/{id}", cd.namespace());
+    let limit = std::fs::read_to_string(format!("{parent}/memory.limit_in_bytes"))
+        .expect("pair memory cgroup");
+    assert_eq!(limit.trim(), "67108864");
+    for (s, p) in [(slot, pid), (1 - slot, shadow)] {
+        let cg = std::fs::read_to_string(format!("/proc/{p}/cgroup")).expect("cgroup");
+        assert!(
+            cg.contains(&format!(":memory:/{}/{id}/s{s}", cd.namespace())),
+            "{cg}"
+        );
+    }
+    kill(pid, libc::SIGKILL);
+    let again = until(
+        "the other engine answers at the same address",
+        LONG,
+        STEP,
+        || ask_in_ns().filter(|t| !t.contains(&format!("slot={slot}"))),
+    );
+    assert!(again.contains(&format!("slot={}", 1 - slot)), "{again}");
+    cd.ctr()
+        .run(&["task", "kill", "-s", "SIGKILL", id])
+        .expect("kill")
+        .assert_success();
+    ctr.wait(LONG).expect("ctr run ends");
+    cd.assert_no_leftovers();
+    assert!(!Path::new(&parent).exists(), "pair cgroup left");
+}
