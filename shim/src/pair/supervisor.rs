@@ -211,6 +211,10 @@ pub struct Supervisor {
     /// Datagrams from an engine that spoke before its spawn was reported
     /// (runc returns after the engine already runs): replayed on Spawned.
     early: [Vec<(Datagram, Instant)>; 2],
+    /// Datagrams of a new active that arrived before the reap of the old
+    /// one (the kernel hands the lock over without the shim): replayed
+    /// right after that exit, so the promotion is recorded against it.
+    deferred: Vec<(SlotId, Datagram, Instant)>,
     promotions: VecDeque<PromotionRecord>,
     last_pid: u32,
     last_written: String,
@@ -245,6 +249,17 @@ fn exit_of(status: i32) -> Exit {
     } else {
         Exit::Code(status)
     }
+}
+
+/// Running (not a zombie, not gone), from `/proc/<pid>/stat`.
+fn process_alive(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // "pid (comm) S ...": the state follows the last ')'.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .is_some_and(|state| state != "Z" && state != "X")
 }
 
 fn signal(pid: u32, sig: Signal) {
@@ -283,6 +298,7 @@ impl Supervisor {
             spawned_once: [false, false],
             stop_signal: None,
             early: [Vec::new(), Vec::new()],
+            deferred: Vec::new(),
             promotions: VecDeque::new(),
             last_pid: 0,
             last_written: String::new(),
@@ -384,9 +400,18 @@ impl Supervisor {
         }
     }
 
+    /// The recorded active engine (another slot than `slot`) is already
+    /// dead, its exit not yet processed.
+    fn old_active_dead(&self, slot: SlotId) -> bool {
+        match self.pair.active() {
+            Some(a) if a != slot => self.pair.slot(a).pid.is_some_and(|p| !process_alive(p)),
+            _ => false,
+        }
+    }
+
     fn poll_lock(&mut self) -> Vec<Action> {
         match lock::holder(self.lock_file, &self.cgroups) {
-            Some(slot) if self.pair.active() != Some(slot) => {
+            Some(slot) if self.pair.active() != Some(slot) && !self.old_active_dead(slot) => {
                 let now = self.now();
                 self.pair.handle(PairEvent::LockHeld { slot }, now)
             }
@@ -470,7 +495,11 @@ impl Supervisor {
                 let exit = exit_of(status);
                 log::info!("pair {}: slot {slot} pid {pid} exited ({exit:?})", self.id);
                 let now = self.since(at);
-                self.pair.handle(PairEvent::Exited { slot, exit }, now)
+                let mut actions = self.pair.handle(PairEvent::Exited { slot, exit }, now);
+                for (s, d, at) in std::mem::take(&mut self.deferred) {
+                    actions.extend(self.notified(s, &d, at));
+                }
+                actions
             }
             Input::Notify(d, at) => {
                 let Some(slot) = lock::slot_of_pid(d.pid, &self.cgroups) else {

@@ -151,6 +151,16 @@ fn main() {
             other => fail("unknown argument", other),
         }
     }
+    // As pid 1 of its container, SIGTERM would be ignored without a handler:
+    // block it here and let one thread exit as a shell would (143).
+    let mut term = nix::sys::signal::SigSet::empty();
+    term.add(nix::sys::signal::Signal::SIGTERM);
+    let _ = term.thread_block();
+    std::thread::spawn(move || {
+        if term.wait().is_ok() {
+            std::process::exit(143);
+        }
+    });
     let slot = std::env::var("SHADOW_ENGINE_ID").unwrap_or_else(|_| "?".into());
     // Names this engine instance: its pid is 1 in its own pid namespace.
     let boot = now_us();
