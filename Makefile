@@ -27,7 +27,7 @@ DEB_PACKAGES := containerd runc busybox-static podman bsdutils procps util-linux
 # oci-hooks/ add theirs as they land).
 INSTALL_BINS := containerd-shim-shadow-v1 gmsd shadow-oci-hook
 
-.PHONY: deps build release lint test demo bench-shim install check-root check-cargo
+.PHONY: deps build release lint test demo bench-shim bench-failover install check-root check-cargo
 
 check-root:
 	@if [ "$$(id -u)" != 0 ]; then echo "this target needs root (containerd, runc, mounts)" >&2; exit 1; fi
@@ -70,6 +70,10 @@ demo: deps build
 
 bench-shim: deps release
 	$(CARGO) run -q --release -p shadow-tests --bin bench-shim
+
+# 60 SIGKILLs of a pair's active engine through containerd: kill → READY and where it goes.
+bench-failover: deps release
+	$(CARGO) run -q --release -p shadow-tests --bin bench-failover -- 60
 
 install: check-root release
 	@install -d $(BINDIR)
