@@ -7,18 +7,25 @@
 //!
 //! Every engine of a pair maps the weights at the writer's addresses, so
 //! pointers inside the weights (and CUDA graphs captured over them) are the
-//! same in every engine. A reader therefore demands the writer's address; if
-//! the driver places the reservation anywhere else the import fails with
-//! `AddressConflict` rather than producing a subtly different layout.
+//! same in every engine. Each process therefore reserves one large address
+//! *window* at the same base (`GMS_VA_BASE`) once, and places every GMS
+//! range inside it itself: a writer's allocations and KV caches first-fit,
+//! a reader's at exactly the writer's addresses. The driver is asked for an
+//! address only once per process, for the whole window: on an H200 it
+//! honoured large hinted reservations every time but stopped honouring
+//! small hinted ones after a few (seen with torch temporaries in the
+//! writer's pool), which made per-range hints unusable. If the window
+//! cannot be placed at the base, or a reader's range is taken, the mapper
+//! fails with `AddressConflict` rather than produce a different layout.
 //!
 //! The engine needs a current context for all of this: the mapper retains
 //! the device's *primary* context, the one the CUDA runtime and PyTorch use,
 //! so torch sees the mappings as ordinary device memory.
 
+use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use gms_cuda::{Device, DeviceSelector, Driver, PhysicalMemory, PrimaryContext, Reservation};
@@ -30,29 +37,25 @@ use crate::mapper::{Mapper, Range, RangeState};
 use crate::protocol::{ErrorCode, Mode};
 use crate::{Error, Result};
 
-/// Where writers ask the driver to put weights unless `GMS_VA_BASE` says
-/// otherwise: far from where the driver places ordinary allocations, so a
-/// reader's own (torch) allocations are unlikely to sit at the writer's
-/// addresses. Measured honoured on an H200 (driver 580).
-pub const DEFAULT_VA_BASE: u64 = 0x7f00_0000_0000;
+/// Where every engine's window starts unless `GMS_VA_BASE` says otherwise.
+/// With unified addressing the window must be free in the *host* address
+/// space as well: 32 TiB lies above the driver's own placements (from
+/// 0x3_0000_0000 up) and below PIE executables (≈ 0x55…) and the mmap
+/// region where libraries land (≈ 0x7f…). A window at 0x7f00_0000_0000 was
+/// refused by chance in most fresh torch processes on an H200 (host
+/// libraries inside it); this base was granted in every process.
+pub const DEFAULT_VA_BASE: u64 = 0x2000_0000_0000;
+
+/// Size of the window unless `GMS_VA_WINDOW` says otherwise: address space
+/// only (nothing is backed by it), room for the weights and KV cache of a
+/// 141 GB H200 with headroom. On an H200 (driver 580) a hinted reservation
+/// of up to 512 GiB was granted, 768 GiB and more refused.
+pub const DEFAULT_VA_WINDOW: u64 = 256 << 30;
 
 /// KV caches are materialised in chunks of this size: one `cuMemCreate` per
 /// chunk. 2 GiB chunks measured 3.8–4.3 ms for 64 GiB on an H200, 512 MiB
 /// chunks 91–116 ms.
 pub const KV_CHUNK: u64 = 2 << 30;
-
-/// Size of the address window above the base where writers and KV caches
-/// are placed (address space only; nothing is backed by it).
-pub const VA_WINDOW: u64 = 4 << 40;
-const WINDOW_TRIES: usize = 64;
-const WINDOW_STEP: u64 = 1 << 30;
-
-/// Address space reserved at least per range (only the allocation's own
-/// size is mapped). On an H200 the driver ignored every in-window hint for
-/// a 2 MiB reservation made after a few larger ones, while 20 MiB and larger
-/// reservations were honoured; padding small ranges sidesteps that. Readers
-/// pad identically, and the writer's padding keeps other allocations out.
-pub const MIN_RESERVATION: u64 = 64 << 20;
 
 /// A primary context shared by a mapper and all its ranges.
 struct SharedContext(PrimaryContext);
@@ -65,19 +68,162 @@ unsafe impl Send for SharedContext {}
 // thread-safe driver calls.
 unsafe impl Sync for SharedContext {}
 
+/// Free sub-ranges of a window, by offset. Pure bookkeeping: the driver is
+/// not involved, so it is unit-tested without a GPU.
+#[derive(Debug)]
+struct Extents {
+    free: BTreeMap<u64, u64>,
+}
+
+impl Extents {
+    fn new(len: u64) -> Self {
+        Extents {
+            free: BTreeMap::from([(0, len)]),
+        }
+    }
+
+    /// First fit of `len` bytes at an offset aligned to `align`.
+    fn take_any(&mut self, len: u64, align: u64) -> Option<u64> {
+        let (start, flen, at) = self.free.iter().find_map(|(&start, &flen)| {
+            let at = start.checked_next_multiple_of(align)?;
+            (at.checked_add(len)? <= start + flen).then_some((start, flen, at))
+        })?;
+        self.split(start, flen, at, len);
+        Some(at)
+    }
+
+    /// Claims exactly `[at, at + len)`, if all of it is free.
+    fn take_at(&mut self, at: u64, len: u64) -> bool {
+        let Some((&start, &flen)) = self.free.range(..=at).next_back() else {
+            return false;
+        };
+        match at.checked_add(len) {
+            Some(end) if end <= start + flen => {
+                self.split(start, flen, at, len);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn split(&mut self, start: u64, flen: u64, at: u64, len: u64) {
+        self.free.remove(&start);
+        if at > start {
+            self.free.insert(start, at - start);
+        }
+        let end = at + len;
+        if end < start + flen {
+            self.free.insert(end, start + flen - end);
+        }
+    }
+
+    /// Returns `[at, at + len)`, merging it with free neighbours.
+    fn give(&mut self, at: u64, len: u64) {
+        let mut start = at;
+        let mut end = at + len;
+        if let Some((&s, &l)) = self.free.range(..at).next_back() {
+            if s + l == at {
+                self.free.remove(&s);
+                start = s;
+            }
+        }
+        if let Some(&l) = self.free.get(&end) {
+            self.free.remove(&end);
+            end += l;
+        }
+        self.free.insert(start, end - start);
+    }
+}
+
+/// This process's GMS address window: one reservation and its free list.
+struct Window {
+    reservation: Reservation,
+    extents: Extents,
+    /// The context the window was reserved in, kept retained (and made
+    /// current) until the reservation is freed: freeing it after the last
+    /// primary-context release would leak the addresses, and the next
+    /// window of the process would not get them back.
+    context: Arc<SharedContext>,
+}
+
+impl Window {
+    fn base(&self) -> u64 {
+        self.reservation.base()
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        // The reservation (a field) is freed right after this, on this
+        // thread: give the thread the context first.
+        let _ = self.context.0.make_current();
+    }
+}
+
+type SharedWindow = Arc<Mutex<Window>>;
+
+/// The process-wide window: every mapper of the process (one per device)
+/// shares it, since device addresses are one space per process. It is
+/// freed when the last mapper and range are gone.
+static WINDOW: Mutex<Weak<Mutex<Window>>> = Mutex::new(Weak::new());
+
+fn lock(window: &SharedWindow) -> MutexGuard<'_, Window> {
+    window.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn shared_window(
+    base: u64,
+    len: u64,
+    granularity: u64,
+    context: &Arc<SharedContext>,
+) -> Result<SharedWindow> {
+    let mut slot = WINDOW.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = slot.upgrade() {
+        let have = lock(&w).base();
+        if have != base {
+            return Err(Error::AddressConflict(format!(
+                "this process's GMS window is at {have:#x}, not at {base:#x}"
+            )));
+        }
+        return Ok(w);
+    }
+    let size = usize::try_from(len)
+        .map_err(|_| Error::Config(format!("GMS_VA_WINDOW of {len} bytes exceeds usize")))?;
+    let reservation =
+        Reservation::reserve(size, granularity as usize, base).map_err(cuda_error(format!(
+            "reserving the GMS window of {len} bytes at {base:#x}"
+        )))?;
+    if reservation.base() != base {
+        return Err(Error::AddressConflict(format!(
+            "the driver placed the GMS window ({len} bytes) at {:#x} instead of {base:#x}: \
+             this process already uses addresses there (open GMS before other device \
+             allocations, or set GMS_VA_BASE to the same free region in every engine)",
+            reservation.base()
+        )));
+    }
+    let w = Arc::new(Mutex::new(Window {
+        reservation,
+        extents: Extents::new(len),
+        context: Arc::clone(context),
+    }));
+    *slot = Arc::downgrade(&w);
+    Ok(w)
+}
+
 /// Makes ranges on one GPU, in this process's primary context.
 #[derive(Clone)]
 pub struct CudaMapper {
+    // Dropped first: the window may still need the context.
+    window: SharedWindow,
     device: Device,
     context: Arc<SharedContext>,
     granularity: u64,
-    base: u64,
-    next_hint: Arc<AtomicU64>,
 }
 
 impl CudaMapper {
-    /// Loads the driver, finds the device and retains its primary context
-    /// (creating it if this process has none yet: ≈ 0.1–0.2 s on an H200).
+    /// Loads the driver, finds the device, retains its primary context
+    /// (creating it if this process has none yet: ≈ 0.1–0.2 s on an H200)
+    /// and reserves (or joins) the process's GMS window at `GMS_VA_BASE`.
     pub fn open(selector: &DeviceSelector) -> Result<Self> {
         let driver = Driver::load().map_err(cuda_error("loading the CUDA driver"))?;
         let device = driver
@@ -91,16 +237,21 @@ impl CudaMapper {
             .granularity(false)
             .map_err(cuda_error(format!("granularity of {}", device.uuid())))?
             as u64;
-        let base = match std::env::var("GMS_VA_BASE") {
-            Ok(text) => parse_address(&text)?,
-            Err(_) => DEFAULT_VA_BASE,
-        };
+        let base = env_address("GMS_VA_BASE", DEFAULT_VA_BASE)?;
+        let len = env_address("GMS_VA_WINDOW", DEFAULT_VA_WINDOW)?;
+        if base % granularity != 0 || len == 0 || len % granularity != 0 {
+            return Err(Error::Config(format!(
+                "GMS_VA_BASE {base:#x} and GMS_VA_WINDOW {len:#x} must be non-zero multiples of \
+                 the device granularity ({granularity} bytes)"
+            )));
+        }
+        let context = Arc::new(SharedContext(context));
+        let window = shared_window(base, len, granularity, &context)?;
         Ok(CudaMapper {
+            window,
             device,
-            context: Arc::new(SharedContext(context)),
+            context,
             granularity,
-            base,
-            next_hint: Arc::new(AtomicU64::new(base)),
         })
     }
 
@@ -110,6 +261,11 @@ impl CudaMapper {
 
     pub fn granularity(&self) -> u64 {
         self.granularity
+    }
+
+    /// First address of this process's GMS window.
+    pub fn window_base(&self) -> u64 {
+        lock(&self.window).base()
     }
 
     /// The GMS socket of this device in `dir` (`GMS_SOCKET_DIR`).
@@ -136,65 +292,19 @@ impl CudaMapper {
     }
 }
 
-fn parse_address(text: &str) -> Result<u64> {
-    let t = text.trim();
-    let parsed = match t.strip_prefix("0x") {
-        Some(hex) => u64::from_str_radix(hex, 16),
-        None => t.parse(),
-    };
-    parsed.map_err(|_| Error::Config(format!("GMS_VA_BASE={text:?} is not an address")))
+fn env_address(name: &str, default: u64) -> Result<u64> {
+    match std::env::var(name) {
+        Ok(text) => parse_address(&text)
+            .ok_or_else(|| Error::Config(format!("{name}={text:?} is not an address"))),
+        Err(_) => Ok(default),
+    }
 }
 
-impl CudaMapper {
-    fn in_window(&self, addr: u64, len: u64) -> bool {
-        addr >= self.base && addr.saturating_add(len) <= self.base.saturating_add(VA_WINDOW)
-    }
-
-    /// A writer's (or KV) reservation inside the GMS window. Readers must
-    /// find the writer's addresses free, and the window is where their own
-    /// allocations do not go; so a placement the driver made elsewhere is
-    /// given back and the next spot tried.
-    fn reserve_in_window(&self, len: u64, size: usize) -> Result<Reservation> {
-        // Hints aligned to the size's power of two (up to 1 GiB): the
-        // driver was seen on an H200 to ignore hints that were only
-        // granularity-aligned, while aligned ones were honoured.
-        let align = len.next_power_of_two().clamp(self.granularity, WINDOW_STEP);
-        let mut last = 0;
-        for _ in 0..WINDOW_TRIES {
-            let mut hint = 0;
-            let claimed =
-                self.next_hint
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
-                        hint = cur.checked_next_multiple_of(align)?;
-                        hint.checked_add(len)
-                    });
-            if claimed.is_err() {
-                break;
-            }
-            let r = Reservation::reserve(size, self.granularity as usize, hint)
-                .map_err(cuda_error(format!("reserving {len} bytes at {hint:#x}")))?;
-            if r.base() == hint {
-                return Ok(r);
-            }
-            last = r.base();
-            tracing::debug!(
-                hint,
-                got = last,
-                len,
-                "address hint not honoured; trying further up"
-            );
-            drop(r);
-            // Skip past whatever occupies the hint.
-            self.next_hint
-                .fetch_max(hint.saturating_add(WINDOW_STEP), Ordering::Relaxed);
-        }
-        Err(Error::AddressConflict(format!(
-            "the driver would not place {len} bytes inside the GMS address window \
-             [{:#x}, {:#x}) after {WINDOW_TRIES} tries (last offer {last:#x}); set GMS_VA_BASE \
-             to a free region",
-            self.base,
-            self.base.saturating_add(VA_WINDOW)
-        )))
+fn parse_address(text: &str) -> Option<u64> {
+    let t = text.trim();
+    match t.strip_prefix("0x") {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => t.parse().ok(),
     }
 }
 
@@ -208,34 +318,40 @@ impl Mapper for CudaMapper {
                 self.granularity
             )));
         }
-        let padded = len.max(MIN_RESERVATION);
-        let size = usize::try_from(padded)
-            .map_err(|_| Error::Invalid(format!("reservation of {len} bytes exceeds usize")))?;
-        self.make_current()?;
-        let reservation = match at {
+        let mut w = lock(&self.window);
+        let base = w.base();
+        let window_len = w.reservation.size() as u64;
+        let offset = match at {
             Some(want) => {
-                let r = Reservation::reserve(size, self.granularity as usize, want)
-                    .map_err(cuda_error(format!("reserving {len} bytes at {want:#x}")))?;
-                if r.base() != want {
+                let inside = want
+                    .checked_sub(base)
+                    .filter(|off| off.checked_add(len).is_some_and(|end| end <= window_len));
+                let Some(off) = inside else {
                     return Err(Error::AddressConflict(format!(
-                        "the driver placed {len} bytes at {:#x} instead of the writer's {want:#x} \
-                         (this process already uses those addresses); the layout is \
-                         address-dependent, so the import stops here",
-                        r.base()
+                        "the writer's range {want:#x}+{len:#x} is outside this process's GMS \
+                         window [{base:#x}, {:#x}): engines of a pair must use the same \
+                         GMS_VA_BASE and GMS_VA_WINDOW",
+                        base + window_len
+                    )));
+                };
+                if !w.extents.take_at(off, len) {
+                    return Err(Error::AddressConflict(format!(
+                        "{want:#x}+{len:#x} is already used in this process; the layout is \
+                         address-dependent, so the import stops here"
                     )));
                 }
-                r
+                off
             }
-            None => self.reserve_in_window(padded, size)?,
+            None => w.extents.take_any(len, self.granularity).ok_or_else(|| {
+                Error::AddressConflict(format!(
+                    "no room for {len} bytes left in the GMS window of {window_len} bytes \
+                     (raise GMS_VA_WINDOW)"
+                ))
+            })?,
         };
-        // Keep later hints (KV caches, a writer's next allocation) above
-        // every range this process holds in the window.
-        let end = reservation.base().saturating_add(padded);
-        if self.in_window(reservation.base(), padded) {
-            self.next_hint.fetch_max(end, Ordering::Relaxed);
-        }
         Ok(CudaRange {
-            reservation,
+            window: Arc::clone(&self.window),
+            offset,
             len,
             memory: Vec::new(),
             state: RangeState::Reserved,
@@ -245,16 +361,14 @@ impl Mapper for CudaMapper {
     }
 }
 
-/// One device address range and what is mapped into it.
+/// One range of the window and what is mapped into it.
 pub struct CudaRange {
-    // Field order matters for drop: the reservation unmaps and frees the
-    // range first, then the handles are released, then the context.
-    reservation: Reservation,
-    /// Bytes used (mapped) at the start of the reservation, which may be
-    /// padded to [`MIN_RESERVATION`].
+    window: SharedWindow,
+    /// Offset of the range in the window.
+    offset: u64,
     len: u64,
-    /// Handles mapped here, by offset: one imported allocation, or the KV
-    /// chunks created by `materialise`.
+    /// Handles mapped here, by offset in the window: one imported
+    /// allocation, or the KV chunks created by `materialise`.
     memory: Vec<(usize, PhysicalMemory)>,
     state: RangeState,
     device: Device,
@@ -269,25 +383,39 @@ impl CudaRange {
             .map_err(cuda_error("making the primary context current"))
     }
 
-    fn len_usize(&self) -> usize {
-        self.len as usize
+    fn start(&self) -> usize {
+        self.offset as usize
     }
 
     /// Copies device bytes at `offset` to the host (tests, checks).
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len())?;
         self.current()?;
-        self.reservation
-            .read(offset as usize, out)
+        lock(&self.window)
+            .reservation
+            .read(self.start() + offset as usize, out)
             .map_err(cuda_error(format!("reading {} bytes", out.len())))
     }
 
     /// Fills `count` u32 words at `offset` (synchronous; fails through a
     /// read-only mapping).
     pub fn fill_u32(&self, offset: u64, value: u32, count: usize) -> Result<()> {
+        self.check(offset, count.saturating_mul(4))?;
         self.current()?;
-        self.reservation
-            .fill_u32(offset as usize, value, count)
+        lock(&self.window)
+            .reservation
+            .fill_u32(self.start() + offset as usize, value, count)
             .map_err(cuda_error(format!("filling {count} words at +{offset:#x}")))
+    }
+
+    fn check(&self, offset: u64, n: usize) -> Result<()> {
+        match offset.checked_add(n as u64) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::Invalid(format!(
+                "+{offset:#x}..+{n:#x} is outside the range of {} bytes",
+                self.len
+            ))),
+        }
     }
 
     fn unmap_all(&mut self) -> Result<()> {
@@ -297,12 +425,14 @@ impl CudaRange {
             .0
             .synchronize()
             .map_err(cuda_error("cuCtxSynchronize before unmap"))?;
+        let mut w = lock(&self.window);
         for (offset, _) in &self.memory {
-            self.reservation.unmap(*offset).map_err(cuda_error(format!(
-                "unmapping +{offset:#x} of the range at {:#x}",
-                self.reservation.base()
+            w.reservation.unmap(*offset).map_err(cuda_error(format!(
+                "unmapping the range at {:#x}",
+                w.base() + *offset as u64
             )))?;
         }
+        drop(w);
         self.memory.clear();
         self.state = RangeState::Reserved;
         Ok(())
@@ -311,7 +441,7 @@ impl CudaRange {
 
 impl Range for CudaRange {
     fn addr(&self) -> u64 {
-        self.reservation.base()
+        lock(&self.window).base() + self.offset
     }
 
     fn len(&self) -> u64 {
@@ -330,21 +460,25 @@ impl Range for CudaRange {
         let owned = fd
             .try_clone_to_owned()
             .map_err(|e| Error::io("dup of a GMS descriptor for import", e))?;
-        let memory = PhysicalMemory::import(&owned, self.len_usize()).map_err(cuda_error(
+        let memory = PhysicalMemory::import(&owned, self.len as usize).map_err(cuda_error(
             format!("importing {} bytes for {:#x}", self.len(), self.addr()),
         ))?;
         let cuda_access = match access {
             Access::ReadOnly => gms_cuda::Access::ReadOnly,
             Access::ReadWrite => gms_cuda::Access::ReadWrite,
         };
-        self.reservation
-            .map(0, &memory, &self.device, cuda_access)
-            .map_err(cuda_error(format!(
-                "mapping {} bytes at {:#x} {access:?}",
-                self.len(),
-                self.addr()
-            )))?;
-        self.memory.push((0, memory));
+        let at = self.start();
+        // Computed before taking the window lock: `addr` takes it too.
+        let what = format!(
+            "mapping {} bytes at {:#x} {access:?}",
+            self.len(),
+            self.addr()
+        );
+        lock(&self.window)
+            .reservation
+            .map(at, &memory, &self.device, cuda_access)
+            .map_err(cuda_error(what))?;
+        self.memory.push((at, memory));
         self.state = RangeState::Mapped(access);
         Ok(())
     }
@@ -361,26 +495,32 @@ impl Range for CudaRange {
             self.unmap_all()?;
         }
         self.current()?;
-        let total = self.len_usize();
+        let total = self.len as usize;
         let chunk = KV_CHUNK as usize;
-        let mut offset = 0usize;
-        while offset < total {
-            let len = chunk.min(total - offset);
-            let memory = PhysicalMemory::create(&self.device, len).map_err(cuda_error(format!(
-                "creating {len} bytes of KV at +{offset:#x} of {:#x} ({} of {total} bytes done)",
-                self.addr(),
-                offset
-            )))?;
-            if let Err(e) =
-                self.reservation
-                    .map(offset, &memory, &self.device, gms_cuda::Access::ReadWrite)
-            {
-                // Leave the range consistent: give back what was mapped.
-                let _ = self.unmap_all();
-                return Err(cuda_error(format!("mapping KV at +{offset:#x}"))(e));
+        let mut done = 0usize;
+        while done < total {
+            let len = chunk.min(total - done);
+            let at = self.start() + done;
+            let created = PhysicalMemory::create(&self.device, len).map_err(cuda_error(format!(
+                "creating {len} bytes of KV at +{done:#x} of {:#x} ({done} of {total} bytes done)",
+                self.addr()
+            )));
+            let mapped = created.and_then(|memory| {
+                lock(&self.window)
+                    .reservation
+                    .map(at, &memory, &self.device, gms_cuda::Access::ReadWrite)
+                    .map_err(cuda_error(format!("mapping KV at +{done:#x}")))
+                    .map(|()| memory)
+            });
+            match mapped {
+                Ok(memory) => self.memory.push((at, memory)),
+                Err(e) => {
+                    // Leave the range consistent: give back what was mapped.
+                    let _ = self.unmap_all();
+                    return Err(e);
+                }
             }
-            self.memory.push((offset, memory));
-            offset += len;
+            done += len;
         }
         self.state = RangeState::Materialised;
         Ok(())
@@ -389,11 +529,17 @@ impl Range for CudaRange {
 
 impl Drop for CudaRange {
     fn drop(&mut self) {
-        // The fields' own Drop impls call the driver: make sure this thread
-        // has the context, and that no kernel still uses the pages.
-        if self.current().is_ok() && !self.memory.is_empty() {
+        // Unmapping calls the driver: this thread needs the context, and no
+        // kernel may still use the pages.
+        if !self.memory.is_empty() && self.current().is_ok() {
             let _ = self.context.0.synchronize();
+            let mut w = lock(&self.window);
+            for (offset, _) in &self.memory {
+                let _ = w.reservation.unmap(*offset);
+            }
         }
+        self.memory.clear();
+        lock(&self.window).extents.give(self.offset, self.len);
     }
 }
 
@@ -437,9 +583,53 @@ mod tests {
 
     #[test]
     fn va_base_parses() {
-        assert_eq!(parse_address("0x7f0000000000").unwrap(), DEFAULT_VA_BASE);
-        assert_eq!(parse_address("4096").unwrap(), 4096);
-        assert!(parse_address("zz").is_err());
+        assert_eq!(parse_address("0x200000000000"), Some(DEFAULT_VA_BASE));
+        assert_eq!(parse_address("4096"), Some(4096));
+        assert_eq!(parse_address("zz"), None);
+    }
+
+    const MIB2: u64 = 2 << 20;
+
+    #[test]
+    fn window_extents_first_fit_and_exact_claims() {
+        let mut e = Extents::new(100 * MIB2);
+        assert_eq!(e.take_any(3 * MIB2, MIB2), Some(0));
+        assert_eq!(
+            e.take_any(MIB2, 4 * MIB2),
+            Some(4 * MIB2),
+            "aligned past the first"
+        );
+        assert_eq!(
+            e.take_any(MIB2, MIB2),
+            Some(3 * MIB2),
+            "the gap left by alignment"
+        );
+        assert!(e.take_at(10 * MIB2, 5 * MIB2));
+        assert!(!e.take_at(12 * MIB2, MIB2), "already taken");
+        assert!(!e.take_at(99 * MIB2, 2 * MIB2), "runs past the end");
+        assert!(
+            !e.take_at(u64::MAX - 1, 4),
+            "overflow is refused, not wrapped"
+        );
+        assert_eq!(e.take_any(200 * MIB2, MIB2), None);
+    }
+
+    #[test]
+    fn window_extents_coalesce_back_to_one() {
+        let mut e = Extents::new(64 * MIB2);
+        let a = e.take_any(8 * MIB2, MIB2).unwrap();
+        let b = e.take_any(8 * MIB2, MIB2).unwrap();
+        let c = e.take_any(8 * MIB2, MIB2).unwrap();
+        e.give(b, 8 * MIB2);
+        assert!(
+            e.take_at(b, 8 * MIB2),
+            "a reader can claim exactly a freed range"
+        );
+        e.give(b, 8 * MIB2);
+        e.give(a, 8 * MIB2);
+        e.give(c, 8 * MIB2);
+        assert_eq!(e.free.len(), 1, "{:?}", e.free);
+        assert_eq!(e.free.get(&0), Some(&(64 * MIB2)));
     }
 
     #[test]
