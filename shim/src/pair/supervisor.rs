@@ -18,8 +18,8 @@ use nix::unistd::Pid;
 use runc::options::{CreateOpts, DeleteOpts};
 use serde::Serialize;
 use shadow_pair::{
-    parse_notify, Action, EngineState, Event as PairEvent, Exit, FileId, Pair, Promotion, SlotId,
-    Snapshot,
+    parse_notify, Action, EngineState, Event as PairEvent, Exit, FileId, Notification, Pair,
+    Promotion, SlotId, Snapshot,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -180,6 +180,9 @@ struct StateFile<'a> {
     exit_status: Option<u32>,
     updated_unix_us: u64,
 }
+
+/// How long a READY=1 waits for the reap of the engine it replaces.
+const DEFER_LIMIT: Duration = Duration::from_millis(500);
 
 pub struct Supervisor {
     pub pair: Pair,
@@ -391,7 +394,11 @@ impl Supervisor {
             };
             let actions = match input {
                 Some(i) => self.on_input(i).await,
-                None => self.poll_lock(),
+                None => {
+                    let mut actions = self.flush_stale_deferred();
+                    actions.extend(self.poll_lock());
+                    actions
+                }
             };
             if self.carry_out(actions).await {
                 return;
@@ -506,15 +513,22 @@ impl Supervisor {
                     log::debug!("pair {}: notify from pid {} of no engine", self.id, d.pid);
                     return Vec::new();
                 };
-                let now = self.since(at);
-                let mut actions = Vec::new();
-                for notification in parse_notify(&d.bytes) {
-                    actions.extend(
-                        self.pair
-                            .handle(PairEvent::Notified { slot, notification }, now),
-                    );
+                if self.pair.slot(slot).state == EngineState::Spawning {
+                    // runc returned after the engine already ran and spoke:
+                    // keep it for the Spawned report of this generation.
+                    self.early[slot.index()].push((d, at));
+                    return Vec::new();
                 }
-                actions
+                let says_ready = parse_notify(&d.bytes).contains(&Notification::Ready);
+                let other_active = self.pair.active().filter(|a| *a != slot);
+                if says_ready && other_active.is_some() {
+                    // The kernel handed the lock over before the shim reaped
+                    // the old active: record the promotion against that
+                    // reap, which is imminent (bounded by the flush below).
+                    self.deferred.push((slot, d, at));
+                    return Vec::new();
+                }
+                self.notified(slot, &d, at)
             }
             Input::Backoff { slot } => self
                 .pair
@@ -551,6 +565,29 @@ impl Supervisor {
                 self.pair.handle(PairEvent::GmsDied, self.now())
             }
         }
+    }
+
+    /// A deferred READY=1 whose old active has not exited within
+    /// `DEFER_LIMIT` (an engine that released the lock without dying) is
+    /// applied anyway: the lock says who serves.
+    fn flush_stale_deferred(&mut self) -> Vec<Action> {
+        if self.deferred.is_empty() {
+            return Vec::new();
+        }
+        let (stale, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deferred)
+            .into_iter()
+            .partition(|(_, _, at)| at.elapsed() >= DEFER_LIMIT);
+        self.deferred = keep;
+        let mut actions = Vec::new();
+        for (slot, d, at) in stale {
+            log::warn!(
+                "pair {}: slot {slot} said READY=1 while the recorded active had not exited                  after {} ms; taking it as active",
+                self.id,
+                DEFER_LIMIT.as_millis()
+            );
+            actions.extend(self.notified(slot, &d, at));
+        }
+        actions
     }
 
     fn notified(&mut self, slot: SlotId, d: &Datagram, at: Instant) -> Vec<Action> {
