@@ -14,6 +14,7 @@ pub mod netns;
 pub mod notify;
 pub mod spec;
 pub mod supervisor;
+pub mod xid;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -359,6 +360,7 @@ impl PairedContainer {
             state_json: dirs.state_json.clone(),
             metrics_dir: cfg.metrics_dir.clone(),
             gms,
+            gpus: gpus.clone(),
         });
         log::info!(
             "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {})",

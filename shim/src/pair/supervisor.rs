@@ -152,6 +152,8 @@ pub enum Input {
     GmsDied {
         generation: u64,
     },
+    /// An XID on one of the pair's GPUs (kernel log).
+    Xid(u32),
 }
 
 /// One promotion as `state.json` keeps it: the pair's timeline plus wall
@@ -201,6 +203,9 @@ pub struct Supervisor {
     pub metrics_dir: PathBuf,
     pub metrics_name: String,
     pub gms: Option<GmsDaemon>,
+    gpus: Vec<String>,
+    /// Ends the XID watcher thread with the pair.
+    xid_stop: Arc<std::sync::atomic::AtomicBool>,
     pub tx: mpsc::UnboundedSender<Input>,
     pub rx: mpsc::UnboundedReceiver<Input>,
     clock: Instant,
@@ -239,6 +244,8 @@ pub struct Parts {
     pub state_json: PathBuf,
     pub metrics_dir: PathBuf,
     pub gms: Option<GmsDaemon>,
+    /// The spec's NVIDIA GPUs (UUIDs or indices): their XIDs are watched.
+    pub gpus: Vec<String>,
 }
 
 fn unix_us(t: SystemTime) -> u64 {
@@ -292,6 +299,8 @@ impl Supervisor {
             state_json: p.state_json,
             metrics_dir: p.metrics_dir,
             gms: p.gms,
+            gpus: p.gpus,
+            xid_stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             tx,
             rx,
             clock: Instant::now(),
@@ -351,6 +360,8 @@ impl Supervisor {
     /// Run until the pair is gone; hands back the GMS daemon for Delete.
     pub async fn run_to_end(mut self) -> Option<GmsDaemon> {
         self.run().await;
+        self.xid_stop
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.gms.take()
     }
 
@@ -375,6 +386,15 @@ impl Supervisor {
         }
         if let Some(g) = &self.gms {
             g.watch(self.router.clone(), self.tx.clone());
+        }
+        if !self.gpus.is_empty() {
+            let buses =
+                super::xid::gpu_buses(std::path::Path::new("/proc/driver/nvidia/gpus"), &self.gpus);
+            log::info!("pair {}: watching XIDs of GPUs {buses:?}", self.id);
+            let tx = self.tx.clone();
+            super::xid::watch(buses, self.xid_stop.clone(), move |xid| {
+                let _ = tx.send(Input::Xid(xid));
+            });
         }
         loop {
             let fast = self.pair.active().is_none()
@@ -556,6 +576,14 @@ impl Supervisor {
             Input::Escalate => {
                 self.kill_all(Signal::SIGKILL);
                 Vec::new()
+            }
+            Input::Xid(xid) => {
+                log::warn!(
+                    "pair {}: XID {xid} on a GPU of the pair ({:?})",
+                    self.id,
+                    shadow_pair::XidClass::of(xid)
+                );
+                self.pair.handle(PairEvent::Xid(xid), self.now())
             }
             Input::GmsDied { generation } => {
                 if self.gms.as_ref().map(GmsDaemon::generation) != Some(generation) {
