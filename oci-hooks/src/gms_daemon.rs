@@ -1,0 +1,171 @@
+//! gmsd for stacks without the shim: the shim starts and supervises one
+//! gmsd per pair, but under podman or CRI-O nobody does, so this starts one
+//! per pair name, in its pair's socket directory — in the foreground for a
+//! systemd unit (`gms run`, exec'd so systemd supervises gmsd itself), or
+//! detached with a pid file for scripts and tests (`gms start` / `gms stop`).
+
+use crate::error::{Error, Result};
+use crate::layout::PairLayout;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How a gmsd is launched.
+#[derive(Debug, Clone)]
+pub struct GmsdLaunch {
+    pub gmsd: PathBuf,
+    pub device: String,
+    pub extra: Vec<String>,
+}
+
+impl GmsdLaunch {
+    fn command(&self, layout: &PairLayout) -> Command {
+        let mut cmd = Command::new(&self.gmsd);
+        cmd.arg("serve")
+            .arg("--socket-dir")
+            .arg(layout.gms_dir())
+            .arg("--device")
+            .arg(&self.device)
+            .args(&self.extra);
+        cmd
+    }
+}
+
+/// `gmsd` next to this binary if it is there (an install or a cargo target
+/// dir), else the one on PATH.
+pub fn default_gmsd() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .map(|p| p.with_file_name("gmsd"))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from("gmsd"))
+}
+
+fn socket_in(dir: &Path) -> Option<PathBuf> {
+    std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        (name.starts_with("gms-") && name.ends_with(".sock")).then(|| e.path())
+    })
+}
+
+/// Replaces this process with gmsd (for `ExecStart=` of a systemd unit).
+pub fn run(layout: &PairLayout, launch: &GmsdLaunch) -> Result<()> {
+    layout.prepare()?;
+    let e = launch.command(layout).exec();
+    Err(Error::io("executing gmsd", &launch.gmsd, e))
+}
+
+/// Starts gmsd detached (own process group, log file, pid file) and
+/// returns its pid once its socket exists.
+pub fn start(layout: &PairLayout, launch: &GmsdLaunch, wait: Duration) -> Result<u32> {
+    let gmsd_err = |why: String| Error::Gmsd {
+        pair: layout.name.clone(),
+        why,
+    };
+    if let Some(pid) = running_pid(layout) {
+        return Err(gmsd_err(format!("already running as pid {pid}")));
+    }
+    layout.prepare()?;
+    let log_path = layout.gmsd_log();
+    let log = std::fs::File::create(&log_path).map_err(|e| Error::io("creating", &log_path, e))?;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| Error::io("duplicating", &log_path, e))?;
+    let mut child = launch
+        .command(layout)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .process_group(0)
+        .spawn()
+        .map_err(|e| Error::io("starting gmsd", &launch.gmsd, e))?;
+    let pid = child.id();
+    let pid_file = layout.gmsd_pid_file();
+    std::fs::write(&pid_file, format!("{pid}\n"))
+        .map_err(|e| Error::io("writing pid file", &pid_file, e))?;
+    let deadline = Instant::now() + wait;
+    loop {
+        if socket_in(&layout.gms_dir()).is_some() {
+            return Ok(pid);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let _ = std::fs::remove_file(&pid_file);
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            return Err(gmsd_err(format!(
+                "exited with {status} before its socket appeared; log {}: {}",
+                log_path.display(),
+                log.trim()
+            )));
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = std::fs::remove_file(&pid_file);
+            return Err(gmsd_err(format!(
+                "no socket in {} after {wait:?}; killed it",
+                layout.gms_dir().display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The pid in the pid file, if that process is alive and is a gmsd (a
+/// stale file after a reboot must not make us signal a stranger).
+pub fn running_pid(layout: &PairLayout) -> Option<u32> {
+    let text = std::fs::read_to_string(layout.gmsd_pid_file()).ok()?;
+    let pid: u32 = text.trim().parse().ok()?;
+    alive_gmsd(pid).then_some(pid)
+}
+
+fn alive_gmsd(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // "pid (comm) S …": a zombie has exited already.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.split_whitespace().next());
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let argv0 = cmdline.split(|b| *b == 0).next().unwrap_or_default();
+    matches!(state, Some(s) if s != "Z" && s != "X") && argv0.ends_with(b"gmsd")
+}
+
+/// Stops the pair's gmsd (SIGTERM, then waits) and removes the pair's host
+/// directory unless an engine still holds the lock. Returns whether a gmsd
+/// was running.
+pub fn stop(layout: &PairLayout, wait: Duration) -> Result<bool> {
+    let was = running_pid(layout);
+    if let Some(pid) = was {
+        let target = nix::unistd::Pid::from_raw(pid as i32);
+        nix::sys::signal::kill(target, nix::sys::signal::Signal::SIGTERM).map_err(|e| {
+            Error::Gmsd {
+                pair: layout.name.clone(),
+                why: format!("SIGTERM to pid {pid}: {e}"),
+            }
+        })?;
+        let deadline = Instant::now() + wait;
+        while alive_gmsd(pid) {
+            if Instant::now() >= deadline {
+                return Err(Error::Gmsd {
+                    pair: layout.name.clone(),
+                    why: format!("pid {pid} still alive {wait:?} after SIGTERM"),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    release(layout)?;
+    Ok(was.is_some())
+}
+
+/// Removes the pair's host directory when nothing uses it: no engine holds
+/// the lock and no gmsd runs. Used by `gms stop` and the poststop hook.
+pub fn release(layout: &PairLayout) -> Result<bool> {
+    if !layout.dir.exists() || layout.lock_held() || running_pid(layout).is_some() {
+        return Ok(false);
+    }
+    std::fs::remove_dir_all(&layout.dir)
+        .map_err(|e| Error::io("removing pair directory", &layout.dir, e))?;
+    Ok(true)
+}

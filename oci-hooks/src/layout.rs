@@ -1,0 +1,202 @@
+//! Where a pair lives on the host when no shim supervises it: one directory
+//! per pair name under a root (default `/run/shadow/hooks`), holding
+//! `pair/` (the election lock, bound at `/run/shadow/pair`) and `gms/`
+//! (gmsd's socket, bound at `/run/shadow/gms`). The precreate hook, the
+//! createRuntime hook, the CDI generator and the gmsd launcher all derive
+//! the same paths from the same name, so they agree without talking.
+
+use crate::error::{Error, Result};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Default root of the per-pair host directories.
+pub const DEFAULT_ROOT: &str = "/run/shadow/hooks";
+/// Where the pair directory appears inside a container (DESIGN.md "Names").
+pub const PAIR_DIR_IN_CONTAINER: &str = "/run/shadow/pair";
+/// Where the GMS socket directory appears inside a container.
+pub const GMS_DIR_IN_CONTAINER: &str = "/run/shadow/gms";
+pub const LOCK_FILE: &str = "engine.lock";
+pub const NOTIFY_FILE: &str = "notify.sock";
+
+/// Annotation naming the pair a container belongs to.
+pub const PAIR_ANNOTATION: &str = "shadow.dev/pair-name";
+/// Annotation giving the container's slot (`SHADOW_ENGINE_ID`).
+pub const SLOT_ANNOTATION: &str = "shadow.dev/slot";
+
+/// The host paths of one named pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PairLayout {
+    pub name: String,
+    pub dir: PathBuf,
+}
+
+impl PairLayout {
+    /// Checks the name, because it becomes a path component and a CDI
+    /// device name: nothing that could climb out of `root`.
+    pub fn new(root: &Path, name: &str) -> Result<Self> {
+        let bad = |why| Error::PairName {
+            name: name.to_owned(),
+            why,
+        };
+        if name.is_empty() || name.len() > 64 {
+            return Err(bad("length"));
+        }
+        if name.starts_with('.') {
+            return Err(bad("leading '.'"));
+        }
+        if !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+        {
+            return Err(bad("character outside [A-Za-z0-9_.-]"));
+        }
+        Ok(PairLayout {
+            name: name.to_owned(),
+            dir: root.join(name),
+        })
+    }
+
+    pub fn pair_dir(&self) -> PathBuf {
+        self.dir.join("pair")
+    }
+
+    pub fn gms_dir(&self) -> PathBuf {
+        self.dir.join("gms")
+    }
+
+    pub fn lock_file(&self) -> PathBuf {
+        self.pair_dir().join(LOCK_FILE)
+    }
+
+    pub fn notify_socket(&self) -> PathBuf {
+        self.pair_dir().join(NOTIFY_FILE)
+    }
+
+    pub fn gmsd_pid_file(&self) -> PathBuf {
+        self.dir.join("gmsd.pid")
+    }
+
+    pub fn gmsd_log(&self) -> PathBuf {
+        self.dir.join("gmsd.log")
+    }
+
+    /// Creates the directories (0700: only root's engines and gmsd use
+    /// them) and the lock file, which engines open read-only to flock.
+    /// Idempotent, so every hook invocation may call it.
+    pub fn prepare(&self) -> Result<()> {
+        for d in [self.dir.clone(), self.pair_dir(), self.gms_dir()] {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&d)
+                .map_err(|e| Error::io("creating pair directory", &d, e))?;
+        }
+        let lock = self.lock_file();
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&lock)
+            .map_err(|e| Error::io("creating lock file", &lock, e))?;
+        Ok(())
+    }
+
+    /// Whether some engine holds the election lock now (a non-blocking
+    /// flock attempt that is released at once).
+    pub fn lock_held(&self) -> bool {
+        let Ok(f) = std::fs::File::open(self.lock_file()) else {
+            return false;
+        };
+        match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(_released_on_drop) => false,
+            Err((_, e)) => e == nix::errno::Errno::EWOULDBLOCK,
+        }
+    }
+
+    /// The environment an engine of this pair gets (NOTIFY_SOCKET only
+    /// when something on the host listens there: nobody reads sd_notify
+    /// without the shim, unless a user binds a socket of their own).
+    pub fn env(&self, slot: Option<u8>) -> Vec<(String, String)> {
+        let mut env = vec![
+            (
+                "SHADOW_LOCK_PATH".to_owned(),
+                format!("{PAIR_DIR_IN_CONTAINER}/{LOCK_FILE}"),
+            ),
+            ("GMS_SOCKET_DIR".to_owned(), GMS_DIR_IN_CONTAINER.to_owned()),
+        ];
+        if let Some(s) = slot {
+            env.push(("SHADOW_ENGINE_ID".to_owned(), s.to_string()));
+        }
+        if self.notify_socket().exists() {
+            env.push((
+                "NOTIFY_SOCKET".to_owned(),
+                format!("{PAIR_DIR_IN_CONTAINER}/{NOTIFY_FILE}"),
+            ));
+        }
+        env
+    }
+
+    /// (host source, container destination) of the two bind mounts.
+    pub fn binds(&self) -> [(PathBuf, &'static str); 2] {
+        [
+            (self.pair_dir(), PAIR_DIR_IN_CONTAINER),
+            (self.gms_dir(), GMS_DIR_IN_CONTAINER),
+        ]
+    }
+}
+
+/// The slot from its annotation value.
+pub fn parse_slot(v: &str) -> Result<u8> {
+    match v.trim() {
+        "0" => Ok(0),
+        "1" => Ok(1),
+        other => Err(Error::Slot(other.to_owned())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_could_escape_the_root_are_refused() {
+        let root = Path::new("/r");
+        for bad in ["", "..", ".x", "a/b", "a b", &"x".repeat(65)] {
+            assert!(PairLayout::new(root, bad).is_err(), "{bad:?} accepted");
+        }
+        let l = PairLayout::new(root, "llama-70b_v2.1").unwrap();
+        assert_eq!(
+            l.lock_file(),
+            Path::new("/r/llama-70b_v2.1/pair/engine.lock")
+        );
+        assert_eq!(l.gms_dir(), Path::new("/r/llama-70b_v2.1/gms"));
+    }
+
+    #[test]
+    fn prepare_makes_the_lock_and_the_lock_is_seen_held() {
+        let t = tempfile::tempdir().unwrap();
+        let l = PairLayout::new(t.path(), "p").unwrap();
+        l.prepare().unwrap();
+        l.prepare().unwrap();
+        assert!(!l.lock_held());
+        let f = std::fs::File::open(l.lock_file()).unwrap();
+        let held = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive).unwrap();
+        assert!(l.lock_held());
+        drop(held);
+        assert!(!l.lock_held());
+    }
+
+    #[test]
+    fn env_has_notify_only_when_a_socket_exists() {
+        let t = tempfile::tempdir().unwrap();
+        let l = PairLayout::new(t.path(), "p").unwrap();
+        l.prepare().unwrap();
+        let keys = |e: Vec<(String, String)>| e.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+        assert_eq!(
+            keys(l.env(Some(1))),
+            ["SHADOW_LOCK_PATH", "GMS_SOCKET_DIR", "SHADOW_ENGINE_ID"]
+        );
+        let _s = std::os::unix::net::UnixDatagram::bind(l.notify_socket()).unwrap();
+        assert!(keys(l.env(None)).contains(&"NOTIFY_SOCKET".to_owned()));
+    }
+}
