@@ -1,0 +1,2 @@
+//! Placeholder while the benchmark is written.
+fn main() {}
