@@ -19,9 +19,10 @@ PREFIX ?= /usr/local
 BINDIR := $(PREFIX)/bin
 
 # Debian packages the build and the tests need. bsdutils gives script(1),
-# which puts a pty on ctr's side for `ctr run -t`.
+# which puts a pty on ctr's side for `ctr run -t`; protobuf-compiler gives
+# protoc, which the k8s-cri crate (the CRI test's gRPC client) builds with.
 DEB_PACKAGES := containerd runc busybox-static podman bsdutils procps util-linux \
-                coreutils gcc libc6-dev pkg-config ca-certificates
+                coreutils gcc libc6-dev pkg-config ca-certificates protobuf-compiler
 
 # Release binaries `make install` copies, those that exist (gms/ and
 # oci-hooks/ add theirs as they land).

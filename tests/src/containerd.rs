@@ -33,6 +33,7 @@ pub struct ContainerdBuilder {
     cri: bool,
     shim_profile: &'static str,
     namespace: Option<String>,
+    config_append: String,
 }
 
 impl Default for ContainerdBuilder {
@@ -41,6 +42,7 @@ impl Default for ContainerdBuilder {
             cri: false,
             shim_profile: "debug",
             namespace: None,
+            config_append: String::new(),
         }
     }
 }
@@ -63,6 +65,14 @@ impl ContainerdBuilder {
     /// name, the pid and a counter unless told).
     pub fn namespace(mut self, ns: impl Into<String>) -> Self {
         self.namespace = Some(ns.into());
+        self
+    }
+
+    /// TOML appended to the generated config (e.g. CRI plugin settings, a
+    /// runtime entry); `@DIR@` in it becomes the test's temp dir, which is
+    /// only known at start.
+    pub fn config_append(mut self, toml: impl Into<String>) -> Self {
+        self.config_append.push_str(&toml.into());
         self
     }
 
@@ -104,7 +114,12 @@ impl ContainerdBuilder {
         };
         std::fs::create_dir_all(&cd.fifo_dir)
             .map_err(|e| Error::io("create dir", &cd.fifo_dir, e))?;
-        let config = cd.config_toml(self.cri);
+        let mut config = cd.config_toml(self.cri);
+        config.push_str(
+            &self
+                .config_append
+                .replace("@DIR@", &cd.base.display().to_string()),
+        );
         std::fs::write(&cd.config, config)
             .map_err(|e| Error::io("write containerd config", &cd.config, e))?;
         let mut cd = cd;

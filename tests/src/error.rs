@@ -38,6 +38,13 @@ pub enum Error {
     /// The shim binary under test is not where we looked.
     #[error("shim binary {path} not found: {hint}")]
     ShimNotFound { path: PathBuf, hint: &'static str },
+    /// A CRI call to containerd failed or did not answer in time.
+    #[error("CRI {call} at {address}: {reason}")]
+    Cri {
+        call: &'static str,
+        address: PathBuf,
+        reason: String,
+    },
     /// A host tool the tests need is missing.
     #[error("`{tool}` not found on PATH; run `make deps` (installs {package})")]
     MissingTool {

@@ -11,12 +11,16 @@
 //! - [`Rootfs`]: a busybox-static root filesystem builder;
 //! - [`Ctr`], [`Spawned`]: `ctr` invocations with a hard kill deadline;
 //! - [`Leftover`]: what the cleanup check looks for;
+//! - [`cri::Cri`], [`OciImage`]: a CRI v1 client and local OCI images, for
+//!   the Kubernetes path;
 //! - [`Runtime`] and [`runtime_arms!`]: one behaviour test, run against both
 //!   `io.containerd.runc.v2` (the reference) and `io.containerd.shadow.v1`.
 
 mod containerd;
+pub mod cri;
 mod ctr;
 mod error;
+mod image;
 mod leftovers;
 pub mod pair;
 mod process;
@@ -25,6 +29,7 @@ mod rootfs;
 pub use containerd::{Container, Containerd, ContainerdBuilder, RUNC_STATE_ROOT};
 pub use ctr::{Ctr, Output};
 pub use error::Error;
+pub use image::OciImage;
 pub use leftovers::{mounts_under, our_processes, shim_socket_paths, Leftover};
 pub use process::Spawned;
 pub use rootfs::Rootfs;
