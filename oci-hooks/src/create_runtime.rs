@@ -6,19 +6,19 @@
 //! directories into the rootfs. The engine then relies on the contract's
 //! default paths, or on env the user put into config.json.
 //!
-//! The source directories are opened before entering the namespace and
-//! mounted through `/proc/self/fd`, so they resolve in the host's view
-//! whatever the container's namespace holds.
+//! The sources are bound by path after entering the namespace: the
+//! container's mount namespace is a copy of the runtime's, so the pair's
+//! host directories resolve there as long as the pair root is not on a
+//! mount made after the container was created. (A bind from an fd opened
+//! outside is refused with EINVAL: the source mount must belong to the
+//! caller's namespace; `open_tree`/`move_mount` would lift that, later.)
 
 use crate::error::{Error, Result};
 use crate::layout::{parse_slot, PairLayout, PAIR_ANNOTATION, SLOT_ANNOTATION};
-use nix::fcntl::{open, OFlag};
 use nix::mount::{mount, MsFlags};
 use nix::sched::{setns, CloneFlags};
-use nix::sys::stat::Mode;
 use serde::Deserialize;
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
 use std::path::{Component, Path, PathBuf};
 
 /// The OCI state a runtime writes on a hook's stdin (the fields used here).
@@ -114,16 +114,6 @@ pub fn bind_into_container(state: &State, root: &Path) -> Result<bool> {
     let pid = state.pid;
     let ns_path = PathBuf::from(format!("/proc/{pid}/ns/mnt"));
     let ns = std::fs::File::open(&ns_path).map_err(|e| Error::io("opening", &ns_path, e))?;
-    let mut sources = Vec::new();
-    for (src, dst) in layout.binds() {
-        let fd = open(
-            &src,
-            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| Error::io("opening bind source", &src, e.into()))?;
-        sources.push((fd, dst));
-    }
     // This process is single-threaded (no runtime, no helper threads), as
     // setns(CLONE_NEWNS) requires; it exits right after the mounts.
     setns(&ns, CloneFlags::CLONE_NEWNS).map_err(|source| Error::Namespace {
@@ -131,9 +121,8 @@ pub fn bind_into_container(state: &State, root: &Path) -> Result<bool> {
         pid,
         source,
     })?;
-    for (fd, dst) in &sources {
+    for (src, dst) in layout.binds() {
         let target = make_target(&rootfs, dst, pid)?;
-        let src = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
         mount(
             Some(&src),
             &target,
@@ -142,7 +131,7 @@ pub fn bind_into_container(state: &State, root: &Path) -> Result<bool> {
             None::<&str>,
         )
         .map_err(|source| Error::Namespace {
-            what: format!("binding {} at {}", layout.dir.display(), target.display()),
+            what: format!("binding {} at {}", src.display(), target.display()),
             pid,
             source,
         })?;
