@@ -261,3 +261,209 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
         shims(&cd).is_empty().then_some(())
     });
 }
+
+fn read(rel: &str) -> String {
+    let p = config_dir().join(rel);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+fn toml_file(rel: &str) -> toml::Table {
+    read(rel)
+        .parse::<toml::Table>()
+        .unwrap_or_else(|e| panic!("config/{rel}: {e}"))
+}
+
+fn yaml_file(rel: &str) -> serde_yaml::Value {
+    serde_yaml::from_str(&read(rel)).unwrap_or_else(|e| panic!("config/{rel}: {e}"))
+}
+
+/// Follow a path of table keys; panic naming the file and the missing key.
+fn at<'a>(t: &'a toml::Table, file: &str, path: &[&str]) -> &'a toml::Value {
+    let mut v: Option<&toml::Value> = None;
+    let mut table = t;
+    for (i, k) in path.iter().enumerate() {
+        let next = table
+            .get(*k)
+            .unwrap_or_else(|| panic!("config/{file}: no key {}", path[..=i].join(".")));
+        if i + 1 < path.len() {
+            table = next.as_table().unwrap_or_else(|| {
+                panic!("config/{file}: {} is not a table", path[..=i].join("."))
+            });
+        }
+        v = Some(next);
+    }
+    v.expect("non-empty path")
+}
+
+/// The CRI runtime table of a containerd config: runc kept, shadow entry
+/// with the runtime type, the annotation pass-through and a ConfigPath.
+fn check_containerd_config(file: &str, version: i64, cri_plugin: &str) -> Vec<String> {
+    let t = toml_file(file);
+    assert_eq!(at(&t, file, &["version"]).as_integer(), Some(version));
+    let cd = ["plugins", cri_plugin, "containerd"];
+    let runtimes = at(&t, file, &[&cd[..], &["runtimes"]].concat())
+        .as_table()
+        .expect("runtimes table");
+    let default = at(&t, file, &[&cd[..], &["default_runtime_name"]].concat())
+        .as_str()
+        .expect("string");
+    assert!(
+        runtimes.contains_key(default),
+        "config/{file}: default runtime {default} is not in the runtime table"
+    );
+    let shadow = ["plugins", cri_plugin, "containerd", "runtimes", "shadow"];
+    assert_eq!(
+        at(&t, file, &[&shadow[..], &["runtime_type"]].concat()).as_str(),
+        Some("io.containerd.shadow.v1"),
+        "config/{file}"
+    );
+    let ann: Vec<&str> = at(&t, file, &[&shadow[..], &["pod_annotations"]].concat())
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(toml::Value::as_str)
+        .collect();
+    assert_eq!(ann, ["shadow.dev/*"], "config/{file}");
+    assert_eq!(
+        at(
+            &t,
+            file,
+            &[&shadow[..], &["options", "ConfigPath"]].concat()
+        )
+        .as_str(),
+        Some("/etc/shadow/config.toml"),
+        "config/{file}"
+    );
+    runtimes.keys().cloned().collect()
+}
+
+/// HCL without an HCL parser: balanced braces and brackets outside strings
+/// and comments, and quoted strings closed on their line.
+fn check_hcl_shape(rel: &str) -> String {
+    let text = read(rel);
+    let mut depth: Vec<char> = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let mut in_str = false;
+        let mut prev = ' ';
+        for c in line.chars() {
+            if in_str {
+                if c == '"' && prev != '\\' {
+                    in_str = false;
+                }
+            } else if c == '#' {
+                break;
+            } else if c == '"' {
+                in_str = true;
+            } else if c == '{' || c == '[' {
+                depth.push(c);
+            } else if c == '}' || c == ']' {
+                let open = depth.pop();
+                let want = if c == '}' { '{' } else { '[' };
+                assert_eq!(open, Some(want), "config/{rel}:{}: unbalanced {c}", n + 1);
+            }
+            prev = c;
+        }
+        assert!(!in_str, "config/{rel}:{}: unterminated string", n + 1);
+    }
+    assert!(depth.is_empty(), "config/{rel}: unclosed {depth:?}");
+    text
+}
+
+#[test]
+fn every_config_file_parses_and_names_the_runtime_as_the_docs_say() {
+    // containerd runtime entries (1.6 is also run for real by the pod test).
+    let v16 = check_containerd_config("containerd-1.6.toml", 2, "io.containerd.grpc.v1.cri");
+    let v2x = check_containerd_config("containerd-2.x.toml", 3, "io.containerd.cri.v1.runtime");
+    assert_eq!(v16, v2x, "both versions declare the same runtimes");
+
+    // The shim's own config: TOML with only the sections the shim knows.
+    let shim = toml_file("shadow.toml");
+    for k in shim.keys() {
+        assert!(
+            ["log_level", "runc", "pair"].contains(&k.as_str()),
+            "config/shadow.toml: unknown top-level key {k}"
+        );
+    }
+
+    // Kubernetes: the RuntimeClass's handler is the containerd entry's name;
+    // the pod uses the class, and its pair annotation names its containers.
+    let rc = yaml_file("kubernetes/runtimeclass.yaml");
+    assert_eq!(rc["apiVersion"].as_str(), Some("node.k8s.io/v1"));
+    assert_eq!(rc["kind"].as_str(), Some("RuntimeClass"));
+    let handler = rc["handler"].as_str().expect("handler");
+    assert!(
+        v16.iter().any(|r| r == handler),
+        "handler {handler} not in {v16:?}"
+    );
+    let pod = yaml_file("kubernetes/pod.yaml");
+    assert_eq!(pod["kind"].as_str(), Some("Pod"));
+    assert_eq!(
+        pod["spec"]["runtimeClassName"].as_str(),
+        rc["metadata"]["name"].as_str()
+    );
+    let names: Vec<&str> = pod["spec"]["containers"]
+        .as_sequence()
+        .expect("containers")
+        .iter()
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    let annotations = pod["metadata"]["annotations"]
+        .as_mapping()
+        .expect("annotations");
+    let pair = pod["metadata"]["annotations"]["shadow.dev/pair"]
+        .as_str()
+        .expect("shadow.dev/pair");
+    for n in pair.split(',') {
+        assert!(
+            names.contains(&n.trim()),
+            "pair names {n}, not a container of {names:?}"
+        );
+    }
+    for k in annotations.keys().filter_map(|k| k.as_str()) {
+        assert!(
+            k.starts_with("shadow.dev/"),
+            "{k}: pod_annotations passes only shadow.dev/*"
+        );
+    }
+
+    // Nomad: the node-level runtime, and the job shapes.
+    let client = check_hcl_shape("nomad/client.hcl");
+    assert!(client.contains("plugin \"containerd-driver\""));
+    assert!(client.contains("containerd_runtime = \"io.containerd.shadow.v1\""));
+    let job = check_hcl_shape("nomad/engine.nomad.hcl");
+    assert!(job.contains("driver = \"containerd-driver\""));
+    let ctr_job = check_hcl_shape("nomad/engine-ctr.nomad.hcl");
+    for want in [
+        "\"io.containerd.shadow.v1\"",
+        "\"shadow.dev/pair=true\"",
+        "\"--rm\"",
+    ] {
+        assert!(ctr_job.contains(want), "engine-ctr.nomad.hcl lacks {want}");
+    }
+
+    // Nothing in config/ escapes these checks.
+    let mut seen = Vec::new();
+    let mut stack = vec![config_dir()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("read config dir").flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Some(ext) = p.extension().and_then(|e| e.to_str()) {
+                let rel = p
+                    .strip_prefix(config_dir())
+                    .expect("under config")
+                    .display()
+                    .to_string();
+                match ext {
+                    "toml" => drop(toml_file(&rel)),
+                    "yaml" | "yml" => drop(yaml_file(&rel)),
+                    "hcl" => drop(check_hcl_shape(&rel)),
+                    _ => {}
+                }
+                seen.push(rel);
+            }
+        }
+    }
+    assert!(seen.len() >= 8, "config files found: {seen:?}");
+}
