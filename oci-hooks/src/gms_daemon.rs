@@ -121,14 +121,22 @@ pub fn running_pid(layout: &PairLayout) -> Option<u32> {
 }
 
 fn alive_gmsd(pid: u32) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // "pid (comm) S …": a zombie has exited already.
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let argv0 = cmdline.split(|b| *b == 0).next().unwrap_or_default();
+    !exited(pid) && argv0.ends_with(b"gmsd")
+}
+
+/// Gone or a zombie. (An exiting process loses its cmdline before it turns
+/// zombie, so only the state field tells when it is really done.)
+fn exited(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    // "pid (comm) S …": comm may hold spaces and parentheses, so split at the last ')'.
     let state = stat
         .rsplit_once(')')
         .and_then(|(_, r)| r.split_whitespace().next());
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let argv0 = cmdline.split(|b| *b == 0).next().unwrap_or_default();
-    matches!(state, Some(s) if s != "Z" && s != "X") && argv0.ends_with(b"gmsd")
+    matches!(state, Some("Z" | "X") | None)
 }
 
 /// Stops the pair's gmsd (SIGTERM, then waits) and removes the pair's host
@@ -145,7 +153,7 @@ pub fn stop(layout: &PairLayout, wait: Duration) -> Result<bool> {
             }
         })?;
         let deadline = Instant::now() + wait;
-        while alive_gmsd(pid) {
+        while !exited(pid) {
             if Instant::now() >= deadline {
                 return Err(Error::Gmsd {
                     pair: layout.name.clone(),
