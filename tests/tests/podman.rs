@@ -196,6 +196,10 @@ impl Podman {
             .arg(d.join("storage"))
             .arg("--runroot")
             .arg(d.join("runroot"))
+            // libpod's own state (alive marker, exit files, events), which
+            // otherwise sits in /run/libpod for every podman of the host.
+            .arg("--tmpdir")
+            .arg(d.join("libpod"))
             .args([
                 "--storage-driver",
                 "vfs",
