@@ -29,6 +29,24 @@ const ULIMITS: [&str; 4] = [
     "nproc=1024:1024",
 ];
 
+fn now_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or(0)
+}
+
+/// A figure, not an assertion: from the kill (for podman: the start of
+/// `podman kill`, its CLI overhead included) to the promoted engine taking
+/// the lock.
+fn report(stack: &str, killed_us: u128, promoted: &Answer) {
+    eprintln!(
+        "{stack}: SIGKILL issued → slot {} holds the lock: {:.3} ms",
+        promoted.slot,
+        promoted.lock_us.saturating_sub(killed_us) as f64 / 1000.0
+    );
+}
+
 /// A binary of the workspace, built next to the test engine.
 fn sibling(name: &str) -> PathBuf {
     let p = Path::new(ENGINE).with_file_name(name);
@@ -280,8 +298,10 @@ fn pair_fails_over(p: &mut Podman, slot_args: [Vec<String>; 2]) {
     );
     // Still slot 0: the lock, not a race for the port, decides who serves.
     assert_eq!(p.world.answer("slot 0 still", |_| true).slot, "0");
+    let killed_us = now_us();
     p.kill("e0");
     let second = p.world.answer("slot 1 serving", |a| a.slot == "1");
+    report("podman", killed_us, &second);
     assert!(!second.loaded, "slot 1 must map, not load: {second:?}");
     assert_eq!(second.weights, first.weights, "same weights through GMS");
     // The killed engine's lease is gone; the survivor's stays.
@@ -457,8 +477,19 @@ fn runc_create_runtime_hook_pair_shares_weights_and_fails_over() {
     assert!(first.loaded, "slot 0 should have loaded: {first:?}");
     r.start(1);
     r.world.wait_leases(2);
-    run(r.cmd().args(["kill", &e0, "KILL"]));
+    // kill(2) of the engine's host pid, no CLI in between: the figure is
+    // then the kernel's lock handoff plus the engine's wake-up.
+    let state = run(r.cmd().args(["state", &e0]));
+    let state: Value = serde_json::from_slice(&state.stdout).expect("runc state");
+    let pid = state["pid"].as_i64().expect("engine pid") as i32;
+    let killed_us = now_us();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("SIGKILL slot 0");
     let second = r.world.answer("slot 1 serving", |a| a.slot == "1");
+    report("runc (kill(2) of the engine)", killed_us, &second);
     assert!(!second.loaded, "slot 1 must map, not load: {second:?}");
     assert_eq!(second.weights, first.weights);
     r.world.wait_leases(1);
