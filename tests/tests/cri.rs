@@ -78,9 +78,8 @@ fn cri_config() -> String {
 }
 
 /// Build the pause and engine images from one busybox rootfs (+ the test
-/// engine, stripped) and import them into the CRI namespace; wait until the
-/// CRI plugin lists both.
-fn import_images(cd: &Containerd, cri: &Cri) {
+/// engine, stripped) and import them into `cd`'s namespace with `ctr`.
+fn import_images(cd: &Containerd) -> [OciImage; 2] {
     let work = cd.dir().join("images");
     let rootfs = Rootfs::busybox()
         .build(&work.join("rootfs"))
@@ -101,10 +100,8 @@ fn import_images(cd: &Containerd, cri: &Cri) {
             .run(&["images", "import", &archive.display().to_string()])
             .expect("ctr images import")
             .assert_success();
-        until(&format!("CRI to see {}", img.name()), LONG, STEP, || {
-            cri.image(img.name()).ok().flatten()
-        });
     }
+    images
 }
 
 /// Our shim daemons (not the short-lived `start` invocations).
@@ -122,6 +119,87 @@ impl Drop for StateDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// The `args` list of `config/nomad/engine-ctr.nomad.hcl`: the `ctr`
+/// command line the Nomad job runs, as written there.
+fn nomad_ctr_args() -> Vec<String> {
+    let text = read("nomad/engine-ctr.nomad.hcl");
+    let start = text
+        .find("args = [")
+        .expect("args = [ in engine-ctr.nomad.hcl");
+    let body = &text[start + "args = [".len()..];
+    let body = &body[..body.find(']').expect("closing ]")];
+    body.split('"')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn the_nomad_raw_exec_ctr_command_runs_a_pair_from_an_image() {
+    let cd = Containerd::start().expect("containerd");
+    import_images(&cd);
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let port = free_port();
+    let id = "nomadpair";
+    cd.record_id(id);
+    // The job's own arguments, with the test's image, id, port and shim
+    // config; `--namespace nomad` gives way to the harness's namespace.
+    let mut args: Vec<String> = Vec::new();
+    let mut it = nomad_ctr_args().into_iter().peekable();
+    while let Some(a) = it.next() {
+        if a == "--namespace" {
+            it.next();
+            continue;
+        }
+        let a = match a.as_str() {
+            "registry.example.com/llm/engine:1.0" => ENGINE_IMAGE.to_owned(),
+            "llm-engine-${NOMAD_ALLOC_ID}" => id.to_owned(),
+            "/engine" => "/bin/test-engine".to_owned(),
+            _ => a.replace("8000", &port.to_string()),
+        };
+        let run = a == "run";
+        args.push(a);
+        if run {
+            args.push("--runtime-config-path".into());
+            args.push(env.config.display().to_string());
+            args.push("--fifo-dir".into());
+            args.push(cd.fifo_dir().display().to_string());
+        }
+    }
+    assert!(args.contains(&"--rm".to_owned()), "{args:?}");
+    let mut ctr = cd.ctr().spawn(&args, false).expect("ctr run");
+    let st = until("pair protected, ctr running", LONG, STEP, || {
+        assert!(
+            !ctr.has_exited(),
+            "ctr {args:?} ended: {}{}",
+            ctr.stdout_so_far(),
+            ctr.stderr_so_far()
+        );
+        env.state(&cd, id)
+            .filter(|v| v["pair"]["protected"] == true)
+    });
+    let (slot, pid) = active_of(&st);
+    let first = until("the active engine to answer", LONG, STEP, || ask(port));
+    assert_eq!(first.slot, slot.to_string());
+    kill(pid, libc::SIGKILL);
+    until("the other engine to serve", LONG, STEP, || {
+        ask(port).filter(|a| a.slot != first.slot)
+    });
+    assert_eq!(
+        cd.ctr().task_status(id).expect("task ls").as_deref(),
+        Some("RUNNING")
+    );
+    // Nomad stops the job with SIGTERM to ctr, which forwards it to the task.
+    ctr.signal(libc::SIGTERM).expect("SIGTERM to ctr");
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    // Not pinned to 143: after a failover the task has been seen to report
+    // 137 for a SIGTERM stop (the shim reports one engine's status).
+    assert_ne!(out.code(), 0, "a signalled task: {out}");
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists(), "pair dir left");
 }
 
 /// The shim config for the pod. The pair state dir is short and outside the
@@ -166,7 +244,11 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
     let cri = Cri::connect(cd.address()).expect("CRI connect");
     let v = cri.version().expect("CRI Version");
     assert_eq!(v.runtime_name, "containerd", "{v:?}");
-    import_images(&cd, &cri);
+    for img in import_images(&cd) {
+        until(&format!("CRI to see {}", img.name()), LONG, STEP, || {
+            cri.image(img.name()).ok().flatten()
+        });
+    }
 
     let port = free_port();
     let port_s = port.to_string();
