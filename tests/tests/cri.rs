@@ -274,6 +274,19 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
         .expect("CreateContainer");
     cd.record_id(&cid);
     cri.start_container(&cid).expect("StartContainer");
+    // A sidecar the annotation does not name: it must run plain, in the same shim.
+    let side_cfg = cri::container(
+        "sidecar",
+        ENGINE_IMAGE,
+        &["/bin/sh", "-c"],
+        &["trap 'exit 0' TERM; while :; do sleep 1; done"],
+        &[],
+    );
+    let side = cri
+        .create_container(&pod, &side_cfg, &pod_cfg)
+        .expect("CreateContainer sidecar");
+    cd.record_id(&side);
+    cri.start_container(&side).expect("StartContainer sidecar");
 
     // Both engines run; one serves on the host network.
     let st = env.wait_protected(&cd, &cid, LONG);
@@ -290,7 +303,15 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
     let info: Value =
         serde_json::from_str(status.info.get("info").expect("verbose info")).expect("info is JSON");
     assert_eq!(info["pid"].as_u64(), Some(u64::from(pid)), "{info}");
-    // One shim for the whole pod: the sandbox and the engine pair.
+    assert_eq!(
+        cri.container_state(&side).expect("sidecar status"),
+        ContainerState::ContainerRunning
+    );
+    assert!(
+        !env.pair_dir(&cd, &side).exists(),
+        "the sidecar is not named by shadow.dev/pair and must not be paired"
+    );
+    // One shim for the whole pod: the sandbox, the engine pair, the sidecar.
     let one = until("one shim for the pod", LONG, STEP, || {
         let s = shims(&cd);
         (s.len() == 1).then_some(s)
@@ -324,6 +345,11 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
     );
     assert_eq!(s.exit_code, 0, "no exit reported: {s:?}");
     assert_eq!(shims(&cd).len(), 1, "still one shim");
+    assert_eq!(
+        cri.container_state(&side).expect("sidecar status"),
+        ContainerState::ContainerRunning,
+        "the sidecar is untouched by the failover"
+    );
 
     // Tear down the way the kubelet does; nothing may be left.
     cri.stop_container(&cid, Duration::from_secs(10))
@@ -333,6 +359,10 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
         ContainerState::ContainerExited
     );
     cri.remove_container(&cid).expect("RemoveContainer");
+    cri.stop_container(&side, Duration::from_secs(10))
+        .expect("StopContainer sidecar");
+    cri.remove_container(&side)
+        .expect("RemoveContainer sidecar");
     cri.stop_pod(&pod).expect("StopPodSandbox");
     cri.remove_pod(&pod).expect("RemovePodSandbox");
     assert_eq!(cri.containers().expect("list"), Vec::<String>::new());
