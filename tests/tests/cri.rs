@@ -358,6 +358,14 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
         cri.container_state(&cid).expect("status"),
         ContainerState::ContainerExited
     );
+    // Both engines were up (the killed slot came back), both got SIGTERM:
+    // the test engine's SIGTERM exit, not the earlier SIGKILL's 137.
+    let s = cri
+        .container_status(&cid)
+        .expect("status")
+        .status
+        .expect("status");
+    assert_eq!(s.exit_code, 143, "{s:?}");
     cri.remove_container(&cid).expect("RemoveContainer");
     cri.stop_container(&side, Duration::from_secs(10))
         .expect("StopContainer sidecar");
