@@ -9,7 +9,7 @@
 use serde_json::Value;
 use shadow_tests::cri::{self, v1::ContainerState, Cri};
 use shadow_tests::pair::{ask, free_port, install_binary, until, PairEnv};
-use shadow_tests::{our_processes, Containerd, OciImage, Rootfs, SHIM_BINARY};
+use shadow_tests::{mounts_under, our_processes, Containerd, OciImage, Rootfs, SHIM_BINARY};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -112,11 +112,23 @@ fn shims(cd: &Containerd) -> Vec<(i32, String)> {
         .collect()
 }
 
-/// Removes the pair state dir (outside the harness's temp dir) at the end.
+/// The pair state dir, outside the harness's temp dir (see [`pair_env`]).
+/// Made before the containerd guard so that it is dropped after it: by then
+/// the shims are gone; what a killed shim left mounted is unmounted, then
+/// the dir is removed.
 struct StateDir(PathBuf);
+
+impl StateDir {
+    fn new() -> Self {
+        StateDir(PathBuf::from(format!("/tmp/sc-{}", std::process::id())))
+    }
+}
 
 impl Drop for StateDir {
     fn drop(&mut self) {
+        for m in mounts_under(&self.0) {
+            let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
@@ -206,9 +218,8 @@ fn the_nomad_raw_exec_ctr_command_runs_a_pair_from_an_image() {
 /// temp dir: CRI ids are 64 characters, and `<state_dir>/k8s.io/<id>/pair/
 /// notify.sock` must fit a unix socket path (107 bytes), which leaves 18
 /// characters for `state_dir` (`/run/shadow`, the default, fits).
-fn pair_env(cd: &Containerd) -> (PairEnv, StateDir) {
-    let state_dir = PathBuf::from(format!("/tmp/sc-{}", std::process::id()));
-    let guard = StateDir(state_dir.clone());
+fn pair_env(cd: &Containerd, state: &StateDir) -> PairEnv {
+    let state_dir = state.0.clone();
     let metrics_dir = cd.dir().join("metrics");
     let config = cd.dir().join("shadow-pair.toml");
     let text = format!(
@@ -218,12 +229,11 @@ fn pair_env(cd: &Containerd) -> (PairEnv, StateDir) {
         gmsd()
     );
     std::fs::write(&config, text).expect("write shim config");
-    let env = PairEnv {
+    PairEnv {
         state_dir,
         metrics_dir,
         config,
-    };
-    (env, guard)
+    }
 }
 
 fn active_of(st: &Value) -> (usize, u32) {
@@ -234,13 +244,14 @@ fn active_of(st: &Value) -> (usize, u32) {
 
 #[test]
 fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
+    let state = StateDir::new();
     let cd = Containerd::builder()
         .cri(true)
         .namespace(K8S_NAMESPACE)
         .config_append(cri_config())
         .start()
         .expect("containerd with CRI");
-    let (env, _state) = pair_env(&cd);
+    let env = pair_env(&cd, &state);
     let cri = Cri::connect(cd.address()).expect("CRI connect");
     let v = cri.version().expect("CRI Version");
     assert_eq!(v.runtime_name, "containerd", "{v:?}");
