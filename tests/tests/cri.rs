@@ -3,8 +3,14 @@
 //! over gRPC the way the kubelet drives it (RunPodSandbox with handler
 //! `shadow`, CreateContainer, StartContainer, ContainerStatus, Stop/Remove),
 //! with images built here and imported locally (no registry, no CNI: the pod
-//! uses the host network). Also: every file in `config/` parses and names
-//! the runtime the way the docs say.
+//! uses the host network). Also: the `ctr` command line of the Nomad job in
+//! `config/nomad/engine-ctr.nomad.hcl` runs a pair from an imported image,
+//! and every file in `config/` parses and names the runtime the way the
+//! docs say.
+//!
+//! The CRI plugin always works in containerd namespace `k8s.io`, so the
+//! harness's cleanup of this test covers `/run/containerd/runc/k8s.io` and
+//! the `k8s.io` cgroups: do not run it on a node that serves a real kubelet.
 
 use serde_json::Value;
 use shadow_tests::cri::{self, v1::ContainerState, Cri};
