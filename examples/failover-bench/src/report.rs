@@ -1,0 +1,253 @@
+//! From samples to figures: the unavailability window of each kill, failed
+//! requests, latency percentiles before / during / after, the JSON report,
+//! the human table and the SVG timeline of all arms on one chart.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+use serde_json::{json, Value};
+
+use crate::load::Sample;
+use crate::Error;
+
+/// One arm's run: its samples and when its kills happened.
+pub struct ArmRun {
+    pub arm: String,
+    pub samples: Vec<Sample>,
+    /// ms from the start of the load.
+    pub kills_ms: Vec<f64>,
+    /// Engine READY after each kill, as the shim saw it (pairs only).
+    pub promotion_ready_ms: Vec<f64>,
+}
+
+fn pct(v: &[f64], p: f64) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    (!v.is_empty()).then(|| v[((v.len() as f64 - 1.0) * p).round() as usize])
+}
+
+fn round(x: Option<f64>) -> Value {
+    x.map(|x| json!((x * 1000.0).round() / 1000.0))
+        .unwrap_or(Value::Null)
+}
+
+fn phase(samples: &[&Sample]) -> Value {
+    let ok: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.ok)
+        .map(|s| s.latency_ms)
+        .collect();
+    json!({
+        "requests": samples.len(),
+        "failed": samples.iter().filter(|s| !s.ok).count(),
+        "p50_ms": round(pct(&ok, 0.5)),
+        "p99_ms": round(pct(&ok, 0.99)),
+    })
+}
+
+impl ArmRun {
+    /// Kill → first successful answer to a request sent after that kill.
+    pub fn unavailable_ms(&self) -> Vec<Option<f64>> {
+        self.kills_ms
+            .iter()
+            .map(|&k| {
+                self.samples
+                    .iter()
+                    .filter(|s| s.ok && s.sent_ms >= k)
+                    .map(|s| s.sent_ms + s.latency_ms - k)
+                    .min_by(|a, b| a.total_cmp(b))
+            })
+            .collect()
+    }
+
+    pub fn summary(&self, weights_mib: u64, rate: f64) -> Value {
+        let unavailable = self.unavailable_ms();
+        let known: Vec<f64> = unavailable.iter().flatten().copied().collect();
+        let first_kill = self.kills_ms.first().copied().unwrap_or(f64::MAX);
+        let last_kill = self.kills_ms.last().copied().unwrap_or(f64::MAX);
+        let recovered = unavailable
+            .last()
+            .copied()
+            .flatten()
+            .map(|u| last_kill + u)
+            .unwrap_or(f64::MAX);
+        let before: Vec<&Sample> = self
+            .samples
+            .iter()
+            .filter(|s| s.sent_ms < first_kill)
+            .collect();
+        let during: Vec<&Sample> = self
+            .samples
+            .iter()
+            .filter(|s| s.sent_ms >= first_kill && s.sent_ms < recovered)
+            .collect();
+        let after: Vec<&Sample> = self
+            .samples
+            .iter()
+            .filter(|s| s.sent_ms >= recovered)
+            .collect();
+        let ok: Vec<f64> = self
+            .samples
+            .iter()
+            .filter(|s| s.ok)
+            .map(|s| s.latency_ms)
+            .collect();
+        let mut errors: std::collections::BTreeMap<String, usize> = Default::default();
+        for s in self.samples.iter().filter(|s| !s.ok) {
+            let e = s.error.clone().unwrap_or_default();
+            // Group by kind, not by the exact message.
+            let kind = e.split(':').next().unwrap_or_default().to_owned();
+            *errors.entry(kind).or_default() += 1;
+        }
+        json!({
+            "arm": self.arm,
+            "weights_mib": weights_mib,
+            "rate_per_s": rate,
+            "kills": self.kills_ms.len(),
+            "unavailable_ms": round(pct(&known, 0.5)),
+            "unavailable_ms_max": round(known.iter().copied().reduce(f64::max)),
+            "unavailable_per_kill_ms": unavailable.iter().map(|u| round(*u)).collect::<Vec<_>>(),
+            "recovered": known.len() == unavailable.len(),
+            "promotion_ready_ms": self.promotion_ready_ms.iter().map(|u| round(Some(*u))).collect::<Vec<_>>(),
+            "requests": self.samples.len(),
+            "failed_requests": self.samples.iter().filter(|s| !s.ok).count(),
+            "failed_after_recovery": after.iter().filter(|s| !s.ok).count(),
+            "errors": errors,
+            "p50_ms": round(pct(&ok, 0.5)),
+            "p99_ms": round(pct(&ok, 0.99)),
+            "before": phase(&before),
+            "during": phase(&during),
+            "after": phase(&after),
+        })
+    }
+}
+
+fn cell(v: &Value) -> String {
+    match v.as_f64() {
+        Some(x) if x >= 100.0 => format!("{x:.0}"),
+        Some(x) => format!("{x:.1}"),
+        None => "-".into(),
+    }
+}
+
+/// The side-by-side table.
+pub fn table(rows: &[Value]) -> String {
+    let mut out = format!(
+        "{:<8} {:>7} {:>6} {:>14} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10}\n",
+        "arm",
+        "weights",
+        "kills",
+        "unavail ms",
+        "failed",
+        "requests",
+        "p50 ms",
+        "p99 ms",
+        "p99 before",
+        "p99 after"
+    );
+    for r in rows {
+        out += &format!(
+            "{:<8} {:>5}Mi {:>6} {:>14} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10}\n",
+            r["arm"].as_str().unwrap_or("?"),
+            r["weights_mib"].to_string(),
+            r["kills"].to_string(),
+            if r["kills"].as_u64() > Some(1) {
+                format!(
+                    "{} (max {})",
+                    cell(&r["unavailable_ms"]),
+                    cell(&r["unavailable_ms_max"])
+                )
+            } else {
+                cell(&r["unavailable_ms"])
+            },
+            r["failed_requests"].to_string(),
+            r["requests"].to_string(),
+            cell(&r["p50_ms"]),
+            cell(&r["p99_ms"]),
+            cell(&r["before"]["p99_ms"]),
+            cell(&r["after"]["p99_ms"]),
+        );
+    }
+    out
+}
+
+/// Latency of every request around the kill(s), all arms on one chart:
+/// x = send time relative to the first kill, y = latency (log scale);
+/// failed requests are drawn as crosses along the top.
+pub fn chart(runs: &[ArmRun], path: &Path, title: &str) -> Result<(), Error> {
+    let draw = |e: &dyn std::fmt::Display| Error::Chart {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    };
+    let first = |r: &ArmRun| r.kills_ms.first().copied().unwrap_or(0.0);
+    let x_min = runs
+        .iter()
+        .filter_map(|r| r.samples.first().map(|s| s.sent_ms - first(r)))
+        .fold(0.0f64, f64::min);
+    let x_max = runs
+        .iter()
+        .filter_map(|r| r.samples.last().map(|s| s.sent_ms - first(r)))
+        .fold(1.0f64, f64::max);
+    let y_max = runs
+        .iter()
+        .flat_map(|r| r.samples.iter().map(|s| s.latency_ms))
+        .fold(10.0f64, f64::max)
+        * 2.0;
+    let root = SVGBackend::new(path, (1100, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| draw(&e))?;
+    let mut c = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x_min..x_max, (0.05f64..y_max).log_scale())
+        .map_err(|e| draw(&e))?;
+    c.configure_mesh()
+        .x_desc("request sent (ms after the first SIGKILL)")
+        .y_desc("latency (ms, log)")
+        .draw()
+        .map_err(|e| draw(&e))?;
+    let colours = [
+        RGBColor(200, 60, 40),
+        RGBColor(30, 110, 200),
+        RGBColor(40, 150, 70),
+    ];
+    for (i, r) in runs.iter().enumerate() {
+        let col = colours[i % colours.len()];
+        let k0 = first(r);
+        c.draw_series(
+            r.samples
+                .iter()
+                .filter(|s| s.ok)
+                .map(|s| Circle::new((s.sent_ms - k0, s.latency_ms.max(0.06)), 2, col.filled())),
+        )
+        .map_err(|e| draw(&e))?
+        .label(format!("{} (ok)", r.arm))
+        .legend(move |(x, y)| Circle::new((x, y), 3, col.filled()));
+        let top = y_max / 1.5 / (1.0 + i as f64 * 0.4);
+        c.draw_series(
+            r.samples
+                .iter()
+                .filter(|s| !s.ok)
+                .map(|s| Cross::new((s.sent_ms - k0, top), 3, col.stroke_width(1))),
+        )
+        .map_err(|e| draw(&e))?
+        .label(format!("{} (failed)", r.arm))
+        .legend(move |(x, y)| Cross::new((x, y), 3, col.stroke_width(1)));
+        for &k in &r.kills_ms {
+            c.draw_series(LineSeries::new(
+                [(k - k0, 0.05), (k - k0, y_max)],
+                col.mix(0.4).stroke_width(1),
+            ))
+            .map_err(|e| draw(&e))?;
+        }
+    }
+    c.configure_series_labels()
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| draw(&e))?;
+    root.present().map_err(|e| draw(&e))?;
+    Ok(())
+}
