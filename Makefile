@@ -5,7 +5,7 @@
 #   make build       build the workspace (debug: what the tests run)
 #   make lint        rustfmt --check + clippy -D warnings
 #   make test        deps + lint + build + every test, integration tests included
-#   make demo        start a private containerd and run a container through the shim
+#   make demo        SIGKILL under load: cold restart (runc-v2) vs shadow pair, table + chart
 #   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
 #   make install     release binaries to $(PREFIX)/bin
 # CI runs `bash .ci/run`, which runs `make test`.
@@ -28,7 +28,7 @@ DEB_PACKAGES := containerd runc busybox-static podman bsdutils procps util-linux
 # oci-hooks/ add theirs as they land).
 INSTALL_BINS := containerd-shim-shadow-v1 gmsd shadow-oci-hook
 
-.PHONY: deps build release lint test demo bench-shim bench-failover install check-root check-cargo
+.PHONY: deps build release lint test demo bench-recovery bench-shim bench-failover install check-root check-cargo
 
 check-root:
 	@if [ "$$(id -u)" != 0 ]; then echo "this target needs root (containerd, runc, mounts)" >&2; exit 1; fi
@@ -66,8 +66,19 @@ lint: check-cargo
 test: deps lint build
 	$(CARGO) test --workspace --no-fail-fast
 
-demo: deps build
-	$(CARGO) run -q -p shadow-tests --bin shadow-demo
+# The recovery gap side by side: the reference engine (examples/engine) under
+# open-loop load, SIGKILL of the serving engine, cold restart under runc-v2
+# vs a shadow pair; table, target/shadow-bench/report.json and timeline.svg.
+DEMO_MIB ?= 256
+demo: deps check-cargo
+	$(CARGO) build -q --release -p shadow-shim -p gms -p shadow-engine -p failover-bench
+	./target/release/failover-bench --mib $(DEMO_MIB) --arms cold,shadow --out target/shadow-bench
+
+# The ratio at 2 GiB of weights, and 5 closely spaced kills (repeated failures).
+bench-recovery: deps check-cargo
+	$(CARGO) build -q --release -p shadow-shim -p gms -p shadow-engine -p failover-bench
+	./target/release/failover-bench --mib 2048 --out target/shadow-bench/2g
+	./target/release/failover-bench --mib $(DEMO_MIB) --kills 5 --gap-ms 300 --out target/shadow-bench/repeat
 
 bench-shim: deps release
 	$(CARGO) run -q --release -p shadow-tests --bin bench-shim
