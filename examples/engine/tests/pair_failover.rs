@@ -1,0 +1,97 @@
+//! The reference engine in a real pair (private containerd, runc, this shim,
+//! gmsd host backend): the first engine loads the file into GMS, the shadow
+//! maps it; after a SIGKILL of the active the promoted shadow gives the same
+//! answer, computed from the mapped weights.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+use shadow_tests::pair::{free_port, install_binary, until, PairEnv};
+use shadow_tests::Containerd;
+
+/// POST a completion; the parsed body on a 200, else None.
+fn complete(port: u16, prompt: &str) -> Option<Value> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    let body = serde_json::json!({ "prompt": prompt, "max_tokens": 12 }).to_string();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200")
+        .then(|| serde_json::from_str(body).ok())
+        .flatten()
+}
+
+#[test]
+fn promoted_shadow_answers_the_same_from_mapped_weights() {
+    let cd = Containerd::start().unwrap();
+    install_binary(
+        cd.rootfs(),
+        Path::new(env!("CARGO_BIN_EXE_shadow-engine")),
+        "/bin/shadow-engine",
+    )
+    .unwrap();
+    let weights = cd.rootfs().join("weights.safetensors");
+    shadow_engine::model::generate(&weights, 8, 3).unwrap();
+    let env = PairEnv::new(&cd, "gms = \"host\"").unwrap();
+    let port = free_port();
+    let id = "engine-pair";
+    let port_s = port.to_string();
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--net-host"],
+            &[
+                "/bin/shadow-engine",
+                "serve",
+                "--weights",
+                "/weights.safetensors",
+                "--port",
+                &port_s,
+            ],
+        )
+        .unwrap();
+    let long = Duration::from_secs(45);
+    let step = Duration::from_millis(5);
+    let st = env.wait_protected(&cd, id, long);
+    let prompt = "what survives a SIGKILL?";
+    let before = until("first answer", long, step, || complete(port, prompt));
+    assert_eq!(before["engine"]["source"], "gms-writer", "{before}");
+
+    let slot = st["pair"]["active"].as_u64().unwrap();
+    let pid = st["pids"][slot as usize].as_u64().unwrap() as i32;
+    // SAFETY: kill(2) of the active engine's pid from the pair's state file.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+
+    let after = until("answer from the promoted engine", long, step, || {
+        complete(port, prompt).filter(|v| v["engine"]["slot"] != before["engine"]["slot"])
+    });
+    assert_eq!(after["engine"]["source"], "gms-reader", "{after}");
+    assert_eq!(after["choices"][0]["text"], before["choices"][0]["text"]);
+    assert_eq!(after["fingerprint"], before["fingerprint"]);
+    // And the answer is the one the file's weights give, computed here.
+    let bytes = std::fs::read(&weights).unwrap();
+    let model = shadow_engine::model::Model::build(&bytes, &weights).unwrap();
+    assert_eq!(
+        after["choices"][0]["text"],
+        model.complete(&bytes, prompt, 12).text
+    );
+
+    cd.ctr()
+        .run(&["task", "kill", "-s", "SIGKILL", id])
+        .unwrap()
+        .assert_success();
+    ctr.wait(long).unwrap();
+    let _ = cd.ctr().run(&["container", "rm", id]);
+}
