@@ -202,8 +202,11 @@ fn gmsd_death_restarts_the_pair_cold_and_reloads_once() {
     let cd = Containerd::start().expect("containerd");
     let id = "gmskill";
     let r = start(&cd, id, "gms = \"host\"", &[], &[]);
-    let st = r.env.wait_protected(&cd, id, LONG);
-    let gms_pid = st["gms"]["pid"].as_u64().expect("gms status in state.json") as u32;
+    r.env.wait_protected(&cd, id, LONG);
+    // The shim refreshes gmsd's status on its own schedule: wait for it.
+    let gms_pid = until("gmsd status in state.json", LONG, STEP, || {
+        r.env.state(&cd, id).and_then(|v| v["gms"]["pid"].as_u64())
+    }) as u32;
     // Capabilities are dropped.
     let status = std::fs::read_to_string(format!("/proc/{gms_pid}/status")).expect("gmsd status");
     let eff = status

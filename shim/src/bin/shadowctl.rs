@@ -35,11 +35,13 @@ fn pairs(state_dir: &Path) -> Vec<(String, String, PathBuf)> {
         for id in ids.flatten() {
             let state = id.path().join("state.json");
             if state.is_file() {
-                out.push((
-                    ns.file_name().to_string_lossy().into_owned(),
-                    id.file_name().to_string_lossy().into_owned(),
-                    state,
-                ));
+                // The directory name may be a shortened id (long CRI ids):
+                // state.json carries the full one.
+                let full = read(&state)
+                    .ok()
+                    .and_then(|v| v["id"].as_str().map(str::to_string))
+                    .unwrap_or_else(|| id.file_name().to_string_lossy().into_owned());
+                out.push((ns.file_name().to_string_lossy().into_owned(), full, state));
             }
         }
     }
