@@ -842,6 +842,54 @@ mod tests {
     }
 
     #[test]
+    fn stop_right_after_a_failover_reports_the_new_active_status() {
+        let mut p = running();
+        p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: KILL,
+            },
+            t(100),
+        );
+        p.handle(Event::LockHeld { slot: SlotId::ONE }, t(101));
+        p.handle(
+            Event::Notified {
+                slot: SlotId::ONE,
+                notification: Notification::Ready,
+            },
+            t(102),
+        );
+        // Stop while slot 0 is still being respawned.
+        assert_eq!(p.handle(Event::Stop, t(103)), vec![Action::KillAll]);
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 300,
+            },
+            t(104),
+        );
+        // The respawned engine, killed on arrival, is reaped first.
+        assert_eq!(
+            p.handle(
+                Event::Exited {
+                    slot: SlotId::ZERO,
+                    exit: KILL
+                },
+                t(105)
+            ),
+            vec![Action::KillAll]
+        );
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: Exit::Signal(15),
+            },
+            t(106),
+        );
+        assert_eq!(a, vec![Action::Exit { status: 143 }]);
+    }
+
+    #[test]
     fn gms_death_restarts_the_pair_cold() {
         let mut p = running();
         assert_eq!(p.handle(Event::GmsDied, t(10)), vec![Action::KillAll]);
