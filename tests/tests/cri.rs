@@ -61,10 +61,10 @@ fn cri_config() -> String {
         .filter(|l| !l.trim_start().starts_with("version"))
         .map(|l| format!("{l}\n"))
         .collect::<String>()
-        .replace("/etc/shadow/config.toml", "@DIR@/shadow-pair.toml");
+        .replace("/etc/containerd/shadow.toml", "@DIR@/shadow-pair.toml");
     assert!(
         entry.contains("@DIR@/shadow-pair.toml"),
-        "{} no longer names /etc/shadow/config.toml",
+        "{} no longer names /etc/containerd/shadow.toml",
         shipped_path.display()
     );
     format!(
@@ -468,7 +468,7 @@ fn check_containerd_config(file: &str, version: i64, cri_plugin: &str) -> Vec<St
             &[&shadow[..], &["options", "ConfigPath"]].concat()
         )
         .as_str(),
-        Some("/etc/shadow/config.toml"),
+        Some("/etc/containerd/shadow.toml"),
         "config/{file}"
     );
     runtimes.keys().cloned().collect()
