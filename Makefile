@@ -68,11 +68,12 @@ test: deps lint build
 
 # The recovery gap side by side: the reference engine (examples/engine) under
 # open-loop load, SIGKILL of the serving engine, cold restart under runc-v2
-# vs a shadow pair; table, target/shadow-bench/report.json and timeline.svg.
+# vs runc-v2 restart with the weights kept by a gmsd vs a shadow pair; table,
+# target/shadow-bench/report.json and timeline.svg.
 DEMO_MIB ?= 256
 demo: deps check-cargo
 	$(CARGO) build -q --release -p shadow-shim -p gms -p shadow-engine -p failover-bench
-	./target/release/failover-bench --mib $(DEMO_MIB) --arms cold,shadow --out target/shadow-bench
+	./target/release/failover-bench --mib $(DEMO_MIB) --arms cold,gms,shadow --out target/shadow-bench
 
 # The ratio at 2 GiB of weights, and 5 closely spaced kills (repeated failures).
 bench-recovery: deps check-cargo

@@ -66,7 +66,7 @@ struct Opts {
 }
 
 const USAGE: &str = "usage: failover-bench [--mib 256] [--seed 42] [--rate 200] [--before-ms 1000] \
-[--after-ms 1000] [--kills 1] [--gap-ms 300] [--arms cold,shadow] [--out target/shadow-bench] [--max-tokens 8]";
+[--after-ms 1000] [--kills 1] [--gap-ms 300] [--arms cold,gms,shadow] [--out target/shadow-bench] [--max-tokens 8]";
 
 fn parse_opts() -> Result<Opts> {
     let mut o = Opts {
@@ -77,7 +77,7 @@ fn parse_opts() -> Result<Opts> {
         after_ms: 1000,
         kills: 1,
         gap_ms: 300,
-        arms: vec!["cold".into(), "shadow".into()],
+        arms: vec!["cold".into(), "gms".into(), "shadow".into()],
         out: PathBuf::from("target/shadow-bench"),
         max_tokens: 8,
     };
@@ -108,11 +108,9 @@ fn parse_opts() -> Result<Opts> {
     if let Some(a) = o
         .arms
         .iter()
-        .find(|a| !["cold", "shadow"].contains(&a.as_str()))
+        .find(|a| !["cold", "gms", "shadow"].contains(&a.as_str()))
     {
-        return Err(Error::Usage(format!(
-            "arm {a}: this build has cold and shadow (gms is not implemented yet)"
-        )));
+        return Err(Error::Usage(format!("unknown arm {a}: cold, gms, shadow")));
     }
     Ok(o)
 }
@@ -201,14 +199,24 @@ fn drive(
     })
 }
 
-fn cold_arm(cd: &Containerd, o: &Opts, w: &Workload, cmd: &[String]) -> Result<ArmRun> {
-    let id = "bench-cold";
+/// `cold` and `gms`: a runc-v2 task run again the instant it exits.
+fn restart_arm(
+    cd: &Containerd,
+    o: &Opts,
+    w: &Workload,
+    cmd: &[String],
+    arm: &str,
+    flags: &[String],
+) -> Result<ArmRun> {
+    let id = format!("bench-{arm}");
+    let id = id.as_str();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let restarts = std::sync::atomic::AtomicUsize::new(0);
     // containerd's guard stays on this thread; the restarter gets plain ctr.
     let args = cd
         .container(Runtime::RuncV2, id)
         .flags(&["--net-host"])
+        .flags(flags)
         .rm()
         .cmd(cmd)
         .args()?;
@@ -225,7 +233,7 @@ fn cold_arm(cd: &Containerd, o: &Opts, w: &Workload, cmd: &[String]) -> Result<A
                         }
                     }
                     Err(e) => {
-                        eprintln!("cold arm: ctr run: {e}");
+                        eprintln!("{arm} arm: ctr run: {e}");
                         std::thread::sleep(Duration::from_millis(50));
                     }
                 }
@@ -239,14 +247,14 @@ fn cold_arm(cd: &Containerd, o: &Opts, w: &Workload, cmd: &[String]) -> Result<A
                 sigkill(pid).then_some(t)
             });
             Ok(ArmRun {
-                arm: "cold".into(),
+                arm: arm.into(),
                 samples,
                 kills_ms,
                 promotion_ready_ms: vec![],
             })
         } else {
             Err(Error::Arm {
-                arm: "cold".into(),
+                arm: arm.into(),
                 reason: format!("engine not healthy on port {} within 600 s", w.port),
             })
         };
@@ -317,6 +325,61 @@ fn shadow_arm(cd: &Containerd, o: &Opts, w: &Workload, cmd: &[String]) -> Result
     );
     let _ = ctr.wait(Duration::from_secs(30));
     result
+}
+
+/// A host-backend gmsd run by the bench for the `gms` arm; killed on drop.
+struct Gmsd {
+    child: std::process::Child,
+    dir: PathBuf,
+}
+
+impl Gmsd {
+    fn start(dir: PathBuf) -> Result<Gmsd> {
+        let bin = std::env::current_exe()
+            .map_err(|source| Error::Io {
+                what: "locate",
+                path: PathBuf::from("/proc/self/exe"),
+                source,
+            })?
+            .with_file_name("gmsd");
+        let child = std::process::Command::new(&bin)
+            .args([
+                "serve",
+                "--device",
+                "host",
+                "--log-level",
+                "warn",
+                "--socket-dir",
+            ])
+            .arg(&dir)
+            .spawn()
+            .map_err(|source| Error::Io {
+                what: "start",
+                path: bin.clone(),
+                source,
+            })?;
+        let g = Gmsd { child, dir };
+        let sock = gms::client::host_socket(&g.dir);
+        poll(Duration::from_secs(10), || sock.exists().then_some(())).ok_or_else(|| {
+            Error::Arm {
+                arm: "gms".into(),
+                reason: format!(
+                    "{} did not create {} within 10 s",
+                    bin.display(),
+                    sock.display()
+                ),
+            }
+        })?;
+        Ok(g)
+    }
+}
+
+impl Drop for Gmsd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// The weights file for `mib`/`seed`, generated once and kept in `out`.
@@ -424,7 +487,21 @@ fn run() -> Result<()> {
             o.mib, o.rate, o.kills
         );
         let run = match arm.as_str() {
-            "cold" => cold_arm(&cd, &o, &w, &cmd)?,
+            "cold" => restart_arm(&cd, &o, &w, &cmd, "cold", &[])?,
+            "gms" => {
+                // Weights kept by a gmsd that outlives the engine: a restart maps them.
+                let g = Gmsd::start(cd.dir().join("gms-arm"))?;
+                let flags = [
+                    "--mount".to_owned(),
+                    format!(
+                        "type=bind,src={},dst=/run/shadow/gms,options=rbind:rw",
+                        g.dir.display()
+                    ),
+                    "--env".to_owned(),
+                    "GMS_SOCKET_DIR=/run/shadow/gms".to_owned(),
+                ];
+                restart_arm(&cd, &o, &w, &cmd, "gms", &flags)?
+            }
             _ => shadow_arm(&cd, &o, &w, &cmd)?,
         };
         runs.push(run);
