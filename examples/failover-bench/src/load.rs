@@ -34,7 +34,7 @@ pub struct Workload {
 /// Shared with the caller while the load runs.
 pub struct Progress {
     pub stop: AtomicBool,
-    /// Completion time (µs from start) of the latest success.
+    /// Send time (µs from start) of the latest request that succeeded.
     pub last_ok_us: AtomicU64,
 }
 
@@ -105,8 +105,10 @@ pub fn run(w: &Workload, p: &Progress, start: Instant) -> Vec<Sample> {
                 let r = ask(w, i);
                 let done = Instant::now();
                 if r.is_ok() {
+                    // By send time: an answer to a request sent before a
+                    // kill says nothing about recovery from it.
                     p.last_ok_us
-                        .fetch_max((done - start).as_micros() as u64, Ordering::AcqRel);
+                        .fetch_max((due - start).as_micros() as u64, Ordering::AcqRel);
                 }
                 // Latency from the scheduled time: a late send is the server's fault too.
                 let _ = tx.send((
