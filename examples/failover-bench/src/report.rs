@@ -251,3 +251,57 @@ pub fn chart(runs: &[ArmRun], path: &Path, title: &str) -> Result<(), Error> {
     root.present().map_err(|e| draw(&e))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(sent_ms: f64, latency_ms: f64, ok: bool) -> Sample {
+        Sample {
+            sent_ms,
+            latency_ms,
+            ok,
+            error: (!ok).then(|| "connect: refused".to_owned()),
+        }
+    }
+
+    #[test]
+    fn unavailability_counts_from_requests_sent_after_the_kill() {
+        let run = ArmRun {
+            arm: "x".into(),
+            samples: vec![
+                s(90.0, 2.0, true),
+                // Sent before the kill, answered after it: not a recovery.
+                s(99.0, 30.0, true),
+                s(105.0, 1.0, false),
+                s(110.0, 1.0, false),
+                s(120.0, 5.0, true),
+                s(130.0, 2.0, true),
+            ],
+            kills_ms: vec![100.0],
+            promotion_ready_ms: vec![],
+        };
+        assert_eq!(run.unavailable_ms(), vec![Some(25.0)]);
+        let v = run.summary(1, 100.0);
+        assert_eq!(v["failed_requests"], 2);
+        assert_eq!(v["failed_after_recovery"], 0);
+        assert_eq!(v["before"]["requests"], 2);
+        assert_eq!(v["during"]["requests"], 3);
+        assert_eq!(v["after"]["requests"], 1);
+        assert_eq!(v["errors"]["connect"], 2);
+    }
+
+    #[test]
+    fn a_kill_never_recovered_from_is_reported_as_such() {
+        let run = ArmRun {
+            arm: "x".into(),
+            samples: vec![s(10.0, 1.0, true), s(60.0, 1.0, false)],
+            kills_ms: vec![50.0],
+            promotion_ready_ms: vec![],
+        };
+        let v = run.summary(1, 100.0);
+        assert_eq!(v["recovered"], false);
+        assert!(v["unavailable_ms"].is_null());
+        assert!(table(&[v]).contains(" - "));
+    }
+}
