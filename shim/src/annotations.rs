@@ -10,6 +10,9 @@ use crate::error::{Error, Result};
 pub const PREFIX: &str = "shadow.dev/";
 pub const PAIR: &str = "shadow.dev/pair";
 pub const GMS: &str = "shadow.dev/gms";
+/// `false`: a paired container runs one engine and no shadow; the engine is
+/// restarted in place and GMS keeps its weights (the "GMS only" setup).
+pub const SHADOW: &str = "shadow.dev/shadow";
 
 /// CRI annotations that decide whether a pod-style request names us.
 pub const CRI_CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
@@ -39,6 +42,8 @@ pub enum GmsBackend {
 pub struct ShadowAnnotations {
     pub pair: PairRequest,
     pub gms: Option<GmsBackend>,
+    /// `shadow.dev/shadow=false`: one engine, restarted in place.
+    pub no_shadow: bool,
 }
 
 impl ShadowAnnotations {
@@ -61,11 +66,18 @@ impl ShadowAnnotations {
                         _ => return Err(bad(key, value, "cuda|host|off")),
                     })
                 }
+                SHADOW => {
+                    out.no_shadow = match value.as_str() {
+                        "true" => false,
+                        "false" => true,
+                        _ => return Err(bad(key, value, "true|false")),
+                    }
+                }
                 _ => {
                     return Err(bad(
                         key,
                         value,
-                        &format!("keys {PAIR} and {GMS} under {PREFIX}"),
+                        &format!("keys {PAIR}, {GMS} and {SHADOW} under {PREFIX}"),
                     ))
                 }
             }
@@ -140,6 +152,13 @@ mod tests {
 
     #[test]
     fn pair_true_and_false() {
+        let single = map(&[(PAIR, "true"), (SHADOW, "false")]);
+        assert!(ShadowAnnotations::parse(&single).unwrap().no_shadow);
+        assert!(
+            !ShadowAnnotations::parse(&map(&[(SHADOW, "true")]))
+                .unwrap()
+                .no_shadow
+        );
         let a = map(&[(PAIR, "true"), (GMS, "host")]);
         let s = ShadowAnnotations::parse(&a).unwrap();
         assert_eq!(s.gms, Some(GmsBackend::Host));
@@ -169,6 +188,7 @@ mod tests {
     fn bad_values_name_key_value_and_allowed() {
         for (k, v, allowed) in [
             (GMS, "gpu", "cuda|host|off"),
+            (SHADOW, "no", "true|false"),
             (PAIR, "yes please", "true|false"),
             (PAIR, "", "true|false"),
             (PAIR, "a,,b", "true|false"),

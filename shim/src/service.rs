@@ -117,6 +117,7 @@ impl TaskService {
                     rootfs: req.rootfs.clone(),
                     stdio,
                     gms: shadow.gms,
+                    single: shadow.no_shadow,
                 },
             )
             .await?

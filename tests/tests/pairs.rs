@@ -198,6 +198,46 @@ fn both_killed_come_back_without_reloading_weights() {
 }
 
 #[test]
+fn a_single_engine_without_shadow_restarts_in_place_and_maps_its_weights() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "single";
+    let r = start(
+        &cd,
+        id,
+        "gms = \"host\"",
+        &[("shadow.dev/shadow", "false")],
+        &[],
+    );
+    let st = until("the single engine serves", LONG, STEP, || {
+        r.env
+            .state(&cd, id)
+            .filter(|v| v["pair"]["active"] == 0 && v["pids"][0].is_u64())
+    });
+    assert!(st["pids"][1].is_null(), "no second engine: {st}");
+    assert_eq!(
+        st["pair"]["protected"], false,
+        "a single engine is never protected"
+    );
+    let first = ask(r.port).expect("serves");
+    assert!(first.loaded, "the first engine loads the weights");
+    kill(st["pids"][0].as_u64().expect("pid") as u32, libc::SIGKILL);
+    let a = until("the restarted engine serves", LONG, STEP, || {
+        ask(r.port).filter(|a| a.boot != first.boot)
+    });
+    assert_eq!(a.slot, "0");
+    assert!(!a.loaded, "the restart maps the committed weights");
+    assert_eq!(a.weights, first.weights);
+    assert_eq!(loads(&r, &cd, id), 1, "loaded once");
+    let st = until("restart recorded", LONG, STEP, || {
+        r.env
+            .state(&cd, id)
+            .filter(|v| v["pair"]["failovers"] == 1 && v["pair"]["active"] == 0)
+    });
+    assert_eq!(st["pair"]["slots"][1]["generation"], 0, "slot 1 never ran");
+    r.stop(&cd, id, "SIGKILL");
+}
+
+#[test]
 fn gmsd_death_restarts_the_pair_cold_and_reloads_once() {
     let cd = Containerd::start().expect("containerd");
     let id = "gmskill";

@@ -8,9 +8,9 @@
 //! - `shadow`: this shim with a pair (`shadow.dev/pair=true`, GMS host
 //!   backend): the parked shadow takes the lock and serves.
 //!
-//! (The `gms` arm of the issue — this shim without a shadow, weights kept in
-//! GMS across a respawn — needs a single-slot pair mode in the shim that does
-//! not exist yet; see docs/benchmark.md.)
+//! - `gms`: this shim with one engine and no shadow
+//!   (`shadow.dev/shadow=false`, GMS host backend): the shim restarts the
+//!   engine in place and the restart maps the weights GMS kept.
 //!
 //! Writes `<out>/report.json` (one object per arm), `<out>/timeline.svg`, and
 //! prints a table; the last line states each arm's failover time and the
@@ -199,7 +199,7 @@ fn drive(
     })
 }
 
-/// `cold` and `gms`: a runc-v2 task run again the instant it exits.
+/// `cold`: a runc-v2 task run again the instant it exits.
 fn restart_arm(
     cd: &Containerd,
     o: &Opts,
@@ -270,15 +270,33 @@ fn restart_arm(
     })
 }
 
-fn shadow_arm(cd: &Containerd, o: &Opts, w: &Workload, cmd: &[String]) -> Result<ArmRun> {
-    let id = "bench-shadow";
+/// `shadow` (a pair) and `gms` (`single`: one engine, restarted in place by
+/// the shim, weights kept by the pair's gmsd).
+fn shim_arm(
+    cd: &Containerd,
+    o: &Opts,
+    w: &Workload,
+    cmd: &[String],
+    arm: &str,
+    single: bool,
+) -> Result<ArmRun> {
+    let id = format!("bench-{arm}");
+    let id = id.as_str();
     let env = PairEnv::new(cd, "gms = \"host\"")?;
     let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
-    let ctr = env.run(cd, id, &[], &["--rm", "--net-host"], &cmd)?;
+    let annotations: &[(&str, &str)] = if single {
+        &[("shadow.dev/shadow", "false")]
+    } else {
+        &[]
+    };
+    let ctr = env.run(cd, id, annotations, &["--rm", "--net-host"], &cmd)?;
     let ready = wait_healthy(w.port, Duration::from_secs(600));
+    // A pair is ready for the kill once its shadow is parked; a single
+    // engine once it serves.
     let protected = ready
         && poll(Duration::from_secs(600), || {
-            env.state(cd, id).filter(|v| v["pair"]["protected"] == true)
+            env.state(cd, id)
+                .filter(|v| single || v["pair"]["protected"] == true)
         })
         .is_some();
     let result = if protected {
@@ -305,16 +323,16 @@ fn shadow_arm(cd: &Containerd, o: &Opts, w: &Workload, cmd: &[String]) -> Result
             })
             .collect();
         Ok(ArmRun {
-            arm: "shadow".into(),
+            arm: arm.into(),
             samples,
             kills_ms,
             promotion_ready_ms,
         })
     } else {
         Err(Error::Arm {
-            arm: "shadow".into(),
+            arm: arm.into(),
             reason: format!(
-                "pair not serving and protected within 600 s (port {})",
+                "engine not serving (and, for a pair, protected) within 600 s (port {})",
                 w.port
             ),
         })
@@ -325,61 +343,6 @@ fn shadow_arm(cd: &Containerd, o: &Opts, w: &Workload, cmd: &[String]) -> Result
     );
     let _ = ctr.wait(Duration::from_secs(30));
     result
-}
-
-/// A host-backend gmsd run by the bench for the `gms` arm; killed on drop.
-struct Gmsd {
-    child: std::process::Child,
-    dir: PathBuf,
-}
-
-impl Gmsd {
-    fn start(dir: PathBuf) -> Result<Gmsd> {
-        let bin = std::env::current_exe()
-            .map_err(|source| Error::Io {
-                what: "locate",
-                path: PathBuf::from("/proc/self/exe"),
-                source,
-            })?
-            .with_file_name("gmsd");
-        let child = std::process::Command::new(&bin)
-            .args([
-                "serve",
-                "--device",
-                "host",
-                "--log-level",
-                "warn",
-                "--socket-dir",
-            ])
-            .arg(&dir)
-            .spawn()
-            .map_err(|source| Error::Io {
-                what: "start",
-                path: bin.clone(),
-                source,
-            })?;
-        let g = Gmsd { child, dir };
-        let sock = gms::client::host_socket(&g.dir);
-        poll(Duration::from_secs(10), || sock.exists().then_some(())).ok_or_else(|| {
-            Error::Arm {
-                arm: "gms".into(),
-                reason: format!(
-                    "{} did not create {} within 10 s",
-                    bin.display(),
-                    sock.display()
-                ),
-            }
-        })?;
-        Ok(g)
-    }
-}
-
-impl Drop for Gmsd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 /// The weights file for `mib`/`seed`, generated once and kept in `out`.
@@ -488,21 +451,8 @@ fn run() -> Result<()> {
         );
         let run = match arm.as_str() {
             "cold" => restart_arm(&cd, &o, &w, &cmd, "cold", &[])?,
-            "gms" => {
-                // Weights kept by a gmsd that outlives the engine: a restart maps them.
-                let g = Gmsd::start(cd.dir().join("gms-arm"))?;
-                let flags = [
-                    "--mount".to_owned(),
-                    format!(
-                        "type=bind,src={},dst=/run/shadow/gms,options=rbind:rw",
-                        g.dir.display()
-                    ),
-                    "--env".to_owned(),
-                    "GMS_SOCKET_DIR=/run/shadow/gms".to_owned(),
-                ];
-                restart_arm(&cd, &o, &w, &cmd, "gms", &flags)?
-            }
-            _ => shadow_arm(&cd, &o, &w, &cmd)?,
+            "gms" => shim_arm(&cd, &o, &w, &cmd, "gms", true)?,
+            _ => shim_arm(&cd, &o, &w, &cmd, "shadow", false)?,
         };
         runs.push(run);
     }

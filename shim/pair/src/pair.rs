@@ -199,6 +199,9 @@ pub struct Pair {
     cold_restarts: u64,
     /// Set while both engines are being stopped for a cold restart.
     cold_restart: bool,
+    /// Slots in use: 2 for a pair, 1 for a single engine restarted in
+    /// place (no shadow; GMS still keeps the weights across restarts).
+    slots_in_use: usize,
     ending: Option<Ending>,
     /// Exit status to report when the pair ends.
     final_status: Option<u32>,
@@ -217,14 +220,33 @@ impl Pair {
             failovers: 0,
             cold_restarts: 0,
             cold_restart: false,
+            slots_in_use: 2,
             ending: None,
             final_status: None,
         }
     }
 
-    /// The first actions: start both engines.
+    /// A single engine in slot 0, with no shadow: it is restarted in place
+    /// when it dies (with the same backoff and budget), and GMS keeps the
+    /// weights across restarts. Never protected.
+    pub fn single(policy: RestartPolicy) -> Pair {
+        Pair {
+            slots_in_use: 1,
+            ..Pair::new(policy)
+        }
+    }
+
+    /// True for a [`Pair::single`].
+    pub fn is_single(&self) -> bool {
+        self.slots_in_use == 1
+    }
+
+    /// The first actions: start the engines (both, or slot 0 of a single).
     pub fn start(&mut self) -> Vec<Action> {
-        SlotId::BOTH.iter().map(|s| self.spawn(*s)).collect()
+        SlotId::BOTH[..self.slots_in_use]
+            .iter()
+            .map(|s| self.spawn(*s))
+            .collect()
     }
 
     pub fn slot(&self, id: SlotId) -> &Slot {
@@ -885,6 +907,95 @@ mod tests {
                 exit: Exit::Signal(15),
             },
             t(106),
+        );
+        assert_eq!(a, vec![Action::Exit { status: 143 }]);
+    }
+
+    #[test]
+    fn a_single_engine_restarts_in_place_and_is_never_protected() {
+        let mut p = Pair::single(RestartPolicy::default());
+        assert!(p.is_single());
+        assert_eq!(p.start(), vec![Action::Spawn { slot: SlotId::ZERO }]);
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 7,
+            },
+            t(0),
+        );
+        p.handle(
+            Event::Notified {
+                slot: SlotId::ZERO,
+                notification: Notification::Ready,
+            },
+            t(5),
+        );
+        assert_eq!(p.active(), Some(SlotId::ZERO));
+        assert!(!p.snapshot().protected);
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: KILL,
+            },
+            t(100),
+        );
+        assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+        assert_eq!(
+            p.representative_pid(),
+            None,
+            "nothing serves until the restart is up"
+        );
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 8,
+            },
+            t(120),
+        );
+        let a = p.handle(
+            Event::Notified {
+                slot: SlotId::ZERO,
+                notification: Notification::Ready,
+            },
+            t(300),
+        );
+        let [Action::Promoted(pr)] = a.as_slice() else {
+            panic!("{a:?}")
+        };
+        assert_eq!((pr.from, pr.to), (SlotId::ZERO, Some(SlotId::ZERO)));
+        assert_eq!(
+            pr.total(),
+            Some(t(200)),
+            "reap → the restarted engine's READY"
+        );
+        assert_eq!(p.slot(SlotId::ONE).state, EngineState::Stopped);
+        // Cold restarts and stops involve slot 0 only.
+        assert_eq!(p.handle(Event::GmsDied, t(400)), vec![Action::KillAll]);
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: KILL,
+            },
+            t(401),
+        );
+        assert_eq!(
+            a,
+            vec![Action::RestartGms, Action::Spawn { slot: SlotId::ZERO }]
+        );
+        p.handle(
+            Event::Spawned {
+                slot: SlotId::ZERO,
+                pid: 9,
+            },
+            t(402),
+        );
+        assert_eq!(p.handle(Event::Stop, t(500)), vec![Action::KillAll]);
+        let a = p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: Exit::Signal(15),
+            },
+            t(501),
         );
         assert_eq!(a, vec![Action::Exit { status: 143 }]);
     }

@@ -59,6 +59,8 @@ pub struct PairRequest {
     pub rootfs: Vec<Mount>,
     pub stdio: Stdio,
     pub gms: Option<GmsBackend>,
+    /// One engine and no shadow (`shadow.dev/shadow=false`).
+    pub single: bool,
 }
 
 /// The host-side files of one pair: `<state_dir>/<namespace>/<name>/`,
@@ -398,6 +400,7 @@ impl PairedContainer {
             metrics_dir: cfg.metrics_dir.clone(),
             gms,
             gpus: gpus.clone(),
+            single: req.single,
         });
         log::info!(
             "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {})",

@@ -246,6 +246,8 @@ pub struct Parts {
     pub gms: Option<GmsDaemon>,
     /// The spec's NVIDIA GPUs (UUIDs or indices): their XIDs are watched.
     pub gpus: Vec<String>,
+    /// One engine, restarted in place, no shadow.
+    pub single: bool,
 }
 
 fn unix_us(t: SystemTime) -> u64 {
@@ -283,7 +285,11 @@ impl Supervisor {
         let (tx, rx) = mpsc::unbounded_channel();
         let cgroups = [p.engines[0].cgroup.clone(), p.engines[1].cgroup.clone()];
         Supervisor {
-            pair: Pair::new(p.config.restart.clone()),
+            pair: if p.single {
+                Pair::single(p.config.restart.clone())
+            } else {
+                Pair::new(p.config.restart.clone())
+            },
             metrics_name: format!("shadow-{}-{}.prom", p.namespace, p.id),
             id: p.id,
             namespace: p.namespace,
