@@ -88,12 +88,17 @@ impl ShadowAnnotations {
     /// Whether this container becomes an engine pair. The sandbox (pause)
     /// container never does; a pod-wide name list applies only to the
     /// containers it names.
-    pub fn wants_pairing(&self, annotations: &HashMap<String, String>) -> bool {
+    ///
+    /// `by_default` (the config's `pair.pair_by_default`) pairs containers
+    /// that carry no `shadow.dev/pair` at all; `shadow.dev/pair=false` still
+    /// opts out.
+    pub fn pairs(&self, annotations: &HashMap<String, String>, by_default: bool) -> bool {
         if annotations.get(CRI_CONTAINER_TYPE).map(String::as_str) == Some("sandbox") {
             return false;
         }
         match &self.pair {
-            PairRequest::Absent | PairRequest::Off => false,
+            PairRequest::Absent => by_default,
+            PairRequest::Off => false,
             PairRequest::On => true,
             PairRequest::Names(names) => annotations
                 .get(CRI_CONTAINER_NAME)
@@ -147,7 +152,7 @@ mod tests {
         let a = map(&[("other.io/x", "y")]);
         let s = ShadowAnnotations::parse(&a).unwrap();
         assert_eq!(s, ShadowAnnotations::default());
-        assert!(!s.wants_pairing(&a));
+        assert!(!s.pairs(&a, false));
     }
 
     #[test]
@@ -162,9 +167,9 @@ mod tests {
         let a = map(&[(PAIR, "true"), (GMS, "host")]);
         let s = ShadowAnnotations::parse(&a).unwrap();
         assert_eq!(s.gms, Some(GmsBackend::Host));
-        assert!(s.wants_pairing(&a));
+        assert!(s.pairs(&a, false));
         let a = map(&[(PAIR, "false")]);
-        assert!(!ShadowAnnotations::parse(&a).unwrap().wants_pairing(&a));
+        assert!(!ShadowAnnotations::parse(&a).unwrap().pairs(&a, false));
     }
 
     #[test]
@@ -180,8 +185,20 @@ mod tests {
             (&unnamed, false),
         ] {
             let s = ShadowAnnotations::parse(a).unwrap();
-            assert_eq!(s.wants_pairing(a), want, "{a:?}");
+            assert_eq!(s.pairs(a, false), want, "{a:?}");
         }
+    }
+
+    #[test]
+    fn pairing_by_default_spares_the_sandbox_and_explicit_opt_outs() {
+        let none = map(&[]);
+        let off = map(&[(PAIR, "false")]);
+        let sandbox = map(&[(CRI_CONTAINER_TYPE, "sandbox")]);
+        let s = |a: &HashMap<String, String>| ShadowAnnotations::parse(a).unwrap();
+        assert!(s(&none).pairs(&none, true));
+        assert!(!s(&none).pairs(&none, false));
+        assert!(!s(&off).pairs(&off, true));
+        assert!(!s(&sandbox).pairs(&sandbox, true));
     }
 
     #[test]

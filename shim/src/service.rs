@@ -108,7 +108,8 @@ impl TaskService {
             stderr: req.stderr.clone(),
             terminal: req.terminal,
         };
-        let container: Arc<dyn Container> = if shadow.wants_pairing(&annotations) {
+        let by_default = self.runtime.config.pair.pair_by_default;
+        let container: Arc<dyn Container> = if shadow.pairs(&annotations, by_default) {
             PairedContainer::create(
                 &self.runtime,
                 PairRequest {

@@ -237,6 +237,40 @@ fn a_single_engine_without_shadow_restarts_in_place_and_maps_its_weights() {
     r.stop(&cd, id, "SIGKILL");
 }
 
+/// `pair_by_default`: a container with no `shadow.dev/pair` annotation (as
+/// Nomad's containerd driver starts them) runs as a pair all the same.
+#[test]
+fn pair_by_default_pairs_a_container_without_annotations() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "bydefault";
+    PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
+    let env = PairEnv::new(
+        &cd,
+        &format!(
+            "gmsd = \"{}\"\ngms = \"off\"\npair_by_default = true",
+            gmsd()
+        ),
+    )
+    .expect("config");
+    let port = free_port().to_string();
+    let ctr = cd
+        .container(shadow_tests::Runtime::Shadow, id)
+        .flags(&["--runtime-config-path", &env.config.display().to_string()])
+        .flags(&["--rm", "--net-host"])
+        .cmd(&["/bin/test-engine", "--port", &port])
+        .spawn(false)
+        .expect("ctr run");
+    let r = Running {
+        env,
+        port: port.parse().expect("port"),
+        ctr: Some(ctr),
+    };
+    let st = r.env.wait_protected(&cd, id, LONG);
+    assert!(st["pids"][0].is_u64() && st["pids"][1].is_u64(), "{st}");
+    ask(r.port).expect("serves");
+    r.stop(&cd, id, "SIGKILL");
+}
+
 #[test]
 fn gmsd_death_restarts_the_pair_cold_and_reloads_once() {
     let cd = Containerd::start().expect("containerd");

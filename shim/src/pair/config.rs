@@ -43,6 +43,11 @@ pub struct PairConfig {
     /// Promotion timelines kept in `state.json`.
     pub promotions_kept: usize,
     pub restart: RestartPolicy,
+    /// Pair containers that carry no `shadow.dev/pair` annotation too (not
+    /// the CRI sandbox; `shadow.dev/pair=false` opts out): for a runtime
+    /// entry or a node dedicated to engines, and for orchestrators that
+    /// cannot set annotations (Nomad's containerd driver).
+    pub pair_by_default: bool,
 }
 
 impl Default for PairConfig {
@@ -51,6 +56,7 @@ impl Default for PairConfig {
             state_dir: PathBuf::from("/run/shadow"),
             metrics_dir: PathBuf::from("/run/shadow/metrics"),
             gmsd: String::new(),
+            pair_by_default: false,
             gms: GmsMode::Auto,
             gms_max_bytes: 0,
             gms_max_allocations: 0,
