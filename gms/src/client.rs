@@ -132,14 +132,27 @@ impl Client<HostMapper> {
     /// Connects, retrying while the daemon is not up yet or the lease is
     /// busy (another engine is loading), until `timeout` has passed.
     pub fn connect_wait(socket: &Path, mode: Mode, name: &str, timeout: Duration) -> Result<Self> {
+        Self::connect_with_wait(HostMapper, socket, mode, name, timeout)
+    }
+}
+
+impl<M: Mapper + Clone> Client<M> {
+    /// [`Client::connect_wait`] with another mapper (the CUDA one).
+    pub fn connect_with_wait(
+        mapper: M,
+        socket: &Path,
+        mode: Mode,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<Self> {
         let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_millis(2);
         loop {
-            match Self::connect(socket, mode, name) {
+            match Self::connect_with(mapper.clone(), socket, mode, name) {
                 Ok(c) => return Ok(c),
                 Err(e) if Instant::now() < deadline && retryable(&e) => {
                     std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(100));
+                    pause = (pause * 2).min(Duration::from_millis(50));
                 }
                 Err(e) => return Err(e),
             }
@@ -147,7 +160,8 @@ impl Client<HostMapper> {
     }
 }
 
-fn retryable(e: &Error) -> bool {
+/// Errors worth another try while an engine waits for its daemon.
+pub(crate) fn retryable(e: &Error) -> bool {
     match e {
         Error::Remote { code, .. } => *code == ErrorCode::LeaseBusy,
         Error::Io { source, .. } => matches!(

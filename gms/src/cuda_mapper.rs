@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gms_cuda::{Device, DeviceSelector, Driver, PhysicalMemory, PrimaryContext, Reservation};
 
@@ -34,7 +34,7 @@ use crate::backend::cuda::{cuda_error, socket_name};
 use crate::backend::Access;
 use crate::client::Client;
 use crate::mapper::{Mapper, Range, RangeState};
-use crate::protocol::{ErrorCode, Mode};
+use crate::protocol::Mode;
 use crate::{Error, Result};
 
 /// Where every engine's window starts unless `GMS_VA_BASE` says otherwise.
@@ -552,34 +552,14 @@ pub fn connect_wait(
     name: &str,
     timeout: Duration,
 ) -> Result<Client<CudaMapper>> {
-    let deadline = Instant::now() + timeout;
-    let mut pause = Duration::from_millis(2);
-    loop {
-        match Client::connect_with(mapper.clone(), socket, mode, name) {
-            Ok(c) => return Ok(c),
-            Err(e) if Instant::now() < deadline && retryable(&e) => {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(50));
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-fn retryable(e: &Error) -> bool {
-    match e {
-        Error::Remote { code, .. } => *code == ErrorCode::LeaseBusy,
-        Error::Io { source, .. } => matches!(
-            source.kind(),
-            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-        ),
-        _ => false,
-    }
+    Client::connect_with_wait(mapper, socket, mode, name, timeout)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::client::retryable;
+    use crate::protocol::ErrorCode;
 
     #[test]
     fn va_base_parses() {
