@@ -130,6 +130,76 @@ pub(crate) async fn mount_all(mounts: &[Mount], target: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Starting an exec process in a runc container: shared by plain
+/// containers and by the active engine of a pair, which differ only in
+/// which runc container and bundle they name.
+pub(crate) struct Exec<'a> {
+    pub client: &'a RuncClient,
+    pub runc_id: &'a str,
+    /// Where runc writes the exec's pid file.
+    pub bundle: &'a Path,
+    /// The task id containerd knows (events carry it).
+    pub container_id: &'a str,
+    pub router: &'a Arc<ExitRouter>,
+    pub events: &'a EventSink,
+}
+
+impl Exec<'_> {
+    /// Runs `spec` as `exec_id`, wires its stdio (pipes or a console), marks
+    /// `proc` running, watches its exit and publishes TaskExecStarted.
+    pub async fn start(
+        &self,
+        proc: &Arc<Process>,
+        exec_id: &str,
+        spec: &ProcessSpec,
+    ) -> Result<u32> {
+        let mut st = proc.state.lock().await;
+        if st.status != Status::Created {
+            return Err(Error::FailedPrecondition(format!(
+                "exec {exec_id} in {} was already started",
+                self.container_id
+            )));
+        }
+        let pid_file = self.bundle.join(format!("exec-{exec_id}.pid"));
+        let mut opts = ExecOpts::new().pid_file(&pid_file).detach(true);
+        let mut console = None;
+        let mut io = None;
+        if proc.stdio.terminal {
+            let sock = ConsoleSocket::new()?;
+            opts = opts.console_socket(sock.path());
+            console = Some(sock);
+        } else {
+            let (child, pio): (ChildStdio, ProcessIo) = ProcessIo::pipes(&proc.stdio)?;
+            opts = opts.io(Arc::new(child));
+            io = Some(pio);
+        }
+        let spec: oci_spec_runc::runtime::Process = convert(spec)?;
+        let ran = self
+            .client
+            .runc
+            .exec(self.runc_id, &spec, Some(&opts))
+            .await;
+        drop(opts);
+        ran.map_err(|e| self.client.error("exec", self.runc_id, e))?;
+        if let Some(sock) = console {
+            io = Some(ProcessIo::console(sock.receive().await?, &proc.stdio)?);
+        }
+        let pid = read_pid(&pid_file)?;
+        let _ = std::fs::remove_file(&pid_file);
+        st.pid = pid;
+        st.io = io;
+        st.status = Status::Running;
+        proc.watch_exit(self.router.watch(pid as i32), self.events.clone());
+        self.events.send(Event::ExecStarted(TaskExecStarted {
+            container_id: self.container_id.to_string(),
+            exec_id: exec_id.to_string(),
+            pid,
+            ..Default::default()
+        }));
+        Ok(pid)
+    }
+}
+
 fn read_pid(path: &Path) -> Result<u32> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| Error::io(format!("reading pid file {}", path.display()), e))?;
@@ -284,46 +354,15 @@ impl PlainContainer {
         exec_id: &str,
         spec: &ProcessSpec,
     ) -> Result<u32> {
-        let mut st = proc.state.lock().await;
-        if st.status != Status::Created {
-            return Err(Error::FailedPrecondition(format!(
-                "exec {exec_id} in {} was already started",
-                self.id
-            )));
-        }
-        let pid_file = PathBuf::from(&self.bundle).join(format!("exec-{exec_id}.pid"));
-        let mut opts = ExecOpts::new().pid_file(&pid_file).detach(true);
-        let mut console = None;
-        let mut io = None;
-        if proc.stdio.terminal {
-            let sock = ConsoleSocket::new()?;
-            opts = opts.console_socket(sock.path());
-            console = Some(sock);
-        } else {
-            let (child, pio): (ChildStdio, ProcessIo) = ProcessIo::pipes(&proc.stdio)?;
-            opts = opts.io(Arc::new(child));
-            io = Some(pio);
-        }
-        let spec: oci_spec_runc::runtime::Process = convert(spec)?;
-        let ran = self.client.runc.exec(&self.id, &spec, Some(&opts)).await;
-        drop(opts);
-        ran.map_err(|e| self.client.error("exec", &self.id, e))?;
-        if let Some(sock) = console {
-            io = Some(ProcessIo::console(sock.receive().await?, &proc.stdio)?);
-        }
-        let pid = read_pid(&pid_file)?;
-        let _ = std::fs::remove_file(&pid_file);
-        st.pid = pid;
-        st.io = io;
-        st.status = Status::Running;
-        proc.watch_exit(self.router.watch(pid as i32), self.events.clone());
-        self.events.send(Event::ExecStarted(TaskExecStarted {
-            container_id: self.id.clone(),
-            exec_id: exec_id.to_string(),
-            pid,
-            ..Default::default()
-        }));
-        Ok(pid)
+        let exec = Exec {
+            client: &self.client,
+            runc_id: &self.id,
+            bundle: Path::new(&self.bundle),
+            container_id: &self.id,
+            router: &self.router,
+            events: &self.events,
+        };
+        exec.start(proc, exec_id, spec).await
     }
 }
 

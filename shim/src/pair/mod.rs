@@ -23,13 +23,13 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use containerd_shim_protos::api::Mount;
-use containerd_shim_protos::events::task::{TaskExecStarted, TaskStart};
+use containerd_shim_protos::events::task::TaskStart;
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::types::task::ProcessInfo;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
-use runc::options::{DeleteOpts, ExecOpts};
+use runc::options::DeleteOpts;
 use serde_json::Value;
 use shadow_pair::SlotId;
 use tokio::net::unix::pipe;
@@ -47,7 +47,6 @@ use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio}
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
-use crate::io::{ConsoleSocket, ProcessIo};
 use crate::plain::Runtime;
 use crate::process::Process;
 use crate::runc::RuncClient;
@@ -451,62 +450,20 @@ impl PairedContainer {
     }
 
     async fn start_exec(&self, proc: &Arc<Process>, exec_id: &str) -> Result<u32> {
-        let mut st = proc.state.lock().await;
-        if st.status != Status::Created {
-            return Err(Error::FailedPrecondition(format!(
-                "exec {exec_id} in {} was already started",
-                self.id
-            )));
-        }
         let spec = proc.spec.clone().ok_or_else(|| Error::ExecNotFound {
             id: self.id.clone(),
             exec_id: exec_id.to_string(),
         })?;
         let engine = self.exec_target()?;
-        let pid_file = engine.bundle.join(format!("exec-{exec_id}.pid"));
-        let mut opts = ExecOpts::new().pid_file(&pid_file).detach(true);
-        let mut console = None;
-        let mut io = None;
-        if proc.stdio.terminal {
-            let sock = ConsoleSocket::new()?;
-            opts = opts.console_socket(sock.path());
-            console = Some(sock);
-        } else {
-            let (child, pio) = ProcessIo::pipes(&proc.stdio)?;
-            opts = opts.io(Arc::new(child));
-            io = Some(pio);
-        }
-        let spec: oci_spec_runc::runtime::Process = serde_json::to_value(&spec)
-            .and_then(serde_json::from_value)
-            .map_err(|e| Error::InvalidArgument(format!("exec spec not accepted: {e}")))?;
-        let ran = engine
-            .client
-            .runc
-            .exec(&engine.runc_id, &spec, Some(&opts))
-            .await;
-        drop(opts);
-        ran.map_err(|e| engine.client.error("exec", &engine.runc_id, e))?;
-        if let Some(sock) = console {
-            io = Some(ProcessIo::console(sock.receive().await?, &proc.stdio)?);
-        }
-        let text = std::fs::read_to_string(&pid_file)
-            .map_err(|e| Error::io(format!("reading pid file {}", pid_file.display()), e))?;
-        let _ = std::fs::remove_file(&pid_file);
-        let pid: u32 = text.trim().parse().map_err(|_| Error::Decode {
-            what: "runc exec pid file",
-            reason: format!("{}: {text:?}", pid_file.display()),
-        })?;
-        st.pid = pid;
-        st.io = io;
-        st.status = Status::Running;
-        proc.watch_exit(self.router.watch(pid as i32), self.events.clone());
-        self.events.send(Event::ExecStarted(TaskExecStarted {
-            container_id: self.id.clone(),
-            exec_id: exec_id.to_string(),
-            pid,
-            ..Default::default()
-        }));
-        Ok(pid)
+        let exec = crate::plain::Exec {
+            client: &engine.client,
+            runc_id: &engine.runc_id,
+            bundle: &engine.bundle,
+            container_id: &self.id,
+            router: &self.router,
+            events: &self.events,
+        };
+        exec.start(proc, exec_id, &spec).await
     }
 }
 
