@@ -167,6 +167,16 @@ fn killing_the_shadow_respawns_it_and_leaves_the_active_alone() {
     assert_eq!(active_of(&st), (slot, pid), "active untouched");
     assert_eq!(st["pair"]["failovers"], 0);
     assert_eq!(ask(r.port).expect("serves").slot, slot.to_string());
+    // Exec runs in the active engine, with its own exit code.
+    let out = cd
+        .exec(
+            id,
+            "which-slot",
+            &["sh", "-c", "echo slot=$SHADOW_ENGINE_ID; exit 4"],
+        )
+        .expect("ctr task exec");
+    assert_eq!(out.stdout.trim(), format!("slot={slot}"), "{out}");
+    assert_eq!(out.status.code(), Some(4), "{out}");
     r.stop(&cd, id, "SIGKILL");
 }
 

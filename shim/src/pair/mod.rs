@@ -450,11 +450,14 @@ impl PairedContainer {
     }
 
     async fn start_exec(&self, proc: &Arc<Process>, exec_id: &str) -> Result<u32> {
-        let spec = proc.spec.clone().ok_or_else(|| Error::ExecNotFound {
+        let mut spec = proc.spec.clone().ok_or_else(|| Error::ExecNotFound {
             id: self.id.clone(),
             exec_id: exec_id.to_string(),
         })?;
         let engine = self.exec_target()?;
+        let env =
+            spec::with_contract_env(spec.env().as_deref().unwrap_or_default(), &engine.bundle)?;
+        spec.set_env(Some(env));
         let exec = crate::plain::Exec {
             client: &engine.client,
             runc_id: &engine.runc_id,

@@ -147,6 +147,46 @@ fn bind(source: &Path, destination: &str) -> Value {
 }
 
 /// The spec of one engine. Pure: the same inputs give the same spec.
+/// The engine-contract variables a pair's engines get (DESIGN.md).
+const CONTRACT_KEYS: [&str; 4] = [
+    "SHADOW_ENGINE_ID",
+    "SHADOW_LOCK_PATH",
+    "NOTIFY_SOCKET",
+    "GMS_SOCKET_DIR",
+];
+
+/// `env` with the engine-contract entries of the engine bundle at `bundle`
+/// (its derived config.json) in place of any of the same name: an exec in
+/// the active engine sees what the engine itself sees.
+pub fn with_contract_env(env: &[String], bundle: &std::path::Path) -> Result<Vec<String>> {
+    let path = bundle.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::io(format!("reading engine spec {}", path.display()), e))?;
+    let engine: Value = serde_json::from_str(&text).map_err(|e| Error::Decode {
+        what: "engine spec",
+        reason: format!("{}: {e}", path.display()),
+    })?;
+    let is_contract = |kv: &str| {
+        CONTRACT_KEYS
+            .iter()
+            .any(|k| kv.strip_prefix(k).is_some_and(|rest| rest.starts_with('=')))
+    };
+    let ours = engine
+        .pointer("/process/env")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .filter(|kv| is_contract(kv))
+        .map(str::to_string);
+    Ok(env
+        .iter()
+        .filter(|kv| !is_contract(kv))
+        .cloned()
+        .chain(ours)
+        .collect())
+}
+
 pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     let mut out = spec.clone();
     let obj = out
@@ -373,5 +413,34 @@ mod tests {
         let mut s = spec();
         s["process"]["env"] = json!(["NVIDIA_VISIBLE_DEVICES=void"]);
         assert!(nvidia_devices(&s).is_empty());
+    }
+    #[test]
+    fn exec_env_gets_the_engines_contract_variables() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"process": {"env": ["PATH=/bin", "SHADOW_ENGINE_ID=1", "SHADOW_LOCK_PATH=/run/shadow/pair/engine.lock", "NOTIFY_SOCKET=/run/shadow/pair/notify.sock"]}}"#,
+        )
+        .unwrap();
+        let env = with_contract_env(
+            &[
+                "PATH=/usr/bin".into(),
+                "SHADOW_ENGINE_ID=9".into(),
+                "SHADOW_ENGINE_IDX=x".into(),
+            ],
+            dir.path(),
+        )
+        .unwrap();
+        assert_eq!(
+            env,
+            [
+                "PATH=/usr/bin",
+                "SHADOW_ENGINE_IDX=x",
+                "SHADOW_ENGINE_ID=1",
+                "SHADOW_LOCK_PATH=/run/shadow/pair/engine.lock",
+                "NOTIFY_SOCKET=/run/shadow/pair/notify.sock"
+            ]
+        );
+        assert!(with_contract_env(&[], &dir.path().join("absent")).is_err());
     }
 }
