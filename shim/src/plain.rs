@@ -512,17 +512,7 @@ impl Container for PlainContainer {
             )));
         }
         let mut execs = self.execs.lock().await;
-        if execs.contains_key(exec_id) {
-            return Err(Error::AlreadyExists(format!(
-                "exec {exec_id} in {}",
-                self.id
-            )));
-        }
-        execs.insert(
-            exec_id.to_string(),
-            Process::new(&self.id, Some(exec_id), stdio, Some(spec)),
-        );
-        Ok(())
+        crate::process::register_exec(&mut execs, &self.id, exec_id, stdio, spec)
     }
 
     async fn resize_pty(&self, exec: ExecId<'_>, width: u32, height: u32) -> Result<()> {

@@ -43,6 +43,27 @@ pub struct Process {
     exited: watch::Sender<Option<ExitInfo>>,
 }
 
+/// Records a new exec process of `container_id`, refusing a duplicate id.
+/// Shared by plain containers and pairs: both keep their execs by id.
+pub fn register_exec(
+    execs: &mut std::collections::HashMap<String, std::sync::Arc<Process>>,
+    container_id: &str,
+    exec_id: &str,
+    stdio: crate::container::Stdio,
+    spec: oci_spec::runtime::Process,
+) -> crate::error::Result<()> {
+    if execs.contains_key(exec_id) {
+        return Err(crate::error::Error::AlreadyExists(format!(
+            "exec {exec_id} in {container_id}"
+        )));
+    }
+    execs.insert(
+        exec_id.to_string(),
+        Process::new(container_id, Some(exec_id), stdio, Some(spec)),
+    );
+    Ok(())
+}
+
 impl Process {
     pub fn new(
         container_id: &str,
