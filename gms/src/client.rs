@@ -179,12 +179,38 @@ fn open(socket: &Path) -> Result<UnixStream> {
 
 fn call_on(sock: &UnixStream, req: &Request) -> Result<(Response, Vec<OwnedFd>)> {
     let body = protocol::encode_request(req)?;
-    wire::send(sock.as_fd(), &body, &[])?;
+    if let Err(sent) = wire::send(sock.as_fd(), &body, &[]) {
+        // gmsd answers a refused peer (not allowed, too many connections)
+        // and closes before reading anything, so our request may meet a
+        // closed socket. Its answer is still queued on our side: that,
+        // not the broken pipe, is what the caller must see.
+        if !peer_closed(&sent) {
+            return Err(sent);
+        }
+        return match wire::recv(sock, MAX_RESPONSE_BYTES) {
+            Ok(frame) => match protocol::decode_response(&frame.body, frame.fds.len())? {
+                Response::Error { code, message } => Err(Error::Remote { code, message }),
+                _ => Err(sent),
+            },
+            Err(_) => Err(sent),
+        };
+    }
     let frame = wire::recv(sock, MAX_RESPONSE_BYTES)?;
     match protocol::decode_response(&frame.body, frame.fds.len())? {
         Response::Error { code, message } => Err(Error::Remote { code, message }),
         resp => Ok((resp, frame.fds)),
     }
+}
+
+/// A send that failed because the daemon had already closed its end.
+fn peer_closed(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Sys {
+            source: nix::errno::Errno::EPIPE | nix::errno::Errno::ECONNRESET,
+            ..
+        }
+    )
 }
 
 fn unexpected(req: &Request, resp: &Response) -> Error {
@@ -402,5 +428,47 @@ impl<M: Mapper> Client<M> {
         Ok(KvCache {
             range: self.mapper.reserve(len, None)?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::ErrorCode;
+
+    /// gmsd refuses a peer by answering and closing at once; a client whose
+    /// request then meets the closed socket (EPIPE) must still report the
+    /// daemon's answer.
+    #[test]
+    fn a_refusal_sent_before_our_request_is_what_we_report() {
+        let (client, daemon) = UnixStream::pair().expect("socketpair");
+        let refusal = Response::error(&Error::PeerNotAllowed {
+            pid: 1,
+            uid: 4242,
+            gid: 4242,
+        });
+        let body = protocol::encode_response(&refusal).expect("encode");
+        wire::send(daemon.as_fd(), &body, &[]).expect("send refusal");
+        drop(daemon);
+        let err = call_on(&client, &Request::Status).expect_err("refused");
+        assert!(
+            matches!(
+                err,
+                Error::Remote {
+                    code: ErrorCode::PermissionDenied,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    /// A daemon that closes without a word leaves the transport error.
+    #[test]
+    fn a_silent_close_is_a_transport_error() {
+        let (client, daemon) = UnixStream::pair().expect("socketpair");
+        drop(daemon);
+        let err = call_on(&client, &Request::Status).expect_err("closed");
+        assert!(peer_closed(&err), "{err}");
     }
 }
