@@ -180,7 +180,14 @@ struct Podman {
     world: PairWorld,
     cdi_spec: Option<PathBuf>,
     image: String,
+    /// The host-wide shared-memory lock existed before this test.
+    shm_lock_before: bool,
+    /// A host CDI directory this test created: removed again when empty.
+    cdi_dir_made: Option<PathBuf>,
 }
+
+/// podman's default (shm) lock manager's segment: a test must not make it.
+const SHM_LOCK: &str = "/dev/shm/libpod_lock";
 
 impl Podman {
     fn new(pair: &str) -> Self {
@@ -189,6 +196,8 @@ impl Podman {
             image: format!("localhost/shadow-engine-{}:test", world.pair),
             world,
             cdi_spec: None,
+            shm_lock_before: Path::new(SHM_LOCK).exists(),
+            cdi_dir_made: None,
         };
         let tar = p.dir().join("image.tar");
         run(Command::new("tar")
@@ -197,6 +206,15 @@ impl Podman {
             .arg("-cf")
             .arg(&tar)
             .arg("."));
+        // podman's default lock manager is one shared-memory segment for
+        // the whole host (/dev/shm/libpod_lock), created by the first
+        // podman that runs: concurrent first runs race ("file exists"),
+        // and every run leaves it behind. File locks live in --tmpdir.
+        std::fs::write(
+            p.dir().join("containers.conf"),
+            "[engine]\nlock_type = \"file\"\n",
+        )
+        .expect("containers.conf");
         let image = p.image.clone();
         run(p.cmd().arg("import").arg(&tar).arg(&image));
         std::fs::create_dir_all(p.dir().join("hooks.d")).expect("hooks dir");
@@ -210,6 +228,8 @@ impl Podman {
     fn cmd(&self) -> Command {
         let mut c = Command::new("podman");
         let d = self.dir();
+        // Only this file: nothing of the host's podman configuration.
+        c.env("CONTAINERS_CONF", d.join("containers.conf"));
         c.arg("--root")
             .arg(d.join("storage"))
             .arg("--runroot")
@@ -270,7 +290,15 @@ impl Drop for Podman {
         if let Some(spec) = self.cdi_spec.take() {
             let _ = std::fs::remove_file(spec);
         }
-        let left = self.world.teardown();
+        if let Some(dir) = self.cdi_dir_made.take() {
+            // Fails while another test's spec is in it; that test's own
+            // guard, or a later run, removes it.
+            let _ = std::fs::remove_dir(dir);
+        }
+        let mut left = self.world.teardown();
+        if !self.shm_lock_before && Path::new(SHM_LOCK).exists() {
+            left.push(format!("{SHM_LOCK} (host-wide podman state)"));
+        }
         if !std::thread::panicking() {
             assert!(left.is_empty(), "left behind: {left:#?}");
         }
@@ -347,6 +375,9 @@ fn podman_cdi_device_pair_shares_weights_and_fails_over() {
     // podman 4.3 reads CDI specs only from /etc/cdi and /var/run/cdi (no
     // configurable dir): a spec named after this run's pair, removed by Drop.
     let cdi_dir = Path::new("/var/run/cdi");
+    if !cdi_dir.exists() {
+        p.cdi_dir_made = Some(cdi_dir.to_path_buf());
+    }
     let out = run(p
         .world
         .hook_cmd()
