@@ -120,10 +120,11 @@ uninstall: check-root
 # CTR names the client (e.g. CTR="ctr --address /run/other.sock").
 CTR ?= ctr
 EXAMPLE_PROFILE ?= release
+EXAMPLE_OUT ?= target/example
 example: deps check-cargo
 	$(CARGO) build -q $(if $(filter release,$(EXAMPLE_PROFILE)),--release) -p shadow-engine
 	$(CARGO) build -q -p shadow-tests --bin shadow-example-image
-	archive=$$(./target/debug/shadow-example-image --engine target/$(EXAMPLE_PROFILE)/shadow-engine --out target/example) && \
+	archive=$$(./target/debug/shadow-example-image --engine target/$(EXAMPLE_PROFILE)/shadow-engine --out $(EXAMPLE_OUT)) && \
 	  $(CTR) images import "$$archive"
 
 # --- gms targets (fuzz, bench-gms) go below this line ---

@@ -1,16 +1,18 @@
 //! The operator guide, run as written: every ```` ```sh ```` block of
-//! `docs/operator-ctr.md` is executed in order with bash against a private
-//! containerd, and every ```` ```text ```` block that follows one is the
-//! output that block must print. A guide that drifts from what the project
-//! does fails `make test` instead of failing an operator.
+//! `docs/operator-ctr.md` (and of the README's pair section) is executed in
+//! order with bash against a private containerd, and every ```` ```text ````
+//! block that follows one is the output that block must print. A guide that
+//! drifts from what the project does fails `make test` instead of failing
+//! an operator.
 //!
 //! What the test changes, and only this, through wrappers first on `PATH`:
 //! - `ctr` talks to the private containerd in the test's namespace, and
 //!   `ctr run` gets `--env PORT=<free port>` (the example image's port), so
 //!   two runs of the suite never meet on port 8000;
 //! - `make install` installs into the test's temp dir from `target/debug`,
-//!   and `make example` imports through that `ctr` without running cargo
-//!   (the test build made the binaries);
+//!   and `make example` builds the image in the test's temp dir and imports
+//!   it through that `ctr` without running cargo (the test build made the
+//!   binaries);
 //! - `shadowctl` reads the private state dir.
 //!
 //! The text is adapted the same way in commands and expected output:
@@ -32,6 +34,9 @@ use std::time::Duration;
 /// One block may build and import an image: generous, but bounded.
 const BLOCK_LIMIT: Duration = Duration::from_secs(240);
 const GUIDE: &str = "docs/operator-ctr.md";
+const README: &str = "README.md";
+/// The README's section that an operator copies.
+const README_SECTION: &str = "## Run a pair on this host";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Block {
@@ -175,23 +180,67 @@ impl Substitutions {
     }
 }
 
-#[test]
-fn the_ctr_quickstart_runs_as_written() {
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+/// The text from `heading` (a whole line) to the next heading of the same
+/// or a higher level; line numbers stay those of the file.
+fn section(markdown: &str, heading: &str) -> Option<String> {
+    let level = heading.chars().take_while(|c| *c == '#').count();
+    let mut out = Vec::new();
+    let mut inside = false;
+    for line in markdown.lines() {
+        if inside {
+            let hashes = line.chars().take_while(|c| *c == '#').count();
+            if hashes > 0 && hashes <= level && line[hashes..].starts_with(' ') {
+                break;
+            }
+        } else if line == heading {
+            inside = true;
+        }
+        // Lines outside keep their place as blanks, for the line numbers.
+        out.push(if inside { line } else { "" });
+    }
+    inside.then(|| out.join("\n"))
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("repo root")
-        .to_path_buf();
-    let markdown = std::fs::read_to_string(repo.join(GUIDE)).expect("read the guide");
+        .to_path_buf()
+}
+
+#[test]
+fn the_ctr_quickstart_runs_as_written() {
+    let markdown = std::fs::read_to_string(repo().join(GUIDE)).expect("read the guide");
     let (steps, host) = steps(&markdown);
     assert!(
         steps.len() >= 8,
         "{GUIDE}: only {} command blocks",
         steps.len()
     );
-    for b in &host {
+    run_guide(GUIDE, &steps, &host);
+}
+
+#[test]
+fn the_readme_pair_section_runs_as_written() {
+    let markdown = std::fs::read_to_string(repo().join(README)).expect("read the README");
+    let text = section(&markdown, README_SECTION)
+        .unwrap_or_else(|| panic!("{README} has no section {README_SECTION:?}"));
+    let (steps, host) = steps(&text);
+    assert!(
+        steps.len() >= 2,
+        "{README}: only {} command blocks",
+        steps.len()
+    );
+    run_guide(README, &steps, &host);
+}
+
+/// Run `steps` of the file `guide` against a private containerd.
+fn run_guide(guide: &str, steps: &[Step], host: &[Block]) {
+    let repo = repo();
+    for b in host {
         assert!(
             b.body.contains("containerd"),
-            "{GUIDE}:{}: a host-setup block is skipped by this test, so it may only start containerd",
+            "{guide}:{}: a host-setup block is skipped by this test, so it may only start containerd",
             b.line
         );
     }
@@ -233,13 +282,14 @@ fn the_ctr_quickstart_runs_as_written() {
         &format!(
             "#!/bin/sh\nm='{make} -C {repo} --no-print-directory'\ncase \"$*\" in\n\
              install) exec $m install PREFIX={prefix} CONFDIR={confdir} INSTALL_FROM=target/debug ;;\n\
-             example) exec $m example EXAMPLE_PROFILE=debug CARGO=true CTR={bin}/ctr ;;\n\
+             example) exec $m example EXAMPLE_PROFILE=debug EXAMPLE_OUT={example} CARGO=true CTR={bin}/ctr ;;\n\
              *) echo \"docs test: 'make $*' is not part of the guide's test\" >&2; exit 2 ;;\nesac\n",
             make = make.display(),
             repo = repo.display(),
             prefix = prefix.display(),
             confdir = confdir.display(),
             bin = bin.display(),
+            example = cd.dir().join("example").display(),
         ),
     );
 
@@ -266,20 +316,20 @@ fn the_ctr_quickstart_runs_as_written() {
         std::env::var("PATH").unwrap_or_default()
     );
 
-    for step in &steps {
+    for step in steps {
         let script = subs.apply(&step.block.body);
         let mut cmd = Command::new("bash");
         cmd.args(["-eo", "pipefail", "-c", &script])
             .current_dir(&repo)
             .env("PATH", &path);
-        let out = Spawned::start(cmd, format!("{GUIDE}:{}", step.block.line), false)
+        let out = Spawned::start(cmd, format!("{guide}:{}", step.block.line), false)
             .expect("bash")
             .wait(BLOCK_LIMIT)
             .expect("the block ends");
         assert_eq!(
             out.code(),
             0,
-            "{GUIDE}:{}: the block failed:\n{script}\n{out}",
+            "{guide}:{}: the block failed:\n{script}\n{out}",
             step.block.line
         );
         if let Some(expect) = &step.expect {
@@ -287,7 +337,7 @@ fn the_ctr_quickstart_runs_as_written() {
             let actual = folded_lines(&out.stdout);
             assert!(
                 output_matches(&expected, &actual),
-                "{GUIDE}:{}: the output differs from the guide's.\n--- guide\n{}\n--- printed\n{}\n--- stderr\n{}",
+                "{guide}:{}: the output differs from the guide's.\n--- guide\n{}\n--- printed\n{}\n--- stderr\n{}",
                 step.block.line,
                 expected.join("\n"),
                 actual.join("\n"),
@@ -323,6 +373,14 @@ fn fenced_blocks_and_outputs_are_paired() {
     assert_eq!(steps[1].expect, None);
     assert_eq!(host.len(), 1);
     assert_eq!(host[0].line, 9);
+}
+
+#[test]
+fn a_section_ends_at_the_next_heading_of_its_level() {
+    let md = "# T\n## A\na1\n### A.1\na2\n## B\nb\n";
+    let a = section(md, "## A").expect("section A");
+    assert_eq!(a, "\n## A\na1\n### A.1\na2");
+    assert_eq!(section(md, "## C"), None);
 }
 
 #[test]
