@@ -10,6 +10,7 @@
 #   make install     shim, shadowctl, gmsd, hook to $(PREFIX)/bin (+ /etc/containerd/shadow.toml if absent)
 #   make uninstall   remove them again
 #   make example     build the guide's engine image offline and import it (ctr)
+#   make conformance containerd's integration/client suite: runc.v2, shadow.v1, shadow.v1 with pairs (long)
 # CI runs `bash .ci/run`, which runs `make test`.
 
 SHELL := /bin/bash
@@ -126,6 +127,14 @@ example: deps check-cargo
 	$(CARGO) build -q -p shadow-tests --bin shadow-example-image
 	archive=$$(./target/debug/shadow-example-image --engine target/$(EXAMPLE_PROFILE)/shadow-engine --out $(EXAMPLE_OUT)) && \
 	  $(CTR) images import "$$archive"
+
+# containerd 1.6.20's own integration/client suite (from Debian's source
+# package, fetched at run time) against io.containerd.runc.v2, our shim, and
+# our shim with every container a pair; offline, one containerd per test.
+# Not part of `make test` (about 10 minutes). docs/conformance.md has the results.
+.PHONY: conformance
+conformance: check-root check-cargo
+	bash conformance/run.sh
 
 # --- gms targets (fuzz, bench-gms) go below this line ---
 .PHONY: fuzz bench-gms
