@@ -30,7 +30,8 @@ RUNS=${CONFORMANCE_RUNS:-"runc.v2 shadow.v1 shadow.v1+pairs"}
 TESTS=${CONFORMANCE_TESTS:-.}
 TIMEOUT=${CONFORMANCE_TIMEOUT:-180}
 PROFILE=${CONFORMANCE_PROFILE:-debug}
-# The suite's namespace: the runc state and cgroups cleanup looks at.
+# The suite's namespaces ("testing", and "testing-<test>" in a few tests):
+# the runc state and cgroups that cleanup looks at.
 SUITE_NS=testing
 
 log() { printf 'conformance: %s\n' "$*" >&2; }
@@ -106,15 +107,15 @@ ln -sfn "$ROOT/target/$PROFILE/gmsd" "$PATHDIR/gmsd"
 cat >"$PATHDIR/containerd" <<EOF
 #!/usr/bin/env bash
 # Written by conformance/run.sh. The suite starts its daemon with the fixed
-# --root /var/lib/containerd-test and --state /run/containerd-test; each test
-# gets its own under \$CONFORMANCE_DIR instead. Other daemons (the suite's
-# tests that bring their own config) are passed through unchanged.
+# --root /var/lib/containerd-test; each test gets its own under
+# \$CONFORMANCE_DIR instead. The state stays /run/containerd-test: a test
+# reads a shim's log there by that path (the harness empties it after each
+# test). Other daemons (tests that bring their own config) pass unchanged.
 set -euo pipefail
 args=()
 for a in "\$@"; do
     case "\$a" in
         /var/lib/containerd-test) args+=("\$CONFORMANCE_DIR/root") ;;
-        /run/containerd-test) args+=("\$CONFORMANCE_DIR/state") ;;
         *) args+=("\$a") ;;
     esac
 done
@@ -149,33 +150,36 @@ pids_naming() {
     local dir=$1 p
     for p in /proc/[0-9]*; do
         [ "${p#/proc/}" = "$$" ] && continue
-        if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -qF -- "$dir"; then
+        if { tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null | grep -qF -- "$dir"; then
             echo "${p#/proc/}"
         fi
     done
 }
 
 # Take down everything one test left: its daemon(s) and shims, the suite
-# namespace's runc containers, mounts under its dir, cgroups, stale shim sockets.
+# namespace's runc containers, mounts under its dirs, cgroups, stale shim sockets.
+SUITE_STATE=/run/containerd-test
 cleanup_test() {
-    local dir=$1 sockets_before=$2 pid root id mnt
+    local dir=$1 sockets_before=$2 pid root id mnt d
     for pid in $(pids_naming "$dir"); do kill -KILL "$pid" 2>/dev/null || true; done
     # The shims' runc root for the suite's namespace, and any runc root a
     # test made in its temp dir (<root>/<namespace>/<id>/state.json).
-    for root in "/run/containerd/runc/$SUITE_NS" $(find "$dir" -maxdepth 8 -name state.json -printf '%h\n' 2>/dev/null | xargs -r -n1 dirname | sort -u); do
+    for root in /run/containerd/runc/"$SUITE_NS" /run/containerd/runc/"$SUITE_NS"-* $(find "$dir" -maxdepth 8 -name state.json -printf '%h\n' 2>/dev/null | xargs -r -n1 dirname | sort -u); do
         [ -d "$root" ] || continue
         for id in $(runc --root "$root" list -q 2>/dev/null); do
             runc --root "$root" kill --all "$id" KILL >/dev/null 2>&1 || true
             runc --root "$root" delete --force "$id" >/dev/null 2>&1 || true
         done
     done
-    rm -rf "/run/containerd/runc/$SUITE_NS"
-    # Mounts under the test dir, deepest first.
-    while read -r mnt; do
-        umount -l "$mnt" 2>/dev/null || true
-    done < <(awk -v d="$dir" 'index($5, d) == 1 { print $5 }' /proc/self/mountinfo | sort -r)
-    # cgroup v1 hierarchies and the v2 one: <controller>/testing/<id>.
-    find /sys/fs/cgroup -mindepth 1 -maxdepth 3 -type d -name "$SUITE_NS" 2>/dev/null | while read -r cg; do
+    rm -rf /run/containerd/runc/"$SUITE_NS" /run/containerd/runc/"$SUITE_NS"-*
+    # Mounts under the test's dirs, deepest first.
+    for d in "$dir" "$SUITE_STATE"; do
+        while read -r mnt; do
+            umount -l "$mnt" 2>/dev/null || true
+        done < <(awk -v d="$d/" 'index($5, d) == 1 { print $5 }' /proc/self/mountinfo | sort -r)
+    done
+    # cgroup v1 hierarchies and the v2 one: <controller>/<namespace>/<id>.
+    find /sys/fs/cgroup -mindepth 1 -maxdepth 3 -type d \( -name "$SUITE_NS" -o -name "$SUITE_NS-*" \) 2>/dev/null | while read -r cg; do
         find "$cg" -depth -type d -exec rmdir {} \; 2>/dev/null || true
     done
     # Shim sockets created during the test that nothing listens on any more.
@@ -184,8 +188,20 @@ cleanup_test() {
         grep -qxF -- "$(basename "$s")" <<<"$sockets_before" && continue
         grep -qF -- "$s" /proc/net/unix || rm -f -- "$s"
     done
-    rm -rf -- "$dir"
+    rm -rf -- "$dir" "$SUITE_STATE"
 }
+
+# A run that was interrupted left its test's dir behind: clean that first.
+for stale in /tmp/shadow-conf.*; do
+    [ -d "$stale" ] && cleanup_test "$stale" ""
+done
+dir=""
+sockets_before=""
+on_exit() {
+    cleanup_registry
+    if [ -n "$dir" ] && [ -d "$dir" ]; then cleanup_test "$dir" "$sockets_before"; fi
+}
+trap on_exit EXIT
 
 RESULTS="$OUT/results.tsv"
 : >"$RESULTS"
@@ -202,6 +218,9 @@ for run in $RUNS; do
     mkdir -p "$LOGS/$run"
     for t in "${ALL_TESTS[@]}"; do
         dir=$(mktemp -d /tmp/shadow-conf.XXXXXX)
+        # Searchable by others: a user-namespaced container's root (uid 1000
+        # on the host) must reach its rootfs below.
+        chmod 0711 "$dir"
         mkdir -p "$dir/tmp"
         env_extra=()
         if [ "$pairs" = true ]; then
