@@ -91,9 +91,9 @@ cp "$ROOT/conformance/suite/zz_wait_retry_test.go" "$PKG/"
 BIN="$OUT/bin"
 mkdir -p "$BIN"
 log "building the suite and conformance-registry (Go $(go env GOVERSION))"
-(cd "$PKG" && GO111MODULE=off GOPATH="$GOPATH_DIR:/usr/share/gocode" GOFLAGS= \
+(cd "$PKG" && GO111MODULE=off GOPATH="$GOPATH_DIR:/usr/share/gocode" GOFLAGS='' \
     nice go test -c -o "$BIN/client.test" .)
-(cd "$ROOT/conformance/registry" && GO111MODULE=off GOFLAGS= nice go build -o "$BIN/conformance-registry" .)
+(cd "$ROOT/conformance/registry" && GO111MODULE=off GOFLAGS='' nice go build -o "$BIN/conformance-registry" .)
 if [ "$PROFILE" = release ]; then cargo_profile=(--release); else cargo_profile=(); fi
 log "building the shim and gmsd ($PROFILE)"
 (cd "$ROOT" && nice cargo build -q "${cargo_profile[@]}" -p shadow-shim -p gms --bin containerd-shim-shadow-v1 --bin gmsd)
@@ -203,6 +203,53 @@ on_exit() {
 }
 trap on_exit EXIT
 
+# Two tests (initContainerAndCheckChildrenDieOnKill) look for "sleep 1" in
+# the host's `ps ax`, and so fail whenever anyone on the machine runs, say,
+# `sleep 100`: they get a PID namespace (and /proc) of their own, in which
+# their containerd, shims and containers run as usual.
+PRIVATE_PID_TESTS=" TestContainerKillInitPidHost TestContainerKillInitKillsChildWhenNotHostPid "
+
+# run_test RUN RUNTIME PAIRS TEST LOG: one test in its own process against
+# its own containerd, then cleanup; sets rc and secs.
+run_test() {
+    local run=$1 runtime=$2 pairs=$3 t=$4 logfile=$5 t0
+    local -a env_extra=() wrap=()
+    dir=$(mktemp -d /tmp/shadow-conf.XXXXXX)
+    # Searchable by others: a user-namespaced container's root (uid 1000
+    # on the host) must reach its rootfs below.
+    chmod 0711 "$dir"
+    mkdir -p "$dir/tmp"
+    if [ "$pairs" = true ]; then
+        # containerd passes its environment to the shims it starts.
+        printf '[pair]\npair_by_default = true\nstate_dir = "%s/shadow"\nmetrics_dir = "%s/shadow/metrics"\n' \
+            "$dir" "$dir" >"$dir/shadow.toml"
+        env_extra+=("SHADOW_CONFIG=$dir/shadow.toml")
+    fi
+    case "$PRIVATE_PID_TESTS" in
+        *" $t "*) wrap=(unshare --pid --fork --mount-proc) ;;
+    esac
+    sockets_before=$(ls /run/containerd/s 2>/dev/null || true)
+    t0=$(date +%s.%N)
+    rc=0
+    (cd "$dir" && env "${env_extra[@]}" \
+        PATH="$PATHDIR:$PATH" TMPDIR="$dir/tmp" CONFORMANCE_DIR="$dir" \
+        TEST_RUNTIME="$runtime" HTTPS_PROXY="$PROXY" https_proxy="$PROXY" NO_PROXY='' no_proxy='' \
+        SSL_CERT_FILE="$REG/ca.pem" \
+        timeout -k 10 "$TIMEOUT" "${wrap[@]}" "$BIN/client.test" -test.root -test.v -test.parallel 1 \
+            -test.run "^${t}\$" -no-criu -address "$dir/containerd.sock") \
+        >"$logfile" 2>&1 || rc=$?
+    secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    cleanup_test "$dir" "$sockets_before"
+}
+
+# PASS, FAIL, SKIP or TIMEOUT of one attempt, for the progress lines.
+status_of() {
+    local t=$1 logfile=$2 rc=$3 s
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then echo TIMEOUT; return; fi
+    s=$(grep -oE "^--- (PASS|FAIL|SKIP): $t " "$logfile" | head -n1 | cut -d' ' -f2 | tr -d :) || true
+    echo "${s:-FAIL}"
+}
+
 RESULTS="$OUT/results.tsv"
 : >"$RESULTS"
 LOGS="$OUT/logs"
@@ -217,34 +264,19 @@ for run in $RUNS; do
     esac
     mkdir -p "$LOGS/$run"
     for t in "${ALL_TESTS[@]}"; do
-        dir=$(mktemp -d /tmp/shadow-conf.XXXXXX)
-        # Searchable by others: a user-namespaced container's root (uid 1000
-        # on the host) must reach its rootfs below.
-        chmod 0711 "$dir"
-        mkdir -p "$dir/tmp"
-        env_extra=()
-        if [ "$pairs" = true ]; then
-            # containerd passes its environment to the shims it starts.
-            printf '[pair]\npair_by_default = true\nstate_dir = "%s/shadow"\nmetrics_dir = "%s/shadow/metrics"\n' \
-                "$dir" "$dir" >"$dir/shadow.toml"
-            env_extra+=("SHADOW_CONFIG=$dir/shadow.toml")
+        run_test "$run" "$runtime" "$pairs" "$t" "$LOGS/$run/$t.log"
+        status=$(status_of "$t" "$LOGS/$run/$t.log" "$rc")
+        first_rc=$rc first_secs=$secs retry_rc=""
+        # A failure (not a timeout) gets one more try: a pass then marks the
+        # test flaky rather than failed, so that a timing race on this shared
+        # machine is not reported as a difference between runtimes.
+        if [ "$status" = FAIL ]; then
+            run_test "$run" "$runtime" "$pairs" "$t" "$LOGS/$run/$t.retry.log"
+            retry_rc=$rc
+            status="$status, retry $(status_of "$t" "$LOGS/$run/$t.retry.log" "$rc")"
         fi
-        sockets_before=$(ls /run/containerd/s 2>/dev/null || true)
-        t0=$(date +%s.%N)
-        rc=0
-        (cd "$dir" && env "${env_extra[@]}" \
-            PATH="$PATHDIR:$PATH" TMPDIR="$dir/tmp" CONFORMANCE_DIR="$dir" \
-            TEST_RUNTIME="$runtime" HTTPS_PROXY="$PROXY" https_proxy="$PROXY" NO_PROXY= no_proxy= \
-            SSL_CERT_FILE="$REG/ca.pem" \
-            timeout -k 10 "$TIMEOUT" "$BIN/client.test" -test.root -test.v -test.parallel 1 \
-                -test.run "^${t}\$" -no-criu -address "$dir/containerd.sock") \
-            >"$LOGS/$run/$t.log" 2>&1 || rc=$?
-        secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-        printf '%s\t%s\t%s\t%s\n' "$run" "$t" "$rc" "$secs" >>"$RESULTS"
-        status=$(grep -oE "^--- (PASS|FAIL|SKIP): $t " "$LOGS/$run/$t.log" | head -n1 | cut -d' ' -f2 || true)
-        if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status=TIMEOUT; fi
-        printf 'conformance: %-16s %-48s %-7s %5ss\n' "$run" "$t" "${status:-rc=$rc}" "$secs" >&2
-        cleanup_test "$dir" "$sockets_before"
+        printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$t" "$first_rc" "$first_secs" "$retry_rc" >>"$RESULTS"
+        printf 'conformance: %-16s %-48s %-18s %5ss\n' "$run" "$t" "$status" "$first_secs" >&2
     done
 done
 log "all runs took $(( $(date +%s) - started )) s"

@@ -1,8 +1,9 @@
 package main
 
 // The summary: one row per test, one column per runtime (run), from the
-// harness's results file (run, test, exit code, seconds per line) and each
-// test's `-test.v` log; printed, and written as markdown and JSON.
+// harness's results file (run, test, exit code, seconds, and the exit code
+// of the one retry a failed test gets, per line) and each test's `-test.v`
+// logs (<test>.log, <test>.retry.log); printed, and written as markdown and JSON.
 
 import (
 	"bufio"
@@ -20,13 +21,13 @@ import (
 type result struct {
 	Run     string  `json:"run"`
 	Test    string  `json:"test"`
-	Status  string  `json:"status"` // pass, fail, skip, timeout, none (not on this platform)
+	Status  string  `json:"status"` // pass, fail, flaky (failed, passed on retry), skip, timeout, none (not on this platform)
 	Seconds float64 `json:"seconds"`
 	Message string  `json:"message,omitempty"`
 }
 
 var (
-	fileLine = regexp.MustCompile(`^\s+\S+_test\.go:\d+: `)
+	fileLine = regexp.MustCompile(`^\s+\S+\.go:\d+: `)
 	panicRe  = regexp.MustCompile(`^panic: `)
 )
 
@@ -82,7 +83,7 @@ func classify(test string, rc int, log []string) (string, string) {
 	return status, msg
 }
 
-// lastFileLine is the last `file_test.go:N: message` line before end: the
+// lastFileLine is the last `file.go:N: message` line before end: the
 // t.Fatal that ended the test, or the last t.Error.
 func lastFileLine(log []string, end int) string {
 	for i := end - 1; i >= 0; i-- {
@@ -133,6 +134,12 @@ func table(args []string) error {
 		rc, _ := strconv.Atoi(f[2])
 		secs, _ := strconv.ParseFloat(f[3], 64)
 		status, msg := classify(f[1], rc, readLines(filepath.Join(*logs, f[0], f[1]+".log")))
+		if len(f) > 4 && f[4] != "" && status == "fail" {
+			retryRC, _ := strconv.Atoi(f[4])
+			if again, _ := classify(f[1], retryRC, readLines(filepath.Join(*logs, f[0], f[1]+".retry.log"))); again == "pass" {
+				status = "flaky"
+			}
+		}
 		results = append(results, result{Run: f[0], Test: f[1], Status: status, Seconds: secs, Message: msg})
 		if !seenRun[f[0]] {
 			seenRun[f[0]] = true
@@ -161,7 +168,7 @@ func table(args []string) error {
 		}
 		md.WriteString("| " + strings.Join(row, " | ") + " |\n")
 	}
-	md.WriteString("\n| run | pass | fail | timeout | skip | not on Linux | total s |\n|---|---|---|---|---|---|---|\n")
+	md.WriteString("\n| run | pass | flaky | fail | timeout | skip | not on Linux | total s |\n|---|---|---|---|---|---|---|---|\n")
 	for _, r := range runs {
 		counts := map[string]int{}
 		total := 0.0
@@ -171,7 +178,7 @@ func table(args []string) error {
 				total += res.Seconds
 			}
 		}
-		fmt.Fprintf(&md, "| %s | %d | %d | %d | %d | %d | %.0f |\n", r, counts["pass"], counts["fail"],
+		fmt.Fprintf(&md, "| %s | %d | %d | %d | %d | %d | %d | %.0f |\n", r, counts["pass"], counts["flaky"], counts["fail"],
 			counts["timeout"], counts["skip"], counts["none"], total)
 	}
 	// Every test whose result differs from the first run's (the reference),
