@@ -18,7 +18,8 @@
 # Environment: CONFORMANCE_OUT (default target/conformance), CONFORMANCE_RUNS
 # (default "runc.v2 shadow.v1 shadow.v1+pairs"), CONFORMANCE_TESTS (a regex of
 # test names, default all), CONFORMANCE_TIMEOUT (seconds a test, default 180),
-# CONFORMANCE_PROFILE (the shim's cargo profile, default debug).
+# CONFORMANCE_PROFILE (the shim's cargo profile, default debug),
+# CONFORMANCE_KEEP=1 (replace only the results of the tests run this time).
 #
 # Nothing here may run `sleep 1`: two tests look for that command in the
 # host's `ps ax`.
@@ -30,6 +31,10 @@ RUNS=${CONFORMANCE_RUNS:-"runc.v2 shadow.v1 shadow.v1+pairs"}
 TESTS=${CONFORMANCE_TESTS:-.}
 TIMEOUT=${CONFORMANCE_TIMEOUT:-180}
 PROFILE=${CONFORMANCE_PROFILE:-debug}
+# 1: keep the results of the tests not run this time (rerun a few tests).
+KEEP=${CONFORMANCE_KEEP:-0}
+# Below this much free space on /tmp the run stops (KiB).
+MIN_FREE_KIB=$((1024 * 1024))
 # The suite's namespaces ("testing", and "testing-<test>" in a few tests):
 # the runc state and cgroups that cleanup looks at.
 SUITE_NS=testing
@@ -164,14 +169,15 @@ cleanup_test() {
     for pid in $(pids_naming "$dir"); do kill -KILL "$pid" 2>/dev/null || true; done
     # The shims' runc root for the suite's namespace, and any runc root a
     # test made in its temp dir (<root>/<namespace>/<id>/state.json).
-    for root in /run/containerd/runc/"$SUITE_NS" /run/containerd/runc/"$SUITE_NS"-* $(find "$dir" -maxdepth 8 -name state.json -printf '%h\n' 2>/dev/null | xargs -r -n1 dirname | sort -u); do
+    # TestKillContainerDeletedByRunc names /tmp/runc-test as its runc root.
+    for root in /run/containerd/runc/"$SUITE_NS" /run/containerd/runc/"$SUITE_NS"-* /tmp/runc-test/"$SUITE_NS" $(find "$dir" -maxdepth 8 -name state.json -printf '%h\n' 2>/dev/null | xargs -r -n1 dirname | sort -u); do
         [ -d "$root" ] || continue
         for id in $(runc --root "$root" list -q 2>/dev/null); do
             runc --root "$root" kill --all "$id" KILL >/dev/null 2>&1 || true
             runc --root "$root" delete --force "$id" >/dev/null 2>&1 || true
         done
     done
-    rm -rf /run/containerd/runc/"$SUITE_NS" /run/containerd/runc/"$SUITE_NS"-*
+    rm -rf /run/containerd/runc/"$SUITE_NS" /run/containerd/runc/"$SUITE_NS"-* /tmp/runc-test
     # Mounts under the test's dirs, deepest first.
     for d in "$dir" "$SUITE_STATE"; do
         while read -r mnt; do
@@ -251,9 +257,13 @@ status_of() {
 }
 
 RESULTS="$OUT/results.tsv"
-: >"$RESULTS"
 LOGS="$OUT/logs"
-rm -rf "$LOGS"
+if [ "$KEEP" = 1 ] && [ -f "$RESULTS" ]; then
+    log "keeping the results of other tests in $RESULTS"
+else
+    : >"$RESULTS"
+    rm -rf "$LOGS"
+fi
 started=$(date +%s)
 for run in $RUNS; do
     case "$run" in
@@ -264,6 +274,14 @@ for run in $RUNS; do
     esac
     mkdir -p "$LOGS/$run"
     for t in "${ALL_TESTS[@]}"; do
+        # A full disk fails every test after it for a reason of its own
+        # (containerd cannot unpack the image): stop instead.
+        free_kib=$(df -Pk /tmp | awk 'NR == 2 { print $4 }')
+        if [ "$free_kib" -lt "$MIN_FREE_KIB" ]; then
+            log "only $((free_kib / 1024)) MiB free on /tmp: stopping before $run $t (rerun with CONFORMANCE_KEEP=1)"
+            exit 1
+        fi
+        rm -f "$LOGS/$run/$t.log" "$LOGS/$run/$t.retry.log"
         run_test "$run" "$runtime" "$pairs" "$t" "$LOGS/$run/$t.log"
         status=$(status_of "$t" "$LOGS/$run/$t.log" "$rc")
         first_rc=$rc first_secs=$secs retry_rc=""
@@ -275,7 +293,10 @@ for run in $RUNS; do
             retry_rc=$rc
             status="$status, retry $(status_of "$t" "$LOGS/$run/$t.retry.log" "$rc")"
         fi
-        printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$t" "$first_rc" "$first_secs" "$retry_rc" >>"$RESULTS"
+        # One line per run and test: a rerun replaces the earlier one.
+        awk -F '\t' -v r="$run" -v t="$t" '!($1 == r && $2 == t)' "$RESULTS" >"$RESULTS.tmp"
+        printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$t" "$first_rc" "$first_secs" "$retry_rc" >>"$RESULTS.tmp"
+        mv "$RESULTS.tmp" "$RESULTS"
         printf 'conformance: %-16s %-48s %-18s %5ss\n' "$run" "$t" "$status" "$first_secs" >&2
     done
 done
