@@ -39,10 +39,9 @@ func classify(test string, rc int, log []string) (string, string) {
 		case strings.HasPrefix(l, "--- PASS: "+test+" "):
 			status = "pass"
 		case strings.HasPrefix(l, "--- SKIP: "+test+" "):
+			// The t.Skip reason is printed just above.
 			status = "skip"
-			if i+1 < len(log) {
-				msg = strings.TrimSpace(log[i+1])
-			}
+			msg = lastFileLine(log, i)
 		case strings.HasPrefix(l, "--- FAIL: "+test+" "):
 			status = "fail"
 		}
