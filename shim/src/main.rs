@@ -23,6 +23,7 @@ mod service;
 mod shim;
 mod start;
 mod stats;
+mod time;
 
 pub const RUNTIME_ID: &str = "io.containerd.shadow.v1";
 

@@ -17,7 +17,8 @@ use crate::events::{spawn_forwarder, EventSink};
 use crate::exits::ExitRouter;
 use crate::plain::Runtime;
 use crate::runc::RuncClient;
-use crate::service::{timestamp, TaskService};
+use crate::service::TaskService;
+use crate::time::timestamp;
 
 /// The resolved config `start` leaves in each bundle, for the `delete`
 /// action (which containerd runs without the runtime options).

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
 use crate::runc::RuncClient;
-use crate::service::timestamp;
+use crate::time::timestamp;
 
 /// How long the pair's exit waits for the engines' output to reach the FIFOs.
 const OUTPUT_DRAIN: Duration = Duration::from_secs(1);
