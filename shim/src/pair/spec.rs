@@ -162,9 +162,9 @@ pub fn with_contract_env(env: &[String], bundle: &std::path::Path) -> Result<Vec
     let path = bundle.join("config.json");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| Error::io(format!("reading engine spec {}", path.display()), e))?;
-    let engine: Value = serde_json::from_str(&text).map_err(|e| Error::Decode {
-        what: "engine spec",
-        reason: format!("{}: {e}", path.display()),
+    let engine: Value = serde_json::from_str(&text).map_err(|e| Error::Internal {
+        what: format!("engine spec {}", path.display()),
+        reason: e.to_string(),
     })?;
     let is_contract = |kv: &str| {
         CONTRACT_KEYS
