@@ -6,19 +6,23 @@
 
 mod annotations;
 mod bootstrap;
+mod bundle;
 mod config;
 mod container;
 mod error;
 mod events;
+mod exec;
 mod exits;
 mod io;
 mod memory;
+mod mount;
 mod oom;
 mod options;
 mod pair;
 mod plain;
 mod process;
 mod runc;
+mod runtime;
 mod service;
 mod shim;
 mod start;

@@ -32,7 +32,8 @@ use crate::container::{Container, ExitInfo, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::pair::{PairRequest, PairedContainer};
-use crate::plain::{CreateRequest, PlainContainer, Runtime};
+use crate::plain::{CreateRequest, PlainContainer};
+use crate::runtime::Runtime;
 use crate::time::timestamp;
 
 fn exec_of(exec_id: &str) -> Option<&str> {

@@ -10,19 +10,15 @@ use std::time::SystemTime;
 use async_trait::async_trait;
 use containerd_shim::asynchronous::{publisher::RemotePublisher, ExitSignal, Shim};
 use containerd_shim::{Config as ShimConfig, DeleteResponse, Flags, StartOpts};
-use runc::options::DeleteOpts;
 
+use crate::bundle::BUNDLE_CONFIG;
 use crate::config::{Config, ConfigSource};
 use crate::events::{spawn_forwarder, EventSink};
 use crate::exits::ExitRouter;
-use crate::plain::Runtime;
 use crate::runc::RuncClient;
+use crate::runtime::Runtime;
 use crate::service::TaskService;
 use crate::time::timestamp;
-
-/// The resolved config `start` leaves in each bundle, for the `delete`
-/// action (which containerd runs without the runtime options).
-pub const BUNDLE_CONFIG: &str = "shadow-shim.toml";
 
 pub struct ShadowShim {
     namespace: String,
@@ -57,7 +53,7 @@ pub fn load_config(bundle: &Path) -> crate::error::Result<Config> {
 /// is left behind. Remove it, but only if nothing answers on it: a pod's
 /// other containers may still be served there.
 fn remove_stale_socket(address: &str, namespace: &str, bundle: &Path, id: &str) {
-    let group = crate::start::grouping(bundle, id);
+    let group = crate::bundle::grouping(bundle, id);
     let socket = containerd_shim::socket_address(address, namespace, &group);
     let path = socket.strip_prefix("unix://").unwrap_or(&socket);
     if let Err(e) = std::os::unix::net::UnixStream::connect(path) {
@@ -111,9 +107,8 @@ impl Shim for ShadowShim {
             .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
         let client = RuncClient::new(&self.config, &self.namespace, &self.bundle, router)
             .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
-        let force = DeleteOpts::new().force(true);
-        if let Err(e) = client.runc.delete(&self.id, Some(&force)).await {
-            log::warn!("delete {}: runc delete: {e}", self.id);
+        if let Err(e) = client.delete_force(&self.id).await {
+            log::warn!("delete {}: {e}", self.id);
         }
         remove_stale_socket(&self.address, &self.namespace, &self.bundle, &self.id);
         let rootfs = self.bundle.join("rootfs").display().to_string();

@@ -29,7 +29,6 @@ use containerd_shim_protos::types::task::ProcessInfo;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
-use runc::options::DeleteOpts;
 use serde_json::Value;
 use shadow_pair::SlotId;
 use tokio::net::unix::pipe;
@@ -47,9 +46,9 @@ use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio}
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
-use crate::plain::Runtime;
 use crate::process::Process;
 use crate::runc::RuncClient;
+use crate::runtime::Runtime;
 
 /// The parts of a Create request a pair needs.
 pub struct PairRequest {
@@ -158,7 +157,7 @@ impl Made {
             let _ = std::fs::remove_file(m);
         }
         if let Some(r) = self.mounted_rootfs.take() {
-            crate::plain::unmount(&r).await;
+            crate::mount::unmount(&r).await;
         }
     }
 }
@@ -281,7 +280,7 @@ impl PairedContainer {
         if !req.rootfs.is_empty() {
             let target = bundle.join("rootfs");
             made.mounted_rootfs = Some(target.clone());
-            crate::plain::mount_all(&req.rootfs, &target).await?;
+            crate::mount::mount_all(&req.rootfs, &target).await?;
         }
         let rootfs = spec::rootfs_of(&spec, &bundle);
         if !rootfs.is_dir() {
@@ -357,8 +356,8 @@ impl PairedContainer {
             };
             let engine = spec::engine_spec(&spec, &inputs)?;
             let dir = &dirs.slots[slot.index()];
-            let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Decode {
-                what: "engine spec",
+            let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Internal {
+                what: format!("engine spec for {}", dir.display()),
                 reason: e.to_string(),
             })?;
             std::fs::write(dir.join("config.json"), bytes)
@@ -458,7 +457,7 @@ impl PairedContainer {
         let env =
             spec::with_contract_env(spec.env().as_deref().unwrap_or_default(), &engine.bundle)?;
         spec.set_env(Some(env));
-        let exec = crate::plain::Exec {
+        let exec = crate::exec::Exec {
             client: &engine.client,
             runc_id: &engine.runc_id,
             bundle: &engine.bundle,
@@ -622,19 +621,9 @@ impl Container for PairedContainer {
             }
             sup.output.close();
         }
-        let force = DeleteOpts::new().force(true);
         for e in self.engines.iter() {
-            if let Err(err) = e.client.runc.delete(&e.runc_id, Some(&force)).await {
-                let err = e.client.error("delete", &e.runc_id, err);
-                if !matches!(
-                    err,
-                    Error::Runc {
-                        kind: crate::error::RuncFailure::NotFound,
-                        ..
-                    }
-                ) {
-                    log::warn!("pair {}: {err}", self.id);
-                }
+            if let Err(err) = e.client.delete_force(&e.runc_id).await {
+                log::warn!("pair {}: {err}", self.id);
             }
         }
         for (_, e) in self.execs.lock().await.drain() {
@@ -700,9 +689,9 @@ impl Container for PairedContainer {
                 continue;
             }
             let e = &self.engines[slot.index()];
-            match e.client.runc.ps(&e.runc_id).await {
+            match e.client.ps(&e.runc_id).await {
                 Ok(list) => out.extend(list.into_iter().map(|pid| ProcessInfo {
-                    pid: pid as u32,
+                    pid,
                     ..Default::default()
                 })),
                 Err(err) => log::debug!("pair {}: ps {}: {err}", self.id, e.runc_id),

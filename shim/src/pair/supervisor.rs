@@ -15,7 +15,6 @@ use async_trait::async_trait;
 use containerd_shim_protos::events::task::TaskExit;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-use runc::options::{CreateOpts, DeleteOpts};
 use serde::Serialize;
 use shadow_pair::{
     parse_notify, Action, EngineState, Event as PairEvent, Exit, FileId, Notification, Pair,
@@ -29,10 +28,10 @@ use super::gms::GmsDaemon;
 use super::lock;
 use super::notify::{Datagram, NotifySocket};
 use crate::container::ExitInfo;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
-use crate::runc::RuncClient;
+use crate::runc::{RuncClient, RuncStdio};
 use crate::time::timestamp;
 
 /// How long the pair's exit waits for the engines' output to reach the FIFOs.
@@ -94,26 +93,11 @@ impl runc::io::Io for SharedOutput {
 /// generation's stopped container of the same id is removed first.
 pub async fn run_engine(e: &EngineSlot, output: Arc<SharedOutput>, fresh: bool) -> Result<u32> {
     if !fresh {
-        let force = DeleteOpts::new().force(true);
-        let _ = e.client.runc.delete(&e.runc_id, Some(&force)).await;
+        let _ = e.client.delete_force(&e.runc_id).await;
     }
-    let pid_file = e.bundle.join("init.pid");
-    let _ = std::fs::remove_file(&pid_file);
-    let opts = CreateOpts::new()
-        .pid_file(&pid_file)
-        .detach(true)
-        .io(output);
     e.client
-        .runc
-        .run(&e.runc_id, &e.bundle, Some(&opts))
+        .run_detached(&e.runc_id, &e.bundle, RuncStdio::Fds(output))
         .await
-        .map_err(|err| e.client.error("run", &e.runc_id, err))?;
-    let text = std::fs::read_to_string(&pid_file)
-        .map_err(|err| Error::io(format!("reading pid file {}", pid_file.display()), err))?;
-    text.trim().parse().map_err(|_| Error::Decode {
-        what: "runc pid file",
-        reason: format!("{}: {text:?} is not a pid", pid_file.display()),
-    })
 }
 
 /// What the Task service reads about a pair, republished on every change.
