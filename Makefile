@@ -3,7 +3,7 @@
 # Every target is idempotent and works as root on a fresh Debian 12 machine:
 #   make deps        install missing Debian packages (containerd, runc, busybox-static, …)
 #   make build       build the workspace (debug: what the tests run)
-#   make lint        rustfmt --check + clippy -D warnings
+#   make lint        rustfmt --check + clippy -D warnings + the shim's layer check
 #   make test        deps + lint + build + every test, integration tests included
 #   make demo        SIGKILL under load: cold restart (runc-v2) vs shadow pair, table + chart
 #   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
@@ -60,6 +60,9 @@ release: check-cargo
 lint: check-cargo
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	# The shim's layers (shim/src/layers.rs, drawn in docs/shim.md): fails on
+	# a module that uses a higher layer, or modules that use each other.
+	$(CARGO) test -q -p shadow-shim --bin containerd-shim-shadow-v1 -- layers::
 
 # The README's test command; .ci/run runs exactly this. Integration tests
 # start their own containerd (never the host's) and need root.

@@ -14,6 +14,8 @@ mod events;
 mod exec;
 mod exits;
 mod io;
+#[cfg(test)]
+mod layers;
 mod memory;
 mod mount;
 mod oom;
