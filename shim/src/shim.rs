@@ -12,7 +12,7 @@ use containerd_shim::asynchronous::{publisher::RemotePublisher, ExitSignal, Shim
 use containerd_shim::{Config as ShimConfig, DeleteResponse, Flags, StartOpts};
 
 use crate::bundle::BUNDLE_CONFIG;
-use crate::config::{Config, ConfigSource};
+use crate::config::{Config, ConfigSource, Origin, ENV_CONFIG_ORIGIN};
 use crate::events::{spawn_forwarder, EventSink};
 use crate::exits::ExitRouter;
 use crate::runc::RuncClient;
@@ -25,6 +25,8 @@ pub struct ShadowShim {
     id: String,
     bundle: PathBuf,
     config: Config,
+    /// Where the config came from, logged once the logger is up.
+    origin: Origin,
     /// `-socket`: the ttrpc socket this daemon serves.
     socket: String,
     /// `-address`: containerd's socket, part of the group's socket name.
@@ -33,20 +35,26 @@ pub struct ShadowShim {
 }
 
 /// The config for this process: the source `start` handed down, else the
-/// copy in the bundle, else the default file.
-pub fn load_config(bundle: &Path) -> crate::error::Result<Config> {
+/// copy in the bundle (with the origin `start` found for it), else the
+/// default file.
+pub fn load_config(bundle: &Path) -> crate::error::Result<(Config, Origin)> {
     let source = ConfigSource::from_env();
     if source == ConfigSource::default() {
         let saved = bundle.join(BUNDLE_CONFIG);
         if saved.exists() {
-            return ConfigSource {
+            let (config, copy) = ConfigSource {
                 body: None,
                 path: Some(saved),
             }
-            .load();
+            .load_with_origin()?;
+            let origin = std::env::var(ENV_CONFIG_ORIGIN)
+                .ok()
+                .and_then(|o| Origin::from_env(&o))
+                .unwrap_or(copy);
+            return Ok((config, origin));
         }
     }
-    source.load()
+    source.load_with_origin()
 }
 
 /// After a shim died (the reason containerd runs `delete`), its socket file
@@ -75,7 +83,7 @@ impl Shim for ShadowShim {
         } else {
             PathBuf::from(&args.bundle)
         };
-        let config = match load_config(&bundle) {
+        let (config, origin) = match load_config(&bundle) {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("containerd-shim-shadow-v1: {e}");
@@ -88,6 +96,7 @@ impl Shim for ShadowShim {
             id: args.id.clone(),
             bundle,
             config,
+            origin,
             socket: args.socket.clone(),
             address: args.address.clone(),
             exit: Arc::new(ExitSignal::default()),
@@ -152,6 +161,7 @@ impl Shim for ShadowShim {
                 std::process::exit(1);
             }
         };
+        self.origin.log();
         let (events, rx) = EventSink::channel();
         spawn_forwarder(publisher, self.namespace.clone(), rx);
         TaskService::new(

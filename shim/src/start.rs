@@ -14,6 +14,7 @@ use containerd_shim::Flags;
 
 use crate::bootstrap::StartInput;
 use crate::bundle::{grouping, BUNDLE_CONFIG};
+use crate::config::ENV_CONFIG_ORIGIN;
 use crate::error::{Error, Result};
 
 pub fn run(flags: &Flags) -> Result<()> {
@@ -23,7 +24,7 @@ pub fn run(flags: &Flags) -> Result<()> {
         .map_err(|e| Error::io("reading start parameters from stdin", e))?;
     let input = StartInput::parse(&stdin, &flags.id, &flags.namespace)?;
     let config_source = input.options().config.clone();
-    let config = config_source.load()?;
+    let (config, origin) = config_source.load_with_origin()?;
 
     let bundle = if flags.bundle.is_empty() {
         std::env::current_dir().map_err(|e| Error::io("finding the bundle (cwd)", e))?
@@ -69,6 +70,8 @@ pub fn run(flags: &Flags) -> Result<()> {
         }
     }
     cmd.envs(config_source.to_env());
+    // The daemon reads the bundle's copy; it logs where `start` found it.
+    cmd.env(ENV_CONFIG_ORIGIN, origin.to_env());
     // SAFETY: setsid is async-signal-safe and touches no memory of ours; it
     // detaches the daemon from containerd's session so it outlives it.
     unsafe {
