@@ -57,11 +57,12 @@ build: check-cargo
 release: check-cargo
 	$(CARGO) build --workspace --release --bins
 
+# The last step is the shim's layer check (shim/src/layers.rs, drawn in
+# docs/shim.md): it fails on a module that uses a higher layer, or on
+# modules that use each other.
 lint: check-cargo
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	# The shim's layers (shim/src/layers.rs, drawn in docs/shim.md): fails on
-	# a module that uses a higher layer, or modules that use each other.
 	$(CARGO) test -q -p shadow-shim --bin containerd-shim-shadow-v1 -- layers::
 
 # The README's test command; .ci/run runs exactly this. Integration tests
