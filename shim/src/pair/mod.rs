@@ -13,6 +13,7 @@ pub mod lock;
 pub mod netns;
 pub mod notify;
 pub mod spec;
+pub mod state_file;
 pub mod supervisor;
 pub mod xid;
 
@@ -292,8 +293,8 @@ impl PairedContainer {
             )));
         }
 
-        let lock_file = lock::create_lock_file(&dirs.pair.join("engine.lock"))?;
-        let notify = NotifySocket::bind(&dirs.pair.join("notify.sock"))?;
+        let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
+        let notify = NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::NOTIFY_FILE))?;
 
         let pins = if spec::needs_pinned_namespaces(&spec) {
             let p = PinnedNamespaces::pin(&dirs.ns)?;
