@@ -115,6 +115,20 @@ pub enum EngineState {
     Stopped,
 }
 
+impl EngineState {
+    /// The name as the file spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineState::Spawning => "spawning",
+            EngineState::Starting => "starting",
+            EngineState::Parked => "parked",
+            EngineState::Active => "active",
+            EngineState::Backoff => "backoff",
+            EngineState::Stopped => "stopped",
+        }
+    }
+}
+
 /// How an engine ended: `{"code": N}` or `{"signal": N}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -139,6 +153,17 @@ pub enum FailureClass {
     DevicePreserving,
     DeviceInvalidating,
     CrashLoop,
+}
+
+impl FailureClass {
+    /// The name as the file spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureClass::DevicePreserving => "device_preserving",
+            FailureClass::DeviceInvalidating => "device_invalidating",
+            FailureClass::CrashLoop => "crash_loop",
+        }
+    }
 }
 
 /// One failover's timeline, in time since the pair started (`secs` +
@@ -284,7 +309,20 @@ mod tests {
         let p = &v["promotions"][0];
         assert_eq!(p["reaped_at"], json!({"secs": 1, "nanos": 500_000_000}));
         assert_eq!(p["exit"], json!({"signal": 9}));
-        assert_eq!(p["class"], "device_preserving");
+        assert_eq!(p["class"], FailureClass::DevicePreserving.as_str());
+        for e in [
+            EngineState::Spawning,
+            EngineState::Starting,
+            EngineState::Parked,
+            EngineState::Active,
+            EngineState::Backoff,
+            EngineState::Stopped,
+        ] {
+            assert_eq!(serde_json::to_value(e).unwrap(), e.as_str());
+        }
+        for c in [FailureClass::DeviceInvalidating, FailureClass::CrashLoop] {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
         assert_eq!(p["number"], 1, "the promotion is flattened into the record");
         assert_eq!(p["total_ms"], 2.0);
         assert_eq!(v["gms"]["resident_bytes"], 4096, "gmsd's other fields kept");
