@@ -100,7 +100,7 @@ impl PairDirs {
 const SUN_PATH_MAX: usize = 107;
 /// Longest socket below a pair directory without GPUs:
 /// `/gms/gms-host.sock` and `/pair/notify.sock`.
-pub const HOST_SOCKETS: usize = "/gms/gms-host.sock".len();
+pub const HOST_SOCKETS: usize = "/gms/".len() + shadow_contract::paths::GMS_HOST_SOCKET.len();
 /// … and with GPUs: `/gms/gms-GPU-<36-character UUID>.sock`.
 pub const CUDA_SOCKETS: usize = "/gms/gms-GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.sock".len();
 
