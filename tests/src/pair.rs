@@ -152,7 +152,7 @@ impl PairEnv {
         let mut c = cd
             .container(Runtime::Shadow, id)
             .flags(&["--runtime-config-path", &self.config.display().to_string()])
-            .annotation("shadow.dev/pair", "true")
+            .annotation(shadow_contract::annotations::PAIR, "true")
             .flags(flags);
         for (k, v) in annotations {
             c = c.annotation(k, v);

@@ -513,6 +513,71 @@ fn bad_pair_annotations_and_configs_are_refused_leaving_nothing() {
     assert!(out.stderr.contains("/nonexistent/gmsd"), "{out}");
     cd.assert_no_leftovers();
     assert!(!env.state_dir.join(cd.namespace()).join("nogms").exists());
+    // A gmsd that dies before it is ready: the launcher learns it from the
+    // readiness pipe at once (not at the start timeout), and says so.
+    let diesgms = cd.dir().join("diesgms.toml");
+    std::fs::write(
+        &diesgms,
+        format!(
+            "[pair]\nstate_dir = \"{}\"\nmetrics_dir = \"{}\"\ngms = \"host\"\ngmsd = \"/bin/false\"\ngms_start_timeout_ms = 60000\n",
+            env.state_dir.display(),
+            env.metrics_dir.display()
+        ),
+    )
+    .expect("write");
+    let started = std::time::Instant::now();
+    let out = cd
+        .container(shadow_tests::Runtime::Shadow, "diesgms")
+        .rm()
+        .flags(&["--runtime-config-path", &diesgms.display().to_string()])
+        .annotation("shadow.dev/pair", "true")
+        .cmd(&["true"])
+        .run()
+        .expect("ctr run");
+    assert_ne!(out.code(), 0);
+    assert!(
+        out.stderr.contains("/bin/false") && out.stderr.contains("ended before it was ready"),
+        "{out}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "not the timeout"
+    );
+    cd.assert_no_leftovers();
+    // A bad value of the hooks' keys is refused by the shim too.
+    let out = cd
+        .container(shadow_tests::Runtime::Shadow, "badslot")
+        .rm()
+        .flags(&["--runtime-config-path", &env.config.display().to_string()])
+        .annotation("shadow.dev/pair", "true")
+        .annotation("shadow.dev/slot", "2")
+        .cmd(&["true"])
+        .run()
+        .expect("ctr run");
+    assert_ne!(out.code(), 0);
+    assert!(
+        out.stderr.contains("shadow.dev/slot") && out.stderr.contains("0|1"),
+        "{out}"
+    );
+}
+
+/// One spec serves both paths: the OCI hooks' annotations do not make the
+/// shim refuse it, and `shadow.dev/pair` still makes it a pair.
+#[test]
+fn a_spec_with_the_hooks_annotations_runs_as_a_pair_too() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "hookkeys";
+    let r = start(
+        &cd,
+        id,
+        "gms = \"off\"",
+        &[("shadow.dev/pair-name", "llama"), ("shadow.dev/slot", "1")],
+        &[],
+    );
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let (slot, _) = active_of(&st);
+    assert_eq!(ask(r.port).expect("serves").slot, slot.to_string());
+    r.stop(&cd, id, "SIGKILL");
 }
 
 #[test]
