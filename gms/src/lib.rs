@@ -1,4 +1,5 @@
-//! GPU Memory Service (GMS): owns weights outside any engine process.
+//! GPU Memory Service (GMS), the side every peer of `gmsd` shares: the wire
+//! protocol and the engine-side client.
 //!
 //! One `gmsd` per device owns every physical allocation. Engines connect over
 //! a Unix socket; the connection *is* the lease (`rw`, `ro`, `rw_or_ro`), and
@@ -6,29 +7,28 @@
 //! engine that loaded them, and a shadow engine maps them at the same
 //! virtual addresses in milliseconds. See `docs/gms-protocol.md`.
 //!
+//! This crate exists apart from the daemon (crate `gmsd`, in `gms/daemon`)
+//! so that whoever only talks to a daemon — an engine, the shim asking for a
+//! status report, the tests — links neither the daemon, nor the CUDA driver
+//! bindings, nor a CLI parser. On a GPU, `gms-cuda` adds the CUDA mapper.
+//!
 //! Layers, each in its own module:
 //! - [`protocol`]: versioned JSON messages and the pure decoder;
 //! - [`wire`]: framing and `SCM_RIGHTS` over a stream socket;
-//! - [`lease`]: the lease state machine (pure logic);
 //! - [`layout`]: allocations, metadata and the committed layout;
-//! - [`backend`]: the physical memory behind allocations (`host`, `cuda`);
-//! - [`daemon`]: `gmsd` itself; [`status`]: what it reports;
-//! - [`client`] and [`mapper`]: the engine side; [`cuda_mapper`] maps on a GPU.
+//! - [`status`]: what a daemon reports;
+//! - [`client`] and [`mapper`]: the engine side (host memory mapper).
 
-pub mod backend;
 pub mod client;
-pub mod cuda_mapper;
-pub mod daemon;
 mod error;
-pub mod fuzz;
 pub mod layout;
-pub mod lease;
 pub mod mapper;
 pub mod protocol;
 pub mod status;
 pub mod wire;
 
 pub use error::{Error, Result};
+pub use mapper::Access;
 
 /// Parses a byte count such as `4096`, `64M`, `16G` or `1T` (binary units).
 pub fn parse_bytes(text: &str) -> std::result::Result<u64, String> {

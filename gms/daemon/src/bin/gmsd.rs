@@ -6,10 +6,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use gms::backend::cuda::{parse_device, CudaBackend};
-use gms::backend::host::HostBackend;
-use gms::backend::Backend;
-use gms::daemon::{self, Config, Limits};
+use gms_cuda::parse_device;
+use gmsd::backend::cuda::CudaBackend;
+use gmsd::backend::host::HostBackend;
+use gmsd::backend::Backend;
+use gmsd::daemon::{self, Config, Limits};
 
 #[derive(Parser)]
 #[command(
