@@ -188,7 +188,7 @@ fn the_nomad_raw_exec_ctr_command_runs_a_pair_from_an_image() {
         }
     }
     assert!(args.contains(&"--rm".to_owned()), "{args:?}");
-    let mut ctr = cd.ctr().spawn(&args, false).expect("ctr run");
+    let mut ctr = cd.ctr().spawn_signal_proxy(&args).expect("ctr run");
     let st = until("pair protected, ctr running", LONG, STEP, || {
         assert!(
             !ctr.has_exited(),
@@ -210,7 +210,11 @@ fn the_nomad_raw_exec_ctr_command_runs_a_pair_from_an_image() {
         cd.ctr().task_status(id).expect("task ls").as_deref(),
         Some("RUNNING")
     );
-    // Nomad stops the job with SIGTERM to ctr, which forwards it to the task.
+    // Nomad stops the job with SIGTERM to ctr, which forwards it to the task
+    // once its Start has returned (seen to lag the task's RUNNING under load).
+    until("ctr to forward signals", LONG, STEP, || {
+        shadow_tests::forwards_signals(ctr.pid()).then_some(())
+    });
     ctr.signal(libc::SIGTERM).expect("SIGTERM to ctr");
     let out = ctr.wait(LONG).expect("ctr run ends");
     // Not pinned to 143: after a failover the task has been seen to report
