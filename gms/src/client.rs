@@ -12,6 +12,8 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use shadow_contract::paths;
+
 use crate::layout::{Allocation, Layout};
 use crate::mapper::{Access, HostMapper, HostRange, Mapper, Range, RangeState};
 use crate::protocol::{
@@ -21,18 +23,16 @@ use crate::status::StatusReport;
 use crate::wire;
 use crate::{Error, Result};
 
-/// File name of a host-backend daemon's socket in `GMS_SOCKET_DIR`.
-pub const HOST_SOCKET_NAME: &str = "gms-host.sock";
-
-/// The socket of a host-backend daemon in `dir` (`GMS_SOCKET_DIR`).
+/// The socket of a host-backend daemon in `dir` (`GMS_SOCKET_DIR`). The
+/// names are the engine contract's (`shadow_contract::paths`).
 pub fn host_socket(dir: &Path) -> PathBuf {
-    dir.join(HOST_SOCKET_NAME)
+    dir.join(paths::GMS_HOST_SOCKET)
 }
 
 /// File name of a CUDA daemon's socket in `GMS_SOCKET_DIR`:
 /// `gms-<GPU-UUID>.sock`.
 pub fn cuda_socket_name(uuid: &str) -> String {
-    format!("gms-{uuid}.sock")
+    paths::gms_socket_name(uuid)
 }
 
 /// What the daemon granted.

@@ -16,10 +16,10 @@ use containerd_shim_protos::events::task::TaskExit;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use runc::options::{CreateOpts, DeleteOpts};
-use serde::Serialize;
+use shadow_contract::state::PairState;
 use shadow_pair::{
     parse_notify, Action, EngineState, Event as PairEvent, Exit, FileId, Notification, Pair,
-    Promotion, SlotId, Snapshot,
+    Promotion, SlotId,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -156,32 +156,8 @@ pub enum Input {
     Xid(u32),
 }
 
-/// One promotion as `state.json` keeps it: the pair's timeline plus wall
-/// clock times (for tools that took their own time of the kill).
-#[derive(Debug, Clone, Serialize)]
-pub struct PromotionRecord {
-    #[serde(flatten)]
-    pub promotion: Promotion,
-    pub reaped_unix_us: u64,
-    pub lock_unix_us: Option<u64>,
-    pub ready_unix_us: Option<u64>,
-    pub total_ms: Option<f64>,
-}
-
-/// The content of `state.json`.
-#[derive(Debug, Serialize)]
-struct StateFile<'a> {
-    namespace: &'a str,
-    id: &'a str,
-    pid: u32,
-    pids: [Option<u32>; 2],
-    runc_ids: [&'a str; 2],
-    pair: &'a Snapshot,
-    promotions: &'a VecDeque<PromotionRecord>,
-    gms: Option<serde_json::Value>,
-    exit_status: Option<u32>,
-    updated_unix_us: u64,
-}
+/// One promotion as `state.json` keeps it (the schema is the contract's).
+pub use shadow_contract::state::PromotionRecord;
 
 /// How long a READY=1 waits for the reap of the engine it replaces.
 const DEFER_LIMIT: Duration = Duration::from_millis(500);
@@ -735,7 +711,7 @@ impl Supervisor {
             lock_unix_us: p.lock_at.map(|d| self.wall(d)),
             ready_unix_us: p.ready_at.map(|d| self.wall(d)),
             total_ms: p.total().map(|d| d.as_secs_f64() * 1e3),
-            promotion: p,
+            promotion: super::state_file::promotion(&p),
         };
         self.promotions.push_back(rec);
         while self.promotions.len() > self.config.promotions_kept.max(1) {
@@ -792,15 +768,18 @@ impl Supervisor {
         });
         let snap = self.pair.snapshot();
         let gms_status = self.gms.as_ref().and_then(GmsDaemon::cached_status);
-        let state = StateFile {
-            namespace: &self.namespace,
-            id: &self.id,
+        let state = PairState {
+            namespace: self.namespace.clone(),
+            id: self.id.clone(),
             pid: self.last_pid,
             pids,
-            runc_ids: [&self.engines[0].runc_id, &self.engines[1].runc_id],
-            pair: &snap,
-            promotions: &self.promotions,
-            gms: gms_status.clone(),
+            runc_ids: [
+                self.engines[0].runc_id.clone(),
+                self.engines[1].runc_id.clone(),
+            ],
+            pair: super::state_file::snapshot(&snap),
+            promotions: self.promotions.iter().cloned().collect(),
+            gms: gms_status.and_then(super::state_file::gms),
             exit_status: self.view.borrow().exit.map(|e| e.status),
             updated_unix_us: 0,
         };
@@ -811,7 +790,7 @@ impl Supervisor {
             return;
         }
         self.last_written = key;
-        let state = StateFile {
+        let state = PairState {
             updated_unix_us: unix_us(SystemTime::now()),
             ..state
         };

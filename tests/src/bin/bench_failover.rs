@@ -78,8 +78,8 @@ fn main() {
         (vec![], vec![], vec![], vec![], vec![]);
     let mut st = env.wait_protected(&cd, id, long);
     for round in 0..rounds {
-        let slot = st["pair"]["active"].as_u64().expect("active") as usize;
-        let pid = st["pids"][slot].as_u64().expect("pid") as i32;
+        let slot = st.pair.active.expect("active");
+        let pid = st.pid_of(slot).expect("pid") as i32;
         let killed_at = now_us();
         // SAFETY: kill(2) of the active engine's pid from state.json.
         unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -87,17 +87,12 @@ fn main() {
             ask(port).filter(|a| a.slot != slot.to_string())
         });
         st = until("promotion recorded and protected", long, step, || {
-            env.state(&cd, id).filter(|v| {
-                v["pair"]["failovers"] == round as u64 + 1 && v["pair"]["protected"] == true
-            })
+            env.state(&cd, id)
+                .filter(|v| v.pair.failovers == round as u64 + 1 && v.pair.protected)
         });
-        let p = st["promotions"]
-            .as_array()
-            .and_then(|p| p.last())
-            .cloned()
-            .expect("promotion");
-        let ready_seen = p["ready_unix_us"].as_u64().expect("ready") as f64;
-        let reaped = p["reaped_unix_us"].as_u64().expect("reaped") as f64;
+        let p = st.promotions.last().expect("promotion");
+        let ready_seen = p.ready_unix_us.expect("ready") as f64;
+        let reaped = p.reaped_unix_us as f64;
         let k = killed_at as f64;
         e2e.push((ready_seen - k) / 1e3);
         engine_t.push((a.ready_us as f64 - a.lock_us as f64) / 1e3);

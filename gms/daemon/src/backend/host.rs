@@ -23,7 +23,6 @@ use nix::sys::memfd::{memfd_create, MFdFlags};
 use nix::sys::stat::fstat;
 use nix::unistd::ftruncate;
 
-use gms::client::HOST_SOCKET_NAME;
 use gms::{Access, Error, Result};
 
 use super::{Backend, Memory};
@@ -51,7 +50,7 @@ impl Backend for HostBackend {
     }
 
     fn socket_name(&self) -> String {
-        HOST_SOCKET_NAME.into()
+        shadow_contract::paths::GMS_HOST_SOCKET.into()
     }
 
     fn granularity(&self) -> u64 {
