@@ -210,6 +210,13 @@ fn show(state_dir: &Path, id: &str, namespace: Option<&str>, json: bool) -> Exit
 }
 
 fn main() -> ExitCode {
+    // A reader that stops early (`shadowctl list | head -1`) ends us the
+    // way it ends any filter, instead of a panic in println!.
+    // SAFETY: called first thing in main, before any thread exists; the
+    // default disposition of SIGPIPE takes no handler code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::List => list(&cli.state_dir),
