@@ -153,27 +153,24 @@ fn show(state_dir: &Path, id: &str, namespace: Option<&str>, json: bool) -> Exit
     }
     match v["promotions"].as_array().and_then(|p| p.last()) {
         Some(p) => {
-            let phase = |k: &str| {
-                p[k].as_object()
-                    .and_then(|d| {
-                        let secs = d.get("secs")?.as_f64()?;
-                        let nanos = d.get("nanos")?.as_f64()?;
-                        let reaped = p["reaped_at"].as_object()?;
-                        let r =
-                            reaped.get("secs")?.as_f64()? + reaped.get("nanos")?.as_f64()? / 1e9;
-                        Some(format!("{:.3} ms", (secs + nanos / 1e9 - r) * 1e3))
-                    })
-                    .unwrap_or_else(|| "-".into())
+            // Phases from the first sign of the death, in wall-clock µs.
+            let death = p["death_unix_us"].as_u64();
+            let phase = |k: &str| match (death, p[k].as_u64()) {
+                (Some(d), Some(t)) => format!("{:.3} ms", t.saturating_sub(d) as f64 / 1e3),
+                _ => "-".into(),
             };
             println!(
-                "  last failover #{}: slot {} -> {} ({}, {}): reaped → lock {}, reaped → ready {}",
+                "  last failover #{}: slot {} -> {} ({}, {}): death seen by {}; death → reap {}, → lock {}, → ready {}; total {}",
                 str_of(&p["number"]),
                 str_of(&p["from"]),
                 str_of(&p["to"]),
                 str_of(&p["exit"]),
                 str_of(&p["class"]),
-                phase("lock_at"),
-                phase("ready_at")
+                str_of(&p["death_seen"]),
+                phase("reaped_unix_us"),
+                phase("lock_unix_us"),
+                phase("ready_unix_us"),
+                last_total_ms(&v)
             );
         }
         None => println!("  no failover yet"),

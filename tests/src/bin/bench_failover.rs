@@ -9,7 +9,10 @@
 //! - shim overhead: `READY=1` sent by the engine → seen by the shim (the
 //!   only part of the path the shim adds: the kernel hands the lock over
 //!   without it);
-//! - reap: SIGKILL → the shim reaped the dead engine.
+//! - reap: SIGKILL → the shim reaped the dead engine;
+//! - promotion total: what `state.json` (`total_ms`) and `shadowctl` show,
+//!   death seen by the shim → `READY=1`; it should match end to end less
+//!   the SIGKILL → death seen part, printed last.
 //!
 //! Prints p50/p99 of each; no figure is asserted.
 
@@ -67,6 +70,7 @@ fn main() {
     let step = Duration::from_millis(1);
     let (mut e2e, mut engine_t, mut handoff, mut shim, mut reap) =
         (vec![], vec![], vec![], vec![], vec![]);
+    let (mut total, mut death) = (vec![], vec![]);
     let mut st = env.wait_protected(&cd, id, long);
     for round in 0..rounds {
         let slot = st["pair"]["active"].as_u64().expect("active") as usize;
@@ -95,6 +99,10 @@ fn main() {
         handoff.push((a.lock_us as f64 - k) / 1e3);
         shim.push((ready_seen - a.ready_us as f64) / 1e3);
         reap.push((reaped - k) / 1e3);
+        // Absent from a shim that predates the field: NaN, printed as such.
+        total.push(p["total_ms"].as_f64().unwrap_or(f64::NAN));
+        let death_seen = p["death_unix_us"].as_u64().map_or(f64::NAN, |d| d as f64);
+        death.push((death_seen - k) / 1e3);
         // Let the respawned shadow settle, as between real failures.
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -105,6 +113,8 @@ fn main() {
         ("engine: lock taken → READY sent", &mut engine_t),
         ("shim overhead: READY sent → seen", &mut shim),
         ("reap: SIGKILL → shim reaped", &mut reap),
+        ("promotion total (state.json total_ms)", &mut total),
+        ("SIGKILL → death seen by shim", &mut death),
     ] {
         println!(
             "  {name:<45} p50 {:>8.3} ms   p99 {:>8.3} ms",
