@@ -354,9 +354,16 @@ impl Pair {
         }
     }
 
+    /// An active engine with a parked shadow, both with their pids known
+    /// (an engine may speak before runc reports its pid).
     fn protected(&self) -> bool {
         match self.active {
-            Some(a) => self.slot(a.other()).state == EngineState::Parked,
+            Some(a) => {
+                let shadow = self.slot(a.other());
+                shadow.state == EngineState::Parked
+                    && shadow.pid.is_some()
+                    && self.slot(a).pid.is_some()
+            }
             None => false,
         }
     }

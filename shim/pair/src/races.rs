@@ -147,8 +147,14 @@ fn an_engine_that_speaks_before_its_spawn_is_reported_keeps_what_it_said() {
     let generation = p.slot(S0).generation;
     // runc has not returned yet; the engine already runs and parks.
     notified(&mut p, S0, parked(), 1);
+    p.handle(Event::Spawned { slot: S1, pid: 9 }, t(1));
+    notified(&mut p, S1, Notification::Ready, 1);
     assert_eq!(p.slot(S0).state, EngineState::Parked);
     assert_eq!(p.slot(S0).pid, None);
+    assert!(
+        !p.snapshot().protected,
+        "not before the shadow's pid is known"
+    );
     assert!(p.awaits_pid(S0, generation));
     assert!(!p.awaits_pid(S0, generation - 1), "a stale spawn");
     assert!(p
@@ -156,6 +162,7 @@ fn an_engine_that_speaks_before_its_spawn_is_reported_keeps_what_it_said() {
         .is_empty());
     assert_eq!(p.slot(S0).state, EngineState::Parked);
     assert_eq!(p.slot(S0).pid, Some(7));
+    assert!(p.snapshot().protected);
     assert!(!p.awaits_pid(S0, generation), "reported once");
     // A second report of the same spawn changes nothing.
     p.handle(Event::Spawned { slot: S0, pid: 8 }, t(3));
