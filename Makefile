@@ -7,7 +7,9 @@
 #   make test        deps + lint + build + every test, integration tests included
 #   make demo        SIGKILL under load: cold restart (runc-v2) vs shadow pair, table + chart
 #   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
-#   make install     release binaries to $(PREFIX)/bin
+#   make install     shim, shadowctl, gmsd, hook to $(PREFIX)/bin (+ /etc/containerd/shadow.toml if absent)
+#   make uninstall   remove them again
+#   make example     build the guide's engine image offline and import it (ctr)
 # CI runs `bash .ci/run`, which runs `make test`.
 
 SHELL := /bin/bash
@@ -24,11 +26,15 @@ BINDIR := $(PREFIX)/bin
 DEB_PACKAGES := containerd runc busybox-static podman bsdutils procps util-linux \
                 coreutils gcc libc6-dev pkg-config ca-certificates protobuf-compiler
 
-# Release binaries `make install` copies, those that exist (gms/ and
-# oci-hooks/ add theirs as they land).
-INSTALL_BINS := containerd-shim-shadow-v1 gmsd shadow-oci-hook
+# What `make install` puts in $(BINDIR): the shim, its operator tool, the
+# GMS daemon the shim starts per pair, and the OCI hook for other runtimes.
+# Taken from $(INSTALL_FROM); cargo runs only when one of them is missing.
+INSTALL_BINS := containerd-shim-shadow-v1 shadowctl gmsd shadow-oci-hook
+INSTALL_FROM ?= target/release
+# The shim's config file; installed only where none exists yet.
+CONFDIR ?= /etc/containerd
 
-.PHONY: deps build release lint test demo bench-recovery bench-shim bench-failover install check-root check-cargo
+.PHONY: deps build release lint test demo bench-recovery bench-shim bench-failover install uninstall example check-root check-cargo
 
 check-root:
 	@if [ "$$(id -u)" != 0 ]; then echo "this target needs root (containerd, runc, mounts)" >&2; exit 1; fi
@@ -88,11 +94,38 @@ bench-shim: deps release
 bench-failover: deps release
 	$(CARGO) run -q --release -p shadow-tests --bin bench-failover -- 60
 
-install: check-root release
+install: check-root
+	@for b in $(INSTALL_BINS); do \
+	  if [ ! -x $(INSTALL_FROM)/$$b ]; then \
+	    if [ "$(INSTALL_FROM)" != target/release ]; then echo "install: no $(INSTALL_FROM)/$$b" >&2; exit 1; fi; \
+	    $(MAKE) --no-print-directory release; break; \
+	  fi; \
+	done
 	@install -d $(BINDIR)
 	@for b in $(INSTALL_BINS); do \
-	  if [ -f target/release/$$b ]; then install -m 0755 target/release/$$b $(BINDIR)/$$b && echo "installed $(BINDIR)/$$b"; fi; \
+	  install -m 0755 $(INSTALL_FROM)/$$b $(BINDIR)/$$b && echo "installed $(BINDIR)/$$b"; \
 	done
+	@if [ -e $(CONFDIR)/shadow.toml ]; then \
+	  echo "kept $(CONFDIR)/shadow.toml"; \
+	else \
+	  install -D -m 0644 config/shadow.toml $(CONFDIR)/shadow.toml && echo "installed $(CONFDIR)/shadow.toml"; \
+	fi
+
+# Removes the binaries; the config file stays (it may hold the operator's edits).
+uninstall: check-root
+	@for b in $(INSTALL_BINS); do rm -f $(BINDIR)/$$b && echo "removed $(BINDIR)/$$b"; done
+
+# The operator guide's engine image (docs/operator-ctr.md), built offline from
+# busybox-static and the reference engine, imported as shadow-example:latest.
+# CTR names the client (e.g. CTR="ctr --address /run/other.sock").
+CTR ?= ctr
+EXAMPLE_PROFILE ?= release
+EXAMPLE_OUT ?= target/example
+example: deps check-cargo
+	$(CARGO) build -q $(if $(filter release,$(EXAMPLE_PROFILE)),--release) -p shadow-engine
+	$(CARGO) build -q -p shadow-tests --bin shadow-example-image
+	archive=$$(./target/debug/shadow-example-image --engine target/$(EXAMPLE_PROFILE)/shadow-engine --out $(EXAMPLE_OUT)) && \
+	  $(CTR) images import "$$archive"
 
 # --- gms targets (fuzz, bench-gms) go below this line ---
 .PHONY: fuzz bench-gms

@@ -115,6 +115,16 @@ impl Error {
     }
 }
 
+impl From<shadow_contract::annotations::AnnotationError> for Error {
+    fn from(e: shadow_contract::annotations::AnnotationError) -> Self {
+        Error::Annotation {
+            key: e.key,
+            value: e.value,
+            allowed: e.allowed,
+        }
+    }
+}
+
 impl From<Error> for ttrpc::Error {
     fn from(e: Error) -> Self {
         ttrpc::Error::RpcStatus(ttrpc::get_status(e.code(), e.to_string()))

@@ -29,7 +29,7 @@ use containerd_shim_protos::types::task::Status as ProtoStatus;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec, Spec};
 use tokio::sync::Mutex;
 
-use crate::annotations::ShadowAnnotations;
+use crate::annotations::{Pairing, ShadowAnnotations};
 use crate::container::{Container, ExitInfo, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};

@@ -34,6 +34,7 @@ pub struct ContainerdBuilder {
     shim_profile: &'static str,
     namespace: Option<String>,
     config_append: String,
+    env: Vec<(String, String)>,
 }
 
 impl Default for ContainerdBuilder {
@@ -43,6 +44,7 @@ impl Default for ContainerdBuilder {
             shim_profile: "debug",
             namespace: None,
             config_append: String::new(),
+            env: Vec::new(),
         }
     }
 }
@@ -73,6 +75,14 @@ impl ContainerdBuilder {
     /// only known at start.
     pub fn config_append(mut self, toml: impl Into<String>) -> Self {
         self.config_append.push_str(&toml.into());
+        self
+    }
+
+    /// An environment variable for containerd, and so for every shim it
+    /// starts (`SHADOW_CONFIG`, as a host without systemd would set it);
+    /// `@DIR@` in the value becomes the test's temp dir.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.push((key.into(), value.into()));
         self
     }
 
@@ -107,6 +117,11 @@ impl ContainerdBuilder {
             rootfs,
             namespace,
             shim,
+            env: self
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.replace("@DIR@", &base.display().to_string())))
+                .collect(),
             daemon: None,
             ids: Mutex::new(BTreeSet::new()),
             dir: Some(dir),
@@ -138,6 +153,7 @@ pub struct Containerd {
     rootfs: PathBuf,
     namespace: String,
     shim: Result<PathBuf>,
+    env: Vec<(String, String)>,
     daemon: Option<Spawned>,
     ids: Mutex<BTreeSet<String>>,
     // Last, and an Option: removed by hand at the end of cleanup.
@@ -359,6 +375,7 @@ disabled_plugins = [{disabled}]
             "PATH",
             format!("{}:{path}", self.base.join("bin").display()),
         );
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         let mut daemon = Spawned::start_logged(
             cmd,
             format!("containerd --config {}", self.config.display()),

@@ -76,6 +76,31 @@ impl Ctr {
         Spawned::start(self.command(args), Self::describe(args), with_stdin)
     }
 
+    /// Start `ctr run …` that a test will stop with a signal to ctr itself
+    /// (as Nomad's raw_exec does). `ctr run` forwards signals to the task
+    /// only from the moment its Start returned; before that a SIGTERM ends
+    /// ctr and leaves the task running. That moment is made visible: ctr
+    /// starts with SIGINT ignored, and Go installs a handler for an ignored
+    /// SIGINT only when ctr asks for every signal (`signal.Notify`), so
+    /// [`forwards_signals`] turns true exactly when forwarding is on.
+    pub fn spawn_signal_proxy<S: AsRef<str>>(&self, args: &[S]) -> Result<Spawned> {
+        let mut cmd = self.command(args);
+        // SAFETY: runs between fork and exec; signal(2) is async-signal-safe
+        // and SIG_IGN survives exec, which is the point.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                nix::sys::signal::signal(
+                    nix::sys::signal::Signal::SIGINT,
+                    nix::sys::signal::SigHandler::SigIgn,
+                )
+                .map(drop)
+                .map_err(std::io::Error::from)
+            });
+        }
+        Spawned::start(cmd, Self::describe(args), false)
+    }
+
     /// Start `ctr <args>` with a terminal on its side (needed by `ctr run -t`),
     /// through `script(1)` from bsdutils, which allocates a pty and relays it.
     pub fn spawn_tty<S: AsRef<str>>(&self, args: &[S]) -> Result<Spawned> {
@@ -139,4 +164,17 @@ pub(crate) fn shell_quote(s: &str) -> String {
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
     }
+}
+
+/// Whether the process `pid`, started by [`Ctr::spawn_signal_proxy`], has
+/// turned signal forwarding on (its SIGINT is no longer ignored).
+pub fn forwards_signals(pid: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let ignored = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok());
+    matches!(ignored, Some(mask) if mask & (1 << (libc::SIGINT - 1)) == 0)
 }

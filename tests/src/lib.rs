@@ -27,7 +27,7 @@ mod process;
 mod rootfs;
 
 pub use containerd::{Container, Containerd, ContainerdBuilder, RUNC_STATE_ROOT};
-pub use ctr::{Ctr, Output};
+pub use ctr::{forwards_signals, Ctr, Output};
 pub use error::Error;
 pub use image::OciImage;
 pub use leftovers::{mounts_under, our_processes, shim_socket_paths, Leftover};

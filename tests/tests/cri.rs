@@ -13,6 +13,7 @@
 //! the `k8s.io` cgroups: do not run it on a node that serves a real kubelet.
 
 use serde_json::Value;
+use shadow_contract::state::PairState;
 use shadow_tests::cri::{self, v1::ContainerState, Cri};
 use shadow_tests::pair::{ask, free_port, install_binary, until, PairEnv};
 use shadow_tests::{mounts_under, our_processes, Containerd, OciImage, Rootfs, SHIM_BINARY};
@@ -188,7 +189,7 @@ fn the_nomad_raw_exec_ctr_command_runs_a_pair_from_an_image() {
         }
     }
     assert!(args.contains(&"--rm".to_owned()), "{args:?}");
-    let mut ctr = cd.ctr().spawn(&args, false).expect("ctr run");
+    let mut ctr = cd.ctr().spawn_signal_proxy(&args).expect("ctr run");
     let st = until("pair protected, ctr running", LONG, STEP, || {
         assert!(
             !ctr.has_exited(),
@@ -196,8 +197,7 @@ fn the_nomad_raw_exec_ctr_command_runs_a_pair_from_an_image() {
             ctr.stdout_so_far(),
             ctr.stderr_so_far()
         );
-        env.state(&cd, id)
-            .filter(|v| v["pair"]["protected"] == true)
+        env.state(&cd, id).filter(|v| v.pair.protected)
     });
     let (slot, pid) = active_of(&st);
     let first = until("the active engine to answer", LONG, STEP, || ask(port));
@@ -210,7 +210,11 @@ fn the_nomad_raw_exec_ctr_command_runs_a_pair_from_an_image() {
         cd.ctr().task_status(id).expect("task ls").as_deref(),
         Some("RUNNING")
     );
-    // Nomad stops the job with SIGTERM to ctr, which forwards it to the task.
+    // Nomad stops the job with SIGTERM to ctr, which forwards it to the task
+    // once its Start has returned (seen to lag the task's RUNNING under load).
+    until("ctr to forward signals", LONG, STEP, || {
+        shadow_tests::forwards_signals(ctr.pid()).then_some(())
+    });
     ctr.signal(libc::SIGTERM).expect("SIGTERM to ctr");
     let out = ctr.wait(LONG).expect("ctr run ends");
     // Not pinned to 143: after a failover the task has been seen to report
@@ -242,10 +246,10 @@ fn pair_env(cd: &Containerd, state: &StateDir) -> PairEnv {
     }
 }
 
-fn active_of(st: &Value) -> (usize, u32) {
-    let slot = st["pair"]["active"].as_u64().expect("active slot") as usize;
-    let pid = st["pids"][slot].as_u64().expect("active pid") as u32;
-    (slot, pid)
+fn active_of(st: &PairState) -> (usize, u32) {
+    let slot = st.pair.active.expect("active slot");
+    let pid = st.pid_of(slot).expect("active pid");
+    (usize::from(slot), pid)
 }
 
 #[test]
@@ -350,7 +354,7 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
         STEP,
         || {
             env.state(&cd, &cid)
-                .filter(|v| v["pair"]["protected"] == true && v["pair"]["active"] == 1 - slot)
+                .filter(|v| v.pair.protected && v.pair.active.map(usize::from) == Some(1 - slot))
         },
     );
     let status = cri.container_status(&cid).expect("status");

@@ -31,6 +31,7 @@ use nix::sys::socket::{
     SockaddrIn,
 };
 use serde_json::{json, Value};
+use shadow_contract::env;
 use shadow_engine::model::{generate, verify, Model};
 use shadow_engine::{Error, Result};
 
@@ -52,7 +53,7 @@ fn now_us() -> u128 {
 
 fn notify(msg: &str) {
     // Optional by the contract: no socket, or a full one, only loses the hint.
-    if let Some(path) = std::env::var_os("NOTIFY_SOCKET") {
+    if let Some(path) = std::env::var_os(env::NOTIFY_SOCKET) {
         if let Ok(s) = UnixDatagram::unbound() {
             let _ = s.send_to(msg.as_bytes(), PathBuf::from(path));
         }
@@ -108,7 +109,7 @@ fn gms_err(what: &'static str) -> impl FnOnce(gms::Error) -> Error {
 
 /// Attach the weights: through GMS when its socket is there, else privately.
 fn attach(file: &Path, slot: &str, kv_bytes: u64) -> Result<(Source, Option<KvCache>)> {
-    let socket = std::env::var_os("GMS_SOCKET_DIR").map(|d| host_socket(Path::new(&d)));
+    let socket = std::env::var_os(env::GMS_SOCKET_DIR).map(|d| host_socket(Path::new(&d)));
     let Some(socket) = socket.filter(|s| s.exists()) else {
         let bytes = std::fs::read(file).map_err(io("read weights", file))?;
         verify(&bytes, file)?;
@@ -232,7 +233,7 @@ fn serve(args: Args) -> Result<()> {
             std::process::exit(143);
         }
     });
-    let slot = std::env::var("SHADOW_ENGINE_ID").unwrap_or_else(|_| "-".into());
+    let slot = std::env::var(env::ENGINE_ID).unwrap_or_else(|_| "-".into());
     let boot_us = now_us();
     let t0 = Instant::now();
     let kv_bytes = args.kv_mib << 20;
@@ -258,7 +259,7 @@ fn serve(args: Args) -> Result<()> {
     bind(sock.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port)).map_err(|e| sockerr("bind", e))?;
     notify("STATUS=parked");
 
-    let _held = match std::env::var_os("SHADOW_LOCK_PATH") {
+    let _held = match std::env::var_os(env::LOCK_PATH) {
         Some(p) => {
             let path = PathBuf::from(p);
             let f = std::fs::File::open(&path).map_err(io("open lock", &path))?;

@@ -295,29 +295,24 @@ fn shim_arm(
     // engine once it serves.
     let protected = ready
         && poll(Duration::from_secs(600), || {
-            env.state(cd, id)
-                .filter(|v| single || v["pair"]["protected"] == true)
+            env.state(cd, id).filter(|v| single || v.pair.protected)
         })
         .is_some();
     let result = if protected {
         let (samples, kills_ms, kills_unix) = drive(o, w, || {
             let st = env.state(cd, id)?;
-            let slot = st["pair"]["active"].as_u64()? as usize;
-            let pid = st["pids"][slot].as_u64()? as u32;
+            let pid = st.active_pid()?;
             let t = (Instant::now(), now_unix_us());
             sigkill(pid).then_some(t)
         });
         // READY of each promotion as the shim recorded it.
-        let promotions = env
-            .state(cd, id)
-            .and_then(|v| v["promotions"].as_array().cloned())
-            .unwrap_or_default();
+        let promotions = env.state(cd, id).map(|v| v.promotions).unwrap_or_default();
         let promotion_ready_ms = kills_unix
             .iter()
             .filter_map(|&k| {
                 promotions
                     .iter()
-                    .filter_map(|p| p["ready_unix_us"].as_u64())
+                    .filter_map(|p| p.ready_unix_us)
                     .find(|&r| r as u128 > k)
                     .map(|r| (r as u128 - k) as f64 / 1e3)
             })

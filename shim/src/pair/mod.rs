@@ -19,6 +19,7 @@ pub mod publish;
 #[cfg(test)]
 mod races;
 pub mod spec;
+pub mod state_file;
 pub mod supervisor;
 pub mod xid;
 
@@ -108,7 +109,7 @@ impl PairDirs {
 const SUN_PATH_MAX: usize = 107;
 /// Longest socket below a pair directory without GPUs:
 /// `/gms/gms-host.sock` and `/pair/notify.sock`.
-pub const HOST_SOCKETS: usize = "/gms/gms-host.sock".len();
+pub const HOST_SOCKETS: usize = "/gms/".len() + shadow_contract::paths::GMS_HOST_SOCKET.len();
 /// … and with GPUs: `/gms/gms-GPU-<36-character UUID>.sock`.
 pub const CUDA_SOCKETS: usize = "/gms/gms-GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.sock".len();
 
@@ -301,8 +302,8 @@ impl PairedContainer {
             )));
         }
 
-        let lock_file = lock::create_lock_file(&dirs.pair.join("engine.lock"))?;
-        let notify = NotifySocket::bind(&dirs.pair.join("notify.sock"))?;
+        let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
+        let notify = NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::NOTIFY_FILE))?;
 
         let pins = if spec::needs_pinned_namespaces(&spec) {
             let p = PinnedNamespaces::pin(&dirs.ns)?;

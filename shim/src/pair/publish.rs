@@ -1,18 +1,21 @@
 //! What a pair shows the world: the [`View`] the Task service reads,
 //! `state.json` (for `shadowctl`, tests and operators) and the metrics
-//! textfile. The state file's types live here, in one place, so that the
-//! schema has one definition; files are rewritten only when the pair's
-//! revision (a counter kept by `shadow_pair::Pair`), the promotion records
-//! or the gmsd status moved — never on a timer.
+//! textfile. This is the one writer of both files; the state file's schema
+//! is `shadow_contract::state` (mapped from the pair's values by
+//! `state_file`). Files are rewritten only when the pair's revision (a
+//! counter kept by `shadow_pair::Pair`), the promotion records or the gmsd
+//! status moved — never on a timer.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
+use shadow_contract::state::{PairState, PromotionRecord};
 use shadow_pair::metrics::GmsFigures;
-use shadow_pair::{Pair, Promotion, SlotId, Snapshot};
+use shadow_pair::{Pair, Promotion, SlotId};
 use tokio::sync::watch;
+
+use super::state_file;
 
 use crate::container::ExitInfo;
 
@@ -25,37 +28,6 @@ pub struct View {
     pub pids: [Option<u32>; 2],
     pub active: Option<SlotId>,
     pub exit: Option<ExitInfo>,
-}
-
-/// One promotion as `state.json` keeps it: the pair's timeline (since the
-/// supervisor started) plus wall clock times, for tools that took their
-/// own time of the kill.
-#[derive(Debug, Clone, Serialize)]
-pub struct PromotionRecord {
-    #[serde(flatten)]
-    pub promotion: Promotion,
-    /// The first sign of the old active's death.
-    pub death_unix_us: u64,
-    pub reaped_unix_us: u64,
-    pub lock_unix_us: Option<u64>,
-    pub ready_unix_us: Option<u64>,
-    /// Death observed → READY=1 (→ lock for engines without sd_notify).
-    pub total_ms: Option<f64>,
-}
-
-/// The content of `state.json`.
-#[derive(Debug, Serialize)]
-pub struct StateFile<'a> {
-    pub namespace: &'a str,
-    pub id: &'a str,
-    pub pid: u32,
-    pub pids: [Option<u32>; 2],
-    pub runc_ids: [&'a str; 2],
-    pub pair: &'a Snapshot,
-    pub promotions: &'a VecDeque<PromotionRecord>,
-    pub gms: Option<serde_json::Value>,
-    pub exit_status: Option<u32>,
-    pub updated_unix_us: u64,
 }
 
 pub fn unix_us(t: SystemTime) -> u64 {
@@ -161,7 +133,7 @@ impl Publisher {
             lock_unix_us: p.lock_at.map(|d| self.wall(d)),
             ready_unix_us: p.ready_at.map(|d| self.wall(d)),
             total_ms: p.total().map(|d| d.as_secs_f64() * 1e3),
-            promotion: p,
+            promotion: state_file::promotion(&p),
         };
         self.promotions.push_back(rec);
         while self.promotions.len() > self.promotions_kept {
@@ -193,15 +165,15 @@ impl Publisher {
             return;
         }
         let snap = pair.snapshot();
-        let state = StateFile {
-            namespace: &self.namespace,
-            id: &self.id,
+        let state = PairState {
+            namespace: self.namespace.clone(),
+            id: self.id.clone(),
             pid: self.last_pid,
             pids,
-            runc_ids: [&self.runc_ids[0], &self.runc_ids[1]],
-            pair: &snap,
-            promotions: &self.promotions,
-            gms: key.2.clone(),
+            runc_ids: self.runc_ids.clone(),
+            pair: state_file::snapshot(&snap),
+            promotions: self.promotions.iter().cloned().collect(),
+            gms: key.2.clone().and_then(state_file::gms),
             exit_status: self.exit_status,
             updated_unix_us: unix_us(SystemTime::now()),
         };

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use nix::sys::signal::Signal;
-use serde_json::Value;
+use shadow_contract::state::{DeathSign, EngineState, Exit as FileExit, PairState};
 use shadow_pair::SlotId;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -187,8 +187,7 @@ impl Rig {
             rig.say(pid, "STATUS=parked");
         }
         rig.say(rig.pids()[0], "READY=1");
-        rig.until("protected", |s| s["pair"]["protected"] == true)
-            .await;
+        rig.until("protected", |s| s.pair.protected).await;
         rig
     }
 
@@ -205,21 +204,18 @@ impl Rig {
         let _ = self.input.send(Input::Notify(d, Instant::now()));
     }
 
-    fn state(&self) -> Value {
-        std::fs::read_to_string(&self.state_json)
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or(Value::Null)
+    fn state(&self) -> Option<PairState> {
+        PairState::read(&self.state_json).ok()
     }
 
-    async fn until(&self, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    async fn until(&self, what: &str, ok: impl Fn(&PairState) -> bool) -> PairState {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let st = self.state();
-            if ok(&st) {
-                return st;
+            if let Some(st) = st.as_ref().filter(|s| ok(s)) {
+                return st.clone();
             }
-            assert!(Instant::now() < deadline, "{what}: {st:#}");
+            assert!(Instant::now() < deadline, "{what}: {st:#?}");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -236,36 +232,34 @@ async fn ready_before_the_reap_is_recorded_against_the_reapers_time() {
     rig.say(shadow, "READY=1");
     let st = rig
         .until("superseded", |s| {
-            s["pair"]["slots"][0]["state"] == "superseded"
+            s.pair.slots[0].state == EngineState::Superseded
         })
         .await;
-    assert_eq!(st["pair"]["active"], 1);
-    assert_eq!(st["pid"], shadow, "State.pid is the new active at once");
-    assert!(st["promotions"].as_array().is_some_and(Vec::is_empty));
+    assert_eq!(st.pair.active, Some(1));
+    assert_eq!(st.pid, shadow, "State.pid is the new active at once");
+    assert!(st.promotions.is_empty());
+    assert_eq!(st.pair.failovers, 0, "counted once complete");
     rig.host.reap(old, 137, died);
     let st = rig
         .until("promotion", |s| {
-            s["pair"]["failovers"] == 1 && s["promotions"][0].is_object()
+            s.pair.failovers == 1 && !s.promotions.is_empty()
         })
         .await;
-    let p = &st["promotions"][0];
-    assert_eq!(p["death_seen"], "reap");
-    let total = p["total_ms"].as_f64().expect("total");
+    let p = &st.promotions[0];
+    assert_eq!(p.promotion.death_seen, DeathSign::Reap);
+    let total = p.total_ms.expect("total");
     assert!((25.0..1000.0).contains(&total), "death → READY {total} ms");
-    assert_eq!(p["death_unix_us"], p["reaped_unix_us"]);
-    let ready = p["ready_unix_us"].as_u64().expect("ready");
-    let reaped = p["reaped_unix_us"].as_u64().expect("reaped");
-    assert!(ready > reaped + 25_000, "{p}");
+    assert_eq!(p.death_unix_us, p.reaped_unix_us);
+    let ready = p.ready_unix_us.expect("ready");
+    assert!(ready > p.reaped_unix_us + 25_000, "{p:?}");
     // The old slot is respawned and parks behind the new active.
     let st = rig
         .until("respawned", |s| {
-            s["pair"]["slots"][0]["generation"] == 2 && s["pids"][0].is_u64()
+            s.pair.slots[0].generation == 2 && s.pids[0].is_some()
         })
         .await;
-    let new = st["pids"][0].as_u64().expect("pid") as u32;
-    rig.say(new, "STATUS=parked");
-    rig.until("protected again", |s| s["pair"]["protected"] == true)
-        .await;
+    rig.say(st.pids[0].unwrap_or(0), "STATUS=parked");
+    rig.until("protected again", |s| s.pair.protected).await;
 }
 
 #[tokio::test]
@@ -282,17 +276,18 @@ async fn an_engine_that_speaks_and_dies_before_its_spawn_is_reported() {
     rig.host.reap(old, 137, SystemTime::now());
     rig.say(shadow, "READY=1");
     // Generation 2 parked and died before runc returned; generation 3
-    // is spawned for the useful life it had.
-    rig.until("third generation", |s| {
-        s["pair"]["slots"][0]["generation"] == 3 && s["pair"]["active"] == 1
-    })
-    .await;
-    let st = rig.state();
-    assert_eq!(st["pair"]["slots"][0]["last_exit"]["signal"], 9, "{st:#}");
+    // is spawned at once for the useful life it had.
+    let st = rig
+        .until("third generation", |s| {
+            s.pair.slots[0].generation == 3 && s.pair.active == Some(1)
+        })
+        .await;
     assert_eq!(
-        st["pair"]["failovers"], 1,
-        "a shadow's death is no failover"
+        st.pair.slots[0].last_exit,
+        Some(FileExit::Signal(9)),
+        "{st:#?}"
     );
+    assert_eq!(st.pair.failovers, 1, "a shadow's death is no failover");
     assert!(rig.host.signals().is_empty(), "nothing was killed");
 }
 
@@ -303,15 +298,13 @@ async fn a_kill_during_a_promotion_kills_the_respawn_on_arrival_and_exits_once()
     rig.say(shadow, "READY=1");
     rig.host.reap(old, 137, SystemTime::now());
     rig.until("respawn asked for", |s| {
-        s["pair"]["slots"][0]["state"] == "spawning" && s["promotions"][0].is_object()
+        s.pair.slots[0].state == EngineState::Spawning && !s.promotions.is_empty()
     })
     .await;
     // Kill while slot 0's respawn is in flight (the fake's runc is slow).
     let _ = rig.input.send(Input::Kill { signal: 15 });
-    let st = rig
-        .until("respawn reported", |s| s["pids"][0].is_u64())
-        .await;
-    let respawn = st["pids"][0].as_u64().expect("pid") as u32;
+    let st = rig.until("respawn reported", |s| s.pids[0].is_some()).await;
+    let respawn = st.pids[0].unwrap_or(0);
     let deadline = Instant::now() + Duration::from_secs(5);
     while !rig.host.signals().contains(&(respawn, Signal::SIGKILL)) {
         assert!(Instant::now() < deadline, "{:?}", rig.host.signals());
@@ -328,7 +321,7 @@ async fn a_kill_during_a_promotion_kills_the_respawn_on_arrival_and_exits_once()
         .expect("view")
         .clone();
     assert_eq!(v.exit.map(|e| e.status), Some(143), "the active's status");
-    let st = rig.state();
-    assert_eq!(st["exit_status"], 143);
-    assert_eq!(st["promotions"][0]["to"], 1);
+    let st = rig.state().expect("state.json");
+    assert_eq!(st.exit_status, Some(143));
+    assert_eq!(st.promotions[0].promotion.to, Some(1));
 }

@@ -73,8 +73,8 @@ fn main() {
     let (mut total, mut death) = (vec![], vec![]);
     let mut st = env.wait_protected(&cd, id, long);
     for round in 0..rounds {
-        let slot = st["pair"]["active"].as_u64().expect("active") as usize;
-        let pid = st["pids"][slot].as_u64().expect("pid") as i32;
+        let slot = st.pair.active.expect("active");
+        let pid = st.pid_of(slot).expect("pid") as i32;
         let killed_at = now_us();
         // SAFETY: kill(2) of the active engine's pid from state.json.
         unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -82,27 +82,20 @@ fn main() {
             ask(port).filter(|a| a.slot != slot.to_string())
         });
         st = until("promotion recorded and protected", long, step, || {
-            env.state(&cd, id).filter(|v| {
-                v["pair"]["failovers"] == round as u64 + 1 && v["pair"]["protected"] == true
-            })
+            env.state(&cd, id)
+                .filter(|v| v.pair.failovers == round as u64 + 1 && v.pair.protected)
         });
-        let p = st["promotions"]
-            .as_array()
-            .and_then(|p| p.last())
-            .cloned()
-            .expect("promotion");
-        let ready_seen = p["ready_unix_us"].as_u64().expect("ready") as f64;
-        let reaped = p["reaped_unix_us"].as_u64().expect("reaped") as f64;
+        let p = st.promotions.last().expect("promotion");
+        let ready_seen = p.ready_unix_us.expect("ready") as f64;
+        let reaped = p.reaped_unix_us as f64;
         let k = killed_at as f64;
         e2e.push((ready_seen - k) / 1e3);
         engine_t.push((a.ready_us as f64 - a.lock_us as f64) / 1e3);
         handoff.push((a.lock_us as f64 - k) / 1e3);
         shim.push((ready_seen - a.ready_us as f64) / 1e3);
         reap.push((reaped - k) / 1e3);
-        // Absent from a shim that predates the field: NaN, printed as such.
-        total.push(p["total_ms"].as_f64().unwrap_or(f64::NAN));
-        let death_seen = p["death_unix_us"].as_u64().map_or(f64::NAN, |d| d as f64);
-        death.push((death_seen - k) / 1e3);
+        total.push(p.total_ms.unwrap_or(f64::NAN));
+        death.push((p.death_unix_us as f64 - k) / 1e3);
         // Let the respawned shadow settle, as between real failures.
         std::thread::sleep(Duration::from_millis(100));
     }

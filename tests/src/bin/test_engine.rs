@@ -14,6 +14,7 @@
 //! Flags: `--port N`, `--no-notify` (lock only), `--crash CODE` (exit with
 //! CODE right after start), `--weights-mib N`, `--seed N`.
 
+use shadow_contract::{env, paths};
 use std::io::Write;
 use std::net::TcpListener;
 use std::os::fd::OwnedFd;
@@ -34,7 +35,7 @@ fn now_us() -> u128 {
 }
 
 fn notify(msg: &str) {
-    if let Some(path) = std::env::var_os("NOTIFY_SOCKET") {
+    if let Some(path) = std::env::var_os(env::NOTIFY_SOCKET) {
         if let Ok(s) = UnixDatagram::unbound() {
             let _ = s.send_to(msg.as_bytes(), PathBuf::from(path));
         }
@@ -97,7 +98,7 @@ fn attach_gms(dir: &Path, slot: &str, mib: u64, seed: u64) -> Option<Weights> {
         let sum = checksum(&bytes[..n]);
         c.commit(std::slice::from_mut(&mut w))
             .unwrap_or_else(|e| fail("committing weights", e));
-        let log = Path::new("/run/shadow/pair/loads.log");
+        let log = Path::new(paths::PAIR_DIR).join("loads.log");
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -161,14 +162,14 @@ fn main() {
             std::process::exit(143);
         }
     });
-    let slot = std::env::var("SHADOW_ENGINE_ID").unwrap_or_else(|_| "?".into());
+    let slot = std::env::var(env::ENGINE_ID).unwrap_or_else(|_| "?".into());
     // Names this engine instance: its pid is 1 in its own pid namespace.
     let boot = now_us();
     if let Some(code) = crash {
         eprintln!("test-engine slot {slot}: crashing with {code}");
         std::process::exit(code);
     }
-    let weights = std::env::var_os("GMS_SOCKET_DIR")
+    let weights = std::env::var_os(env::GMS_SOCKET_DIR)
         .and_then(|d| attach_gms(Path::new(&d), &slot, mib, seed));
 
     // Bound now, listening only once active: connections reach the active.
@@ -190,8 +191,7 @@ fn main() {
     if speak {
         notify("STATUS=parked");
     }
-    let lock_path =
-        std::env::var("SHADOW_LOCK_PATH").unwrap_or_else(|_| "/run/shadow/pair/engine.lock".into());
+    let lock_path = std::env::var(env::LOCK_PATH).unwrap_or_else(|_| paths::LOCK_PATH.into());
     let lock = std::fs::File::open(&lock_path).unwrap_or_else(|e| fail(&lock_path, e));
     let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
         .unwrap_or_else(|(_, e)| fail("flock", e));
