@@ -176,9 +176,12 @@ impl FailureClass {
 pub enum DeathSign {
     /// The reaper collected it.
     Reap,
-    /// `/proc/locks` showed the election lock free.
+    /// The election lock seen let go: the kernel reported the lock file
+    /// closed (inotify) with the lock then free, or `/proc/locks` showed
+    /// it free.
     LockFree,
-    /// `/proc/locks` showed the successor holding the lock.
+    /// The successor seen holding the lock (right after the lock file's
+    /// close, or in `/proc/locks`).
     LockTaken,
     /// The successor said `READY=1`.
     Ready,

@@ -123,6 +123,10 @@ pub enum Event {
     LockHeld { slot: SlotId },
     /// `/proc/locks` shows nobody holding the election lock.
     LockFree,
+    /// The kernel reported the lock file closed for good (inotify): an
+    /// engine let go of it, dying or on purpose, which releases its flock.
+    /// `holder`: who `/proc/locks` showed holding the lock right after.
+    LockReleased { holder: Option<SlotId> },
     /// The reaper collected the engine of `slot` (`now`: the reaper's time).
     Exited { slot: SlotId, exit: Exit },
     /// A GMS daemon of the pair died.
@@ -404,6 +408,7 @@ impl Pair {
             Event::Notified { slot, notification } => self.on_notify(slot, notification, now),
             Event::LockHeld { slot } => self.on_lock(slot, now),
             Event::LockFree => self.on_lock_free(now),
+            Event::LockReleased { holder } => self.on_lock_released(holder, now),
             Event::Exited { slot, exit } => {
                 if !self.slot(slot).alive() {
                     // A stale or duplicate exit: nothing of ours was running.
@@ -551,6 +556,30 @@ impl Pair {
             h.sign(now, DeathSign::LockFree);
         }
         Vec::new()
+    }
+
+    /// The lock file was closed at `now`: if the serving engine no longer
+    /// holds the lock, that close was its end (the earliest sign there is).
+    fn on_lock_released(&mut self, holder: Option<SlotId>, now: Duration) -> Vec<Action> {
+        let serving = self
+            .active
+            .filter(|a| self.slot(*a).state == EngineState::Active);
+        if self.handover.is_none() && (serving.is_none() || holder == serving) {
+            // Nobody serves yet, or the active still holds it: the file was
+            // closed by someone else (a shadow that died, a reader).
+            return Vec::new();
+        }
+        match holder {
+            Some(slot) => self.on_lock(slot, now),
+            None => {
+                match (serving, self.handover.as_mut()) {
+                    (_, Some(h)) => h.sign(now, DeathSign::LockFree),
+                    (Some(a), None) => self.supersede(a, now, DeathSign::LockFree),
+                    (None, None) => {}
+                }
+                Vec::new()
+            }
+        }
     }
 
     fn become_active(&mut self, slot: SlotId) {

@@ -354,3 +354,75 @@ fn the_revision_moves_only_when_the_pair_changes() {
     );
     assert_eq!(p.revision(), r + 2);
 }
+
+#[test]
+fn the_lock_file_closed_dates_the_death_before_ready_and_reap() {
+    let mut p = serving();
+    // inotify: the dead active's lock file closed at 1000; /proc/locks,
+    // read when the supervisor handled it, already shows the successor.
+    // READY=1 was handled first.
+    notified(&mut p, S1, Notification::Ready, 1003);
+    assert!(p
+        .handle(Event::LockReleased { holder: Some(S1) }, t(1000))
+        .is_empty());
+    let pr = promoted(&p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: KILL,
+        },
+        t(1002),
+    ));
+    assert_eq!(
+        (pr.death_at, pr.death_seen),
+        (t(1000), DeathSign::LockTaken)
+    );
+    assert_eq!(pr.lock_at, Some(t(1000)));
+    assert_eq!(pr.total(), Some(t(3)));
+    // Handled before READY=1, with the lock still free.
+    let mut p = serving();
+    assert!(p
+        .handle(Event::LockReleased { holder: None }, t(1000))
+        .is_empty());
+    assert_eq!(p.slot(S0).state, EngineState::Superseded);
+    assert_eq!(p.active(), None);
+    notified(&mut p, S1, Notification::Ready, 1004);
+    let pr = promoted(&p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: KILL,
+        },
+        t(1003),
+    ));
+    assert_eq!((pr.death_at, pr.death_seen), (t(1000), DeathSign::LockFree));
+    assert_eq!(pr.total(), Some(t(4)));
+}
+
+#[test]
+fn a_lock_file_closed_while_the_active_holds_the_lock_is_someone_elses() {
+    let mut p = serving();
+    let r = p.revision();
+    // The parked shadow dies: its close comes first, then its reap.
+    assert!(p
+        .handle(Event::LockReleased { holder: Some(S0) }, t(50))
+        .is_empty());
+    assert_eq!(p.revision(), r);
+    assert_eq!(p.active(), Some(S0));
+    assert_eq!(
+        p.handle(
+            Event::Exited {
+                slot: S1,
+                exit: KILL
+            },
+            t(51)
+        ),
+        vec![Action::Spawn { slot: S1 }]
+    );
+    // Before anyone serves, a close says nothing either.
+    let mut p = Pair::new(RestartPolicy::default());
+    p.start();
+    p.handle(Event::Spawned { slot: S0, pid: 1 }, t(0));
+    assert!(p
+        .handle(Event::LockReleased { holder: None }, t(1))
+        .is_empty());
+    assert_eq!(p.slot(S0).state, EngineState::Starting);
+}

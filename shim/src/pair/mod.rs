@@ -412,6 +412,7 @@ impl PairedContainer {
             events: rt.events.clone(),
             view: view_tx,
             notify: Some(notify),
+            lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
             state_json: dirs.state_json.clone(),
             metrics_dir: cfg.metrics_dir.clone(),
             gms,

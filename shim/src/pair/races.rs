@@ -166,6 +166,7 @@ impl Rig {
             events,
             view: view_tx,
             notify: None,
+            lock_path: None,
             state_json: dir.path().join("state.json"),
             metrics_dir: dir.path().to_path_buf(),
             gms: None,

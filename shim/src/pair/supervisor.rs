@@ -54,6 +54,8 @@ pub enum Input {
         at: SystemTime,
     },
     Notify(Datagram, Instant),
+    /// The lock file was closed for good (inotify), at this time.
+    LockClosed(Instant),
     Backoff {
         slot: SlotId,
     },
@@ -81,6 +83,8 @@ pub struct Parts {
     pub events: EventSink,
     pub view: watch::Sender<View>,
     pub notify: Option<NotifySocket>,
+    /// The election lock file, watched for closes (inotify).
+    pub lock_path: Option<PathBuf>,
     pub state_json: PathBuf,
     pub metrics_dir: PathBuf,
     pub gms: Option<GmsDaemon>,
@@ -100,6 +104,7 @@ pub struct Supervisor {
     router: Arc<ExitRouter>,
     events: EventSink,
     notify: Option<NotifySocket>,
+    lock_path: Option<PathBuf>,
     gms: Option<GmsDaemon>,
     gpus: Vec<String>,
     /// Ends the XID watcher thread with the pair.
@@ -143,6 +148,7 @@ impl Supervisor {
             router: p.router,
             events: p.events,
             notify: p.notify,
+            lock_path: p.lock_path,
             gms: p.gms,
             gpus: p.gpus,
             xid_stop: Arc::new(AtomicBool::new(false)),
@@ -205,6 +211,12 @@ impl Supervisor {
     async fn run(&mut self) {
         if let Some(sock) = self.notify.take() {
             observe::notify(sock, self.tx.clone());
+        }
+        if let Some(path) = self.lock_path.take() {
+            if let Err(e) = observe::lock_closes(&path, self.tx.clone()) {
+                // The reap and READY=1 still tell; deaths are dated later.
+                log::warn!("pair {}: watching {}: {e}", self.id, path.display());
+            }
         }
         if let Some(g) = &self.gms {
             g.watch(self.router.clone(), self.tx.clone());
@@ -327,6 +339,15 @@ impl Supervisor {
                     );
                 }
                 actions
+            }
+            Input::LockClosed(at) => {
+                let holder = match self.host.lock() {
+                    LockSeen::Held(slot) => Some(slot),
+                    LockSeen::Free => None,
+                    LockSeen::Unknown => return Vec::new(),
+                };
+                let now = self.clock.since(at);
+                self.pair.handle(PairEvent::LockReleased { holder }, now)
             }
             Input::Backoff { slot } => {
                 let now = self.clock.now();
