@@ -123,10 +123,11 @@ pub enum Event {
     LockHeld { slot: SlotId },
     /// `/proc/locks` shows nobody holding the election lock.
     LockFree,
-    /// The kernel reported the lock file closed for good (inotify): an
-    /// engine let go of it, dying or on purpose, which releases its flock.
-    /// `holder`: who `/proc/locks` showed holding the lock right after.
-    LockReleased { holder: Option<SlotId> },
+    /// The kernel reported the lock file closed for good (inotify), and
+    /// the active engine's pid was not then seen holding the lock: an
+    /// engine let go of it (dying or on purpose), which releases its flock.
+    /// Whose it was is learnt from what follows.
+    LockClosed,
     /// The reaper collected the engine of `slot` (`now`: the reaper's time).
     Exited { slot: SlotId, exit: Exit },
     /// A GMS daemon of the pair died.
@@ -216,6 +217,9 @@ pub struct Pair {
     gms_alive: bool,
     /// A failover in progress: the signs of the old active's end so far.
     handover: Option<Handover>,
+    /// The last close of the lock file while an engine served: the date of
+    /// its death if a failover follows.
+    closed_at: Option<Duration>,
     last_promotion: Option<Promotion>,
     failovers: u64,
     cold_restarts: u64,
@@ -240,6 +244,7 @@ impl Pair {
             xids: Vec::new(),
             gms_alive: true,
             handover: None,
+            closed_at: None,
             last_promotion: None,
             failovers: 0,
             cold_restarts: 0,
@@ -408,7 +413,7 @@ impl Pair {
             Event::Notified { slot, notification } => self.on_notify(slot, notification, now),
             Event::LockHeld { slot } => self.on_lock(slot, now),
             Event::LockFree => self.on_lock_free(now),
-            Event::LockReleased { holder } => self.on_lock_released(holder, now),
+            Event::LockClosed => self.on_lock_closed(now),
             Event::Exited { slot, exit } => {
                 if !self.slot(slot).alive() {
                     // A stale or duplicate exit: nothing of ours was running.
@@ -486,6 +491,8 @@ impl Pair {
                 let s = &mut self.slots[slot.index()];
                 if s.state == EngineState::Starting {
                     s.state = EngineState::Parked;
+                    // An engine that looked at the lock file on its way.
+                    self.closed_at = None;
                 }
                 Vec::new()
             }
@@ -501,7 +508,11 @@ impl Pair {
     /// The active engine lost the lock (`sign` at `now`): it is dead or
     /// leaving, and a failover has begun before its reap.
     fn supersede(&mut self, old: SlotId, now: Duration, sign: DeathSign) {
-        self.handover = Some(Handover::begin(old, now, sign));
+        let mut h = Handover::begin(old, now, sign);
+        if let Some(closed) = self.closed_at.take() {
+            h.sign(closed, DeathSign::LockFree);
+        }
+        self.handover = Some(h);
         self.slots[old.index()].state = EngineState::Superseded;
         if self.active == Some(old) {
             self.active = None;
@@ -558,28 +569,20 @@ impl Pair {
         Vec::new()
     }
 
-    /// The lock file was closed at `now`: if the serving engine no longer
-    /// holds the lock, that close was its end (the earliest sign there is).
-    fn on_lock_released(&mut self, holder: Option<SlotId>, now: Duration) -> Vec<Action> {
-        let serving = self
+    /// The lock file was closed at `now`. During a failover that dates
+    /// the death; while an engine serves it is kept as the candidate date
+    /// of its death, taken if a failover follows, dropped when the close
+    /// proves to be another's (a shadow's death, an engine that parks).
+    fn on_lock_closed(&mut self, now: Duration) -> Vec<Action> {
+        if let Some(h) = self.handover.as_mut() {
+            h.sign(now, DeathSign::LockFree);
+        } else if self
             .active
-            .filter(|a| self.slot(*a).state == EngineState::Active);
-        if self.handover.is_none() && (serving.is_none() || holder == serving) {
-            // Nobody serves yet, or the active still holds it: the file was
-            // closed by someone else (a shadow that died, a reader).
-            return Vec::new();
+            .is_some_and(|a| self.slot(a).state == EngineState::Active)
+        {
+            self.closed_at = Some(now);
         }
-        match holder {
-            Some(slot) => self.on_lock(slot, now),
-            None => {
-                match (serving, self.handover.as_mut()) {
-                    (_, Some(h)) => h.sign(now, DeathSign::LockFree),
-                    (Some(a), None) => self.supersede(a, now, DeathSign::LockFree),
-                    (None, None) => {}
-                }
-                Vec::new()
-            }
-        }
+        Vec::new()
     }
 
     fn become_active(&mut self, slot: SlotId) {
@@ -613,6 +616,9 @@ impl Pair {
         }
         if was_active {
             self.active = None;
+        } else if !superseded {
+            // Another engine's end: a lock-file close just before was its.
+            self.closed_at = None;
         }
         let class = classify(exit, &self.xids, self.gms_alive);
         let mut actions = Vec::new();
@@ -638,6 +644,9 @@ impl Pair {
         if was_active {
             let mut h = Handover::begin(slot, now, DeathSign::Reap);
             h.reaped(now, exit, class);
+            if let Some(closed) = self.closed_at.take() {
+                h.sign(closed, DeathSign::LockFree);
+            }
             self.handover = Some(h);
         }
         if class == FailureClass::DeviceInvalidating {

@@ -357,14 +357,11 @@ fn the_revision_moves_only_when_the_pair_changes() {
 
 #[test]
 fn the_lock_file_closed_dates_the_death_before_ready_and_reap() {
+    // The close handled first (inotify): kept until the failover shows.
     let mut p = serving();
-    // inotify: the dead active's lock file closed at 1000; /proc/locks,
-    // read when the supervisor handled it, already shows the successor.
-    // READY=1 was handled first.
+    assert!(p.handle(Event::LockClosed, t(1000)).is_empty());
+    assert_eq!(p.active(), Some(S0), "nothing decided on a close alone");
     notified(&mut p, S1, Notification::Ready, 1003);
-    assert!(p
-        .handle(Event::LockReleased { holder: Some(S1) }, t(1000))
-        .is_empty());
     let pr = promoted(&p.handle(
         Event::Exited {
             slot: S0,
@@ -372,41 +369,41 @@ fn the_lock_file_closed_dates_the_death_before_ready_and_reap() {
         },
         t(1002),
     ));
-    assert_eq!(
-        (pr.death_at, pr.death_seen),
-        (t(1000), DeathSign::LockTaken)
-    );
-    assert_eq!(pr.lock_at, Some(t(1000)));
+    assert_eq!((pr.death_at, pr.death_seen), (t(1000), DeathSign::LockFree));
     assert_eq!(pr.total(), Some(t(3)));
-    // Handled before READY=1, with the lock still free.
+    // Handled after READY=1 and the reap: it still dates the death.
     let mut p = serving();
-    assert!(p
-        .handle(Event::LockReleased { holder: None }, t(1000))
-        .is_empty());
-    assert_eq!(p.slot(S0).state, EngineState::Superseded);
-    assert_eq!(p.active(), None);
-    notified(&mut p, S1, Notification::Ready, 1004);
+    notified(&mut p, S1, Notification::Ready, 1003);
+    p.handle(Event::LockClosed, t(1000));
     let pr = promoted(&p.handle(
         Event::Exited {
             slot: S0,
             exit: KILL,
         },
-        t(1003),
+        t(1002),
     ));
     assert_eq!((pr.death_at, pr.death_seen), (t(1000), DeathSign::LockFree));
-    assert_eq!(pr.total(), Some(t(4)));
+    // Reap first, then READY=1: the close before the reap dates it.
+    let mut p = serving();
+    p.handle(Event::LockClosed, t(999));
+    p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: KILL,
+        },
+        t(1002),
+    );
+    let pr = promoted(&notified(&mut p, S1, Notification::Ready, 1004));
+    assert_eq!((pr.death_at, pr.total()), (t(999), Some(t(5))));
 }
 
 #[test]
-fn a_lock_file_closed_while_the_active_holds_the_lock_is_someone_elses() {
+fn a_lock_file_close_that_proves_to_be_anothers_is_dropped() {
+    // The parked shadow dies: its close, then its reap.
     let mut p = serving();
     let r = p.revision();
-    // The parked shadow dies: its close comes first, then its reap.
-    assert!(p
-        .handle(Event::LockReleased { holder: Some(S0) }, t(50))
-        .is_empty());
-    assert_eq!(p.revision(), r);
-    assert_eq!(p.active(), Some(S0));
+    assert!(p.handle(Event::LockClosed, t(50)).is_empty());
+    assert_eq!(p.revision(), r, "a candidate is not state");
     assert_eq!(
         p.handle(
             Event::Exited {
@@ -417,12 +414,34 @@ fn a_lock_file_closed_while_the_active_holds_the_lock_is_someone_elses() {
         ),
         vec![Action::Spawn { slot: S1 }]
     );
-    // Before anyone serves, a close says nothing either.
+    // A new shadow looks at the lock file on its way to parking.
+    p.handle(Event::Spawned { slot: S1, pid: 300 }, t(60));
+    p.handle(Event::LockClosed, t(70));
+    notified(&mut p, S1, parked(), 80);
+    // Much later the active dies: dated by its reap, not by those closes.
+    p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: KILL,
+        },
+        t(5000),
+    );
+    let pr = promoted(&notified(&mut p, S1, Notification::Ready, 5004));
+    assert_eq!((pr.death_at, pr.death_seen), (t(5000), DeathSign::Reap));
+    // Before anyone serves, a close says nothing.
     let mut p = Pair::new(RestartPolicy::default());
     p.start();
     p.handle(Event::Spawned { slot: S0, pid: 1 }, t(0));
-    assert!(p
-        .handle(Event::LockReleased { holder: None }, t(1))
-        .is_empty());
-    assert_eq!(p.slot(S0).state, EngineState::Starting);
+    p.handle(Event::Spawned { slot: S1, pid: 2 }, t(0));
+    p.handle(Event::LockClosed, t(1));
+    p.handle(Event::LockHeld { slot: S0 }, t(2));
+    p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: KILL,
+        },
+        t(10),
+    );
+    let pr = promoted(&p.handle(Event::LockHeld { slot: S1 }, t(12)));
+    assert_eq!(pr.death_at, t(10));
 }

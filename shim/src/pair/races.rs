@@ -326,3 +326,26 @@ async fn a_kill_during_a_promotion_kills_the_respawn_on_arrival_and_exits_once()
     assert_eq!(st.exit_status, Some(143));
     assert_eq!(st.promotions[0].promotion.to, Some(1));
 }
+
+#[tokio::test]
+async fn the_lock_files_close_dates_a_death_that_ready_reported_first() {
+    let rig = Rig::serving().await;
+    let [old, shadow] = rig.pids();
+    // The kernel closes the dying engine's lock file (inotify) 20 ms
+    // before the successor's READY=1 and well before the reap.
+    let closed = Instant::now();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    rig.say(shadow, "READY=1");
+    let _ = rig.input.send(Input::LockClosed(closed));
+    rig.until("superseded", |s| {
+        s.pair.slots[0].state == EngineState::Superseded
+    })
+    .await;
+    rig.host.reap(old, 137, SystemTime::now());
+    let st = rig.until("promotion", |s| !s.promotions.is_empty()).await;
+    let p = &st.promotions[0];
+    assert_eq!(p.promotion.death_seen, DeathSign::LockFree, "{p:?}");
+    let total = p.total_ms.expect("total");
+    assert!((15.0..1000.0).contains(&total), "death → READY {total} ms");
+    assert!(p.reaped_unix_us > p.death_unix_us, "{p:?}");
+}

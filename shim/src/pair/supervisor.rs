@@ -341,13 +341,11 @@ impl Supervisor {
                 actions
             }
             Input::LockClosed(at) => {
-                let holder = match self.host.lock() {
-                    LockSeen::Held(slot) => Some(slot),
-                    LockSeen::Free => None,
-                    LockSeen::Unknown => return Vec::new(),
-                };
+                // Whose close it was, the pair learns from what follows:
+                // reading /proc/locks now would stall on the exiting
+                // engine (measured: 6-15 ms added to READY and the reap).
                 let now = self.clock.since(at);
-                self.pair.handle(PairEvent::LockReleased { holder }, now)
+                self.pair.handle(PairEvent::LockClosed, now)
             }
             Input::Backoff { slot } => {
                 let now = self.clock.now();

@@ -71,6 +71,7 @@ fn main() {
     let (mut e2e, mut engine_t, mut handoff, mut shim, mut reap) =
         (vec![], vec![], vec![], vec![], vec![]);
     let (mut total, mut death) = (vec![], vec![]);
+    let mut signs: std::collections::BTreeMap<&str, usize> = Default::default();
     let mut st = env.wait_protected(&cd, id, long);
     for round in 0..rounds {
         let slot = st.pair.active.expect("active");
@@ -96,6 +97,7 @@ fn main() {
         reap.push((reaped - k) / 1e3);
         total.push(p.total_ms.unwrap_or(f64::NAN));
         death.push((p.death_unix_us as f64 - k) / 1e3);
+        *signs.entry(p.promotion.death_seen.as_str()).or_default() += 1;
         // Let the respawned shadow settle, as between real failures.
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -115,6 +117,8 @@ fn main() {
             pct(v, 0.99)
         );
     }
+    let signs: Vec<String> = signs.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    println!("  death first seen by: {}", signs.join(", "));
     let _ = cd.ctr().run(&["task", "kill", "-s", "SIGKILL", id]);
     let _ = ctr.wait(long);
     let _ = Path::new("");
