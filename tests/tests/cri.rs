@@ -37,7 +37,7 @@ fn gmsd() -> String {
     let p = Path::new(ENGINE).with_file_name("gmsd");
     assert!(
         p.is_file(),
-        "{} missing: build it with `cargo build -p gms --bin gmsd`",
+        "{} missing: build it with `cargo build -p gmsd --bin gmsd`",
         p.display()
     );
     p.display().to_string()

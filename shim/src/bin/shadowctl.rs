@@ -11,15 +11,39 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use clap::{Parser, Subcommand};
 use shadow_contract::state::{PairState, FILE_NAME};
 
 const DEFAULT_STATE_DIR: &str = "/run/shadow";
 
-fn usage() -> ExitCode {
-    eprintln!(
-        "usage: shadowctl list [--state-dir D]\n       shadowctl show <id> [--namespace N] [--state-dir D] [--json]"
-    );
-    ExitCode::from(2)
+#[derive(Parser)]
+#[command(
+    name = "shadowctl",
+    about = "What the shadow shim knows about its engine pairs, read from each pair's state.json (works while containerd is down)"
+)]
+struct Cli {
+    /// The shim's state directory: <state-dir>/<namespace>/<id>/state.json.
+    #[arg(long, global = true, default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One line per pair: active slot, protection, failovers, last promotion.
+    List,
+    /// One pair: slots, last failover and its phases, GMS.
+    Show {
+        /// The container id (as containerd names the task).
+        id: String,
+        /// The containerd namespace, when the id exists in several.
+        #[arg(long, short = 'n')]
+        namespace: Option<String>,
+        /// Print the whole state.json instead.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Every `state.json` under the state dir: (namespace, id, path).
@@ -187,35 +211,20 @@ fn show(state_dir: &Path, id: &str, namespace: Option<&str>, json: bool) -> Exit
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut state_dir = PathBuf::from(DEFAULT_STATE_DIR);
-    let mut namespace = None;
-    let mut json = false;
-    let mut positional = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--state-dir" => match it.next() {
-                Some(d) => state_dir = PathBuf::from(d),
-                None => return usage(),
-            },
-            "--namespace" | "-n" => match it.next() {
-                Some(n) => namespace = Some(n.clone()),
-                None => return usage(),
-            },
-            "--json" => json = true,
-            "-h" | "--help" => return usage(),
-            _ => positional.push(a.clone()),
-        }
+    // A reader that stops early (`shadowctl list | head -1`) ends us the
+    // way it ends any filter, instead of a panic in println!.
+    // SAFETY: called first thing in main, before any thread exists; the
+    // default disposition of SIGPIPE takes no handler code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    match positional
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .as_slice()
-    {
-        ["list"] => list(&state_dir),
-        ["show", id] => show(&state_dir, id, namespace.as_deref(), json),
-        _ => usage(),
+    let cli = Cli::parse();
+    match cli.command {
+        Command::List => list(&cli.state_dir),
+        Command::Show {
+            id,
+            namespace,
+            json,
+        } => show(&cli.state_dir, &id, namespace.as_deref(), json),
     }
 }

@@ -16,10 +16,22 @@
 //!
 //! Prints p50/p99 of each; no figure is asserted.
 
+use clap::Parser;
 use shadow_tests::pair::{ask, free_port, until, PairEnv};
 use shadow_tests::{Containerd, ContainerdBuilder};
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+#[derive(Parser)]
+#[command(
+    name = "bench-failover",
+    about = "SIGKILLs of a real pair's active engine through a private containerd: kill → READY=1 and where the time goes"
+)]
+struct Cli {
+    /// Failovers to measure.
+    #[arg(default_value_t = 60)]
+    rounds: usize,
+}
 
 fn now_us() -> u128 {
     SystemTime::now()
@@ -37,10 +49,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 fn main() {
-    let rounds: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(60);
+    let Cli { rounds } = Cli::parse();
     let profile = if cfg!(debug_assertions) {
         "debug"
     } else {

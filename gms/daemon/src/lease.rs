@@ -13,8 +13,8 @@
 
 use std::collections::BTreeSet;
 
-use crate::protocol::{LeaseKind, Mode};
-use crate::{Error, Result};
+use gms::protocol::{LeaseKind, Mode};
+use gms::{Error, Result};
 
 pub type LeaseId = u64;
 
@@ -142,7 +142,7 @@ impl Leases {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::ErrorCode;
+    use gms::protocol::ErrorCode;
 
     #[test]
     fn rw_or_ro_picks_rw_then_ro() {

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use gms::fuzz::{run, Budget};
+use gmsd::fuzz::{run, Budget};
 
 #[derive(Parser)]
 #[command(

@@ -37,7 +37,7 @@ enum Command {
         mode: Mode,
         #[arg(long, default_value_t = 1)]
         count: usize,
-        #[arg(long, default_value = "1M", value_parser = gms::parse_bytes)]
+        #[arg(long, default_value = "1M", value_parser = gmsd::parse_bytes)]
         size: u64,
         #[arg(long, default_value_t = 1)]
         seed: u64,

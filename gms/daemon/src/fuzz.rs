@@ -14,8 +14,9 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
+use gms::protocol::{self, Mode};
+
 use crate::lease::Leases;
-use crate::protocol::{self, Mode};
 
 /// How long to run.
 #[derive(Debug, Clone, Copy)]

@@ -26,13 +26,13 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
-use crate::backend::{Access, Backend, Memory};
-use crate::layout::{Allocation, Layout, MetadataLimits};
+use gms::layout::{Allocation, Layout, MetadataLimits};
+use gms::protocol::{self, LeaseKind, Request, Response, MAX_REQUEST_BYTES};
+use gms::status::{LayoutSummary, LeaseInfo, LimitsReport, StatusReport};
+use gms::{wire, Access, Error, Result};
+
+use crate::backend::{Backend, Memory};
 use crate::lease::{Ended, LeaseId, Leases};
-use crate::protocol::{self, LeaseKind, Request, Response, MAX_REQUEST_BYTES};
-use crate::status::{LayoutSummary, LeaseInfo, LimitsReport, StatusReport};
-use crate::wire;
-use crate::{Error, Result};
 
 #[derive(Debug, Clone)]
 pub struct Limits {

@@ -16,26 +16,11 @@
 
 use std::os::fd::OwnedFd;
 
-use gms_cuda::{Device, DeviceSelector, Driver, PhysicalMemory};
+use gms::client::cuda_socket_name;
+use gms::{Access, Error, Result};
+use gms_cuda::{gms_error as cuda_error, Device, DeviceSelector, Driver, PhysicalMemory};
 
-use super::{Access, Backend, Memory};
-use crate::{Error, Result};
-
-/// Wraps a driver error with what GMS was doing at the time.
-pub(crate) fn cuda_error(context: impl Into<String>) -> impl FnOnce(gms_cuda::Error) -> Error {
-    let context = context.into();
-    move |e| Error::Backend(format!("{context}: {e}"))
-}
-
-/// Parses `--device`: `0`, `cuda:0`, or a GPU UUID (`GPU-…`).
-pub fn parse_device(text: &str) -> Result<DeviceSelector> {
-    let bare = text.strip_prefix("cuda:").unwrap_or(text);
-    bare.parse::<DeviceSelector>().map_err(|e| {
-        Error::Config(format!(
-            "--device {text:?}: {e} (also accepted: cuda:N, or 'host')"
-        ))
-    })
-}
+use super::{Backend, Memory};
 
 pub struct CudaBackend {
     device: Device,
@@ -78,7 +63,7 @@ impl Backend for CudaBackend {
     }
 
     fn socket_name(&self) -> String {
-        socket_name(&self.device.uuid().to_string())
+        cuda_socket_name(&self.device.uuid().to_string())
     }
 
     fn granularity(&self) -> u64 {
@@ -98,11 +83,6 @@ impl Backend for CudaBackend {
             sealed: false,
         }))
     }
-}
-
-/// The socket file name of a CUDA daemon: `gms-<GPU-UUID>.sock`.
-pub fn socket_name(uuid: &str) -> String {
-    format!("gms-{uuid}.sock")
 }
 
 pub struct CudaMemory {
@@ -148,22 +128,6 @@ impl Memory for CudaMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn device_names_parse() {
-        assert_eq!(parse_device("0").unwrap(), DeviceSelector::Index(0));
-        assert_eq!(parse_device("cuda:3").unwrap(), DeviceSelector::Index(3));
-        let uuid = "GPU-5a2b1c3d-0e1f-2a3b-4c5d-6e7f8a9b0c1d";
-        assert!(matches!(parse_device(uuid), Ok(DeviceSelector::Uuid(_))));
-        for bad in ["cuda:", "cuda:-1", "gpu0", "GPU-12", "host"] {
-            let err = parse_device(bad).unwrap_err();
-            assert!(matches!(err, Error::Config(_)), "{bad}: {err}");
-        }
-        assert_eq!(
-            socket_name(uuid),
-            "gms-GPU-5a2b1c3d-0e1f-2a3b-4c5d-6e7f8a9b0c1d.sock"
-        );
-    }
 
     /// CI has no GPU: opening the backend must be an error that names the
     /// driver, not a panic.

@@ -7,14 +7,7 @@ pub mod host;
 
 use std::os::fd::OwnedFd;
 
-use crate::Result;
-
-/// How an exported descriptor may be used by the engine that receives it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    ReadWrite,
-    ReadOnly,
-}
+use gms::{Access, Result};
 
 /// One device's memory supply.
 pub trait Backend: Send + Sync {

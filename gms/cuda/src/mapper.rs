@@ -28,14 +28,15 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use gms_cuda::{Device, DeviceSelector, Driver, PhysicalMemory, PrimaryContext, Reservation};
+use gms::client::{cuda_socket_name, Client};
+use gms::mapper::{Mapper, Range, RangeState};
+use gms::protocol::Mode;
+use gms::{Access, Error, Result};
 
-use crate::backend::cuda::{cuda_error, socket_name};
-use crate::backend::Access;
-use crate::client::Client;
-use crate::mapper::{Mapper, Range, RangeState};
-use crate::protocol::Mode;
-use crate::{Error, Result};
+use crate::{
+    gms_error as cuda_error, Device, DeviceSelector, Driver, PhysicalMemory, PrimaryContext,
+    Reservation,
+};
 
 /// Where every engine's window starts unless `GMS_VA_BASE` says otherwise.
 /// With unified addressing the window must be free in the *host* address
@@ -270,7 +271,7 @@ impl CudaMapper {
 
     /// The GMS socket of this device in `dir` (`GMS_SOCKET_DIR`).
     pub fn socket_in(&self, dir: &Path) -> PathBuf {
-        dir.join(socket_name(&self.device.uuid().to_string()))
+        dir.join(cuda_socket_name(&self.device.uuid().to_string()))
     }
 
     /// Makes the primary context current on the calling thread.
@@ -464,8 +465,8 @@ impl Range for CudaRange {
             format!("importing {} bytes for {:#x}", self.len(), self.addr()),
         ))?;
         let cuda_access = match access {
-            Access::ReadOnly => gms_cuda::Access::ReadOnly,
-            Access::ReadWrite => gms_cuda::Access::ReadWrite,
+            Access::ReadOnly => crate::Access::ReadOnly,
+            Access::ReadWrite => crate::Access::ReadWrite,
         };
         let at = self.start();
         // Computed before taking the window lock: `addr` takes it too.
@@ -508,7 +509,7 @@ impl Range for CudaRange {
             let mapped = created.and_then(|memory| {
                 lock(&self.window)
                     .reservation
-                    .map(at, &memory, &self.device, gms_cuda::Access::ReadWrite)
+                    .map(at, &memory, &self.device, crate::Access::ReadWrite)
                     .map_err(cuda_error(format!("mapping KV at +{done:#x}")))
                     .map(|()| memory)
             });
@@ -558,8 +559,6 @@ pub fn connect_wait(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::client::retryable;
-    use crate::protocol::ErrorCode;
 
     #[test]
     fn va_base_parses() {
@@ -610,18 +609,6 @@ mod tests {
         e.give(c, 8 * MIB2);
         assert_eq!(e.free.len(), 1, "{:?}", e.free);
         assert_eq!(e.free.get(&0), Some(&(64 * MIB2)));
-    }
-
-    #[test]
-    fn busy_and_absent_daemons_are_retried_other_errors_are_not() {
-        let busy = Error::Remote {
-            code: ErrorCode::LeaseBusy,
-            message: String::new(),
-        };
-        assert!(retryable(&busy));
-        let absent = Error::io("x", std::io::ErrorKind::NotFound.into());
-        assert!(retryable(&absent));
-        assert!(!retryable(&Error::NoLayout("none".into())));
     }
 
     /// Without a GPU, opening the mapper is an error naming the driver.

@@ -23,8 +23,9 @@ use nix::sys::memfd::{memfd_create, MFdFlags};
 use nix::sys::stat::fstat;
 use nix::unistd::ftruncate;
 
-use super::{Access, Backend, Memory};
-use crate::{Error, Result};
+use gms::{Access, Error, Result};
+
+use super::{Backend, Memory};
 
 pub struct HostBackend {
     page: u64,
@@ -49,7 +50,7 @@ impl Backend for HostBackend {
     }
 
     fn socket_name(&self) -> String {
-        "gms-host.sock".into()
+        shadow_contract::paths::GMS_HOST_SOCKET.into()
     }
 
     fn granularity(&self) -> u64 {

@@ -6,10 +6,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use gms::backend::cuda::{parse_device, CudaBackend};
-use gms::backend::host::HostBackend;
-use gms::backend::Backend;
-use gms::daemon::{self, Config, Limits};
+use gms_cuda::parse_device;
+use gmsd::backend::cuda::CudaBackend;
+use gmsd::backend::host::HostBackend;
+use gmsd::backend::Backend;
+use gmsd::daemon::{self, Config, Limits};
 
 #[derive(Parser)]
 #[command(
@@ -35,13 +36,13 @@ enum Command {
         #[arg(long, default_value = "host")]
         device: String,
         /// Most bytes allocated at once (K/M/G/T suffixes).
-        #[arg(long, default_value = "64G", value_parser = gms::parse_bytes)]
+        #[arg(long, default_value = "64G", value_parser = gmsd::parse_bytes)]
         max_bytes: u64,
         #[arg(long, default_value_t = 4096)]
         max_allocations: usize,
         #[arg(long, default_value_t = 65536)]
         max_metadata_entries: usize,
-        #[arg(long, default_value = "8M", value_parser = gms::parse_bytes)]
+        #[arg(long, default_value = "8M", value_parser = gmsd::parse_bytes)]
         max_metadata_bytes: u64,
         #[arg(long, default_value_t = 256)]
         max_connections: usize,

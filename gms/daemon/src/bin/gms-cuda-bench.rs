@@ -18,22 +18,57 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use gms::backend::cuda::parse_device;
+use clap::{Args, Parser, Subcommand};
 use gms::client::Client;
-use gms::cuda_mapper::{connect_wait, CudaMapper, CudaRange};
 use gms::mapper::Range;
 use gms::protocol::{LeaseKind, Mode};
+use gms_cuda::mapper::{connect_wait, CudaMapper, CudaRange};
+use gms_cuda::parse_device;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 const GIB: u64 = 1 << 30;
 
-fn arg(args: &[String], name: &str, default: &str) -> String {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| default.to_string())
+#[derive(Parser)]
+#[command(
+    name = "gms-cuda-bench",
+    about = "Attach and KV-materialise figures on a GPU, through a real gmsd: this process writes and commits, each reader is a child process",
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    role: Option<Role>,
+    #[command(flatten)]
+    options: Options,
+}
+
+#[derive(Subcommand)]
+enum Role {
+    /// One reader process (started by the writer with the writer's flags).
+    #[command(hide = true)]
+    Reader(Options),
+}
+
+#[derive(Args, Clone)]
+struct Options {
+    /// Directory of the daemon's socket (gms-<GPU-UUID>.sock).
+    #[arg(long, default_value = "/run/shadow/gms")]
+    socket_dir: PathBuf,
+    /// CUDA device: an index, cuda:N, or a GPU UUID.
+    #[arg(long, default_value = "0")]
+    device: String,
+    /// Weights the writer loads and commits, in GiB.
+    #[arg(long, default_value_t = 32)]
+    weights_gib: u64,
+    /// Size of each weights allocation, in GiB.
+    #[arg(long, default_value_t = 2)]
+    chunk_gib: u64,
+    /// KV cache each reader reserves, materialises and releases, in GiB.
+    #[arg(long, default_value_t = 64)]
+    kv_gib: u64,
+    /// Reader processes; the last one attaches after the writer is gone.
+    #[arg(long, default_value_t = 3)]
+    readers: usize,
 }
 
 fn ms(t: Instant) -> f64 {
@@ -45,11 +80,10 @@ fn pattern(id: u64) -> u32 {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    let run = if args.get(1).map(String::as_str) == Some("reader") {
-        reader(&args)
-    } else {
-        writer(&args)
+    let cli = Cli::parse();
+    let run = match cli.role {
+        Some(Role::Reader(options)) => reader(&options),
+        None => writer(&cli.options),
     };
     match run {
         Ok(()) => ExitCode::SUCCESS,
@@ -60,11 +94,11 @@ fn main() -> ExitCode {
     }
 }
 
-fn open(args: &[String]) -> Res<(CudaMapper, PathBuf)> {
+fn open(options: &Options) -> Res<(CudaMapper, PathBuf)> {
     let t = Instant::now();
-    let mapper = CudaMapper::open(&parse_device(&arg(args, "--device", "0"))?)?;
+    let mapper = CudaMapper::open(&parse_device(&options.device)?)?;
     let context_ms = ms(t);
-    let socket = mapper.socket_in(&PathBuf::from(arg(args, "--socket-dir", "/run/shadow/gms")));
+    let socket = mapper.socket_in(&options.socket_dir);
     println!(
         "{{\"step\":\"context\",\"pid\":{},\"primary_context_ms\":{context_ms:.1},\"device\":\"{}\"}}",
         std::process::id(),
@@ -73,11 +107,15 @@ fn open(args: &[String]) -> Res<(CudaMapper, PathBuf)> {
     Ok((mapper, socket))
 }
 
-fn writer(args: &[String]) -> Res<()> {
-    let (mapper, socket) = open(args)?;
-    let weights_gib: u64 = arg(args, "--weights-gib", "32").parse()?;
-    let chunk = arg(args, "--chunk-gib", "2").parse::<u64>()? * GIB;
-    let readers: usize = arg(args, "--readers", "3").parse()?;
+fn writer(options: &Options) -> Res<()> {
+    let (mapper, socket) = open(options)?;
+    let weights_gib = options.weights_gib;
+    let chunk = options
+        .chunk_gib
+        .checked_mul(GIB)
+        .filter(|c| *c > 0)
+        .ok_or("--chunk-gib must be at least 1 and fit in 64 bits")?;
+    let readers = options.readers;
     let mut client = connect_wait(
         mapper.clone(),
         &socket,
@@ -118,9 +156,9 @@ fn writer(args: &[String]) -> Res<()> {
             drop(std::mem::take(&mut weights));
             drop(client);
             client_gone_line();
-            return run_reader(&exe, args);
+            return run_reader(&exe, options);
         }
-        run_reader(&exe, args)?;
+        run_reader(&exe, options)?;
     }
     Ok(())
 }
@@ -129,11 +167,13 @@ fn client_gone_line() {
     println!("{{\"step\":\"writer_disconnected\"}}");
 }
 
-fn run_reader(exe: &std::path::Path, args: &[String]) -> Res<()> {
-    let mut child_args = vec!["reader".to_string()];
-    child_args.extend(args.iter().skip(1).cloned());
+fn run_reader(exe: &std::path::Path, options: &Options) -> Res<()> {
     let status = Command::new(exe)
-        .args(&child_args)
+        .arg("reader")
+        .arg("--socket-dir")
+        .arg(&options.socket_dir)
+        .args(["--device", &options.device])
+        .args(["--kv-gib", &options.kv_gib.to_string()])
         .stdin(Stdio::null())
         .status()?;
     if !status.success() {
@@ -142,9 +182,9 @@ fn run_reader(exe: &std::path::Path, args: &[String]) -> Res<()> {
     Ok(())
 }
 
-fn reader(args: &[String]) -> Res<()> {
-    let (mapper, socket) = open(args)?;
-    let kv_gib: u64 = arg(args, "--kv-gib", "64").parse()?;
+fn reader(options: &Options) -> Res<()> {
+    let (mapper, socket) = open(options)?;
+    let kv_gib = options.kv_gib;
     let t = Instant::now();
     let client: Client<CudaMapper> = connect_wait(
         mapper.clone(),

@@ -1,5 +1,6 @@
-//! `gms-cuda-probe`: checks this crate against a real GPU and times the
-//! operations GMS relies on. The parent process plays `gmsd` (creates and
+//! `gms-cuda-probe`: checks the `gms-cuda` driver bindings against a real GPU
+//! and times the operations GMS relies on. It lives with `gmsd` because it
+//! plays the daemon, and so that `gms-cuda` stays a library without a CLI. The parent process plays `gmsd` (creates and
 //! exports memory without a context); child processes play engines (import,
 //! map at a fixed address, read-only or read-write), so every figure is a
 //! cross-process one.
@@ -15,17 +16,69 @@ use std::{
     time::Instant,
 };
 
+use clap::{Parser, Subcommand, ValueEnum};
 use gms_cuda::{Access, DeviceSelector, Driver, PhysicalMemory, Reservation};
 
 const HINT: u64 = 0x7f00_0000_0000;
 const PATTERN: u32 = 0x00C0_FFEE;
 
-fn arg(args: &[String], name: &str, default: &str) -> String {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| default.to_string())
+#[derive(Parser)]
+#[command(
+    name = "gms-cuda-probe",
+    about = "Checks the CUDA VMM bindings on a real GPU and times them across processes; one JSON object per step",
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    role: Option<Role>,
+    /// CUDA device: an index or a GPU UUID.
+    #[arg(long, default_value = "0")]
+    device: DeviceSelector,
+    /// Allocations the owner creates and exports.
+    #[arg(long, default_value_t = 16)]
+    chunks: usize,
+    /// Size of each allocation, in MiB.
+    #[arg(long, default_value_t = 2048)]
+    chunk_mib: usize,
+    /// KV cache materialised after the engines ran, in GiB.
+    #[arg(long, default_value_t = 64)]
+    kv_gib: usize,
+}
+
+#[derive(Subcommand)]
+enum Role {
+    /// An engine process (started by the owner, descriptors inherited).
+    #[command(hide = true)]
+    Engine {
+        mode: EngineMode,
+        #[arg(long, default_value = "0")]
+        device: DeviceSelector,
+        /// The inherited descriptors, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        fds: Vec<i32>,
+        #[arg(long, default_value_t = 2048)]
+        chunk_mib: usize,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum EngineMode {
+    /// Maps read-write and fills the pattern.
+    Writer,
+    /// Maps read-only and checks the pattern.
+    Reader,
+    /// As reader, then writes through the read-only mapping.
+    ReaderWrite,
+}
+
+impl EngineMode {
+    fn name(self) -> &'static str {
+        match self {
+            EngineMode::Writer => "writer",
+            EngineMode::Reader => "reader",
+            EngineMode::ReaderWrite => "reader-write",
+        }
+    }
 }
 
 fn ms(t: Instant) -> f64 {
@@ -33,11 +86,15 @@ fn ms(t: Instant) -> f64 {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    let result = if args.get(1).map(String::as_str) == Some("engine") {
-        engine(&args)
-    } else {
-        owner(&args)
+    let cli = Cli::parse();
+    let result = match cli.role {
+        Some(Role::Engine {
+            mode,
+            device,
+            fds,
+            chunk_mib,
+        }) => engine(mode, &device, &fds, chunk_mib << 20),
+        None => owner(&cli),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -51,12 +108,12 @@ fn main() -> ExitCode {
 type Res = Result<(), Box<dyn std::error::Error>>;
 
 /// The context-less owner, as gmsd is.
-fn owner(args: &[String]) -> Res {
+fn owner(cli: &Cli) -> Res {
     let driver = Driver::load()?;
-    let device = driver.device(&arg(args, "--device", "0").parse::<DeviceSelector>()?)?;
-    let chunks: usize = arg(args, "--chunks", "16").parse()?;
-    let chunk = arg(args, "--chunk-mib", "2048").parse::<usize>()? << 20;
-    let kv_gib: usize = arg(args, "--kv-gib", "64").parse()?;
+    let device = driver.device(&cli.device)?;
+    let chunks = cli.chunks;
+    let chunk = cli.chunk_mib << 20;
+    let kv_gib = cli.kv_gib;
     println!(
         "{{\"step\":\"info\",\"driver\":{},\"device\":\"{}\",\"uuid\":\"{}\",\"granularity\":{},\"recommended\":{}}}",
         driver.version()?,
@@ -141,17 +198,12 @@ fn owner(args: &[String]) -> Res {
 }
 
 /// An engine process: imports the owner's memory and maps it at `HINT`.
-fn engine(args: &[String]) -> Res {
-    let mode = args.get(2).cloned().unwrap_or_default();
+fn engine(mode: EngineMode, device: &DeviceSelector, fds: &[i32], chunk: usize) -> Res {
     let driver = Driver::load()?;
-    let device = driver.device(&arg(args, "--device", "0").parse::<DeviceSelector>()?)?;
-    let chunk = arg(args, "--chunk-mib", "2048").parse::<usize>()? << 20;
-    let fds: Vec<OwnedFd> = arg(args, "--fds", "")
-        .split(',')
-        .map(|s| s.parse::<i32>())
-        .collect::<Result<Vec<_>, _>>()?
-        .into_iter()
-        .map(|raw| {
+    let device = driver.device(device)?;
+    let fds: Vec<OwnedFd> = fds
+        .iter()
+        .map(|&raw| {
             // SAFETY: the parent passed these descriptors to us by inheritance.
             let b = unsafe { BorrowedFd::borrow_raw(raw) };
             b.try_clone_to_owned()
@@ -165,7 +217,7 @@ fn engine(args: &[String]) -> Res {
     let t = Instant::now();
     let mut range = Reservation::reserve(total, 0, HINT)?;
     let reserve_ms = ms(t);
-    let access = if mode == "writer" {
+    let access = if mode == EngineMode::Writer {
         Access::ReadWrite
     } else {
         Access::ReadOnly
@@ -177,13 +229,14 @@ fn engine(args: &[String]) -> Res {
     }
     let attach_ms = ms(t);
     print!(
-        "{{\"step\":\"engine\",\"mode\":\"{mode}\",\"pid\":{},\"bytes\":{total},\"va\":\"{:#x}\",\"hint_honoured\":{},\"ctx_ms\":{ctx_ms:.3},\"reserve_ms\":{reserve_ms:.3},\"import_map_access_ms\":{attach_ms:.3}",
+        "{{\"step\":\"engine\",\"mode\":\"{}\",\"pid\":{},\"bytes\":{total},\"va\":\"{:#x}\",\"hint_honoured\":{},\"ctx_ms\":{ctx_ms:.3},\"reserve_ms\":{reserve_ms:.3},\"import_map_access_ms\":{attach_ms:.3}",
+        mode.name(),
         std::process::id(),
         range.base(),
         range.base() == HINT
     );
-    match mode.as_str() {
-        "writer" => {
+    match mode {
+        EngineMode::Writer => {
             let t = Instant::now();
             range.fill_u32(0, PATTERN, total / 4)?;
             print!(
@@ -202,7 +255,7 @@ fn engine(args: &[String]) -> Res {
                 }
             }
             print!(",\"read_ok\":true");
-            if mode == "reader-write" {
+            if mode == EngineMode::ReaderWrite {
                 let r = range.fill_u32(0, 0, 4);
                 print!(",\"write_refused\":{}", r.is_err());
                 if let Err(e) = r {

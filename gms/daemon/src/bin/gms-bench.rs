@@ -70,7 +70,7 @@ fn sibling(name: &str) -> Result<PathBuf, String> {
         Ok(path)
     } else {
         Err(format!(
-            "{} not found next to gms-bench (build the gms crate's binaries)",
+            "{} not found next to gms-bench (build the gmsd crate's binaries)",
             path.display()
         ))
     }
