@@ -111,6 +111,9 @@ pub enum EngineState {
     Starting,
     Parked,
     Active,
+    /// Was active and lost the lock to its successor (dead or leaving), not
+    /// yet reaped.
+    Superseded,
     Backoff,
     Stopped,
 }
@@ -123,6 +126,7 @@ impl EngineState {
             EngineState::Starting => "starting",
             EngineState::Parked => "parked",
             EngineState::Active => "active",
+            EngineState::Superseded => "superseded",
             EngineState::Backoff => "backoff",
             EngineState::Stopped => "stopped",
         }
@@ -166,8 +170,38 @@ impl FailureClass {
     }
 }
 
+/// How the shim first learnt that the active engine was gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeathSign {
+    /// The reaper collected it.
+    Reap,
+    /// The election lock seen let go: the kernel reported the lock file
+    /// closed (inotify) with the lock then free, or `/proc/locks` showed
+    /// it free.
+    LockFree,
+    /// The successor seen holding the lock (right after the lock file's
+    /// close, or in `/proc/locks`).
+    LockTaken,
+    /// The successor said `READY=1`.
+    Ready,
+}
+
+impl DeathSign {
+    /// The name as the file spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeathSign::Reap => "reap",
+            DeathSign::LockFree => "lock_free",
+            DeathSign::LockTaken => "lock_taken",
+            DeathSign::Ready => "ready",
+        }
+    }
+}
+
 /// One failover's timeline, in time since the pair started (`secs` +
-/// `nanos`, serde's encoding of a `Duration`).
+/// `nanos`, serde's encoding of a `Duration`), each time taken where the
+/// fact was observed (docs/pairs.md, "Failover timing").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Promotion {
     pub number: u64,
@@ -175,6 +209,12 @@ pub struct Promotion {
     pub from: u8,
     /// The slot promoted; none when no shadow took over.
     pub to: Option<u8>,
+    /// The first sign of the death: the earliest of the reap, the lock
+    /// seen free or taken by the successor, the successor's `READY=1`.
+    pub death_at: Duration,
+    /// Which sign that was.
+    pub death_seen: DeathSign,
+    /// When the reaper collected the dead engine.
     pub reaped_at: Duration,
     pub lock_at: Option<Duration>,
     pub ready_at: Option<Duration>,
@@ -183,12 +223,12 @@ pub struct Promotion {
 }
 
 impl Promotion {
-    /// Reap → ready (or → lock, for an engine that does not speak
+    /// Death → ready (or → lock, for an engine that does not speak
     /// sd_notify).
     pub fn total(&self) -> Option<Duration> {
         self.ready_at
             .or(self.lock_at)
-            .map(|t| t.saturating_sub(self.reaped_at))
+            .map(|t| t.saturating_sub(self.death_at))
     }
 }
 
@@ -198,6 +238,7 @@ impl Promotion {
 pub struct PromotionRecord {
     #[serde(flatten)]
     pub promotion: Promotion,
+    pub death_unix_us: u64,
     pub reaped_unix_us: u64,
     pub lock_unix_us: Option<u64>,
     pub ready_unix_us: Option<u64>,
@@ -233,6 +274,8 @@ mod tests {
             number: 1,
             from: 0,
             to: Some(1),
+            death_at: Duration::from_millis(1500),
+            death_seen: DeathSign::Reap,
             reaped_at: Duration::from_millis(1500),
             lock_at: Some(Duration::from_micros(1_500_040)),
             ready_at: Some(Duration::from_micros(1_502_000)),
@@ -267,6 +310,7 @@ mod tests {
             promotions: vec![PromotionRecord {
                 total_ms: promotion.total().map(|d| d.as_secs_f64() * 1e3),
                 promotion,
+                death_unix_us: 1_700_000_000_000_000,
                 reaped_unix_us: 1_700_000_000_000_000,
                 lock_unix_us: Some(1_700_000_000_000_040),
                 ready_unix_us: None,
@@ -315,11 +359,21 @@ mod tests {
             EngineState::Starting,
             EngineState::Parked,
             EngineState::Active,
+            EngineState::Superseded,
             EngineState::Backoff,
             EngineState::Stopped,
         ] {
             assert_eq!(serde_json::to_value(e).unwrap(), e.as_str());
         }
+        for d in [
+            DeathSign::Reap,
+            DeathSign::LockFree,
+            DeathSign::LockTaken,
+            DeathSign::Ready,
+        ] {
+            assert_eq!(serde_json::to_value(d).unwrap(), d.as_str());
+        }
+        assert_eq!(p["death_seen"], "reap");
         for c in [FailureClass::DeviceInvalidating, FailureClass::CrashLoop] {
             assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
         }

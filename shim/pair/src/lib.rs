@@ -11,9 +11,13 @@ pub mod metrics;
 mod notify;
 mod pair;
 mod policy;
+mod promotion;
+#[cfg(test)]
+mod races;
 
 pub use failure::{classify, Exit, FailureClass, XidClass};
 pub use locks::{parse_proc_locks, FileId, FlockHolder};
 pub use notify::{parse_notify, Notification};
-pub use pair::{Action, EngineState, Event, Pair, Promotion, Slot, SlotId, Snapshot};
+pub use pair::{Action, EngineState, Event, LockWatch, Pair, Slot, SlotId, Snapshot};
 pub use policy::{RestartBudget, RestartPolicy};
+pub use promotion::{DeathSign, Promotion};

@@ -170,24 +170,25 @@ fn show(state_dir: &Path, id: &str, namespace: Option<&str>, json: bool) -> Exit
     match s.promotions.last() {
         Some(r) => {
             let p = &r.promotion;
+            // Phases from the first sign of the death (never negative).
             let phase = |at: Option<std::time::Duration>| {
-                at.map(|t| {
-                    format!(
-                        "{:.3} ms",
-                        (t.as_secs_f64() - p.reaped_at.as_secs_f64()) * 1e3
-                    )
-                })
-                .unwrap_or_else(|| "-".into())
+                at.map(|t| format!("{:.3} ms", t.saturating_sub(p.death_at).as_secs_f64() * 1e3))
+                    .unwrap_or_else(|| "-".into())
             };
             println!(
-                "  last failover #{}: slot {} -> {} ({}, {}): reaped → lock {}, reaped → ready {}",
+                "  last failover #{}: slot {} -> {} ({}, {}): death seen by {}; death → reap {}, → lock {}, → ready {}; total {}",
                 p.number,
                 p.from,
                 or_dash(p.to),
                 p.exit,
                 p.class.as_str(),
+                p.death_seen.as_str(),
+                phase(Some(p.reaped_at)),
                 phase(p.lock_at),
-                phase(p.ready_at)
+                phase(p.ready_at),
+                r.total_ms
+                    .map(|ms| format!("{ms:.2} ms"))
+                    .unwrap_or_else(|| "-".into())
             );
         }
         None => println!("  no failover yet"),

@@ -50,13 +50,36 @@ pub fn slot_in_cgroup_text(text: &str, engine_cgroups: &[String; 2]) -> Option<S
     None
 }
 
-/// The slot whose engine holds `file` exclusively now.
-pub fn holder(file: FileId, engine_cgroups: &[String; 2]) -> Option<SlotId> {
-    let text = std::fs::read_to_string("/proc/locks").ok()?;
-    parse_proc_locks(&text)
+/// What one look at `/proc/locks` says about the election lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockSeen {
+    /// Nobody holds it.
+    Free,
+    /// The engine of this slot holds it.
+    Held(SlotId),
+    /// Unreadable, or held by a process of no slot (yet): says nothing.
+    Unknown,
+}
+
+/// Who holds `file` exclusively now.
+pub fn observe(file: FileId, engine_cgroups: &[String; 2]) -> LockSeen {
+    let Ok(text) = std::fs::read_to_string("/proc/locks") else {
+        return LockSeen::Unknown;
+    };
+    seen_in(&text, file, |pid| slot_of_pid(pid, engine_cgroups))
+}
+
+fn seen_in(text: &str, file: FileId, slot_of: impl Fn(u32) -> Option<SlotId>) -> LockSeen {
+    let mut holders = parse_proc_locks(text)
         .into_iter()
         .filter(|h| h.file == file && h.exclusive)
-        .find_map(|h| slot_of_pid(h.pid, engine_cgroups))
+        .peekable();
+    if holders.peek().is_none() {
+        return LockSeen::Free;
+    }
+    holders
+        .find_map(|h| slot_of(h.pid))
+        .map_or(LockSeen::Unknown, LockSeen::Held)
 }
 
 #[cfg(test)]
@@ -74,6 +97,25 @@ mod tests {
         );
         assert_eq!(slot_in_cgroup_text("0::/ns/c1/s00\n", &cgs), None);
         assert_eq!(slot_in_cgroup_text("0::/ns/c1\n", &cgs), None);
+    }
+
+    #[test]
+    fn free_held_and_unknown_are_told_apart() {
+        let file = FileId {
+            major: 0xfd,
+            minor: 1,
+            inode: 42,
+        };
+        let line = |pid: u32| format!("1: FLOCK  ADVISORY  WRITE {pid} fd:01:42 0 EOF\n");
+        let slot_of = |pid: u32| (pid == 7).then_some(SlotId::ONE);
+        assert_eq!(seen_in("", file, slot_of), LockSeen::Free);
+        assert_eq!(
+            seen_in(&line(7), file, slot_of),
+            LockSeen::Held(SlotId::ONE)
+        );
+        assert_eq!(seen_in(&line(8), file, slot_of), LockSeen::Unknown);
+        let other = "1: FLOCK  ADVISORY  WRITE 7 fd:01:43 0 EOF\n";
+        assert_eq!(seen_in(other, file, slot_of), LockSeen::Free);
     }
 
     #[test]

@@ -8,10 +8,16 @@
 
 pub mod cgroup;
 pub mod config;
+pub mod engine;
 pub mod gms;
+pub mod host;
 pub mod lock;
 pub mod netns;
 pub mod notify;
+pub mod observe;
+pub mod publish;
+#[cfg(test)]
+mod races;
 pub mod spec;
 pub mod state_file;
 pub mod supervisor;
@@ -38,10 +44,13 @@ use tokio::task::JoinHandle;
 
 use self::cgroup::PairCgroup;
 use self::config::GmsMode;
+use self::engine::{EngineSlot, SharedOutput};
 use self::gms::GmsDaemon;
+use self::host::Machine;
 use self::netns::PinnedNamespaces;
 use self::notify::NotifySocket;
-use self::supervisor::{EngineSlot, Input, Parts, SharedOutput, Supervisor, View};
+use self::publish::View;
+use self::supervisor::{Input, Parts, Supervisor};
 use crate::annotations::GmsBackend;
 use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
 use crate::error::{Error, Result};
@@ -383,18 +392,26 @@ impl PairedContainer {
             .metrics_dir
             .join(format!("shadow-{}-{}.prom", rt.namespace, req.id));
         made.metrics_file = Some(metrics_file);
+        let output = Arc::new(SharedOutput::new(out, err));
+        let host = Machine::new(
+            engines.clone(),
+            output.clone(),
+            rt.router.clone(),
+            lock_file,
+        );
         let sup = Supervisor::new(Parts {
             id: req.id.clone(),
             namespace: rt.namespace.clone(),
             config: cfg.clone(),
-            engines: engines.clone(),
-            output: Arc::new(SharedOutput::new(out, err)),
+            host: Arc::new(host),
+            runc_ids: [engines[0].runc_id.clone(), engines[1].runc_id.clone()],
+            output,
             copiers: out_copier.into_iter().chain(err_copier).collect(),
             router: rt.router.clone(),
             events: rt.events.clone(),
             view: view_tx,
-            lock_file,
-            notify,
+            notify: Some(notify),
+            lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
             state_json: dirs.state_json.clone(),
             metrics_dir: cfg.metrics_dir.clone(),
             gms,
@@ -496,13 +513,13 @@ impl Container for PairedContainer {
             Ok(pid) => pid,
             Err(e) => {
                 // Nothing runs; Delete cleans up. Keep the GMS daemon for it.
-                if let Some(g) = sup.gms.take() {
+                if let Some(g) = sup.abandon() {
                     self.made.lock().await.gms = Some(Arc::new(std::sync::Mutex::new(Some(g))));
                 }
                 return Err(e);
             }
         };
-        *self.input.lock().await = Some(sup.tx.clone());
+        *self.input.lock().await = Some(sup.input());
         self.events.send(Event::Start(TaskStart {
             container_id: self.id.clone(),
             pid,
@@ -616,11 +633,10 @@ impl Container for PairedContainer {
             return Ok(exit);
         }
         // A pair that never started: its supervisor (and gmsd) go now.
-        if let Some(mut sup) = self.waiting.lock().await.take() {
-            if let Some(mut g) = sup.gms.take() {
+        if let Some(sup) = self.waiting.lock().await.take() {
+            if let Some(mut g) = sup.abandon() {
                 g.terminate().await;
             }
-            sup.output.close();
         }
         for e in self.engines.iter() {
             if let Err(err) = e.client.delete_force(&e.runc_id).await {

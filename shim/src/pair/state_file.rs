@@ -5,7 +5,7 @@
 //! its internals without changing what tools read.
 
 use shadow_contract::state as file;
-use shadow_pair::{EngineState, Exit, FailureClass, Promotion, Slot, SlotId, Snapshot};
+use shadow_pair::{DeathSign, EngineState, Exit, FailureClass, Promotion, Slot, SlotId, Snapshot};
 
 fn slot_id(s: SlotId) -> u8 {
     // A slot is 0 or 1 by construction.
@@ -33,8 +33,18 @@ fn engine_state(s: EngineState) -> file::EngineState {
         EngineState::Starting => file::EngineState::Starting,
         EngineState::Parked => file::EngineState::Parked,
         EngineState::Active => file::EngineState::Active,
+        EngineState::Superseded => file::EngineState::Superseded,
         EngineState::Backoff => file::EngineState::Backoff,
         EngineState::Stopped => file::EngineState::Stopped,
+    }
+}
+
+fn death_sign(d: DeathSign) -> file::DeathSign {
+    match d {
+        DeathSign::Reap => file::DeathSign::Reap,
+        DeathSign::LockFree => file::DeathSign::LockFree,
+        DeathSign::LockTaken => file::DeathSign::LockTaken,
+        DeathSign::Ready => file::DeathSign::Ready,
     }
 }
 
@@ -54,6 +64,8 @@ pub fn promotion(p: &Promotion) -> file::Promotion {
         number: p.number,
         from: slot_id(p.from),
         to: p.to.map(slot_id),
+        death_at: p.death_at,
+        death_seen: death_sign(p.death_seen),
         reaped_at: p.reaped_at,
         lock_at: p.lock_at,
         ready_at: p.ready_at,
@@ -99,6 +111,8 @@ mod tests {
             number: 3,
             from: SlotId::ONE,
             to: Some(SlotId::ZERO),
+            death_at: std::time::Duration::from_millis(4),
+            death_seen: DeathSign::Ready,
             reaped_at: std::time::Duration::from_millis(5),
             lock_at: None,
             ready_at: Some(std::time::Duration::from_millis(9)),

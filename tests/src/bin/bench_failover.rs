@@ -9,7 +9,10 @@
 //! - shim overhead: `READY=1` sent by the engine → seen by the shim (the
 //!   only part of the path the shim adds: the kernel hands the lock over
 //!   without it);
-//! - reap: SIGKILL → the shim reaped the dead engine.
+//! - reap: SIGKILL → the shim reaped the dead engine;
+//! - promotion total: what `state.json` (`total_ms`) and `shadowctl` show,
+//!   death seen by the shim → `READY=1`; it should match end to end less
+//!   the SIGKILL → death seen part, printed last.
 //!
 //! Prints p50/p99 of each; no figure is asserted.
 
@@ -76,6 +79,8 @@ fn main() {
     let step = Duration::from_millis(1);
     let (mut e2e, mut engine_t, mut handoff, mut shim, mut reap) =
         (vec![], vec![], vec![], vec![], vec![]);
+    let (mut total, mut death) = (vec![], vec![]);
+    let mut signs: std::collections::BTreeMap<&str, usize> = Default::default();
     let mut st = env.wait_protected(&cd, id, long);
     for round in 0..rounds {
         let slot = st.pair.active.expect("active");
@@ -99,6 +104,9 @@ fn main() {
         handoff.push((a.lock_us as f64 - k) / 1e3);
         shim.push((ready_seen - a.ready_us as f64) / 1e3);
         reap.push((reaped - k) / 1e3);
+        total.push(p.total_ms.unwrap_or(f64::NAN));
+        death.push((p.death_unix_us as f64 - k) / 1e3);
+        *signs.entry(p.promotion.death_seen.as_str()).or_default() += 1;
         // Let the respawned shadow settle, as between real failures.
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -109,6 +117,8 @@ fn main() {
         ("engine: lock taken → READY sent", &mut engine_t),
         ("shim overhead: READY sent → seen", &mut shim),
         ("reap: SIGKILL → shim reaped", &mut reap),
+        ("promotion total (state.json total_ms)", &mut total),
+        ("SIGKILL → death seen by shim", &mut death),
     ] {
         println!(
             "  {name:<45} p50 {:>8.3} ms   p99 {:>8.3} ms",
@@ -116,6 +126,8 @@ fn main() {
             pct(v, 0.99)
         );
     }
+    let signs: Vec<String> = signs.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    println!("  death first seen by: {}", signs.join(", "));
     let _ = cd.ctr().run(&["task", "kill", "-s", "SIGKILL", id]);
     let _ = ctr.wait(long);
     let _ = Path::new("");
