@@ -3,7 +3,7 @@
 //! the one that serves hands the port to the other; the task stays running
 //! with the active engine's pid; Kill ends it with one exit; nothing is left.
 
-use shadow_contract::state::PairState;
+use shadow_contract::state::{EngineState, PairState};
 use shadow_tests::pair::{ask, free_port, task_pid, until, PairEnv};
 use shadow_tests::{Containerd, Spawned};
 use std::path::Path;
@@ -400,6 +400,12 @@ fn an_unmodified_program_under_flock_fails_over() {
         env.state(&cd, id).filter(|v| v.pair.active.is_some())
     });
     let (slot, pid) = active_of(&st);
+    // Nor does the shadow say it is parked: the shim sees it waiting on the
+    // lock (/proc/locks lists the waiter), and that is what parked means.
+    let st = until("protected by a waiter on the lock", LONG, STEP, || {
+        env.state(&cd, id).filter(|v| v.pair.protected)
+    });
+    assert_eq!(st.pair.slots[1 - slot].state, EngineState::Parked, "{st:?}");
     let first = until("nc answers", LONG, STEP, || ask(port));
     assert_eq!(first.slot, slot.to_string());
     kill(pid, libc::SIGKILL);
@@ -412,6 +418,11 @@ fn an_unmodified_program_under_flock_fails_over() {
             .filter(|v| v.pair.failovers == 1 && v.pair.active.map(usize::from) == Some(1 - slot))
     });
     assert!(st.promotions[0].promotion.lock_at.is_some(), "{st:?}");
+    // The respawned slot waits on the lock in turn: protected again.
+    until("protected again", LONG, STEP, || {
+        env.state(&cd, id)
+            .filter(|v| v.pair.protected && v.pair.active.map(usize::from) == Some(1 - slot))
+    });
     cd.ctr()
         .run(&["task", "kill", "-s", "SIGKILL", id])
         .expect("kill")

@@ -123,6 +123,9 @@ pub enum Event {
     LockHeld { slot: SlotId },
     /// `/proc/locks` shows nobody holding the election lock.
     LockFree,
+    /// `/proc/locks` shows the engine of `slot` waiting for the election
+    /// lock: it is initialised and parked, whether or not it says so.
+    LockWaiting { slot: SlotId },
     /// The kernel reported the lock file closed for good (inotify), and
     /// the active engine's pid was not then seen holding the lock: an
     /// engine let go of it (dying or on purpose), which releases its flock.
@@ -340,12 +343,20 @@ impl Pair {
             .slots
             .iter()
             .any(|s| s.alive() && s.state != EngineState::Superseded && !s.speaks_notify);
-        if !silent {
-            LockWatch::Off
-        } else if self
+        let serving = self
             .active
-            .is_some_and(|a| self.slot(a).state == EngineState::Active)
-        {
+            .is_some_and(|a| self.slot(a).state == EngineState::Active);
+        // An engine that speaks sd_notify but has not said it is parked may
+        // be waiting on the lock all the same: worth a look at the idle
+        // rate while another serves, so the pair is seen protected.
+        let unsaid = serving
+            && self
+                .slots
+                .iter()
+                .any(|s| s.state == EngineState::Starting && s.speaks_notify);
+        if !silent && !unsaid {
+            LockWatch::Off
+        } else if serving {
             LockWatch::Idle
         } else {
             LockWatch::Fast
@@ -413,6 +424,7 @@ impl Pair {
             Event::Notified { slot, notification } => self.on_notify(slot, notification, now),
             Event::LockHeld { slot } => self.on_lock(slot, now),
             Event::LockFree => self.on_lock_free(now),
+            Event::LockWaiting { slot } => self.on_lock_waiting(slot),
             Event::LockClosed => self.on_lock_closed(now),
             Event::Exited { slot, exit } => {
                 if !self.slot(slot).alive() {
@@ -555,6 +567,18 @@ impl Pair {
             self.active = Some(slot);
             Vec::new()
         }
+    }
+
+    /// The engine blocks on the lock: step 3 of the engine contract, so it
+    /// has done everything that does not need the lock. An engine that
+    /// says `STATUS=parked` gets there by its own word; one that does not
+    /// (a server under `flock(1)`, or one that only says `READY=1`) by this.
+    fn on_lock_waiting(&mut self, slot: SlotId) -> Vec<Action> {
+        let s = &mut self.slots[slot.index()];
+        if s.state == EngineState::Starting {
+            s.state = EngineState::Parked;
+        }
+        Vec::new()
     }
 
     fn on_lock_free(&mut self, now: Duration) -> Vec<Action> {

@@ -445,3 +445,58 @@ fn a_lock_file_close_that_proves_to_be_anothers_is_dropped() {
     let pr = promoted(&p.handle(Event::LockHeld { slot: S1 }, t(12)));
     assert_eq!(pr.death_at, t(10));
 }
+
+#[test]
+fn a_silent_shadow_waiting_on_the_lock_is_parked_and_the_pair_protected() {
+    let mut p = serving_by_lock();
+    assert!(!p.snapshot().protected, "slot 1 has said nothing yet");
+    // A holder is not a waiter: the active engine stays active.
+    assert!(p.handle(Event::LockWaiting { slot: S1 }, t(3)).is_empty());
+    assert_eq!(p.slot(S1).state, EngineState::Parked);
+    assert_eq!(p.slot(S0).state, EngineState::Active);
+    assert!(p.snapshot().protected);
+    // The lock keeps being watched: slot 1 still has to be seen taking it.
+    assert_eq!(p.lock_watch(), LockWatch::Idle);
+}
+
+#[test]
+fn a_shadow_that_only_says_ready_is_parked_once_seen_waiting() {
+    let mut p = Pair::new(RestartPolicy::default());
+    p.start();
+    p.handle(Event::Spawned { slot: S0, pid: 100 }, t(1));
+    p.handle(Event::Spawned { slot: S1, pid: 101 }, t(1));
+    notified(&mut p, S0, Notification::Ready, 2);
+    // Slot 1 speaks (STATUS=loading), never STATUS=parked.
+    notified(&mut p, S1, Notification::Status("loading".into()), 2);
+    assert_eq!(p.slot(S1).state, EngineState::Starting);
+    assert!(!p.snapshot().protected);
+    assert_eq!(
+        p.lock_watch(),
+        LockWatch::Idle,
+        "a speaking engine that has not said parked is looked for on the lock"
+    );
+    p.handle(Event::LockWaiting { slot: S1 }, t(3));
+    assert!(p.snapshot().protected);
+    assert_eq!(
+        p.lock_watch(),
+        LockWatch::Off,
+        "both have said or shown all"
+    );
+}
+
+#[test]
+fn waiting_never_demotes_or_revives() {
+    let mut p = serving();
+    p.handle(Event::LockWaiting { slot: S0 }, t(4));
+    assert_eq!(p.slot(S0).state, EngineState::Active);
+    p.handle(
+        Event::Exited {
+            slot: S1,
+            exit: KILL,
+        },
+        t(5),
+    );
+    let before = p.slot(S1).state;
+    p.handle(Event::LockWaiting { slot: S1 }, t(6));
+    assert_eq!(p.slot(S1).state, before, "a dead slot stays dead");
+}

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::config::PairConfig;
 use super::engine::SharedOutput;
 use super::host::Host;
-use super::lock::LockSeen;
+use super::lock::LockLook;
 use super::notify::Datagram;
 use super::publish::View;
 use super::supervisor::{Input, Parts, Supervisor};
@@ -134,8 +134,8 @@ impl Host for FakeHost {
         self.state().slots.get(&pid).copied()
     }
 
-    fn lock(&self) -> LockSeen {
-        LockSeen::Unknown
+    fn lock(&self) -> LockLook {
+        LockLook::UNKNOWN
     }
 }
 

@@ -260,11 +260,19 @@ impl Supervisor {
             return Vec::new();
         }
         let now = self.clock.now();
-        match self.host.lock() {
+        let look = self.host.lock();
+        let mut actions = Vec::new();
+        for slot in SlotId::BOTH {
+            if look.waiting[slot.index()] {
+                actions.extend(self.pair.handle(PairEvent::LockWaiting { slot }, now));
+            }
+        }
+        actions.extend(match look.seen {
             LockSeen::Held(slot) => self.pair.handle(PairEvent::LockHeld { slot }, now),
             LockSeen::Free => self.pair.handle(PairEvent::LockFree, now),
             LockSeen::Unknown => Vec::new(),
-        }
+        });
+        actions
     }
 
     fn on_spawned(
