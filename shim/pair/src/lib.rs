@@ -1,7 +1,7 @@
 //! Supervision logic of an active/shadow engine pair.
 //!
 //! The shim observes; this crate decides. Keeping the decisions free of
-//! containerd, runc and sockets means every failure policy of DESIGN.md is a
+//! containerd, runc and sockets means every failure policy (docs/pairs.md) is a
 //! unit test over plain values, and the shim is a thin adapter that turns
 //! [`Action`]s into runc calls.
 
