@@ -349,3 +349,36 @@ async fn the_lock_files_close_dates_a_death_that_ready_reported_first() {
     assert!((15.0..1000.0).contains(&total), "death → READY {total} ms");
     assert!(p.reaped_unix_us > p.death_unix_us, "{p:?}");
 }
+
+#[tokio::test]
+async fn a_second_kill_reaches_the_engines_at_once_not_after_the_grace() {
+    let rig = Rig::serving().await;
+    let [active, shadow] = rig.pids();
+    let _ = rig.input.send(Input::Kill { signal: 15 });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !rig.host.signals().contains(&(shadow, Signal::SIGTERM)) {
+        assert!(Instant::now() < deadline, "{:?}", rig.host.signals());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The engines ignore SIGTERM; CRI's own grace ends: SIGKILL, long
+    // before the pair's stop_grace_ms (10 s by default).
+    let _ = rig.input.send(Input::Kill { signal: 9 });
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let sent = rig.host.signals();
+        if sent.contains(&(active, Signal::SIGKILL)) && sent.contains(&(shadow, Signal::SIGKILL)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{sent:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    rig.host.reap(active, 137, SystemTime::now());
+    rig.host.reap(shadow, 137, SystemTime::now());
+    let mut view = rig.view.clone();
+    let v = tokio::time::timeout(Duration::from_secs(5), view.wait_for(|v| v.exit.is_some()))
+        .await
+        .expect("exit in time")
+        .expect("view")
+        .clone();
+    assert_eq!(v.exit.map(|e| e.status), Some(137));
+}
