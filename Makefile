@@ -3,7 +3,7 @@
 # Every target is idempotent and works as root on a fresh Debian 12 machine:
 #   make deps        install missing Debian packages (containerd, runc, busybox-static, …)
 #   make build       build the workspace (debug: what the tests run)
-#   make lint        rustfmt --check + clippy -D warnings
+#   make lint        rustfmt --check + clippy -D warnings + the shim's layer check
 #   make test        deps + lint + build + every test, integration tests included
 #   make demo        SIGKILL under load: cold restart (runc-v2) vs shadow pair, table + chart
 #   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
@@ -64,9 +64,13 @@ build: check-cargo
 release: check-cargo
 	$(CARGO) build --workspace --release --bins
 
+# The last step is the shim's layer check (shim/src/layers.rs, drawn in
+# docs/shim.md): it fails on a module that uses a higher layer, or on
+# modules that use each other.
 lint: check-cargo
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) test -q -p shadow-shim --bin containerd-shim-shadow-v1 -- layers::
 
 # The README's test command; .ci/run runs exactly this. Integration tests
 # start their own containerd (never the host's) and need root.
@@ -79,12 +83,12 @@ test: deps lint build
 # target/shadow-bench/report.json and timeline.svg.
 DEMO_MIB ?= 256
 demo: deps check-cargo
-	$(CARGO) build -q --release -p shadow-shim -p gms -p shadow-engine -p failover-bench
+	$(CARGO) build -q --release -p shadow-shim -p gmsd -p shadow-engine -p failover-bench
 	./target/release/failover-bench --mib $(DEMO_MIB) --arms cold,gms,shadow --out target/shadow-bench
 
 # The ratio at 2 GiB of weights, and 5 closely spaced kills (repeated failures).
 bench-recovery: deps check-cargo
-	$(CARGO) build -q --release -p shadow-shim -p gms -p shadow-engine -p failover-bench
+	$(CARGO) build -q --release -p shadow-shim -p gmsd -p shadow-engine -p failover-bench
 	./target/release/failover-bench --mib 2048 --out target/shadow-bench/2g
 	./target/release/failover-bench --mib $(DEMO_MIB) --kills 5 --gap-ms 300 --out target/shadow-bench/repeat
 
@@ -142,12 +146,12 @@ conformance: check-root check-cargo
 # (FUZZ_SECONDS=600 make fuzz for a longer run).
 FUZZ_SECONDS ?= 60
 fuzz: check-cargo
-	$(CARGO) run -q -p gms --release --bin gms-fuzz -- --seconds $(FUZZ_SECONDS)
+	$(CARGO) run -q -p gmsd --release --bin gms-fuzz -- --seconds $(FUZZ_SECONDS)
 
 # GMS import time of a committed 16 GiB layout in a new reader process, and
 # the writer's load throughput (scales down if MemAvailable is too small).
 bench-gms: check-cargo
-	$(CARGO) build -q -p gms --release --bins
+	$(CARGO) build -q -p gmsd --release --bins
 	./target/release/gms-bench --gib 16
 
 # --- GPU targets (gpu-bundle, test-gpu) ---
@@ -159,7 +163,7 @@ GPU_TEST_ARGS ?=
 # Release gmsd, gms-cuda-bench, gms-cuda-probe and libgms.so into
 # $(GPU_BIN_DIR), for a GPU machine (x86-64, glibc >= Debian 12's).
 gpu-bundle: check-cargo
-	$(CARGO) build --release -p gms -p gms-cuda -p gms-capi
+	$(CARGO) build --release -p gmsd -p gms-capi
 	@mkdir -p $(GPU_BIN_DIR)
 	cp target/release/gmsd target/release/gms-cuda-bench target/release/gms-cuda-probe \
 	   target/release/libgms.so $(GPU_BIN_DIR)/

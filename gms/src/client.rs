@@ -12,9 +12,10 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::backend::Access;
+use shadow_contract::paths;
+
 use crate::layout::{Allocation, Layout};
-use crate::mapper::{HostMapper, HostRange, Mapper, Range, RangeState};
+use crate::mapper::{Access, HostMapper, HostRange, Mapper, Range, RangeState};
 use crate::protocol::{
     self, ErrorCode, LeaseKind, Mode, Request, Response, MAX_FDS_PER_MESSAGE, MAX_RESPONSE_BYTES,
 };
@@ -22,9 +23,16 @@ use crate::status::StatusReport;
 use crate::wire;
 use crate::{Error, Result};
 
-/// The socket of a host-backend daemon in `dir` (`GMS_SOCKET_DIR`).
+/// The socket of a host-backend daemon in `dir` (`GMS_SOCKET_DIR`). The
+/// names are the engine contract's (`shadow_contract::paths`).
 pub fn host_socket(dir: &Path) -> PathBuf {
-    dir.join("gms-host.sock")
+    dir.join(paths::GMS_HOST_SOCKET)
+}
+
+/// File name of a CUDA daemon's socket in `GMS_SOCKET_DIR`:
+/// `gms-<GPU-UUID>.sock`.
+pub fn cuda_socket_name(uuid: &str) -> String {
+    paths::gms_socket_name(uuid)
 }
 
 /// What the daemon granted.
@@ -434,6 +442,30 @@ impl<M: Mapper> Client<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn socket_names_follow_the_contract() {
+        assert_eq!(
+            host_socket(Path::new("/run/shadow/gms")),
+            Path::new("/run/shadow/gms/gms-host.sock")
+        );
+        assert_eq!(
+            cuda_socket_name("GPU-5a2b1c3d-0e1f-2a3b-4c5d-6e7f8a9b0c1d"),
+            "gms-GPU-5a2b1c3d-0e1f-2a3b-4c5d-6e7f8a9b0c1d.sock"
+        );
+    }
+
+    #[test]
+    fn busy_and_absent_daemons_are_retried_other_errors_are_not() {
+        let busy = Error::Remote {
+            code: ErrorCode::LeaseBusy,
+            message: String::new(),
+        };
+        assert!(retryable(&busy));
+        let absent = Error::io("x", std::io::ErrorKind::NotFound.into());
+        assert!(retryable(&absent));
+        assert!(!retryable(&Error::NoLayout("none".into())));
+    }
     use crate::protocol::ErrorCode;
 
     /// gmsd refuses a peer by answering and closing at once; a client whose

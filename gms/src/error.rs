@@ -62,14 +62,14 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn sys(context: impl Into<String>, source: nix::errno::Errno) -> Self {
+    pub fn sys(context: impl Into<String>, source: nix::errno::Errno) -> Self {
         Error::Sys {
             context: context.into(),
             source,
         }
     }
 
-    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             context: context.into(),
             source,

@@ -13,8 +13,15 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 use nix::errno::Errno;
 
-use crate::backend::Access;
 use crate::{Error, Result};
+
+/// How a descriptor may be used by the engine that receives it: the daemon
+/// exports with it, a range maps with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    ReadWrite,
+    ReadOnly,
+}
 
 /// What a range currently holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

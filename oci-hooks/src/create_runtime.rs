@@ -14,10 +14,11 @@
 //! caller's namespace; `open_tree`/`move_mount` would lift that, later.)
 
 use crate::error::{Error, Result};
-use crate::layout::{parse_slot, PairLayout, PAIR_ANNOTATION, SLOT_ANNOTATION};
+use crate::layout::PairLayout;
 use nix::mount::{mount, MsFlags};
 use nix::sched::{setns, CloneFlags};
 use serde::Deserialize;
+use shadow_contract::annotations::Annotations;
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 
@@ -41,11 +42,10 @@ impl State {
     }
 
     /// The pair this container belongs to, if its annotations name one.
+    /// Every `shadow.dev/` annotation is validated, the shim's included.
     pub fn pair(&self, root: &Path) -> Result<Option<PairLayout>> {
-        self.annotations
-            .get(PAIR_ANNOTATION)
-            .map(|n| PairLayout::new(root, n))
-            .transpose()
+        let annotations = Annotations::parse(&self.annotations)?;
+        Ok(annotations.pair_name.map(|n| PairLayout::of(root, &n)))
     }
 }
 
@@ -100,9 +100,6 @@ pub fn bind_into_container(state: &State, root: &Path) -> Result<bool> {
     let Some(layout) = state.pair(root)? else {
         return Ok(false);
     };
-    if let Some(s) = state.annotations.get(SLOT_ANNOTATION) {
-        parse_slot(s)?;
-    }
     if state.pid <= 0 {
         return Err(Error::Shape {
             what: "OCI state",

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("pair name {name:?} is not usable: {why} (use 1-64 of [A-Za-z0-9_.-], not starting with '.')")]
-    PairName { name: String, why: &'static str },
-    #[error("slot {0:?} is not 0 or 1 (annotation shadow.dev/slot)")]
-    Slot(String),
+    /// A `shadow.dev/` annotation (or a pair name given on the command
+    /// line) that the contract does not allow.
+    #[error(transparent)]
+    Annotation(#[from] shadow_contract::annotations::AnnotationError),
     #[error("{what} {}: {source}", path.display())]
     Io {
         what: &'static str,

@@ -4,11 +4,16 @@
 //! systemd unit (`gms run`, exec'd so systemd supervises gmsd itself), or
 //! detached with a pid file for scripts and tests (`gms start` / `gms stop`).
 
+//!
+//! Launching is `shadow_contract::gmsd`, the launcher the shim uses too:
+//! readiness comes through a pipe (gmsd's `ready <socket>` line), an early
+//! death is reported with its exit status, and capabilities are dropped.
+
 use crate::error::{Error, Result};
 use crate::layout::PairLayout;
+use shadow_contract::gmsd::{GmsdCommand, Reaper};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// How a gmsd is launched.
@@ -20,15 +25,10 @@ pub struct GmsdLaunch {
 }
 
 impl GmsdLaunch {
-    fn command(&self, layout: &PairLayout) -> Command {
-        let mut cmd = Command::new(&self.gmsd);
-        cmd.arg("serve")
-            .arg("--socket-dir")
-            .arg(layout.gms_dir())
-            .arg("--device")
-            .arg(&self.device)
-            .args(&self.extra);
-        cmd
+    fn command(&self, layout: &PairLayout) -> GmsdCommand {
+        GmsdCommand::new(&self.gmsd, layout.gms_dir(), &self.device)
+            .args(&self.extra)
+            .reaper(Reaper::Launcher)
     }
 }
 
@@ -42,23 +42,16 @@ pub fn default_gmsd() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("gmsd"))
 }
 
-fn socket_in(dir: &Path) -> Option<PathBuf> {
-    std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        (name.starts_with("gms-") && name.ends_with(".sock")).then(|| e.path())
-    })
-}
-
-/// Replaces this process with gmsd (for `ExecStart=` of a systemd unit).
+/// Replaces this process with gmsd (for `ExecStart=` of a systemd unit,
+/// which then supervises gmsd itself and reads readiness its own way).
 pub fn run(layout: &PairLayout, launch: &GmsdLaunch) -> Result<()> {
     layout.prepare()?;
-    let e = launch.command(layout).exec();
+    let e = launch.command(layout).command().exec();
     Err(Error::io("executing gmsd", &launch.gmsd, e))
 }
 
-/// Starts gmsd detached (own process group, log file, pid file) and
-/// returns its pid once its socket exists.
+/// Starts gmsd detached (own session, log file, pid file) and returns its
+/// pid once it announced its socket.
 pub fn start(layout: &PairLayout, launch: &GmsdLaunch, wait: Duration) -> Result<u32> {
     let gmsd_err = |why: String| Error::Gmsd {
         pair: layout.name.clone(),
@@ -70,46 +63,23 @@ pub fn start(layout: &PairLayout, launch: &GmsdLaunch, wait: Duration) -> Result
     layout.prepare()?;
     let log_path = layout.gmsd_log();
     let log = std::fs::File::create(&log_path).map_err(|e| Error::io("creating", &log_path, e))?;
-    let log2 = log
-        .try_clone()
-        .map_err(|e| Error::io("duplicating", &log_path, e))?;
-    let mut child = launch
+    let gmsd = launch
         .command(layout)
-        .stdin(Stdio::null())
-        .stdout(log)
-        .stderr(log2)
-        .process_group(0)
-        .spawn()
-        .map_err(|e| Error::io("starting gmsd", &launch.gmsd, e))?;
-    let pid = child.id();
-    let pid_file = layout.gmsd_pid_file();
-    std::fs::write(&pid_file, format!("{pid}\n"))
-        .map_err(|e| Error::io("writing pid file", &pid_file, e))?;
-    let deadline = Instant::now() + wait;
-    loop {
-        if socket_in(&layout.gms_dir()).is_some() {
-            return Ok(pid);
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            let _ = std::fs::remove_file(&pid_file);
+        .stderr(log)
+        .spawn(wait)
+        .map_err(|e| {
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            return Err(gmsd_err(format!(
-                "exited with {status} before its socket appeared; log {}: {}",
-                log_path.display(),
-                log.trim()
-            )));
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            let _ = std::fs::remove_file(&pid_file);
-            return Err(gmsd_err(format!(
-                "no socket in {} after {wait:?}; killed it",
-                layout.gms_dir().display()
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(5));
+            gmsd_err(format!("{e}; log {}: {}", log_path.display(), log.trim()))
+        })?;
+    let pid_file = layout.gmsd_pid_file();
+    if let Err(e) = std::fs::write(&pid_file, format!("{}\n", gmsd.pid())) {
+        // Without its pid file nobody could stop it: do not leave it.
+        let _ = gmsd.signal(libc::SIGKILL);
+        gmsd.wait(Duration::from_secs(1));
+        return Err(Error::io("writing pid file", &pid_file, e));
     }
+    // The daemon outlives this process: nobody here will reap it.
+    Ok(gmsd.detach())
 }
 
 /// The pid in the pid file, if that process is alive and is a gmsd (a

@@ -5,23 +5,18 @@
 //! createRuntime hook, the CDI generator and the gmsd launcher all derive
 //! the same paths from the same name, so they agree without talking.
 
+//!
+//! The in-container paths, the variable names and the pair-name rules are
+//! `shadow_contract`'s, the same the shim uses.
+
 use crate::error::{Error, Result};
+use shadow_contract::annotations::PairName;
+use shadow_contract::{env, paths};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// Default root of the per-pair host directories.
 pub const DEFAULT_ROOT: &str = "/run/shadow/hooks";
-/// Where the pair directory appears inside a container (DESIGN.md "Names").
-pub const PAIR_DIR_IN_CONTAINER: &str = "/run/shadow/pair";
-/// Where the GMS socket directory appears inside a container.
-pub const GMS_DIR_IN_CONTAINER: &str = "/run/shadow/gms";
-pub const LOCK_FILE: &str = "engine.lock";
-pub const NOTIFY_FILE: &str = "notify.sock";
-
-/// Annotation naming the pair a container belongs to.
-pub const PAIR_ANNOTATION: &str = "shadow.dev/pair-name";
-/// Annotation giving the container's slot (`SHADOW_ENGINE_ID`).
-pub const SLOT_ANNOTATION: &str = "shadow.dev/slot";
 
 /// The host paths of one named pair.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,26 +29,15 @@ impl PairLayout {
     /// Checks the name, because it becomes a path component and a CDI
     /// device name: nothing that could climb out of `root`.
     pub fn new(root: &Path, name: &str) -> Result<Self> {
-        let bad = |why| Error::PairName {
-            name: name.to_owned(),
-            why,
-        };
-        if name.is_empty() || name.len() > 64 {
-            return Err(bad("length"));
+        Ok(Self::of(root, &PairName::new(name)?))
+    }
+
+    /// The layout of a name already checked (parsed from annotations).
+    pub fn of(root: &Path, name: &PairName) -> Self {
+        PairLayout {
+            name: name.as_str().to_owned(),
+            dir: root.join(name.as_str()),
         }
-        if name.starts_with('.') {
-            return Err(bad("leading '.'"));
-        }
-        if !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-        {
-            return Err(bad("character outside [A-Za-z0-9_.-]"));
-        }
-        Ok(PairLayout {
-            name: name.to_owned(),
-            dir: root.join(name),
-        })
     }
 
     pub fn pair_dir(&self) -> PathBuf {
@@ -65,11 +49,11 @@ impl PairLayout {
     }
 
     pub fn lock_file(&self) -> PathBuf {
-        self.pair_dir().join(LOCK_FILE)
+        self.pair_dir().join(paths::LOCK_FILE)
     }
 
     pub fn notify_socket(&self) -> PathBuf {
-        self.pair_dir().join(NOTIFY_FILE)
+        self.pair_dir().join(paths::NOTIFY_FILE)
     }
 
     pub fn gmsd_pid_file(&self) -> PathBuf {
@@ -117,40 +101,28 @@ impl PairLayout {
     /// when something on the host listens there: nobody reads sd_notify
     /// without the shim, unless a user binds a socket of their own).
     pub fn env(&self, slot: Option<u8>) -> Vec<(String, String)> {
-        let mut env = vec![
-            (
-                "SHADOW_LOCK_PATH".to_owned(),
-                format!("{PAIR_DIR_IN_CONTAINER}/{LOCK_FILE}"),
-            ),
-            ("GMS_SOCKET_DIR".to_owned(), GMS_DIR_IN_CONTAINER.to_owned()),
+        let mut vars = vec![
+            (env::LOCK_PATH.to_owned(), paths::LOCK_PATH.to_owned()),
+            (env::GMS_SOCKET_DIR.to_owned(), paths::GMS_DIR.to_owned()),
         ];
         if let Some(s) = slot {
-            env.push(("SHADOW_ENGINE_ID".to_owned(), s.to_string()));
+            vars.push((env::ENGINE_ID.to_owned(), s.to_string()));
         }
         if self.notify_socket().exists() {
-            env.push((
-                "NOTIFY_SOCKET".to_owned(),
-                format!("{PAIR_DIR_IN_CONTAINER}/{NOTIFY_FILE}"),
+            vars.push((
+                env::NOTIFY_SOCKET.to_owned(),
+                paths::NOTIFY_SOCKET.to_owned(),
             ));
         }
-        env
+        vars
     }
 
     /// (host source, container destination) of the two bind mounts.
     pub fn binds(&self) -> [(PathBuf, &'static str); 2] {
         [
-            (self.pair_dir(), PAIR_DIR_IN_CONTAINER),
-            (self.gms_dir(), GMS_DIR_IN_CONTAINER),
+            (self.pair_dir(), paths::PAIR_DIR),
+            (self.gms_dir(), paths::GMS_DIR),
         ]
-    }
-}
-
-/// The slot from its annotation value.
-pub fn parse_slot(v: &str) -> Result<u8> {
-    match v.trim() {
-        "0" => Ok(0),
-        "1" => Ok(1),
-        other => Err(Error::Slot(other.to_owned())),
     }
 }
 

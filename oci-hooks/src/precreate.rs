@@ -7,26 +7,32 @@
 //! fields this crate does not model survive untouched.
 
 use crate::error::{Error, Result};
-use crate::layout::{parse_slot, PairLayout, PAIR_ANNOTATION, SLOT_ANNOTATION};
+use crate::layout::PairLayout;
 use serde_json::{json, Value};
+use shadow_contract::annotations::Annotations;
 use std::path::Path;
+
+/// The spec's `shadow.dev/` annotations, validated as the shim validates
+/// them (the shim's own keys are accepted and left to the shim).
+pub fn annotations_of(spec: &Value) -> Result<Annotations> {
+    let strings = spec
+        .get("annotations")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, v)| Some((k.as_str(), v.as_str()?)));
+    Ok(Annotations::parse(strings)?)
+}
 
 /// Returns the edited spec, or the spec unchanged when its annotations do
 /// not name a pair (a hooks.d `when` clause should already have filtered).
 pub fn edit_spec(mut spec: Value, root: &Path) -> Result<Value> {
-    let annotation = |k: &str| {
-        spec.get("annotations")
-            .and_then(|a| a.get(k))
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-    };
-    let Some(name) = annotation(PAIR_ANNOTATION) else {
+    let annotations = annotations_of(&spec)?;
+    let Some(name) = annotations.pair_name else {
         return Ok(spec);
     };
-    let layout = PairLayout::new(root, &name)?;
-    let slot = annotation(SLOT_ANNOTATION)
-        .map(|s| parse_slot(&s))
-        .transpose()?;
+    let layout = PairLayout::of(root, &name);
+    let slot = annotations.slot;
     layout.prepare()?;
 
     let obj = spec.as_object_mut().ok_or_else(|| Error::Shape {
@@ -86,6 +92,8 @@ pub fn edit_spec(mut spec: Value, root: &Path) -> Result<Value> {
 mod tests {
     use super::*;
 
+    use shadow_contract::annotations::{GMS, PAIR, PAIR_NAME, SHADOW, SLOT};
+
     fn spec(annotations: Value) -> Value {
         json!({
             "ociVersion": "1.0.2-dev",
@@ -107,7 +115,7 @@ mod tests {
     #[test]
     fn the_annotation_adds_binds_and_env_and_keeps_the_rest() {
         let t = tempfile::tempdir().unwrap();
-        let s = spec(json!({PAIR_ANNOTATION: "p1", SLOT_ANNOTATION: "1"}));
+        let s = spec(json!({PAIR_NAME: "p1", SLOT: "1"}));
         let out = edit_spec(s, t.path()).unwrap();
         assert_eq!(out["x-unknown-field"]["kept"], true);
         let env: Vec<&str> = out["process"]["env"]
@@ -132,11 +140,25 @@ mod tests {
     #[test]
     fn bad_names_and_slots_are_errors_not_edits() {
         let t = tempfile::tempdir().unwrap();
-        assert!(edit_spec(spec(json!({PAIR_ANNOTATION: "../etc"})), t.path()).is_err());
-        assert!(edit_spec(
-            spec(json!({PAIR_ANNOTATION: "p", SLOT_ANNOTATION: "2"})),
-            t.path()
-        )
-        .is_err());
+        assert!(edit_spec(spec(json!({PAIR_NAME: "../etc"})), t.path()).is_err());
+        let e = edit_spec(spec(json!({PAIR_NAME: "p", SLOT: "2"})), t.path()).unwrap_err();
+        assert!(e.to_string().contains(SLOT), "{e}");
+        // The shim's keys are validated the same way here.
+        let e = edit_spec(spec(json!({PAIR_NAME: "p", GMS: "tpu"})), t.path()).unwrap_err();
+        assert!(e.to_string().contains("cuda|host|off"), "{e}");
+    }
+
+    /// One spec serves both paths: the shim's keys do not stop the hook.
+    #[test]
+    fn the_shims_annotations_are_tolerated() {
+        let t = tempfile::tempdir().unwrap();
+        let shim_only = spec(json!({PAIR: "true", GMS: "host", SHADOW: "true"}));
+        assert_eq!(edit_spec(shim_only.clone(), t.path()).unwrap(), shim_only);
+        let both = spec(json!({PAIR: "true", GMS: "host", PAIR_NAME: "p2", SLOT: "0"}));
+        let out = edit_spec(both, t.path()).unwrap();
+        assert!(out["process"]["env"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("SHADOW_ENGINE_ID=0")));
     }
 }

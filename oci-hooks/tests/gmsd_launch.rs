@@ -15,7 +15,7 @@ fn gmsd() -> PathBuf {
     let p = Path::new(HOOK).with_file_name("gmsd");
     assert!(
         p.is_file(),
-        "{} missing: build it with `cargo build -p gms --bin gmsd`",
+        "{} missing: build it with `cargo build -p gmsd --bin gmsd`",
         p.display()
     );
     p

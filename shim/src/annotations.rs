@@ -2,89 +2,25 @@
 //! container and an engine pair. Parsed and validated once, at Create, so a
 //! typo is refused with the key, the value and what is allowed, before any
 //! process exists.
+//!
+//! The key set and its parser are `shadow_contract::annotations`, shared
+//! with the OCI hook: a spec written for the hooks (`shadow.dev/pair-name`,
+//! `shadow.dev/slot`) is accepted here too, its values validated. The shim
+//! acts only on `pair`, `gms` and `shadow`; a pair it makes numbers its
+//! own slots. What is left here is the shim's own question: does this
+//! container, in this pod, become a pair?
 
 use std::collections::HashMap;
 
-use crate::error::{Error, Result};
-
-pub const PREFIX: &str = "shadow.dev/";
-pub const PAIR: &str = "shadow.dev/pair";
-pub const GMS: &str = "shadow.dev/gms";
-/// `false`: a paired container runs one engine and no shadow; the engine is
-/// restarted in place and GMS keeps its weights (the "GMS only" setup).
-pub const SHADOW: &str = "shadow.dev/shadow";
+pub use shadow_contract::annotations::{Annotations as ShadowAnnotations, GmsBackend, PairRequest};
 
 /// CRI annotations that decide whether a pod-style request names us.
 pub const CRI_CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 pub const CRI_CONTAINER_NAME: &str = "io.kubernetes.cri.container-name";
 pub const CRI_SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 
-/// What `shadow.dev/pair` asked for.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum PairRequest {
-    #[default]
-    Absent,
-    Off,
-    On,
-    /// Pod style: pair the containers with these CRI container names.
-    Names(Vec<String>),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GmsBackend {
-    Cuda,
-    Host,
-    Off,
-}
-
-/// Every `shadow.dev/` annotation of one container spec, validated.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct ShadowAnnotations {
-    pub pair: PairRequest,
-    pub gms: Option<GmsBackend>,
-    /// `shadow.dev/shadow=false`: one engine, restarted in place.
-    pub no_shadow: bool,
-}
-
-impl ShadowAnnotations {
-    pub fn parse(annotations: &HashMap<String, String>) -> Result<Self> {
-        let mut out = ShadowAnnotations::default();
-        // Sorted so that the first error reported is deterministic.
-        let mut ours: Vec<_> = annotations
-            .iter()
-            .filter(|(k, _)| k.starts_with(PREFIX))
-            .collect();
-        ours.sort();
-        for (key, value) in ours {
-            match key.as_str() {
-                PAIR => out.pair = parse_pair(value)?,
-                GMS => {
-                    out.gms = Some(match value.as_str() {
-                        "cuda" => GmsBackend::Cuda,
-                        "host" => GmsBackend::Host,
-                        "off" => GmsBackend::Off,
-                        _ => return Err(bad(key, value, "cuda|host|off")),
-                    })
-                }
-                SHADOW => {
-                    out.no_shadow = match value.as_str() {
-                        "true" => false,
-                        "false" => true,
-                        _ => return Err(bad(key, value, "true|false")),
-                    }
-                }
-                _ => {
-                    return Err(bad(
-                        key,
-                        value,
-                        &format!("keys {PAIR}, {GMS} and {SHADOW} under {PREFIX}"),
-                    ))
-                }
-            }
-        }
-        Ok(out)
-    }
-
+/// The pairing decision, on the parsed annotations.
+pub trait Pairing {
     /// Whether this container becomes an engine pair. The sandbox (pause)
     /// container never does; a pod-wide name list applies only to the
     /// containers it names.
@@ -92,7 +28,11 @@ impl ShadowAnnotations {
     /// `by_default` (the config's `pair.pair_by_default`) pairs containers
     /// that carry no `shadow.dev/pair` at all; `shadow.dev/pair=false` still
     /// opts out.
-    pub fn pairs(&self, annotations: &HashMap<String, String>, by_default: bool) -> bool {
+    fn pairs(&self, annotations: &HashMap<String, String>, by_default: bool) -> bool;
+}
+
+impl Pairing for ShadowAnnotations {
+    fn pairs(&self, annotations: &HashMap<String, String>, by_default: bool) -> bool {
         if annotations.get(CRI_CONTAINER_TYPE).map(String::as_str) == Some("sandbox") {
             return false;
         }
@@ -107,38 +47,15 @@ impl ShadowAnnotations {
     }
 }
 
-fn parse_pair(value: &str) -> Result<PairRequest> {
-    const ALLOWED: &str = "true|false|<container-name>[,<container-name>...]";
-    match value {
-        "true" => return Ok(PairRequest::On),
-        "false" => return Ok(PairRequest::Off),
-        _ => {}
-    }
-    let names: Vec<String> = value.split(',').map(|s| s.trim().to_string()).collect();
-    let valid = |n: &String| {
-        !n.is_empty()
-            && n.len() <= 253
-            && n.chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
-    };
-    if names.iter().all(valid) {
-        Ok(PairRequest::Names(names))
-    } else {
-        Err(bad(PAIR, value, ALLOWED))
-    }
-}
-
-fn bad(key: &str, value: &str, allowed: &str) -> Error {
-    Error::Annotation {
-        key: key.to_string(),
-        value: value.to_string(),
-        allowed: allowed.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
+    use shadow_contract::annotations::{GMS, PAIR, PAIR_NAME, SHADOW, SLOT};
+
+    fn parse(a: &HashMap<String, String>) -> crate::error::Result<ShadowAnnotations> {
+        Ok(ShadowAnnotations::parse(a)?)
+    }
 
     fn map(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs
@@ -150,7 +67,7 @@ mod tests {
     #[test]
     fn no_annotations_is_plain() {
         let a = map(&[("other.io/x", "y")]);
-        let s = ShadowAnnotations::parse(&a).unwrap();
+        let s = parse(&a).unwrap();
         assert_eq!(s, ShadowAnnotations::default());
         assert!(!s.pairs(&a, false));
     }
@@ -158,18 +75,14 @@ mod tests {
     #[test]
     fn pair_true_and_false() {
         let single = map(&[(PAIR, "true"), (SHADOW, "false")]);
-        assert!(ShadowAnnotations::parse(&single).unwrap().no_shadow);
-        assert!(
-            !ShadowAnnotations::parse(&map(&[(SHADOW, "true")]))
-                .unwrap()
-                .no_shadow
-        );
+        assert!(parse(&single).unwrap().no_shadow);
+        assert!(!parse(&map(&[(SHADOW, "true")])).unwrap().no_shadow);
         let a = map(&[(PAIR, "true"), (GMS, "host")]);
-        let s = ShadowAnnotations::parse(&a).unwrap();
+        let s = parse(&a).unwrap();
         assert_eq!(s.gms, Some(GmsBackend::Host));
         assert!(s.pairs(&a, false));
         let a = map(&[(PAIR, "false")]);
-        assert!(!ShadowAnnotations::parse(&a).unwrap().pairs(&a, false));
+        assert!(!parse(&a).unwrap().pairs(&a, false));
     }
 
     #[test]
@@ -184,7 +97,7 @@ mod tests {
             (&sandbox, false),
             (&unnamed, false),
         ] {
-            let s = ShadowAnnotations::parse(a).unwrap();
+            let s = parse(a).unwrap();
             assert_eq!(s.pairs(a, false), want, "{a:?}");
         }
     }
@@ -194,11 +107,23 @@ mod tests {
         let none = map(&[]);
         let off = map(&[(PAIR, "false")]);
         let sandbox = map(&[(CRI_CONTAINER_TYPE, "sandbox")]);
-        let s = |a: &HashMap<String, String>| ShadowAnnotations::parse(a).unwrap();
+        let s = |a: &HashMap<String, String>| parse(a).unwrap();
         assert!(s(&none).pairs(&none, true));
         assert!(!s(&none).pairs(&none, false));
         assert!(!s(&off).pairs(&off, true));
         assert!(!s(&sandbox).pairs(&sandbox, true));
+    }
+
+    /// One spec serves both paths: the hook's keys do not make the shim
+    /// refuse it, nor pair it.
+    #[test]
+    fn hook_annotations_are_accepted_and_leave_the_container_plain() {
+        let a = map(&[(PAIR_NAME, "llama"), (SLOT, "1")]);
+        let s = parse(&a).unwrap();
+        assert_eq!(s.slot, Some(1));
+        assert!(!s.pairs(&a, false));
+        let both = map(&[(PAIR, "true"), (PAIR_NAME, "llama"), (SLOT, "0")]);
+        assert!(parse(&both).unwrap().pairs(&both, false));
     }
 
     #[test]
@@ -210,8 +135,10 @@ mod tests {
             (PAIR, "", "true|false"),
             (PAIR, "a,,b", "true|false"),
             ("shadow.dev/colour", "blue", PAIR),
+            (SLOT, "2", "0|1"),
+            (PAIR_NAME, "../x", "[A-Za-z0-9_.-]"),
         ] {
-            let e = ShadowAnnotations::parse(&map(&[(k, v)])).unwrap_err();
+            let e = parse(&map(&[(k, v)])).unwrap_err();
             let msg = e.to_string();
             assert!(matches!(e, Error::Annotation { .. }));
             assert!(msg.contains(k) && msg.contains(allowed), "{msg}");

@@ -1,4 +1,8 @@
-//! The shim's own configuration file (`/etc/shadow/config.toml` by default).
+//! The shim's own configuration file: `/etc/containerd/shadow.toml` by
+//! default, read without any flag or runtime option. The earlier default
+//! `/etc/shadow/config.toml` is read only when the new one is absent, as a
+//! deprecated fallback (on most hosts `/etc/shadow` is the password file,
+//! so it could never exist there).
 //!
 //! Kept deliberately small: where runc is and where it keeps state, and the
 //! log level. The pairing issue will add its knobs here. A missing default
@@ -12,7 +16,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-pub const DEFAULT_CONFIG_PATH: &str = "/etc/shadow/config.toml";
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/containerd/shadow.toml";
+/// The default before 2026-11-30, read only when [`DEFAULT_CONFIG_PATH`]
+/// is absent, with a deprecation warning.
+pub const DEPRECATED_CONFIG_PATH: &str = "/etc/shadow/config.toml";
 
 /// Environment variables through which `start` hands the resolved config
 /// source to the serving daemon (its stdin is not the runtime options).
@@ -20,6 +27,69 @@ pub const ENV_CONFIG_PATH: &str = "SHADOW_SHIM_CONFIG_PATH";
 pub const ENV_CONFIG_BODY: &str = "SHADOW_SHIM_CONFIG_BODY";
 /// Replaces the default config file path when no runtime option names one.
 pub const ENV_CONFIG_DEFAULT: &str = "SHADOW_CONFIG";
+/// Where `start` found its config ([`Origin`]), for the daemon's log.
+pub const ENV_CONFIG_ORIGIN: &str = "SHADOW_SHIM_CONFIG_ORIGIN";
+
+/// Where a loaded config came from: the shim logs it, so an operator can
+/// tell which file is in force.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// `config_body` of the runtime options.
+    Body,
+    /// A file: named by the runtime options or `SHADOW_CONFIG`, or the default.
+    File(PathBuf),
+    /// The deprecated default, [`DEPRECATED_CONFIG_PATH`].
+    Deprecated(PathBuf),
+    /// No file at either default: built-in defaults.
+    Defaults,
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::Body => f.write_str("the runtime options' config_body"),
+            Origin::File(p) => write!(f, "{}", p.display()),
+            Origin::Deprecated(p) => write!(f, "{} (deprecated)", p.display()),
+            Origin::Defaults => write!(
+                f,
+                "built-in defaults (no {DEFAULT_CONFIG_PATH}, no {DEPRECATED_CONFIG_PATH})"
+            ),
+        }
+    }
+}
+
+impl Origin {
+    /// Log which config is in force; a deprecated file is a warning.
+    pub fn log(&self) {
+        match self {
+            Origin::Deprecated(p) => log::warn!(
+                "config: read {} which is deprecated: move it to {DEFAULT_CONFIG_PATH}, read there without flags",
+                p.display()
+            ),
+            other => log::info!("config: read {other}"),
+        }
+    }
+
+    /// The form `start` hands to the daemon in [`ENV_CONFIG_ORIGIN`].
+    pub fn to_env(&self) -> String {
+        match self {
+            Origin::Body => "body".into(),
+            Origin::File(p) => format!("file:{}", p.display()),
+            Origin::Deprecated(p) => format!("deprecated:{}", p.display()),
+            Origin::Defaults => "defaults".into(),
+        }
+    }
+
+    pub fn from_env(value: &str) -> Option<Origin> {
+        match value.split_once(':') {
+            Some(("file", p)) => Some(Origin::File(p.into())),
+            Some(("deprecated", p)) => Some(Origin::Deprecated(p.into())),
+            _ if value == "body" => Some(Origin::Body),
+            _ if value == "defaults" => Some(Origin::Defaults),
+            _ => None,
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -94,20 +164,39 @@ impl ConfigSource {
         env
     }
 
-    pub fn load(&self) -> Result<Config> {
+    /// The config, and where it came from.
+    pub fn load_with_origin(&self) -> Result<(Config, Origin)> {
         if let Some(body) = &self.body {
-            return Config::parse(body, Path::new("<runtime options config_body>"));
+            let c = Config::parse(body, Path::new("<runtime options config_body>"))?;
+            return Ok((c, Origin::Body));
         }
-        match &self.path {
-            Some(path) => Config::read(path, true),
-            // containerd passes its environment to the shims it starts, so an
-            // operator (or a test's private containerd) can move the default.
-            None => match std::env::var_os(ENV_CONFIG_DEFAULT).filter(|p| !p.is_empty()) {
-                Some(path) => Config::read(Path::new(&path), true),
-                None => Config::read(Path::new(DEFAULT_CONFIG_PATH), false),
-            },
+        if let Some(path) = &self.path {
+            return Ok((Config::read(path, true)?, Origin::File(path.clone())));
         }
+        // containerd passes its environment to the shims it starts, so an
+        // operator (or a test's private containerd) can move the default.
+        if let Some(path) = std::env::var_os(ENV_CONFIG_DEFAULT).filter(|p| !p.is_empty()) {
+            let path = PathBuf::from(path);
+            return Ok((Config::read(&path, true)?, Origin::File(path)));
+        }
+        load_defaults(
+            Path::new(DEFAULT_CONFIG_PATH),
+            Path::new(DEPRECATED_CONFIG_PATH),
+        )
     }
+}
+
+/// The default file, else the deprecated one, else built-in defaults. A
+/// file is absent when it, or a directory above it, does not exist (ENOENT,
+/// ENOTDIR: `/etc/shadow` is usually the password file).
+fn load_defaults(default: &Path, deprecated: &Path) -> Result<(Config, Origin)> {
+    if let Some(c) = Config::read_if_present(default)? {
+        return Ok((c, Origin::File(default.to_path_buf())));
+    }
+    if let Some(c) = Config::read_if_present(deprecated)? {
+        return Ok((c, Origin::Deprecated(deprecated.to_path_buf())));
+    }
+    Ok((Config::default(), Origin::Defaults))
 }
 
 impl Config {
@@ -121,17 +210,27 @@ impl Config {
     }
 
     fn read(path: &Path, must_exist: bool) -> Result<Config> {
+        match Config::read_if_present(path)? {
+            Some(c) => Ok(c),
+            None if !must_exist => Ok(Config::default()),
+            None => Err(Error::Config {
+                path: path.to_path_buf(),
+                reason: "no such file".into(),
+            }),
+        }
+    }
+
+    /// The file's config, or `None` when it is absent (ENOENT, ENOTDIR).
+    fn read_if_present(path: &Path) -> Result<Option<Config>> {
         match std::fs::read_to_string(path) {
-            Ok(text) => Config::parse(&text, path),
-            // NotADirectory: on most hosts /etc/shadow is the password file.
+            Ok(text) => Config::parse(&text, path).map(Some),
             Err(e)
-                if !must_exist
-                    && matches!(
-                        e.kind(),
-                        std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
-                    ) =>
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+                ) =>
             {
-                Ok(Config::default())
+                Ok(None)
             }
             Err(e) => Err(Error::Config {
                 path: path.to_path_buf(),
@@ -183,6 +282,52 @@ mod tests {
     }
 
     #[test]
+    fn the_default_is_etc_containerd_and_the_old_path_a_fallback() {
+        assert_eq!(DEFAULT_CONFIG_PATH, "/etc/containerd/shadow.toml");
+        assert_eq!(DEPRECATED_CONFIG_PATH, "/etc/shadow/config.toml");
+        let dir = tempfile::tempdir().unwrap();
+        let new = dir.path().join("containerd/shadow.toml");
+        let old = dir.path().join("shadow/config.toml");
+        // Neither: defaults. ENOTDIR (a file where the directory would be,
+        // as /etc/shadow is) is absent too.
+        std::fs::write(dir.path().join("shadow"), "root:*:0:0:::::\n").unwrap();
+        let (c, origin) = load_defaults(&new, &old).unwrap();
+        assert_eq!((c, origin), (Config::default(), Origin::Defaults));
+        // Only the old one: read, marked deprecated.
+        std::fs::remove_file(dir.path().join("shadow")).unwrap();
+        std::fs::create_dir_all(old.parent().unwrap()).unwrap();
+        std::fs::write(&old, "log_level = \"debug\"\n").unwrap();
+        let (c, origin) = load_defaults(&new, &old).unwrap();
+        assert_eq!(c.log_level, "debug");
+        assert_eq!(origin, Origin::Deprecated(old.clone()));
+        assert!(origin.to_string().contains("deprecated"), "{origin}");
+        // Both: the new one wins.
+        std::fs::create_dir_all(new.parent().unwrap()).unwrap();
+        std::fs::write(&new, "log_level = \"warn\"\n").unwrap();
+        let (c, origin) = load_defaults(&new, &old).unwrap();
+        assert_eq!(c.log_level, "warn");
+        assert_eq!(origin, Origin::File(new.clone()));
+        // A default file that does not parse is an error naming it, not a
+        // silent fall back to the old one.
+        std::fs::write(&new, "log_level = [").unwrap();
+        let e = load_defaults(&new, &old).unwrap_err().to_string();
+        assert!(e.contains(&new.display().to_string()), "{e}");
+    }
+
+    #[test]
+    fn origins_travel_through_the_environment() {
+        for o in [
+            Origin::Body,
+            Origin::Defaults,
+            Origin::File("/etc/containerd/shadow.toml".into()),
+            Origin::Deprecated("/etc/shadow/config.toml".into()),
+        ] {
+            assert_eq!(Origin::from_env(&o.to_env()), Some(o));
+        }
+        assert_eq!(Origin::from_env("nonsense"), None);
+    }
+
+    #[test]
     fn missing_explicit_file_is_an_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("absent.toml");
@@ -190,7 +335,7 @@ mod tests {
             body: None,
             path: Some(p.clone()),
         };
-        let e = src.load().unwrap_err().to_string();
+        let e = src.load_with_origin().unwrap_err().to_string();
         assert!(e.contains(&p.display().to_string()), "{e}");
     }
 
@@ -218,7 +363,8 @@ mod tests {
             body: Some("[runc]\nbinary = \"/usr/sbin/runc\"\n".into()),
             path: Some("/nonexistent".into()),
         };
-        let c = src.load().unwrap();
+        let (c, origin) = src.load_with_origin().unwrap();
+        assert_eq!(origin, Origin::Body);
         assert_eq!(c.runc.binary, "/usr/sbin/runc");
         assert_eq!(c.runc.root, PathBuf::from("/run/containerd/runc"));
         assert_eq!(

@@ -55,19 +55,29 @@ pub enum Error {
         message: String,
         kind: RuncFailure,
     },
+    /// Something the caller sent (runtime options, a bootstrap message)
+    /// does not decode.
     #[error("decoding {what}: {reason}")]
     Decode { what: &'static str, reason: String },
+    /// A file the shim or runc wrote for itself (an engine spec, a pid
+    /// file, state) is unreadable: the shim's fault, never the caller's.
+    /// `what` names the file (or the value, when it is not in a file).
+    #[error("{what}: {reason}")]
+    Internal { what: String, reason: String },
     #[error("containerd-shim: {0}")]
     Shim(#[from] containerd_shim::Error),
 }
 
-/// What a runc failure means for the caller, classified from runc's message.
+/// What a runc failure means for the caller: from the facts (runc's state
+/// directory) where there are some, else from runc's own error message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RuncFailure {
     /// The spec asks for something that cannot exist (binary, path).
     BadSpec,
     /// runc does not know the container.
     NotFound,
+    /// runc already has a container of that id.
+    AlreadyExists,
     /// The container is in the wrong state (not running, already paused...).
     WrongState,
     Other,
@@ -104,13 +114,26 @@ impl Error {
             Error::Runc { kind, .. } => match kind {
                 RuncFailure::BadSpec => Code::INVALID_ARGUMENT,
                 RuncFailure::NotFound => Code::NOT_FOUND,
+                RuncFailure::AlreadyExists => Code::ALREADY_EXISTS,
                 RuncFailure::WrongState => Code::FAILED_PRECONDITION,
                 RuncFailure::Other => Code::UNKNOWN,
             },
-            Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                Code::NOT_FOUND
+            // An I/O error is the shim's own failure whatever its kind: a
+            // missing file here (gmsd, a FIFO, a cgroup) is not a missing
+            // container or process, which is all NOT_FOUND tells containerd.
+            Error::Io { .. } | Error::Sys { .. } | Error::Shim(_) | Error::Internal { .. } => {
+                Code::INTERNAL
             }
-            Error::Io { .. } | Error::Sys { .. } | Error::Shim(_) => Code::INTERNAL,
+        }
+    }
+}
+
+impl From<shadow_contract::annotations::AnnotationError> for Error {
+    fn from(e: shadow_contract::annotations::AnnotationError) -> Self {
+        Error::Annotation {
+            key: e.key,
+            value: e.value,
+            allowed: e.allowed,
         }
     }
 }
@@ -167,6 +190,53 @@ mod tests {
             }),
             Code::INVALID_ARGUMENT
         );
+    }
+
+    #[test]
+    fn a_missing_file_of_the_shim_is_internal_not_not_found() {
+        // ENOENT from the shim's own I/O (a FIFO, a cgroup file, a binary it
+        // runs): NOT_FOUND would tell containerd the container is missing.
+        // (A missing gmsd is FAILED_PRECONDITION: pair/gms.rs tests it.)
+        let e = Error::io(
+            "opening /sys/fs/cgroup/x/memory.events",
+            std::io::Error::from(std::io::ErrorKind::NotFound),
+        );
+        assert_eq!(code_of(e), Code::INTERNAL);
+    }
+
+    #[test]
+    fn decode_is_the_callers_and_internal_is_ours() {
+        let caller = Error::Decode {
+            what: "runtime options",
+            reason: "truncated".into(),
+        };
+        assert_eq!(code_of(caller), Code::INVALID_ARGUMENT);
+        let ours = Error::Internal {
+            what: "engine spec /run/shadow/default/p/slot-0/config.json".into(),
+            reason: "EOF while parsing".into(),
+        };
+        assert!(ours.to_string().contains("slot-0/config.json"), "{ours}");
+        assert_eq!(code_of(ours), Code::INTERNAL);
+    }
+
+    #[test]
+    fn runc_failures_map_by_kind() {
+        let runc = |kind| Error::Runc {
+            op: "create",
+            id: "c".into(),
+            message: "m".into(),
+            kind,
+        };
+        assert_eq!(code_of(runc(RuncFailure::NotFound)), Code::NOT_FOUND);
+        assert_eq!(
+            code_of(runc(RuncFailure::AlreadyExists)),
+            Code::ALREADY_EXISTS
+        );
+        assert_eq!(
+            code_of(runc(RuncFailure::WrongState)),
+            Code::FAILED_PRECONDITION
+        );
+        assert_eq!(code_of(runc(RuncFailure::Other)), Code::UNKNOWN);
     }
 
     #[test]

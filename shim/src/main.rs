@@ -6,23 +6,30 @@
 
 mod annotations;
 mod bootstrap;
+mod bundle;
 mod config;
 mod container;
 mod error;
 mod events;
+mod exec;
 mod exits;
 mod io;
+#[cfg(test)]
+mod layers;
 mod memory;
+mod mount;
 mod oom;
 mod options;
 mod pair;
 mod plain;
 mod process;
 mod runc;
+mod runtime;
 mod service;
 mod shim;
 mod start;
 mod stats;
+mod time;
 
 pub const RUNTIME_ID: &str = "io.containerd.shadow.v1";
 

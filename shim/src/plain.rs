@@ -11,32 +11,25 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use containerd_shim_protos::api::Mount;
-use containerd_shim_protos::events::task::{TaskExecStarted, TaskOOM, TaskStart};
+use containerd_shim_protos::events::task::{TaskOOM, TaskStart};
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::types::task::ProcessInfo;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec, Spec};
-use runc::options::{CreateOpts, DeleteOpts, ExecOpts, KillOpts};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
-use crate::config::Config;
 use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
+use crate::exec::Exec;
 use crate::exits::ExitRouter;
-use crate::io::{ChildStdio, ConsoleSocket, ProcessIo};
+use crate::io::{ConsoleSocket, ProcessIo};
+use crate::mount::{mount_all, unmount};
 use crate::process::Process;
-use crate::runc::RuncClient;
-
-/// What every container of this shim shares.
-pub struct Runtime {
-    pub config: Config,
-    pub namespace: String,
-    pub router: Arc<ExitRouter>,
-    pub events: EventSink,
-}
+use crate::runc::{RuncClient, RuncStdio, INIT_PID_FILE};
+use crate::runtime::Runtime;
 
 /// The parts of a Create request a plain container needs.
 pub struct CreateRequest {
@@ -75,145 +68,14 @@ struct CreateUndo<'a> {
 impl CreateUndo<'_> {
     async fn run(self) {
         if self.runc_created {
-            let force = DeleteOpts::new().force(true);
-            if let Err(e) = self.client.runc.delete(self.id, Some(&force)).await {
-                log::warn!("cleaning up {}: runc delete: {e}", self.id);
+            if let Err(e) = self.client.delete_force(self.id).await {
+                log::warn!("cleaning up {}: {e}", self.id);
             }
         }
         if let Some(target) = &self.mounted {
             unmount(target).await;
         }
     }
-}
-
-pub(crate) async fn unmount(target: &Path) {
-    let t = target.display().to_string();
-    let res = tokio::task::spawn_blocking(move || {
-        containerd_shim::mount::umount_recursive(Some(&t), libc::MNT_DETACH)
-    })
-    .await;
-    if !matches!(res, Ok(Ok(()))) {
-        log::warn!("unmounting {}: {res:?}", target.display());
-    }
-}
-
-pub(crate) async fn mount_all(mounts: &[Mount], target: &Path) -> Result<()> {
-    std::fs::create_dir_all(target)
-        .map_err(|e| Error::io(format!("creating rootfs {}", target.display()), e))?;
-    for m in mounts {
-        let (ty, src, opts, dst) = (
-            m.type_.clone(),
-            m.source.clone(),
-            m.options.clone(),
-            target.to_path_buf(),
-        );
-        tokio::task::spawn_blocking(move || {
-            let opt = |s: &str| Some(s.to_string()).filter(|s| !s.is_empty());
-            containerd_shim::mount::mount_rootfs(
-                opt(&ty).as_deref(),
-                opt(&src).as_deref(),
-                &opts,
-                &dst,
-            )
-        })
-        .await
-        .map_err(|e| Error::io("mount task", std::io::Error::other(e)))?
-        .map_err(|e| {
-            Error::InvalidArgument(format!(
-                "mounting {} ({}) on {}: {e}",
-                m.source,
-                m.type_,
-                target.display()
-            ))
-        })?;
-    }
-    Ok(())
-}
-
-/// Starting an exec process in a runc container: shared by plain
-/// containers and by the active engine of a pair, which differ only in
-/// which runc container and bundle they name.
-pub(crate) struct Exec<'a> {
-    pub client: &'a RuncClient,
-    pub runc_id: &'a str,
-    /// Where runc writes the exec's pid file.
-    pub bundle: &'a Path,
-    /// The task id containerd knows (events carry it).
-    pub container_id: &'a str,
-    pub router: &'a Arc<ExitRouter>,
-    pub events: &'a EventSink,
-}
-
-impl Exec<'_> {
-    /// Runs `spec` as `exec_id`, wires its stdio (pipes or a console), marks
-    /// `proc` running, watches its exit and publishes TaskExecStarted.
-    pub async fn start(
-        &self,
-        proc: &Arc<Process>,
-        exec_id: &str,
-        spec: &ProcessSpec,
-    ) -> Result<u32> {
-        let mut st = proc.state.lock().await;
-        if st.status != Status::Created {
-            return Err(Error::FailedPrecondition(format!(
-                "exec {exec_id} in {} was already started",
-                self.container_id
-            )));
-        }
-        let pid_file = self.bundle.join(format!("exec-{exec_id}.pid"));
-        let mut opts = ExecOpts::new().pid_file(&pid_file).detach(true);
-        let mut console = None;
-        let mut io = None;
-        if proc.stdio.terminal {
-            let sock = ConsoleSocket::new()?;
-            opts = opts.console_socket(sock.path());
-            console = Some(sock);
-        } else {
-            let (child, pio): (ChildStdio, ProcessIo) = ProcessIo::pipes(&proc.stdio)?;
-            opts = opts.io(Arc::new(child));
-            io = Some(pio);
-        }
-        let spec: oci_spec_runc::runtime::Process = convert(spec)?;
-        let ran = self
-            .client
-            .runc
-            .exec(self.runc_id, &spec, Some(&opts))
-            .await;
-        drop(opts);
-        ran.map_err(|e| self.client.error("exec", self.runc_id, e))?;
-        if let Some(sock) = console {
-            io = Some(ProcessIo::console(sock.receive().await?, &proc.stdio)?);
-        }
-        let pid = read_pid(&pid_file)?;
-        let _ = std::fs::remove_file(&pid_file);
-        st.pid = pid;
-        st.io = io;
-        st.status = Status::Running;
-        proc.watch_exit(self.router.watch(pid as i32), self.events.clone());
-        self.events.send(Event::ExecStarted(TaskExecStarted {
-            container_id: self.container_id.to_string(),
-            exec_id: exec_id.to_string(),
-            pid,
-            ..Default::default()
-        }));
-        Ok(pid)
-    }
-}
-
-fn read_pid(path: &Path) -> Result<u32> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::io(format!("reading pid file {}", path.display()), e))?;
-    text.trim().parse().map_err(|_| Error::Decode {
-        what: "runc pid file",
-        reason: format!("{}: {text:?} is not a pid", path.display()),
-    })
-}
-
-/// Re-type a spec value for the runc crate, which uses an older oci-spec.
-fn convert<A: serde::Serialize, B: serde::de::DeserializeOwned>(value: &A) -> Result<B> {
-    serde_json::to_value(value)
-        .and_then(serde_json::from_value)
-        .map_err(|e| Error::InvalidArgument(format!("spec not accepted by runc client: {e}")))
 }
 
 fn signal_of(n: u32) -> Result<Signal> {
@@ -285,29 +147,29 @@ impl PlainContainer {
             )));
         }
 
-        let pid_file = bundle.join("init.pid");
-        let mut opts = CreateOpts::new().pid_file(&pid_file);
-        let mut console = None;
+        let console = match req.stdio.terminal {
+            true => Some(ConsoleSocket::new()?),
+            false => None,
+        };
+        let console_path = console.as_ref().map(ConsoleSocket::path);
         let mut io = None;
-        if req.stdio.terminal {
-            let sock = ConsoleSocket::new()?;
-            opts = opts.console_socket(sock.path());
-            console = Some(sock);
-        } else {
-            let (child, pio) = ProcessIo::pipes(&req.stdio)?;
-            opts = opts.io(Arc::new(child));
-            io = Some(pio);
-        }
-        let created = client.runc.create(&req.id, bundle, Some(&opts)).await;
-        drop(opts); // closes the container's stdio ends in the shim
+        let stdio = match &console_path {
+            Some(path) => RuncStdio::Console(path),
+            None => {
+                let (child, pio) = ProcessIo::pipes(&req.stdio)?;
+                io = Some(pio);
+                RuncStdio::Fds(Arc::new(child))
+            }
+        };
+        let created = client.create(&req.id, bundle, stdio).await;
+        // Also when it failed: runc may have left state to remove.
         undo.runc_created = true;
-        created.map_err(|e| client.error("create", &req.id, e))?;
+        let pid = created?;
 
         if let Some(sock) = console {
             let master = sock.receive().await?;
             io = Some(ProcessIo::console(master, &req.stdio)?);
         }
-        let pid = read_pid(&pid_file)?;
         let init = Process::new(&req.id, None, req.stdio.clone(), None);
         {
             let mut st = init.state.lock().await;
@@ -392,11 +254,7 @@ impl Container for PlainContainer {
                 self.id
             )));
         }
-        self.client
-            .runc
-            .start(&self.id)
-            .await
-            .map_err(|e| self.client.error("start", &self.id, e))?;
+        self.client.start(&self.id).await?;
         st.status = Status::Running;
         self.events.send(Event::Start(TaskStart {
             container_id: self.id.clone(),
@@ -420,14 +278,7 @@ impl Container for PlainContainer {
             });
         }
         match exec {
-            None => {
-                let opts = KillOpts::new().all(all);
-                self.client
-                    .runc
-                    .kill(&self.id, signal, Some(&opts))
-                    .await
-                    .map_err(|e| self.client.error("kill", &self.id, e))
-            }
+            None => self.client.kill(&self.id, signal, all).await,
             Some(exec_id) => {
                 if st.pid == 0 {
                     return Err(Error::FailedPrecondition(format!(
@@ -469,19 +320,7 @@ impl Container for PlainContainer {
             }));
         }
         // Init: remove runc's state (this kills a never-started init).
-        let force = DeleteOpts::new().force(true);
-        if let Err(e) = self.client.runc.delete(&self.id, Some(&force)).await {
-            let e = self.client.error("delete", &self.id, e);
-            if !matches!(
-                e,
-                Error::Runc {
-                    kind: crate::error::RuncFailure::NotFound,
-                    ..
-                }
-            ) {
-                return Err(e);
-            }
-        }
+        self.client.delete_force(&self.id).await?;
         let exit = match exit {
             Some(x) => x,
             None => proc.wait_for(DELETE_REAP_WAIT).await.unwrap_or(ExitInfo {
@@ -500,7 +339,7 @@ impl Container for PlainContainer {
         if let Some(target) = &self.mounted_rootfs {
             unmount(target).await;
         }
-        let _ = std::fs::remove_file(PathBuf::from(&self.bundle).join("init.pid"));
+        let _ = std::fs::remove_file(PathBuf::from(&self.bundle).join(INIT_PID_FILE));
         Ok(exit)
     }
 
@@ -540,11 +379,7 @@ impl Container for PlainContainer {
                 self.id
             )));
         }
-        self.client
-            .runc
-            .pause(&self.id)
-            .await
-            .map_err(|e| self.client.error("pause", &self.id, e))?;
+        self.client.pause(&self.id).await?;
         st.status = Status::Paused;
         Ok(())
     }
@@ -557,37 +392,24 @@ impl Container for PlainContainer {
                 self.id
             )));
         }
-        self.client
-            .runc
-            .resume(&self.id)
-            .await
-            .map_err(|e| self.client.error("resume", &self.id, e))?;
+        self.client.resume(&self.id).await?;
         st.status = Status::Running;
         Ok(())
     }
 
     async fn pids(&self) -> Result<Vec<ProcessInfo>> {
-        let pids = self
-            .client
-            .runc
-            .ps(&self.id)
-            .await
-            .map_err(|e| self.client.error("ps", &self.id, e))?;
+        let pids = self.client.ps(&self.id).await?;
         Ok(pids
             .into_iter()
             .map(|pid| ProcessInfo {
-                pid: pid as u32,
+                pid,
                 ..Default::default()
             })
             .collect())
     }
 
     async fn update(&self, resources: LinuxResources) -> Result<()> {
-        self.client
-            .runc
-            .update(&self.id, &convert(&resources)?)
-            .await
-            .map_err(|e| self.client.error("update", &self.id, e))
+        self.client.update(&self.id, &resources).await
     }
 
     async fn stats(&self) -> Result<Any> {

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::Exit;
 use crate::io::ProcessIo;
-use crate::service::timestamp;
+use crate::time::timestamp;
 
 /// How long an exit waits for the process's output to reach the FIFOs.
 /// Bounded because a daemonised grandchild may hold the pipe open forever.

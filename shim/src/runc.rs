@@ -1,7 +1,11 @@
-//! The one place that knows how runc is driven: the `runc` crate's client,
-//! with a spawner that waits through the exit router (the shim's reaper
-//! takes every child, so `waitpid` on runc's own pid would race it), and
-//! runc's JSON log read back to give errors runc's own words.
+//! The one place that knows how runc is driven. [`RuncClient`] is the only
+//! type that runs runc: plain containers, the pair's engines and the
+//! `delete` action call its methods, one per runc command, and nothing else
+//! touches the `runc` crate's client. It owns runc's conventions too: the
+//! pid files runc writes, the spawner that waits through the exit router
+//! (the shim's reaper takes every child, so `waitpid` on runc's own pid
+//! would race it), runc's JSON log read back to give errors runc's own
+//! words, and the classification of those words into error codes.
 
 use std::os::fd::OwnedFd;
 use std::os::unix::process::ExitStatusExt;
@@ -10,13 +14,17 @@ use std::process::ExitStatus;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use runc::options::GlobalOpts;
+use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
+use runc::options::{CreateOpts, DeleteOpts, ExecOpts, GlobalOpts, KillOpts};
 use runc::{Command, Runc, Spawner};
 use tokio::io::AsyncReadExt;
 
 use crate::config::Config;
 use crate::error::{Error, Result, RuncFailure};
 use crate::exits::ExitRouter;
+
+/// The pid file of a container's init (or an engine), in its bundle.
+pub const INIT_PID_FILE: &str = "init.pid";
 
 /// Runs runc commands and takes their exit from the router.
 #[derive(Debug)]
@@ -66,10 +74,24 @@ async fn read_all(fd: Option<OwnedFd>) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
-/// A runc client for one container, logging into its bundle.
+/// How the process runc starts gets its stdio.
+pub enum RuncStdio<'a> {
+    /// runc hands the pty master to this console socket.
+    Console(&'a Path),
+    /// runc's own command gets these (pipes, or a pair's shared output);
+    /// they are closed in the shim once runc returns.
+    Fds(Arc<dyn runc::io::Io>),
+}
+
+/// runc, configured for one bundle: its binary, its state root for the
+/// namespace, and a JSON log in the bundle. Every runc command the shim
+/// runs is a method here.
 #[derive(Clone, Debug)]
 pub struct RuncClient {
-    pub runc: Runc,
+    runc: Runc,
+    /// runc's state root for the namespace: `<root>/<id>` exists while runc
+    /// knows the container.
+    root: PathBuf,
     log: PathBuf,
 }
 
@@ -81,34 +103,192 @@ impl RuncClient {
         router: Arc<ExitRouter>,
     ) -> Result<Self> {
         let log = bundle.join("log.json");
+        let root = config.runc_root(namespace);
         let mut opts = GlobalOpts::new()
             .command(&config.runc.binary)
-            .root(config.runc_root(namespace))
+            .root(&root)
             .log(&log)
             .log_json();
         opts.custom_spawner(Arc::new(ReapedSpawner { router }));
-        let runc = opts.build().map_err(|e| Error::Config {
-            path: PathBuf::from(crate::config::DEFAULT_CONFIG_PATH),
-            reason: format!("runc binary {:?}: {e}", config.runc.binary),
+        let runc = opts.build().map_err(|e| {
+            Error::FailedPrecondition(format!(
+                "runc binary {:?} (config runc.binary): {e}",
+                config.runc.binary
+            ))
         })?;
-        Ok(RuncClient { runc, log })
+        Ok(RuncClient { runc, root, log })
+    }
+
+    /// `runc create` of `bundle`; returns the init's pid.
+    pub async fn create(&self, id: &str, bundle: &Path, stdio: RuncStdio<'_>) -> Result<u32> {
+        let pid_file = bundle.join(INIT_PID_FILE);
+        let opts = with_stdio(CreateOpts::new().pid_file(&pid_file), stdio);
+        let created = self.runc.create(id, bundle, Some(&opts)).await;
+        drop(opts); // closes the container's stdio ends in the shim
+        created.map_err(|e| self.error("create", id, e))?;
+        read_pid(&pid_file)
+    }
+
+    /// `runc run --detach` of `bundle` (an engine: created and started in
+    /// one step); returns its pid.
+    pub async fn run_detached(&self, id: &str, bundle: &Path, stdio: RuncStdio<'_>) -> Result<u32> {
+        let pid_file = bundle.join(INIT_PID_FILE);
+        // A previous generation's pid must never be read as this one's.
+        let _ = std::fs::remove_file(&pid_file);
+        let opts = with_stdio(CreateOpts::new().pid_file(&pid_file).detach(true), stdio);
+        let ran = self.runc.run(id, bundle, Some(&opts)).await;
+        drop(opts);
+        ran.map_err(|e| self.error("run", id, e))?;
+        read_pid(&pid_file)
+    }
+
+    /// `runc start`: the created init runs the spec's process.
+    pub async fn start(&self, id: &str) -> Result<()> {
+        self.runc
+            .start(id)
+            .await
+            .map_err(|e| self.error("start", id, e))
+    }
+
+    /// `runc exec --detach` of `spec` as `exec_id`; returns its pid. The
+    /// pid file lives in `bundle` for as long as the call.
+    pub async fn exec(
+        &self,
+        id: &str,
+        bundle: &Path,
+        exec_id: &str,
+        spec: &ProcessSpec,
+        stdio: RuncStdio<'_>,
+    ) -> Result<u32> {
+        let pid_file = bundle.join(format!("exec-{exec_id}.pid"));
+        let spec: oci_spec_runc::runtime::Process = retype(spec)?;
+        let opts = match stdio {
+            RuncStdio::Console(path) => ExecOpts::new().console_socket(path),
+            RuncStdio::Fds(io) => ExecOpts::new().io(io),
+        }
+        .pid_file(&pid_file)
+        .detach(true);
+        let ran = self.runc.exec(id, &spec, Some(&opts)).await;
+        drop(opts);
+        ran.map_err(|e| self.error("exec", id, e))?;
+        let pid = read_pid(&pid_file);
+        let _ = std::fs::remove_file(&pid_file);
+        pid
+    }
+
+    /// `runc kill [--all] <signal>`.
+    pub async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()> {
+        let opts = KillOpts::new().all(all);
+        self.runc
+            .kill(id, signal, Some(&opts))
+            .await
+            .map_err(|e| self.error("kill", id, e))
+    }
+
+    /// `runc delete --force`: kills what still runs and removes runc's
+    /// state. A container runc does not know is already deleted.
+    pub async fn delete_force(&self, id: &str) -> Result<()> {
+        let force = DeleteOpts::new().force(true);
+        match self.runc.delete(id, Some(&force)).await {
+            Ok(()) => Ok(()),
+            Err(e) => match self.error("delete", id, e) {
+                Error::Runc {
+                    kind: RuncFailure::NotFound,
+                    ..
+                } => Ok(()),
+                e => Err(e),
+            },
+        }
+    }
+
+    /// `runc pause`.
+    pub async fn pause(&self, id: &str) -> Result<()> {
+        self.runc
+            .pause(id)
+            .await
+            .map_err(|e| self.error("pause", id, e))
+    }
+
+    /// `runc resume`.
+    pub async fn resume(&self, id: &str) -> Result<()> {
+        self.runc
+            .resume(id)
+            .await
+            .map_err(|e| self.error("resume", id, e))
+    }
+
+    /// `runc ps`: the pids of the container's processes.
+    pub async fn ps(&self, id: &str) -> Result<Vec<u32>> {
+        let pids = self
+            .runc
+            .ps(id)
+            .await
+            .map_err(|e| self.error("ps", id, e))?;
+        Ok(pids.into_iter().map(|p| p as u32).collect())
+    }
+
+    /// `runc update` with new resource limits.
+    pub async fn update(&self, id: &str, resources: &LinuxResources) -> Result<()> {
+        self.runc
+            .update(id, &retype(resources)?)
+            .await
+            .map_err(|e| self.error("update", id, e))
+    }
+
+    /// Whether runc keeps state for `id` (its directory under the root).
+    fn knows(&self, id: &str) -> bool {
+        self.root.join(id).is_dir()
     }
 
     /// Turn a runc crate error into ours, with runc's last logged error.
-    pub fn error(&self, op: &'static str, id: &str, e: runc::error::Error) -> Error {
+    /// A command on an existing container that failed while runc keeps no
+    /// state for it failed because the container is gone: that fact beats
+    /// any reading of the message.
+    fn error(&self, op: &'static str, id: &str, e: runc::error::Error) -> Error {
+        let failed = matches!(e, runc::error::Error::CommandFailed { .. });
         let message = match &e {
             runc::error::Error::CommandFailed { stderr, .. } => last_log_error(&self.log)
                 .or_else(|| Some(stderr.trim().to_string()).filter(|s| !s.is_empty()))
                 .unwrap_or_else(|| e.to_string()),
             _ => e.to_string(),
         };
+        let kind = if failed && !makes_container(op) && !self.knows(id) {
+            RuncFailure::NotFound
+        } else {
+            classify(op, &message)
+        };
         Error::Runc {
             op,
             id: id.to_string(),
-            kind: classify(&message),
+            kind,
             message,
         }
     }
+}
+
+fn with_stdio(opts: CreateOpts, stdio: RuncStdio<'_>) -> CreateOpts {
+    match stdio {
+        RuncStdio::Console(path) => opts.console_socket(path),
+        RuncStdio::Fds(io) => opts.io(io),
+    }
+}
+
+/// The pid runc wrote. The file is runc's, not the caller's: a bad one is
+/// an internal error.
+fn read_pid(path: &Path) -> Result<u32> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::io(format!("reading runc pid file {}", path.display()), e))?;
+    text.trim().parse().map_err(|_| Error::Internal {
+        what: format!("runc pid file {}", path.display()),
+        reason: format!("{text:?} is not a pid"),
+    })
+}
+
+/// Re-type a spec value for the runc crate, which uses an older oci-spec.
+fn retype<A: serde::Serialize, B: serde::de::DeserializeOwned>(value: &A) -> Result<B> {
+    serde_json::to_value(value)
+        .and_then(serde_json::from_value)
+        .map_err(|e| Error::InvalidArgument(format!("spec not accepted by runc client: {e}")))
 }
 
 /// The message of the last `"level":"error"` line in runc's JSON log.
@@ -120,22 +300,61 @@ fn last_log_error(log: &Path) -> Option<String> {
     })
 }
 
-pub fn classify(message: &str) -> RuncFailure {
+/// Commands that make the container they name: runc keeps no state for it
+/// until they succeed, so its absence means nothing.
+fn makes_container(op: &str) -> bool {
+    matches!(op, "create" | "run")
+}
+
+/// libcontainer's words for "no such container" (`ErrNotExist`).
+const NOT_EXIST: &[&str] = &["container does not exist"];
+/// … for "that id is taken" (`ErrExist`).
+const EXIST: &[&str] = &["container with given id already exists"];
+/// … for a container in the wrong state: `ErrNotRunning`, `ErrPaused`,
+/// `ErrNotPaused`, `ErrRunning`, and the state checks of runc's start,
+/// exec, delete and kill.
+const WRONG_STATE: &[&str] = &[
+    "container not running",
+    "container paused",
+    "container not paused",
+    "container still running",
+    "cannot start an already running container",
+    "cannot start a container that has stopped",
+    "cannot start a container in the ",
+    "cannot exec in a stopped container",
+    "cannot exec in a paused container",
+    "that is not stopped",
+    "container process is already dead",
+];
+/// How runc reports that the process the spec names could not be started
+/// (runc ≥ 1.1, and the wording before it).
+const PROCESS_START: &[&str] = &[
+    "unable to start container process",
+    "starting container process caused",
+];
+/// … and the reasons that are the spec's fault: no such binary or path,
+/// not executable, a cwd that is not there.
+const SPEC_FAULT: &[&str] = &[
+    "executable file not found",
+    "no such file or directory",
+    "permission denied",
+    "chdir to cwd",
+];
+
+/// What runc's message means for the caller of `op`, read against the
+/// messages runc itself produces (libcontainer's error values and its
+/// commands' checks), not against loose words.
+pub fn classify(op: &str, message: &str) -> RuncFailure {
     let m = message.to_ascii_lowercase();
-    if m.contains("executable file not found")
-        || m.contains("no such file or directory")
-        || m.contains("permission denied")
-    {
-        RuncFailure::BadSpec
-    } else if m.contains("does not exist") || m.contains("container not found") {
+    let says = |phrases: &[&str]| phrases.iter().any(|p| m.contains(p));
+    if says(NOT_EXIST) {
         RuncFailure::NotFound
-    } else if m.contains("not running")
-        || m.contains("not paused")
-        || m.contains("is paused")
-        || m.contains("already")
-        || m.contains("stopped")
-    {
+    } else if says(EXIST) {
+        RuncFailure::AlreadyExists
+    } else if says(WRONG_STATE) {
         RuncFailure::WrongState
+    } else if matches!(op, "create" | "run" | "exec") && says(PROCESS_START) && says(SPEC_FAULT) {
+        RuncFailure::BadSpec
     } else {
         RuncFailure::Other
     }
@@ -147,16 +366,153 @@ mod tests {
 
     #[test]
     fn classifies_runc_messages() {
+        // What runc 1.1 says, verbatim.
+        let missing_binary = "runc create failed: unable to start container process: exec: \"nope\": executable file not found in $PATH";
+        assert_eq!(classify("create", missing_binary), RuncFailure::BadSpec);
         assert_eq!(
-            classify("runc create failed: unable to start container process: exec: \"nope\": executable file not found in $PATH"),
+            classify(
+                "exec",
+                "exec failed: unable to start container process: exec: \"/etc\": permission denied"
+            ),
             RuncFailure::BadSpec
         );
         assert_eq!(
-            classify("container \"x\" does not exist"),
+            classify("kill", "container does not exist"),
             RuncFailure::NotFound
         );
-        assert_eq!(classify("container not running"), RuncFailure::WrongState);
-        assert_eq!(classify("something else"), RuncFailure::Other);
+        assert_eq!(
+            classify("create", "container with given ID already exists"),
+            RuncFailure::AlreadyExists
+        );
+        for wrong_state in [
+            "container not running",
+            "container paused",
+            "container not paused",
+            "container still running",
+            "cannot exec in a stopped container",
+            "cannot start an already running container",
+            "cannot delete container c1 that is not stopped: running",
+        ] {
+            assert_eq!(
+                classify("kill", wrong_state),
+                RuncFailure::WrongState,
+                "{wrong_state}"
+            );
+        }
+        assert_eq!(classify("create", "something else"), RuncFailure::Other);
+    }
+
+    #[test]
+    fn loose_words_are_not_a_classification() {
+        // Before: any "permission denied", "stopped" or "already" decided.
+        // A cgroup that cannot be written is not the caller's bad spec, and
+        // a message that merely mentions stopping is not a state error.
+        assert_eq!(
+            classify("create", "runc create failed: unable to apply cgroup configuration: mkdir /sys/fs/cgroup/x: permission denied"),
+            RuncFailure::Other
+        );
+        assert_eq!(
+            classify("kill", "the shim stopped waiting"),
+            RuncFailure::Other
+        );
+        assert_eq!(classify("pause", "already handled"), RuncFailure::Other);
+        // A process that cannot start only blames the spec for commands
+        // that start one.
+        assert_eq!(
+            classify(
+                "update",
+                "unable to start container process: no such file or directory"
+            ),
+            RuncFailure::Other
+        );
+    }
+
+    fn client_with(binary: &str, root: &Path, bundle: &Path) -> RuncClient {
+        let mut config = Config::default();
+        config.runc.binary = binary.into();
+        config.runc.root = root.to_path_buf();
+        RuncClient::new(&config, "ns", bundle, Arc::new(ExitRouter::default())).unwrap()
+    }
+
+    fn command_failed(stderr: &str) -> runc::error::Error {
+        runc::error::Error::CommandFailed {
+            status: ExitStatus::from_raw(1 << 8),
+            stdout: String::new(),
+            stderr: stderr.into(),
+        }
+    }
+
+    #[test]
+    fn absent_state_dir_means_not_found_except_for_commands_that_make_it() {
+        let d = tempfile::tempdir().unwrap();
+        let client = client_with("/bin/true", d.path(), d.path());
+        let e = client.error("kill", "c1", command_failed("some other wording"));
+        assert!(
+            matches!(
+                e,
+                Error::Runc {
+                    kind: RuncFailure::NotFound,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(e.code(), containerd_shim_protos::ttrpc::Code::NOT_FOUND);
+        // create/run fail before runc keeps state: the message decides.
+        let e = client.error("create", "c1", command_failed("some other wording"));
+        assert!(
+            matches!(
+                e,
+                Error::Runc {
+                    kind: RuncFailure::Other,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        // While runc knows the container, its message decides.
+        std::fs::create_dir_all(d.path().join("ns/c1")).unwrap();
+        let e = client.error("kill", "c1", command_failed("container not running"));
+        assert!(
+            matches!(
+                e,
+                Error::Runc {
+                    kind: RuncFailure::WrongState,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn missing_runc_binary_names_the_config_key() {
+        let d = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.runc.binary = "/nonexistent/runc".into();
+        let e =
+            RuncClient::new(&config, "ns", d.path(), Arc::new(ExitRouter::default())).unwrap_err();
+        assert_eq!(
+            e.code(),
+            containerd_shim_protos::ttrpc::Code::FAILED_PRECONDITION
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("/nonexistent/runc") && msg.contains("runc.binary"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn bad_pid_file_is_internal() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join(INIT_PID_FILE);
+        std::fs::write(&p, "12\n").unwrap();
+        assert_eq!(read_pid(&p).unwrap(), 12);
+        std::fs::write(&p, "garbage").unwrap();
+        let e = read_pid(&p).unwrap_err();
+        assert_eq!(e.code(), containerd_shim_protos::ttrpc::Code::INTERNAL);
+        assert!(e.to_string().contains(&p.display().to_string()), "{e}");
     }
 
     #[test]

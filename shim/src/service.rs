@@ -8,7 +8,6 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use containerd_shim::{ExitSignal, TtrpcContext, TtrpcResult};
@@ -22,28 +21,20 @@ use containerd_shim_protos::api::{
 use containerd_shim_protos::events::task::{
     TaskCreate, TaskDelete, TaskExecAdded, TaskIO, TaskPaused, TaskResumed,
 };
-use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
 use containerd_shim_protos::shim::shim::CheckpointTaskRequest;
 use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::types::task::Status as ProtoStatus;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec, Spec};
 use tokio::sync::Mutex;
 
-use crate::annotations::ShadowAnnotations;
+use crate::annotations::{Pairing, ShadowAnnotations};
 use crate::container::{Container, ExitInfo, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::pair::{PairRequest, PairedContainer};
-use crate::plain::{CreateRequest, PlainContainer, Runtime};
-
-pub fn timestamp(t: SystemTime) -> Timestamp {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    Timestamp {
-        seconds: d.as_secs() as i64,
-        nanos: d.subsec_nanos() as i32,
-        ..Default::default()
-    }
-}
+use crate::plain::{CreateRequest, PlainContainer};
+use crate::runtime::Runtime;
+use crate::time::timestamp;
 
 fn exec_of(exec_id: &str) -> Option<&str> {
     Some(exec_id).filter(|s| !s.is_empty())
@@ -498,12 +489,5 @@ mod tests {
         assert_eq!(e.code(), containerd_shim_protos::ttrpc::Code::NOT_FOUND);
         let e = svc.do_delete("nope", None).await.unwrap_err();
         assert_eq!(e.code(), containerd_shim_protos::ttrpc::Code::NOT_FOUND);
-    }
-
-    #[test]
-    fn timestamps_convert_exactly() {
-        let t = UNIX_EPOCH + std::time::Duration::new(1_700_000_000, 123);
-        let ts = timestamp(t);
-        assert_eq!((ts.seconds, ts.nanos), (1_700_000_000, 123));
     }
 }

@@ -10,24 +10,23 @@ use std::time::SystemTime;
 use async_trait::async_trait;
 use containerd_shim::asynchronous::{publisher::RemotePublisher, ExitSignal, Shim};
 use containerd_shim::{Config as ShimConfig, DeleteResponse, Flags, StartOpts};
-use runc::options::DeleteOpts;
 
-use crate::config::{Config, ConfigSource};
+use crate::bundle::BUNDLE_CONFIG;
+use crate::config::{Config, ConfigSource, Origin, ENV_CONFIG_ORIGIN};
 use crate::events::{spawn_forwarder, EventSink};
 use crate::exits::ExitRouter;
-use crate::plain::Runtime;
 use crate::runc::RuncClient;
-use crate::service::{timestamp, TaskService};
-
-/// The resolved config `start` leaves in each bundle, for the `delete`
-/// action (which containerd runs without the runtime options).
-pub const BUNDLE_CONFIG: &str = "shadow-shim.toml";
+use crate::runtime::Runtime;
+use crate::service::TaskService;
+use crate::time::timestamp;
 
 pub struct ShadowShim {
     namespace: String,
     id: String,
     bundle: PathBuf,
     config: Config,
+    /// Where the config came from, logged once the logger is up.
+    origin: Origin,
     /// `-socket`: the ttrpc socket this daemon serves.
     socket: String,
     /// `-address`: containerd's socket, part of the group's socket name.
@@ -36,27 +35,33 @@ pub struct ShadowShim {
 }
 
 /// The config for this process: the source `start` handed down, else the
-/// copy in the bundle, else the default file.
-pub fn load_config(bundle: &Path) -> crate::error::Result<Config> {
+/// copy in the bundle (with the origin `start` found for it), else the
+/// default file.
+pub fn load_config(bundle: &Path) -> crate::error::Result<(Config, Origin)> {
     let source = ConfigSource::from_env();
     if source == ConfigSource::default() {
         let saved = bundle.join(BUNDLE_CONFIG);
         if saved.exists() {
-            return ConfigSource {
+            let (config, copy) = ConfigSource {
                 body: None,
                 path: Some(saved),
             }
-            .load();
+            .load_with_origin()?;
+            let origin = std::env::var(ENV_CONFIG_ORIGIN)
+                .ok()
+                .and_then(|o| Origin::from_env(&o))
+                .unwrap_or(copy);
+            return Ok((config, origin));
         }
     }
-    source.load()
+    source.load_with_origin()
 }
 
 /// After a shim died (the reason containerd runs `delete`), its socket file
 /// is left behind. Remove it, but only if nothing answers on it: a pod's
 /// other containers may still be served there.
 fn remove_stale_socket(address: &str, namespace: &str, bundle: &Path, id: &str) {
-    let group = crate::start::grouping(bundle, id);
+    let group = crate::bundle::grouping(bundle, id);
     let socket = containerd_shim::socket_address(address, namespace, &group);
     let path = socket.strip_prefix("unix://").unwrap_or(&socket);
     if let Err(e) = std::os::unix::net::UnixStream::connect(path) {
@@ -78,7 +83,7 @@ impl Shim for ShadowShim {
         } else {
             PathBuf::from(&args.bundle)
         };
-        let config = match load_config(&bundle) {
+        let (config, origin) = match load_config(&bundle) {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("containerd-shim-shadow-v1: {e}");
@@ -91,6 +96,7 @@ impl Shim for ShadowShim {
             id: args.id.clone(),
             bundle,
             config,
+            origin,
             socket: args.socket.clone(),
             address: args.address.clone(),
             exit: Arc::new(ExitSignal::default()),
@@ -110,9 +116,8 @@ impl Shim for ShadowShim {
             .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
         let client = RuncClient::new(&self.config, &self.namespace, &self.bundle, router)
             .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
-        let force = DeleteOpts::new().force(true);
-        if let Err(e) = client.runc.delete(&self.id, Some(&force)).await {
-            log::warn!("delete {}: runc delete: {e}", self.id);
+        if let Err(e) = client.delete_force(&self.id).await {
+            log::warn!("delete {}: {e}", self.id);
         }
         remove_stale_socket(&self.address, &self.namespace, &self.bundle, &self.id);
         let rootfs = self.bundle.join("rootfs").display().to_string();
@@ -156,6 +161,7 @@ impl Shim for ShadowShim {
                 std::process::exit(1);
             }
         };
+        self.origin.log();
         let (events, rx) = EventSink::channel();
         spawn_forwarder(publisher, self.namespace.clone(), rx);
         TaskService::new(

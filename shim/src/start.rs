@@ -7,32 +7,15 @@
 
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use containerd_shim::Flags;
 
-use crate::annotations::CRI_SANDBOX_ID;
 use crate::bootstrap::StartInput;
+use crate::bundle::{grouping, BUNDLE_CONFIG};
+use crate::config::ENV_CONFIG_ORIGIN;
 use crate::error::{Error, Result};
-use crate::shim::BUNDLE_CONFIG;
-
-/// The id whose shim serves this container: the pod's sandbox id when CRI
-/// says so, else the container's own id. A spec that cannot be read here is
-/// not an error yet: Create reports it, with a proper code.
-pub fn grouping(bundle: &Path, id: &str) -> String {
-    std::fs::read_to_string(bundle.join("config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| {
-            v.get("annotations")?
-                .get(CRI_SANDBOX_ID)?
-                .as_str()
-                .map(String::from)
-        })
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| id.to_string())
-}
 
 pub fn run(flags: &Flags) -> Result<()> {
     let mut stdin = Vec::new();
@@ -41,7 +24,7 @@ pub fn run(flags: &Flags) -> Result<()> {
         .map_err(|e| Error::io("reading start parameters from stdin", e))?;
     let input = StartInput::parse(&stdin, &flags.id, &flags.namespace)?;
     let config_source = input.options().config.clone();
-    let config = config_source.load()?;
+    let (config, origin) = config_source.load_with_origin()?;
 
     let bundle = if flags.bundle.is_empty() {
         std::env::current_dir().map_err(|e| Error::io("finding the bundle (cwd)", e))?
@@ -87,6 +70,8 @@ pub fn run(flags: &Flags) -> Result<()> {
         }
     }
     cmd.envs(config_source.to_env());
+    // The daemon reads the bundle's copy; it logs where `start` found it.
+    cmd.env(ENV_CONFIG_ORIGIN, origin.to_env());
     // SAFETY: setsid is async-signal-safe and touches no memory of ours; it
     // detaches the daemon from containerd's session so it outlives it.
     unsafe {
@@ -128,23 +113,4 @@ pub fn run(flags: &Flags) -> Result<()> {
         .and_then(|_| stdout.flush())
         .map_err(|e| Error::io("writing the start reply", e))?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn groups_by_sandbox_id_else_own_id() {
-        let d = tempfile::tempdir().unwrap();
-        assert_eq!(grouping(d.path(), "c1"), "c1");
-        std::fs::write(d.path().join("config.json"), "{not json").unwrap();
-        assert_eq!(grouping(d.path(), "c1"), "c1");
-        std::fs::write(
-            d.path().join("config.json"),
-            r#"{"ociVersion":"1.0.2","annotations":{"io.kubernetes.cri.sandbox-id":"pod9"}}"#,
-        )
-        .unwrap();
-        assert_eq!(grouping(d.path(), "c1"), "pod9");
-    }
 }

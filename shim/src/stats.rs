@@ -88,8 +88,8 @@ pub fn collect_parent(pid: u32) -> Result<Any> {
 fn pack<M: MessageFull>(m: &M) -> Result<Any> {
     Ok(Any {
         type_url: M::descriptor().full_name().to_string(),
-        value: m.write_to_bytes().map_err(|e| Error::Decode {
-            what: "metrics (encoding)",
+        value: m.write_to_bytes().map_err(|e| Error::Internal {
+            what: format!("encoding {}", M::descriptor().full_name()),
             reason: e.to_string(),
         })?,
         ..Default::default()

@@ -4,7 +4,7 @@
 //! "who serves?" — all waits are bounded polls on real state.
 
 use crate::{Containerd, Error, Result, Runtime, Spawned};
-use serde_json::Value;
+use shadow_contract::state::{PairState, FILE_NAME};
 use std::io::Read;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -152,7 +152,7 @@ impl PairEnv {
         let mut c = cd
             .container(Runtime::Shadow, id)
             .flags(&["--runtime-config-path", &self.config.display().to_string()])
-            .annotation("shadow.dev/pair", "true")
+            .annotation(shadow_contract::annotations::PAIR, "true")
             .flags(flags);
         for (k, v) in annotations {
             c = c.annotation(k, v);
@@ -165,21 +165,17 @@ impl PairEnv {
     }
 
     /// The pair's `state.json`, if it exists and parses.
-    pub fn state(&self, cd: &Containerd, id: &str) -> Option<Value> {
-        let text = std::fs::read_to_string(self.pair_dir(cd, id).join("state.json")).ok()?;
-        serde_json::from_str(&text).ok()
+    pub fn state(&self, cd: &Containerd, id: &str) -> Option<PairState> {
+        PairState::read(&self.pair_dir(cd, id).join(FILE_NAME)).ok()
     }
 
     /// Wait until the pair has an active engine and a parked shadow.
-    pub fn wait_protected(&self, cd: &Containerd, id: &str, limit: Duration) -> Value {
+    pub fn wait_protected(&self, cd: &Containerd, id: &str, limit: Duration) -> PairState {
         until(
             &format!("pair {id} protected"),
             limit,
             Duration::from_millis(5),
-            || {
-                self.state(cd, id)
-                    .filter(|v| v["pair"]["protected"] == true)
-            },
+            || self.state(cd, id).filter(|s| s.pair.protected),
         )
     }
 }

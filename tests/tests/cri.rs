@@ -13,6 +13,7 @@
 //! the `k8s.io` cgroups: do not run it on a node that serves a real kubelet.
 
 use serde_json::Value;
+use shadow_contract::state::PairState;
 use shadow_tests::cri::{self, v1::ContainerState, Cri};
 use shadow_tests::pair::{ask, free_port, install_binary, until, PairEnv};
 use shadow_tests::{mounts_under, our_processes, Containerd, OciImage, Rootfs, SHIM_BINARY};
@@ -36,7 +37,7 @@ fn gmsd() -> String {
     let p = Path::new(ENGINE).with_file_name("gmsd");
     assert!(
         p.is_file(),
-        "{} missing: build it with `cargo build -p gms --bin gmsd`",
+        "{} missing: build it with `cargo build -p gmsd --bin gmsd`",
         p.display()
     );
     p.display().to_string()
@@ -196,8 +197,7 @@ fn the_nomad_raw_exec_ctr_command_runs_a_pair_from_an_image() {
             ctr.stdout_so_far(),
             ctr.stderr_so_far()
         );
-        env.state(&cd, id)
-            .filter(|v| v["pair"]["protected"] == true)
+        env.state(&cd, id).filter(|v| v.pair.protected)
     });
     let (slot, pid) = active_of(&st);
     let first = until("the active engine to answer", LONG, STEP, || ask(port));
@@ -246,10 +246,10 @@ fn pair_env(cd: &Containerd, state: &StateDir) -> PairEnv {
     }
 }
 
-fn active_of(st: &Value) -> (usize, u32) {
-    let slot = st["pair"]["active"].as_u64().expect("active slot") as usize;
-    let pid = st["pids"][slot].as_u64().expect("active pid") as u32;
-    (slot, pid)
+fn active_of(st: &PairState) -> (usize, u32) {
+    let slot = st.pair.active.expect("active slot");
+    let pid = st.pid_of(slot).expect("active pid");
+    (usize::from(slot), pid)
 }
 
 #[test]
@@ -354,7 +354,7 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
         STEP,
         || {
             env.state(&cd, &cid)
-                .filter(|v| v["pair"]["protected"] == true && v["pair"]["active"] == 1 - slot)
+                .filter(|v| v.pair.protected && v.pair.active.map(usize::from) == Some(1 - slot))
         },
     );
     let status = cri.container_status(&cid).expect("status");

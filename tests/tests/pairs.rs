@@ -3,7 +3,7 @@
 //! the one that serves hands the port to the other; the task stays running
 //! with the active engine's pid; Kill ends it with one exit; nothing is left.
 
-use serde_json::Value;
+use shadow_contract::state::{EngineState, PairState};
 use shadow_tests::pair::{ask, free_port, task_pid, until, PairEnv};
 use shadow_tests::{Containerd, Spawned};
 use std::path::Path;
@@ -19,10 +19,10 @@ fn kill(pid: u32, sig: i32) {
     assert_eq!(rc, 0, "kill {pid}: {}", std::io::Error::last_os_error());
 }
 
-fn active_of(st: &Value) -> (usize, u32) {
-    let slot = st["pair"]["active"].as_u64().expect("active slot") as usize;
-    let pid = st["pids"][slot].as_u64().expect("active pid") as u32;
-    (slot, pid)
+fn active_of(st: &PairState) -> (usize, u32) {
+    let slot = st.pair.active.expect("active slot");
+    let pid = st.pid_of(slot).expect("active pid");
+    (usize::from(slot), pid)
 }
 
 /// gmsd from the workspace's target dir, next to the shim.
@@ -30,7 +30,7 @@ fn gmsd() -> String {
     let p = Path::new(ENGINE).with_file_name("gmsd");
     assert!(
         p.is_file(),
-        "{} missing: build it with `cargo build -p gms --bin gmsd`",
+        "{} missing: build it with `cargo build -p gmsd --bin gmsd`",
         p.display()
     );
     p.display().to_string()
@@ -110,7 +110,7 @@ fn killing_the_active_engine_20_times_fails_over_each_time() {
             Some(pid),
             "round {round}: State.pid is the active engine"
         );
-        let shadow = st["pids"][1 - slot].as_u64().expect("shadow pid") as u32;
+        let shadow = st.pids[1 - slot].expect("shadow pid");
         kill(pid, libc::SIGKILL);
         let a = wait_new_active(&r, slot);
         assert_eq!(
@@ -122,12 +122,12 @@ fn killing_the_active_engine_20_times_fails_over_each_time() {
         // comes back parked.
         st = until("protected again", LONG, STEP, || {
             r.env.state(&cd, id).filter(|v| {
-                v["pair"]["protected"] == true
-                    && v["pair"]["active"] == 1 - slot
-                    && v["pids"][1 - slot] == shadow
+                v.pair.protected
+                    && v.pair.active.map(usize::from) == Some(1 - slot)
+                    && v.pids[1 - slot] == Some(shadow)
             })
         });
-        assert_eq!(st["pair"]["failovers"], round + 1);
+        assert_eq!(st.pair.failovers, round + 1);
         until("State.pid follows", LONG, STEP, || {
             (task_pid(&cd, id) == Some(shadow)).then_some(())
         });
@@ -136,13 +136,8 @@ fn killing_the_active_engine_20_times_fails_over_each_time() {
             Some("RUNNING")
         );
     }
-    let last = &st["promotions"]
-        .as_array()
-        .expect("promotions")
-        .last()
-        .cloned()
-        .expect("one");
-    assert!(last["total_ms"].as_f64().is_some(), "{last}");
+    let last = st.promotions.last().expect("one promotion");
+    assert!(last.total_ms.is_some(), "{last:?}");
     r.stop(&cd, id, "SIGKILL");
 }
 
@@ -153,19 +148,16 @@ fn killing_the_shadow_respawns_it_and_leaves_the_active_alone() {
     let r = start(&cd, id, "gms = \"off\"", &[], &[]);
     let st = r.env.wait_protected(&cd, id, LONG);
     let (slot, pid) = active_of(&st);
-    let shadow = st["pids"][1 - slot].as_u64().expect("shadow pid") as u32;
-    let generation = st["pair"]["slots"][1 - slot]["generation"]
-        .as_u64()
-        .expect("gen");
+    let shadow = st.pids[1 - slot].expect("shadow pid");
+    let generation = st.pair.slots[1 - slot].generation;
     kill(shadow, libc::SIGKILL);
     let st = until("shadow respawned and parked", LONG, STEP, || {
-        r.env.state(&cd, id).filter(|v| {
-            v["pair"]["slots"][1 - slot]["generation"].as_u64() > Some(generation)
-                && v["pair"]["protected"] == true
-        })
+        r.env
+            .state(&cd, id)
+            .filter(|v| v.pair.slots[1 - slot].generation > generation && v.pair.protected)
     });
     assert_eq!(active_of(&st), (slot, pid), "active untouched");
-    assert_eq!(st["pair"]["failovers"], 0);
+    assert_eq!(st.pair.failovers, 0);
     assert_eq!(ask(r.port).expect("serves").slot, slot.to_string());
     // Exec runs in the active engine, with its own exit code.
     let out = cd
@@ -195,7 +187,7 @@ fn both_killed_come_back_without_reloading_weights() {
     let first = ask(r.port).expect("serves");
     assert_eq!(loads(&r, &cd, id), 1, "loaded once");
     for s in 0..2 {
-        kill(st["pids"][s].as_u64().expect("pid") as u32, libc::SIGKILL);
+        kill(st.pids[s].expect("pid"), libc::SIGKILL);
     }
     let a = until("a new engine serves", LONG, STEP, || {
         ask(r.port).filter(|a| a.boot != first.boot)
@@ -221,16 +213,13 @@ fn a_single_engine_without_shadow_restarts_in_place_and_maps_its_weights() {
     let st = until("the single engine serves", LONG, STEP, || {
         r.env
             .state(&cd, id)
-            .filter(|v| v["pair"]["active"] == 0 && v["pids"][0].is_u64())
+            .filter(|v| v.pair.active == Some(0) && v.pids[0].is_some())
     });
-    assert!(st["pids"][1].is_null(), "no second engine: {st}");
-    assert_eq!(
-        st["pair"]["protected"], false,
-        "a single engine is never protected"
-    );
+    assert!(st.pids[1].is_none(), "no second engine: {st:?}");
+    assert!(!st.pair.protected, "a single engine is never protected");
     let first = ask(r.port).expect("serves");
     assert!(first.loaded, "the first engine loads the weights");
-    kill(st["pids"][0].as_u64().expect("pid") as u32, libc::SIGKILL);
+    kill(st.pids[0].expect("pid"), libc::SIGKILL);
     let a = until("the restarted engine serves", LONG, STEP, || {
         ask(r.port).filter(|a| a.boot != first.boot)
     });
@@ -241,9 +230,9 @@ fn a_single_engine_without_shadow_restarts_in_place_and_maps_its_weights() {
     let st = until("restart recorded", LONG, STEP, || {
         r.env
             .state(&cd, id)
-            .filter(|v| v["pair"]["failovers"] == 1 && v["pair"]["active"] == 0)
+            .filter(|v| v.pair.failovers == 1 && v.pair.active == Some(0))
     });
-    assert_eq!(st["pair"]["slots"][1]["generation"], 0, "slot 1 never ran");
+    assert_eq!(st.pair.slots[1].generation, 0, "slot 1 never ran");
     r.stop(&cd, id, "SIGKILL");
 }
 
@@ -276,7 +265,7 @@ fn pair_by_default_pairs_a_container_without_annotations() {
         ctr: Some(ctr),
     };
     let st = r.env.wait_protected(&cd, id, LONG);
-    assert!(st["pids"][0].is_u64() && st["pids"][1].is_u64(), "{st}");
+    assert!(st.pids[0].is_some() && st.pids[1].is_some(), "{st:?}");
     ask(r.port).expect("serves");
     r.stop(&cd, id, "SIGKILL");
 }
@@ -289,8 +278,8 @@ fn gmsd_death_restarts_the_pair_cold_and_reloads_once() {
     r.env.wait_protected(&cd, id, LONG);
     // The shim refreshes gmsd's status on its own schedule: wait for it.
     let gms_pid = until("gmsd status in state.json", LONG, STEP, || {
-        r.env.state(&cd, id).and_then(|v| v["gms"]["pid"].as_u64())
-    }) as u32;
+        r.env.state(&cd, id).and_then(|v| v.gms.map(|g| g.pid))
+    });
     // Capabilities are dropped.
     let status = std::fs::read_to_string(format!("/proc/{gms_pid}/status")).expect("gmsd status");
     let eff = status
@@ -304,15 +293,13 @@ fn gmsd_death_restarts_the_pair_cold_and_reloads_once() {
     kill(gms_pid, libc::SIGKILL);
     let st = until("cold restart done", LONG, STEP, || {
         r.env.state(&cd, id).filter(|v| {
-            v["pair"]["cold_restarts"] == 1
-                && v["pair"]["protected"] == true
-                && v["gms"]["pid"]
-                    .as_u64()
-                    .is_some_and(|p| p as u32 != gms_pid)
+            v.pair.cold_restarts == 1
+                && v.pair.protected
+                && v.gms.as_ref().is_some_and(|g| g.pid != gms_pid)
         })
     });
     let a = ask(r.port).expect("serves");
-    assert_eq!(a.slot, st["pair"]["active"].to_string());
+    assert_eq!(Some(a.slot), st.pair.active.map(|s| s.to_string()));
     assert_eq!(loads(&r, &cd, id), 2, "reloaded exactly once");
     r.stop(&cd, id, "SIGKILL");
 }
@@ -353,9 +340,7 @@ fn ctr_kill_ends_the_pair_with_one_exit_and_rm_leaves_nothing() {
         )
         .expect("ctr run");
     let st = env.wait_protected(&cd, id, LONG);
-    let pids: Vec<u32> = (0..2)
-        .map(|s| st["pids"][s].as_u64().expect("pid") as u32)
-        .collect();
+    let pids: Vec<u32> = (0..2).map(|s| st.pids[s].expect("pid")).collect();
     // SIGTERM (the default of `ctr task kill`): the engine dies of it.
     cd.ctr()
         .run(&["task", "kill", id])
@@ -412,9 +397,15 @@ fn an_unmodified_program_under_flock_fails_over() {
         .expect("ctr run");
     // No sd_notify: the shim learns the active engine from the lock.
     let st = until("active by lock", LONG, STEP, || {
-        env.state(&cd, id).filter(|v| v["pair"]["active"].is_u64())
+        env.state(&cd, id).filter(|v| v.pair.active.is_some())
     });
     let (slot, pid) = active_of(&st);
+    // Nor does the shadow say it is parked: the shim sees it waiting on the
+    // lock (/proc/locks lists the waiter), and that is what parked means.
+    let st = until("protected by a waiter on the lock", LONG, STEP, || {
+        env.state(&cd, id).filter(|v| v.pair.protected)
+    });
+    assert_eq!(st.pair.slots[1 - slot].state, EngineState::Parked, "{st:?}");
     let first = until("nc answers", LONG, STEP, || ask(port));
     assert_eq!(first.slot, slot.to_string());
     kill(pid, libc::SIGKILL);
@@ -424,9 +415,14 @@ fn an_unmodified_program_under_flock_fails_over() {
     assert_eq!(a.slot, (1 - slot).to_string());
     let st = until("promotion recorded", LONG, STEP, || {
         env.state(&cd, id)
-            .filter(|v| v["pair"]["failovers"] == 1 && v["pair"]["active"] == 1 - slot)
+            .filter(|v| v.pair.failovers == 1 && v.pair.active.map(usize::from) == Some(1 - slot))
     });
-    assert!(st["promotions"][0]["lock_at"].is_object(), "{st}");
+    assert!(st.promotions[0].promotion.lock_at.is_some(), "{st:?}");
+    // The respawned slot waits on the lock in turn: protected again.
+    until("protected again", LONG, STEP, || {
+        env.state(&cd, id)
+            .filter(|v| v.pair.protected && v.pair.active.map(usize::from) == Some(1 - slot))
+    });
     cd.ctr()
         .run(&["task", "kill", "-s", "SIGKILL", id])
         .expect("kill")
@@ -443,7 +439,7 @@ fn the_pair_survives_a_containerd_restart_and_stays_managed() {
     let st = r.env.wait_protected(&cd, id, LONG);
     let (_, pid) = active_of(&st);
     let (slot, _) = active_of(&st);
-    let shadow = st["pids"][1 - slot].as_u64().expect("shadow pid") as u32;
+    let shadow = st.pids[1 - slot].expect("shadow pid");
     let before = ask(r.port).expect("serving");
     cd.restart().expect("restart containerd");
     assert_eq!(ask(r.port).expect("still serving").boot, before.boot);
@@ -528,6 +524,71 @@ fn bad_pair_annotations_and_configs_are_refused_leaving_nothing() {
     assert!(out.stderr.contains("/nonexistent/gmsd"), "{out}");
     cd.assert_no_leftovers();
     assert!(!env.state_dir.join(cd.namespace()).join("nogms").exists());
+    // A gmsd that dies before it is ready: the launcher learns it from the
+    // readiness pipe at once (not at the start timeout), and says so.
+    let diesgms = cd.dir().join("diesgms.toml");
+    std::fs::write(
+        &diesgms,
+        format!(
+            "[pair]\nstate_dir = \"{}\"\nmetrics_dir = \"{}\"\ngms = \"host\"\ngmsd = \"/bin/false\"\ngms_start_timeout_ms = 60000\n",
+            env.state_dir.display(),
+            env.metrics_dir.display()
+        ),
+    )
+    .expect("write");
+    let started = std::time::Instant::now();
+    let out = cd
+        .container(shadow_tests::Runtime::Shadow, "diesgms")
+        .rm()
+        .flags(&["--runtime-config-path", &diesgms.display().to_string()])
+        .annotation("shadow.dev/pair", "true")
+        .cmd(&["true"])
+        .run()
+        .expect("ctr run");
+    assert_ne!(out.code(), 0);
+    assert!(
+        out.stderr.contains("/bin/false") && out.stderr.contains("ended before it was ready"),
+        "{out}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "not the timeout"
+    );
+    cd.assert_no_leftovers();
+    // A bad value of the hooks' keys is refused by the shim too.
+    let out = cd
+        .container(shadow_tests::Runtime::Shadow, "badslot")
+        .rm()
+        .flags(&["--runtime-config-path", &env.config.display().to_string()])
+        .annotation("shadow.dev/pair", "true")
+        .annotation("shadow.dev/slot", "2")
+        .cmd(&["true"])
+        .run()
+        .expect("ctr run");
+    assert_ne!(out.code(), 0);
+    assert!(
+        out.stderr.contains("shadow.dev/slot") && out.stderr.contains("0|1"),
+        "{out}"
+    );
+}
+
+/// One spec serves both paths: the OCI hooks' annotations do not make the
+/// shim refuse it, and `shadow.dev/pair` still makes it a pair.
+#[test]
+fn a_spec_with_the_hooks_annotations_runs_as_a_pair_too() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "hookkeys";
+    let r = start(
+        &cd,
+        id,
+        "gms = \"off\"",
+        &[("shadow.dev/pair-name", "llama"), ("shadow.dev/slot", "1")],
+        &[],
+    );
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let (slot, _) = active_of(&st);
+    assert_eq!(ask(r.port).expect("serves").slot, slot.to_string());
+    r.stop(&cd, id, "SIGKILL");
 }
 
 #[test]
@@ -548,7 +609,7 @@ fn pinned_network_and_pair_cgroup_limits() {
         .expect("ctr run");
     let st = env.wait_protected(&cd, id, LONG);
     let (slot, pid) = active_of(&st);
-    let shadow = st["pids"][1 - slot].as_u64().expect("pid") as u32;
+    let shadow = st.pids[1 - slot].expect("pid");
     let net = env.pair_dir(&cd, id).join("ns/net");
     let ns_of = |p: u32| std::fs::read_link(format!("/proc/{p}/ns/net")).expect("ns link");
     assert_eq!(

@@ -162,7 +162,16 @@ impl PairWorld {
         for m in mounts_under(self.tmp.path()) {
             left.push(format!("mount {}", m.display()));
         }
-        for (pid, cmd) in our_processes(self.tmp.path(), self.tmp.path()) {
+        // conmon outlives `podman rm -f` by a moment (it writes the exit
+        // file after the container dies): a process still there after a
+        // bounded wait is a leftover, one on its way out is not.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut procs = our_processes(self.tmp.path(), self.tmp.path());
+        while !procs.is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+            procs = our_processes(self.tmp.path(), self.tmp.path());
+        }
+        for (pid, cmd) in procs {
             left.push(format!("process {pid}: {cmd}"));
         }
         if self.root().join(&self.pair).exists() {

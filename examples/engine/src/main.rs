@@ -1,5 +1,5 @@
-//! `shadow-engine`: the reference engine. It follows the engine contract of
-//! DESIGN.md for real, so that the failover benchmark measures what a real
+//! `shadow-engine`: the reference engine. It follows the engine contract
+//! (docs/engine-contract.md) for real, so that the failover benchmark measures what a real
 //! engine would see:
 //!
 //! 1. weights: with `GMS_SOCKET_DIR/gms-host.sock`, `rw_or_ro`. The writer
@@ -14,16 +14,16 @@
 //!    `GET /health`.
 //!
 //! Usage: `shadow-engine serve --weights FILE [--port N] [--kv-mib N]`,
-//! `shadow-engine generate --out FILE --mib N [--seed N]`.
+//! `shadow-engine generate --out FILE --mib N [--seed N]` (`--help`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use clap::{Parser, Subcommand};
 use gms::client::{host_socket, Client, Imported, KvCache, Weights};
 use gms::protocol::{LeaseKind, Mode};
 use nix::sys::socket::{
@@ -31,6 +31,7 @@ use nix::sys::socket::{
     SockaddrIn,
 };
 use serde_json::{json, Value};
+use shadow_contract::env;
 use shadow_engine::model::{generate, verify, Model};
 use shadow_engine::{Error, Result};
 
@@ -50,13 +51,9 @@ fn now_us() -> u128 {
         .as_micros()
 }
 
-fn notify(msg: &str) {
+fn notify(state: sd_notify::NotifyState<'_>) {
     // Optional by the contract: no socket, or a full one, only loses the hint.
-    if let Some(path) = std::env::var_os("NOTIFY_SOCKET") {
-        if let Ok(s) = UnixDatagram::unbound() {
-            let _ = s.send_to(msg.as_bytes(), PathBuf::from(path));
-        }
-    }
+    let _ = sd_notify::notify(&[state]);
 }
 
 /// The GMS connection: held, never read, because closing it ends the lease.
@@ -108,7 +105,7 @@ fn gms_err(what: &'static str) -> impl FnOnce(gms::Error) -> Error {
 
 /// Attach the weights: through GMS when its socket is there, else privately.
 fn attach(file: &Path, slot: &str, kv_bytes: u64) -> Result<(Source, Option<KvCache>)> {
-    let socket = std::env::var_os("GMS_SOCKET_DIR").map(|d| host_socket(Path::new(&d)));
+    let socket = std::env::var_os(env::GMS_SOCKET_DIR).map(|d| host_socket(Path::new(&d)));
     let Some(socket) = socket.filter(|s| s.exists()) else {
         let bytes = std::fs::read(file).map_err(io("read weights", file))?;
         verify(&bytes, file)?;
@@ -156,68 +153,55 @@ fn attach(file: &Path, slot: &str, kv_bytes: u64) -> Result<(Source, Option<KvCa
     }
 }
 
+#[derive(Parser)]
+#[command(
+    name = "shadow-engine",
+    about = "Reference engine: safetensors weights shared through GMS, the engine contract (lock, sd_notify), an HTTP completions API"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve completions once this engine holds SHADOW_LOCK_PATH.
+    Serve(Args),
+    /// Write a deterministic safetensors weights file.
+    Generate {
+        /// The file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Size of the weights, in MiB.
+        #[arg(long, default_value_t = 256)]
+        mib: u64,
+        /// Seed of the weights' values.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
+}
+
+#[derive(clap::Args)]
 struct Args {
+    /// The safetensors file (through GMS when GMS_SOCKET_DIR has a host daemon).
+    #[arg(long)]
     weights: PathBuf,
+    /// TCP port on 127.0.0.1 (SO_REUSEPORT: both engines of a pair bind it).
+    #[arg(long, default_value_t = 8000)]
     port: u16,
+    /// KV cache, in MiB: reserved while parked, materialised on wake.
+    #[arg(long, default_value_t = 16)]
     kv_mib: u64,
 }
 
-fn value<'a>(it: &mut impl Iterator<Item = &'a String>, flag: &str) -> Result<&'a String> {
-    it.next()
-        .ok_or_else(|| Error::Usage(format!("{flag} needs a value")))
-}
-
-fn number<T: std::str::FromStr>(v: &str, flag: &str) -> Result<T> {
-    v.parse()
-        .map_err(|_| Error::Usage(format!("{flag}: not a number: {v}")))
-}
-
 fn main() {
-    if let Err(e) = run() {
+    let result = match Cli::parse().command {
+        Command::Generate { out, mib, seed } => generate(&out, mib, seed),
+        Command::Serve(args) => serve(args),
+    };
+    if let Err(e) = result {
         eprintln!("shadow-engine: {e}");
         std::process::exit(70);
-    }
-}
-
-fn run() -> Result<()> {
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = argv.iter();
-    match it.next().map(String::as_str) {
-        Some("generate") => {
-            let (mut out, mut mib, mut seed) = (None, 256u64, 42u64);
-            while let Some(a) = it.next() {
-                match a.as_str() {
-                    "--out" => out = Some(PathBuf::from(value(&mut it, a)?)),
-                    "--mib" => mib = number(value(&mut it, a)?, a)?,
-                    "--seed" => seed = number(value(&mut it, a)?, a)?,
-                    other => return Err(Error::Usage(format!("unknown argument {other}"))),
-                }
-            }
-            let out = out.ok_or_else(|| Error::Usage("generate needs --out FILE".into()))?;
-            generate(&out, mib, seed)
-        }
-        Some("serve") => {
-            let mut args = Args {
-                weights: PathBuf::new(),
-                port: 8000,
-                kv_mib: 16,
-            };
-            while let Some(a) = it.next() {
-                match a.as_str() {
-                    "--weights" => args.weights = PathBuf::from(value(&mut it, a)?),
-                    "--port" => args.port = number(value(&mut it, a)?, a)?,
-                    "--kv-mib" => args.kv_mib = number(value(&mut it, a)?, a)?,
-                    other => return Err(Error::Usage(format!("unknown argument {other}"))),
-                }
-            }
-            if args.weights.as_os_str().is_empty() {
-                return Err(Error::Usage("serve needs --weights FILE".into()));
-            }
-            serve(args)
-        }
-        _ => Err(Error::Usage(
-            "usage: shadow-engine serve --weights FILE [--port N] [--kv-mib N] | generate --out FILE --mib N [--seed N]".into(),
-        )),
     }
 }
 
@@ -232,7 +216,7 @@ fn serve(args: Args) -> Result<()> {
             std::process::exit(143);
         }
     });
-    let slot = std::env::var("SHADOW_ENGINE_ID").unwrap_or_else(|_| "-".into());
+    let slot = std::env::var(env::ENGINE_ID).unwrap_or_else(|_| "-".into());
     let boot_us = now_us();
     let t0 = Instant::now();
     let kv_bytes = args.kv_mib << 20;
@@ -256,9 +240,9 @@ fn serve(args: Args) -> Result<()> {
     setsockopt(&sock, sockopt::ReusePort, &true).map_err(|e| sockerr("SO_REUSEPORT", e))?;
     setsockopt(&sock, sockopt::ReuseAddr, &true).map_err(|e| sockerr("SO_REUSEADDR", e))?;
     bind(sock.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port)).map_err(|e| sockerr("bind", e))?;
-    notify("STATUS=parked");
+    notify(sd_notify::NotifyState::Status("parked"));
 
-    let _held = match std::env::var_os("SHADOW_LOCK_PATH") {
+    let _held = match std::env::var_os(env::LOCK_PATH) {
         Some(p) => {
             let path = PathBuf::from(p);
             let f = std::fs::File::open(&path).map_err(io("open lock", &path))?;
@@ -285,7 +269,7 @@ fn serve(args: Args) -> Result<()> {
     listen(&sock, Backlog::new(256).unwrap_or(Backlog::MAXCONN))
         .map_err(|e| sockerr("listen", e))?;
     let listener = TcpListener::from(sock);
-    notify("READY=1");
+    notify(sd_notify::NotifyState::Ready);
     let ready_us = now_us();
     println!(
         "shadow-engine slot {slot} ready on 127.0.0.1:{port}: weights {} MiB from {}, load {load_ms:.1} ms, init {init_ms:.1} ms, lock→ready {} µs",

@@ -69,8 +69,7 @@ fn promoted_shadow_answers_the_same_from_mapped_weights() {
     let before = until("first answer", long, step, || complete(port, prompt));
     assert_eq!(before["engine"]["source"], "gms-writer", "{before}");
 
-    let slot = st["pair"]["active"].as_u64().unwrap();
-    let pid = st["pids"][slot as usize].as_u64().unwrap() as i32;
+    let pid = st.active_pid().expect("an active engine") as i32;
     // SAFETY: kill(2) of the active engine's pid from the pair's state file.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
 

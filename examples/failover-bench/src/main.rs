@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use clap::Parser;
 use load::{Progress, Workload};
 use report::ArmRun;
 use shadow_engine::model::{generate, Model};
@@ -46,73 +47,58 @@ pub enum Error {
     Chart { path: PathBuf, reason: String },
     #[error("arm {arm}: {reason}")]
     Arm { arm: String, reason: String },
-    #[error("{0}")]
-    Usage(String),
 }
 
 type Result<T, E = Error> = std::result::Result<T, E>;
 
+#[derive(Parser)]
+#[command(
+    name = "failover-bench",
+    about = "Open-loop load through a SIGKILL of the serving engine: cold restart (runc-v2), GMS restart in place, shadow pair"
+)]
 struct Opts {
+    /// Size of the engine's weights, in MiB.
+    #[arg(long, default_value_t = 256)]
     mib: u64,
+    /// Seed of the weights' values.
+    #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Open-loop request rate, per second (at least 1).
+    #[arg(long, default_value_t = 200.0)]
     rate: f64,
+    /// Load before the first SIGKILL, in ms.
+    #[arg(long, default_value_t = 1000)]
     before_ms: u64,
+    /// Load after the last recovery, in ms.
+    #[arg(long, default_value_t = 1000)]
     after_ms: u64,
+    /// SIGKILLs of the serving engine per arm (at least 1).
+    #[arg(long, default_value_t = 1)]
     kills: usize,
+    /// Pause between a recovery and the next SIGKILL, in ms.
+    #[arg(long, default_value_t = 300)]
     gap_ms: u64,
+    /// Arms to run, in order.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "cold,gms,shadow",
+        value_parser = ["cold", "gms", "shadow"]
+    )]
     arms: Vec<String>,
+    /// Directory of report.json and timeline.svg.
+    #[arg(long, default_value = "target/shadow-bench")]
     out: PathBuf,
+    /// Tokens asked of each completion.
+    #[arg(long, default_value_t = 8)]
     max_tokens: usize,
 }
 
-const USAGE: &str = "usage: failover-bench [--mib 256] [--seed 42] [--rate 200] [--before-ms 1000] \
-[--after-ms 1000] [--kills 1] [--gap-ms 300] [--arms cold,gms,shadow] [--out target/shadow-bench] [--max-tokens 8]";
-
-fn parse_opts() -> Result<Opts> {
-    let mut o = Opts {
-        mib: 256,
-        seed: 42,
-        rate: 200.0,
-        before_ms: 1000,
-        after_ms: 1000,
-        kills: 1,
-        gap_ms: 300,
-        arms: vec!["cold".into(), "gms".into(), "shadow".into()],
-        out: PathBuf::from("target/shadow-bench"),
-        max_tokens: 8,
-    };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = argv.iter();
-    while let Some(flag) = it.next() {
-        let v = it
-            .next()
-            .ok_or_else(|| Error::Usage(format!("{flag} needs a value\n{USAGE}")))?;
-        let num = |v: &str| -> Result<f64> {
-            v.parse()
-                .map_err(|_| Error::Usage(format!("{flag}: not a number: {v}\n{USAGE}")))
-        };
-        match flag.as_str() {
-            "--mib" => o.mib = num(v)? as u64,
-            "--seed" => o.seed = num(v)? as u64,
-            "--rate" => o.rate = num(v)?.max(1.0),
-            "--before-ms" => o.before_ms = num(v)? as u64,
-            "--after-ms" => o.after_ms = num(v)? as u64,
-            "--kills" => o.kills = (num(v)? as usize).max(1),
-            "--gap-ms" => o.gap_ms = num(v)? as u64,
-            "--max-tokens" => o.max_tokens = num(v)? as usize,
-            "--out" => o.out = PathBuf::from(v),
-            "--arms" => o.arms = v.split(',').map(str::to_owned).collect(),
-            other => return Err(Error::Usage(format!("unknown flag {other}\n{USAGE}"))),
-        }
-    }
-    if let Some(a) = o
-        .arms
-        .iter()
-        .find(|a| !["cold", "gms", "shadow"].contains(&a.as_str()))
-    {
-        return Err(Error::Usage(format!("unknown arm {a}: cold, gms, shadow")));
-    }
-    Ok(o)
+fn parse_opts() -> Opts {
+    let mut o = Opts::parse();
+    o.rate = o.rate.max(1.0);
+    o.kills = o.kills.max(1);
+    o
 }
 
 fn now_unix_us() -> u128 {
@@ -295,29 +281,24 @@ fn shim_arm(
     // engine once it serves.
     let protected = ready
         && poll(Duration::from_secs(600), || {
-            env.state(cd, id)
-                .filter(|v| single || v["pair"]["protected"] == true)
+            env.state(cd, id).filter(|v| single || v.pair.protected)
         })
         .is_some();
     let result = if protected {
         let (samples, kills_ms, kills_unix) = drive(o, w, || {
             let st = env.state(cd, id)?;
-            let slot = st["pair"]["active"].as_u64()? as usize;
-            let pid = st["pids"][slot].as_u64()? as u32;
+            let pid = st.active_pid()?;
             let t = (Instant::now(), now_unix_us());
             sigkill(pid).then_some(t)
         });
         // READY of each promotion as the shim recorded it.
-        let promotions = env
-            .state(cd, id)
-            .and_then(|v| v["promotions"].as_array().cloned())
-            .unwrap_or_default();
+        let promotions = env.state(cd, id).map(|v| v.promotions).unwrap_or_default();
         let promotion_ready_ms = kills_unix
             .iter()
             .filter_map(|&k| {
                 promotions
                     .iter()
-                    .filter_map(|p| p["ready_unix_us"].as_u64())
+                    .filter_map(|p| p.ready_unix_us)
                     .find(|&r| r as u128 > k)
                     .map(|r| (r as u128 - k) as f64 / 1e3)
             })
@@ -390,7 +371,7 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let o = parse_opts()?;
+    let o = parse_opts();
     let weights = weights_file(&o)?;
     // What every answer must be: computed here from the same file.
     let bytes = std::fs::read(&weights).map_err(|source| Error::Io {

@@ -20,11 +20,11 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use gms_core::backend::cuda::parse_device;
 use gms_core::client::{Client, Imported, KvCache, Weights};
-use gms_core::cuda_mapper::{connect_wait, CudaMapper, CudaRange};
 use gms_core::mapper::Range;
 use gms_core::protocol::{LeaseKind, Mode};
+use gms_cuda::mapper::{connect_wait, CudaMapper, CudaRange};
+use gms_cuda::parse_device;
 
 /// Everything this process holds from its GMS daemon.
 struct Session {

@@ -300,9 +300,31 @@ impl Drop for PrimaryContext {
     }
 }
 
+/// Parses a `--device` flag: `0`, `cuda:0`, or a GPU UUID (`GPU-…`).
+pub fn parse_device(text: &str) -> gms::Result<DeviceSelector> {
+    let bare = text.strip_prefix("cuda:").unwrap_or(text);
+    bare.parse::<DeviceSelector>().map_err(|e| {
+        gms::Error::Config(format!(
+            "--device {text:?}: {e} (also accepted: cuda:N, or 'host')"
+        ))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn device_flags_parse() {
+        assert_eq!(parse_device("0").unwrap(), DeviceSelector::Index(0));
+        assert_eq!(parse_device("cuda:3").unwrap(), DeviceSelector::Index(3));
+        let uuid = "GPU-5a2b1c3d-0e1f-2a3b-4c5d-6e7f8a9b0c1d";
+        assert!(matches!(parse_device(uuid), Ok(DeviceSelector::Uuid(_))));
+        for bad in ["cuda:", "cuda:-1", "gpu0", "GPU-12", "host"] {
+            let err = parse_device(bad).unwrap_err();
+            assert!(matches!(err, gms::Error::Config(_)), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn uuid_round_trip() {

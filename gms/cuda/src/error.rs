@@ -36,6 +36,14 @@ pub enum Error {
 /// Result of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Wraps a driver error with what GMS was doing at the time, as the error a
+/// GMS peer reports (`backend: …`): for the daemon's cuda backend and the
+/// engine-side mapper alike.
+pub fn gms_error(context: impl Into<String>) -> impl FnOnce(Error) -> gms::Error {
+    let context = context.into();
+    move |e| gms::Error::Backend(format!("{context}: {e}"))
+}
+
 /// Turns a driver status into a `Result`, naming the call.
 pub(crate) fn check(call: &'static str, status: CUresult) -> Result<()> {
     check_with(call, status, String::new)

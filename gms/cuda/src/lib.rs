@@ -14,14 +14,19 @@
 //! keeps the pages while a mapping or another process still refers to them);
 //! a [`Reservation`] unmaps whatever it still has mapped and frees its address
 //! range on drop. A file descriptor is always an [`OwnedFd`].
+//!
+//! [`mapper`] is GMS's engine side on a GPU (the client's `Mapper` over these
+//! types). It lives here, not in `gms`, so that only what maps device memory
+//! links the driver bindings.
 
 mod device;
 mod error;
+pub mod mapper;
 mod memory;
 mod reservation;
 
-pub use device::{Device, DeviceSelector, Driver, GpuUuid, PrimaryContext};
-pub use error::{Error, Result};
+pub use device::{parse_device, Device, DeviceSelector, Driver, GpuUuid, PrimaryContext};
+pub use error::{gms_error, Error, Result};
 pub use memory::PhysicalMemory;
 pub use reservation::{Access, Reservation};
 

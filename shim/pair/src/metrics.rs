@@ -25,11 +25,12 @@ fn label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-const STATES: [(EngineState, &str); 6] = [
+const STATES: [(EngineState, &str); 7] = [
     (EngineState::Spawning, "spawning"),
     (EngineState::Starting, "starting"),
     (EngineState::Parked, "parked"),
     (EngineState::Active, "active"),
+    (EngineState::Superseded, "superseded"),
     (EngineState::Backoff, "backoff"),
     (EngineState::Stopped, "stopped"),
 ];
@@ -91,25 +92,35 @@ pub fn render(namespace: &str, id: &str, snap: &Snapshot, gms: &[GmsFigures]) ->
         &generations,
     );
     if let Some(p) = &snap.last_promotion {
-        let mut phases = Vec::new();
+        // From the first sign of the death (reap, lock, or the successor's
+        // READY=1, whichever the shim saw first): never negative, and the
+        // same origin as `total_ms` in state.json.
+        let since_death =
+            |t: std::time::Duration| format!("{:.6}", t.saturating_sub(p.death_at).as_secs_f64());
+        let mut phases = vec![(
+            ",phase=\"death_to_reap\"".to_string(),
+            since_death(p.reaped_at),
+        )];
         if let Some(l) = p.lock_at {
-            phases.push((
-                ",phase=\"reap_to_lock\"".to_string(),
-                format!("{:.6}", l.saturating_sub(p.reaped_at).as_secs_f64()),
-            ));
+            phases.push((",phase=\"death_to_lock\"".to_string(), since_death(l)));
         }
         if let Some(r) = p.ready_at {
-            phases.push((
-                ",phase=\"reap_to_ready\"".to_string(),
-                format!("{:.6}", r.saturating_sub(p.reaped_at).as_secs_f64()),
-            ));
+            phases.push((",phase=\"death_to_ready\"".to_string(), since_death(r)));
         }
         metric(
             "shadow_pair_last_promotion_seconds",
             "gauge",
-            "Phases of the last promotion, from the reap of the dead active engine.",
+            "Phases of the last promotion, from the first sign that the active engine was gone.",
             &phases,
         );
+        if let Some(total) = p.total() {
+            metric(
+                "shadow_pair_last_promotion_total_seconds",
+                "gauge",
+                "The last promotion: death observed to READY=1 (to the lock without sd_notify).",
+                &one(format!("{:.6}", total.as_secs_f64())),
+            );
+        }
     }
     if !gms.is_empty() {
         let per = |f: &dyn Fn(&GmsFigures) -> String| {
@@ -230,7 +241,13 @@ mod tests {
             format!("shadow_engine_state{{{base},slot=\"0\",state=\"parked\"}} 1"),
             format!("shadow_engine_state{{{base},slot=\"0\",state=\"active\"}} 0"),
             format!("shadow_engine_generation{{{base},slot=\"0\"}} 2"),
-            format!("shadow_pair_last_promotion_seconds{{{base},phase=\"reap_to_lock\"}} 0.002000"),
+            format!(
+                "shadow_pair_last_promotion_seconds{{{base},phase=\"death_to_lock\"}} 0.002000"
+            ),
+            format!(
+                "shadow_pair_last_promotion_seconds{{{base},phase=\"death_to_reap\"}} 0.000000"
+            ),
+            format!("shadow_pair_last_promotion_total_seconds{{{base}}} 0.002000"),
             format!("shadow_gms_bytes{{{base},device=\"host\"}} 4096"),
             format!("shadow_gms_leases{{{base},device=\"host\"}} 2"),
         ] {

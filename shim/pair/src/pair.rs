@@ -4,7 +4,13 @@
 //! I/O, so the whole failure policy is tested with plain values.
 //!
 //! Time is a [`Duration`] since the supervisor started (a monotonic clock
-//! the caller reads), which keeps tests deterministic.
+//! the caller reads), which keeps tests deterministic. `now` is when the
+//! event was *observed* (the reaper's time for an exit), so events that
+//! travelled different paths may be handled out of time order; every rule
+//! here accepts that. Order races are states, not buffers: a successor that
+//! says `READY=1` before the old active is reaped makes the old one
+//! [`EngineState::Superseded`]; an engine that speaks before its spawn is
+//! reported is running, its pid to come.
 
 use std::time::Duration;
 
@@ -14,6 +20,7 @@ use crate::{
     failure::{classify, Exit, FailureClass, XidClass},
     notify::Notification,
     policy::{RestartBudget, RestartPolicy},
+    promotion::{DeathSign, Handover, Promotion},
 };
 
 /// Slot `0` or `1`: `SHADOW_ENGINE_ID` inside the engine.
@@ -52,6 +59,9 @@ pub enum EngineState {
     Parked,
     /// Holds the lock and serves.
     Active,
+    /// Was active and lost the lock to its successor (dead or leaving), not
+    /// yet reaped.
+    Superseded,
     /// Dead, waiting for its respawn delay.
     Backoff,
     /// Dead and not coming back (stopping, cold restart, crash loop).
@@ -59,10 +69,12 @@ pub enum EngineState {
 }
 
 /// One slot of the pair.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Slot {
     pub id: SlotId,
     pub state: EngineState,
+    /// `None` while spawning, and for an engine that spoke before its spawn
+    /// was reported.
     pub pid: Option<u32>,
     /// Incremented at each spawn of this slot.
     pub generation: u32,
@@ -83,10 +95,14 @@ impl Slot {
         }
     }
 
+    /// Running: an exit is still to come.
     fn alive(&self) -> bool {
         matches!(
             self.state,
-            EngineState::Starting | EngineState::Parked | EngineState::Active
+            EngineState::Starting
+                | EngineState::Parked
+                | EngineState::Active
+                | EngineState::Superseded
         )
     }
 }
@@ -105,7 +121,17 @@ pub enum Event {
     },
     /// `/proc/locks` shows the engine of `slot` holding the election lock.
     LockHeld { slot: SlotId },
-    /// The reaper collected the engine of `slot`.
+    /// `/proc/locks` shows nobody holding the election lock.
+    LockFree,
+    /// `/proc/locks` shows the engine of `slot` waiting for the election
+    /// lock: it is initialised and parked, whether or not it says so.
+    LockWaiting { slot: SlotId },
+    /// The kernel reported the lock file closed for good (inotify), and
+    /// the active engine's pid was not then seen holding the lock: an
+    /// engine let go of it (dying or on purpose), which releases its flock.
+    /// Whose it was is learnt from what follows.
+    LockClosed,
+    /// The reaper collected the engine of `slot` (`now`: the reaper's time).
     Exited { slot: SlotId, exit: Exit },
     /// A GMS daemon of the pair died.
     GmsDied,
@@ -127,6 +153,9 @@ pub enum Action {
     SpawnAfter { slot: SlotId, delay: Duration },
     /// Kill every engine still alive (SIGKILL).
     KillAll,
+    /// SIGKILL the engine of `slot`: it was reported running after the
+    /// pair began to stop or to restart cold.
+    Kill { slot: SlotId },
     /// Drop GMS state and start the daemons afresh before the next spawns.
     RestartGms,
     /// A promotion finished: record it.
@@ -135,30 +164,16 @@ pub enum Action {
     Exit { status: u32 },
 }
 
-/// The timeline of one failover, from the reap of the active engine.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Promotion {
-    /// Failover number, from 1.
-    pub number: u64,
-    pub from: SlotId,
-    pub to: Option<SlotId>,
-    /// When the dead active engine was reaped.
-    pub reaped_at: Duration,
-    /// When the new active engine was seen holding the lock.
-    pub lock_at: Option<Duration>,
-    /// When it sent READY=1.
-    pub ready_at: Option<Duration>,
-    pub exit: Exit,
-    pub class: FailureClass,
-}
-
-impl Promotion {
-    /// Reap → ready (or → lock for engines without sd_notify).
-    pub fn total(&self) -> Option<Duration> {
-        self.ready_at
-            .or(self.lock_at)
-            .map(|t| t.saturating_sub(self.reaped_at))
-    }
+/// How closely the shim must watch `/proc/locks`: only engines that do not
+/// speak sd_notify are learnt from the lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockWatch {
+    /// Every live engine speaks sd_notify (or the pair is going down).
+    Off,
+    /// An engine serves; a silent one could still take the lock over.
+    Idle,
+    /// Nobody serves and a silent engine may be the next active.
+    Fast,
 }
 
 /// Why the pair is going down, once it is.
@@ -178,9 +193,20 @@ pub struct Snapshot {
     pub active: Option<SlotId>,
     /// An active engine with a parked shadow behind it.
     pub protected: bool,
+    /// Completed promotions (successor serving, old active reaped).
     pub failovers: u64,
     pub cold_restarts: u64,
     pub last_promotion: Option<Promotion>,
+}
+
+/// What a change of the pair is judged by ([`Pair::revision`]).
+#[derive(PartialEq)]
+struct Observable {
+    slots: [Slot; 2],
+    active: Option<SlotId>,
+    failovers: u64,
+    cold_restarts: u64,
+    last_promotion: Option<u64>,
 }
 
 /// The supervisor's decisions for one pair.
@@ -192,8 +218,11 @@ pub struct Pair {
     /// XIDs seen since the last cold start.
     xids: Vec<u32>,
     gms_alive: bool,
-    /// A failover in progress: the dead active's timeline.
-    pending: Option<Promotion>,
+    /// A failover in progress: the signs of the old active's end so far.
+    handover: Option<Handover>,
+    /// The last close of the lock file while an engine served: the date of
+    /// its death if a failover follows.
+    closed_at: Option<Duration>,
     last_promotion: Option<Promotion>,
     failovers: u64,
     cold_restarts: u64,
@@ -205,6 +234,8 @@ pub struct Pair {
     ending: Option<Ending>,
     /// Exit status to report when the pair ends.
     final_status: Option<u32>,
+    /// Bumped at every observable change.
+    revision: u64,
 }
 
 impl Pair {
@@ -215,7 +246,8 @@ impl Pair {
             budget: RestartBudget::new(policy),
             xids: Vec::new(),
             gms_alive: true,
-            pending: None,
+            handover: None,
+            closed_at: None,
             last_promotion: None,
             failovers: 0,
             cold_restarts: 0,
@@ -223,6 +255,7 @@ impl Pair {
             slots_in_use: 2,
             ending: None,
             final_status: None,
+            revision: 0,
         }
     }
 
@@ -243,6 +276,7 @@ impl Pair {
 
     /// The first actions: start the engines (both, or slot 0 of a single).
     pub fn start(&mut self) -> Vec<Action> {
+        self.revision += 1;
         SlotId::BOTH[..self.slots_in_use]
             .iter()
             .map(|s| self.spawn(*s))
@@ -257,11 +291,26 @@ impl Pair {
         self.active
     }
 
-    /// The pid containerd should see: the active engine, else any live one.
+    /// A counter of observable changes (slots, active, counters, last
+    /// promotion): the snapshot needs publishing only when it moved.
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    /// The pid containerd should see: the active engine, else a live one
+    /// (one that was not superseded first).
     pub fn representative_pid(&self) -> Option<u32> {
+        let live = |s: &&Slot| s.alive() && s.pid.is_some();
         self.active
             .and_then(|s| self.slot(s).pid)
-            .or_else(|| self.slots.iter().find(|s| s.alive()).and_then(|s| s.pid))
+            .or_else(|| {
+                self.slots
+                    .iter()
+                    .filter(live)
+                    .find(|s| s.state != EngineState::Superseded)
+                    .and_then(|s| s.pid)
+            })
+            .or_else(|| self.slots.iter().find(live).and_then(|s| s.pid))
     }
 
     /// Which slot runs `pid`, if any.
@@ -272,8 +321,46 @@ impl Pair {
             .map(|s| s.id)
     }
 
+    /// The spawn of `generation` of `slot` is still awaited: its pid is
+    /// wanted (false for a spawn the pair has moved past).
+    pub fn awaits_pid(&self, slot: SlotId, generation: u32) -> bool {
+        let s = self.slot(slot);
+        s.generation == generation
+            && s.pid.is_none()
+            && (s.state == EngineState::Spawning || s.alive())
+    }
+
     pub fn is_ending(&self) -> bool {
         self.ending.is_some()
+    }
+
+    /// Whether `/proc/locks` must be watched now, and how closely.
+    pub fn lock_watch(&self) -> LockWatch {
+        if self.ending.is_some() || self.cold_restart {
+            return LockWatch::Off;
+        }
+        let silent = self
+            .slots
+            .iter()
+            .any(|s| s.alive() && s.state != EngineState::Superseded && !s.speaks_notify);
+        let serving = self
+            .active
+            .is_some_and(|a| self.slot(a).state == EngineState::Active);
+        // An engine that speaks sd_notify but has not said it is parked may
+        // be waiting on the lock all the same: worth a look at the idle
+        // rate while another serves, so the pair is seen protected.
+        let unsaid = serving
+            && self
+                .slots
+                .iter()
+                .any(|s| s.state == EngineState::Starting && s.speaks_notify);
+        if !silent && !unsaid {
+            LockWatch::Off
+        } else if serving {
+            LockWatch::Idle
+        } else {
+            LockWatch::Fast
+        }
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -287,10 +374,27 @@ impl Pair {
         }
     }
 
+    /// An active engine with a parked shadow, both with their pids known
+    /// (an engine may speak before runc reports its pid).
     fn protected(&self) -> bool {
         match self.active {
-            Some(a) => self.slot(a.other()).state == EngineState::Parked,
+            Some(a) => {
+                let shadow = self.slot(a.other());
+                shadow.state == EngineState::Parked
+                    && shadow.pid.is_some()
+                    && self.slot(a).pid.is_some()
+            }
             None => false,
+        }
+    }
+
+    fn observable(&self) -> Observable {
+        Observable {
+            slots: self.slots.clone(),
+            active: self.active,
+            failovers: self.failovers,
+            cold_restarts: self.cold_restarts,
+            last_promotion: self.last_promotion.as_ref().map(|p| p.number),
         }
     }
 
@@ -303,20 +407,25 @@ impl Pair {
         Action::Spawn { slot }
     }
 
-    /// Applies one event at time `now`.
+    /// Applies one event, observed at `now`.
     pub fn handle(&mut self, event: Event, now: Duration) -> Vec<Action> {
+        let before = self.observable();
+        let actions = self.apply(event, now);
+        if self.observable() != before {
+            self.revision += 1;
+        }
+        actions
+    }
+
+    fn apply(&mut self, event: Event, now: Duration) -> Vec<Action> {
         match event {
-            Event::Spawned { slot, pid } => {
-                let s = &mut self.slots[slot.index()];
-                if s.state == EngineState::Spawning {
-                    s.state = EngineState::Starting;
-                    s.pid = Some(pid);
-                }
-                Vec::new()
-            }
+            Event::Spawned { slot, pid } => self.on_spawned(slot, pid),
             Event::SpawnFailed { slot } => self.on_death(slot, Exit::Code(255), false, now),
             Event::Notified { slot, notification } => self.on_notify(slot, notification, now),
             Event::LockHeld { slot } => self.on_lock(slot, now),
+            Event::LockFree => self.on_lock_free(now),
+            Event::LockWaiting { slot } => self.on_lock_waiting(slot),
+            Event::LockClosed => self.on_lock_closed(now),
             Event::Exited { slot, exit } => {
                 if !self.slot(slot).alive() {
                     // A stale or duplicate exit: nothing of ours was running.
@@ -324,7 +433,7 @@ impl Pair {
                 }
                 let useful = matches!(
                     self.slot(slot).state,
-                    EngineState::Parked | EngineState::Active
+                    EngineState::Parked | EngineState::Active | EngineState::Superseded
                 );
                 self.on_death(slot, exit, useful, now)
             }
@@ -360,18 +469,42 @@ impl Pair {
         }
     }
 
+    /// runc reported the pid. The engine may have spoken already (runc
+    /// returns after the engine runs): it keeps the state it reached.
+    fn on_spawned(&mut self, slot: SlotId, pid: u32) -> Vec<Action> {
+        let s = &mut self.slots[slot.index()];
+        if s.pid.is_some() || !(s.state == EngineState::Spawning || s.alive()) {
+            return Vec::new();
+        }
+        if s.state == EngineState::Spawning {
+            s.state = EngineState::Starting;
+        }
+        s.pid = Some(pid);
+        if self.ending.is_some() || self.cold_restart {
+            // Asked for before the pair began to go down: it must not live.
+            return vec![Action::Kill { slot }];
+        }
+        Vec::new()
+    }
+
     fn on_notify(&mut self, slot: SlotId, n: Notification, now: Duration) -> Vec<Action> {
         let s = &mut self.slots[slot.index()];
-        if !s.alive() {
+        if s.state == EngineState::Spawning {
+            // It speaks, so it runs: its spawn is reported later.
+            s.state = EngineState::Starting;
+        }
+        if !s.alive() || s.state == EngineState::Superseded {
             return Vec::new();
         }
         s.speaks_notify = true;
         match n {
-            Notification::Ready => self.become_active(slot, now, true),
+            Notification::Ready => self.on_ready(slot, now),
             n if n.is_parked() => {
                 let s = &mut self.slots[slot.index()];
                 if s.state == EngineState::Starting {
                     s.state = EngineState::Parked;
+                    // An engine that looked at the lock file on its way.
+                    self.closed_at = None;
                 }
                 Vec::new()
             }
@@ -379,46 +512,126 @@ impl Pair {
         }
     }
 
-    fn on_lock(&mut self, slot: SlotId, now: Duration) -> Vec<Action> {
-        if !self.slot(slot).alive() {
-            return Vec::new();
+    /// The recorded active, when it is another live engine than `slot`.
+    fn other_live_active(&self, slot: SlotId) -> Option<SlotId> {
+        self.active.filter(|a| *a != slot && self.slot(*a).alive())
+    }
+
+    /// The active engine lost the lock (`sign` at `now`): it is dead or
+    /// leaving, and a failover has begun before its reap.
+    fn supersede(&mut self, old: SlotId, now: Duration, sign: DeathSign) {
+        let mut h = Handover::begin(old, now, sign);
+        if let Some(closed) = self.closed_at.take() {
+            h.sign(closed, DeathSign::LockFree);
         }
-        if let Some(p) = self.pending.as_mut() {
-            if p.lock_at.is_none() {
-                p.lock_at = Some(now);
-                p.to = Some(slot);
-            }
-        }
-        // An engine that never spoke sd_notify is active once it holds the
-        // lock; one that speaks it is active at READY=1.
-        if self.slot(slot).speaks_notify {
-            self.active = Some(slot);
-            Vec::new()
-        } else {
-            self.become_active(slot, now, false)
+        self.handover = Some(h);
+        self.slots[old.index()].state = EngineState::Superseded;
+        if self.active == Some(old) {
+            self.active = None;
         }
     }
 
-    fn become_active(&mut self, slot: SlotId, now: Duration, ready: bool) -> Vec<Action> {
+    fn on_ready(&mut self, slot: SlotId, now: Duration) -> Vec<Action> {
+        if let Some(old) = self.other_live_active(slot) {
+            // The kernel handed the lock over before the shim reaped the
+            // old active.
+            self.supersede(old, now, DeathSign::Ready);
+        }
+        if let Some(h) = self.handover.as_mut() {
+            h.ready(slot, now);
+        }
+        self.become_active(slot);
+        self.complete_handover()
+    }
+
+    fn on_lock(&mut self, slot: SlotId, now: Duration) -> Vec<Action> {
+        if !self.slot(slot).alive() || self.slot(slot).state == EngineState::Superseded {
+            return Vec::new();
+        }
+        if self.active == Some(slot) && self.handover.is_none() {
+            return Vec::new();
+        }
+        if let Some(old) = self.other_live_active(slot) {
+            self.supersede(old, now, DeathSign::LockTaken);
+        }
+        // An engine that never spoke sd_notify is active once it holds the
+        // lock; one that speaks it is active at READY=1.
+        let serves = !self.slot(slot).speaks_notify;
+        if let Some(h) = self.handover.as_mut() {
+            h.lock_taken(slot, now, serves);
+        }
+        if serves {
+            self.become_active(slot);
+            self.complete_handover()
+        } else {
+            self.active = Some(slot);
+            Vec::new()
+        }
+    }
+
+    /// The engine blocks on the lock: step 3 of the engine contract, so it
+    /// has done everything that does not need the lock. An engine that
+    /// says `STATUS=parked` gets there by its own word; one that does not
+    /// (a server under `flock(1)`, or one that only says `READY=1`) by this.
+    fn on_lock_waiting(&mut self, slot: SlotId) -> Vec<Action> {
+        let s = &mut self.slots[slot.index()];
+        if s.state == EngineState::Starting {
+            s.state = EngineState::Parked;
+        }
+        Vec::new()
+    }
+
+    fn on_lock_free(&mut self, now: Duration) -> Vec<Action> {
+        // Only an engine that is active by the lock (no sd_notify) is known
+        // to hold it; READY=1 and the reap speak for the others.
+        let by_lock = |s: &Slot| s.alive() && !s.speaks_notify;
+        if let Some(a) = self.active.filter(|a| by_lock(self.slot(*a))) {
+            self.supersede(a, now, DeathSign::LockFree);
+        } else if let Some(h) = self.handover.as_mut() {
+            h.sign(now, DeathSign::LockFree);
+        }
+        Vec::new()
+    }
+
+    /// The lock file was closed at `now`. During a failover that dates
+    /// the death; while an engine serves it is kept as the candidate date
+    /// of its death, taken if a failover follows, dropped when the close
+    /// proves to be another's (a shadow's death, an engine that parks).
+    fn on_lock_closed(&mut self, now: Duration) -> Vec<Action> {
+        if let Some(h) = self.handover.as_mut() {
+            h.sign(now, DeathSign::LockFree);
+        } else if self
+            .active
+            .is_some_and(|a| self.slot(a).state == EngineState::Active)
+        {
+            self.closed_at = Some(now);
+        }
+        Vec::new()
+    }
+
+    fn become_active(&mut self, slot: SlotId) {
         self.active = Some(slot);
         self.slots[slot.index()].state = EngineState::Active;
-        let mut actions = Vec::new();
-        if let Some(mut p) = self.pending.take() {
-            p.to = Some(slot);
-            if ready {
-                p.ready_at = Some(now);
+    }
+
+    /// The promotion record, once its successor serves and the old active
+    /// is reaped: only then is it counted as a failover.
+    fn complete_handover(&mut self) -> Vec<Action> {
+        let number = self.failovers + 1;
+        match self.handover.as_ref().and_then(|h| h.complete(number)) {
+            Some(p) => {
+                self.failovers = number;
+                self.handover = None;
+                self.last_promotion = Some(p.clone());
+                vec![Action::Promoted(p)]
             }
-            if p.lock_at.is_none() && !ready {
-                p.lock_at = Some(now);
-            }
-            self.last_promotion = Some(p.clone());
-            actions.push(Action::Promoted(p));
+            None => Vec::new(),
         }
-        actions
     }
 
     fn on_death(&mut self, slot: SlotId, exit: Exit, useful: bool, now: Duration) -> Vec<Action> {
         let was_active = self.active == Some(slot);
+        let superseded = self.slot(slot).state == EngineState::Superseded;
         {
             let s = &mut self.slots[slot.index()];
             s.state = EngineState::Stopped;
@@ -427,32 +640,43 @@ impl Pair {
         }
         if was_active {
             self.active = None;
+        } else if !superseded {
+            // Another engine's end: a lock-file close just before was its.
+            self.closed_at = None;
+        }
+        let class = classify(exit, &self.xids, self.gms_alive);
+        let mut actions = Vec::new();
+        if superseded {
+            // The reap that a handover begun by the lock or READY=1 awaited.
+            if let Some(h) = self
+                .handover
+                .as_mut()
+                .filter(|h| h.from() == slot && h.awaits_reap())
+            {
+                h.reaped(now, exit, class);
+            }
+            actions.extend(self.complete_handover());
         }
         if self.ending.is_some() || self.cold_restart {
             if self.ending.is_some() && (was_active || self.final_status.is_none()) {
                 self.final_status = Some(exit.status());
             }
-            return self.end_or_kill();
+            actions.extend(self.end_or_kill());
+            return actions;
         }
 
-        let class = classify(exit, &self.xids, self.gms_alive);
         if was_active {
-            self.failovers += 1;
-            self.pending = Some(Promotion {
-                number: self.failovers,
-                from: slot,
-                to: None,
-                reaped_at: now,
-                lock_at: None,
-                ready_at: None,
-                exit,
-                class,
-            });
+            let mut h = Handover::begin(slot, now, DeathSign::Reap);
+            h.reaped(now, exit, class);
+            if let Some(closed) = self.closed_at.take() {
+                h.sign(closed, DeathSign::LockFree);
+            }
+            self.handover = Some(h);
         }
         if class == FailureClass::DeviceInvalidating {
-            return self.begin_cold_restart();
+            actions.extend(self.begin_cold_restart());
+            return actions;
         }
-        let mut actions = Vec::new();
         // The shadow may already hold the lock: if it is the only live
         // engine and it is active by lock, the promotion completes when the
         // shim next sees the lock or READY=1.

@@ -11,15 +11,39 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use serde_json::Value;
+use clap::{Parser, Subcommand};
+use shadow_contract::state::{PairState, FILE_NAME};
 
 const DEFAULT_STATE_DIR: &str = "/run/shadow";
 
-fn usage() -> ExitCode {
-    eprintln!(
-        "usage: shadowctl list [--state-dir D]\n       shadowctl show <id> [--namespace N] [--state-dir D] [--json]"
-    );
-    ExitCode::from(2)
+#[derive(Parser)]
+#[command(
+    name = "shadowctl",
+    about = "What the shadow shim knows about its engine pairs, read from each pair's state.json (works while containerd is down)"
+)]
+struct Cli {
+    /// The shim's state directory: <state-dir>/<namespace>/<id>/state.json.
+    #[arg(long, global = true, default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One line per pair: active slot, protection, failovers, last promotion.
+    List,
+    /// One pair: slots, last failover and its phases, GMS.
+    Show {
+        /// The container id (as containerd names the task).
+        id: String,
+        /// The containerd namespace, when the id exists in several.
+        #[arg(long, short = 'n')]
+        namespace: Option<String>,
+        /// Print the whole state.json instead.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Every `state.json` under the state dir: (namespace, id, path).
@@ -33,14 +57,13 @@ fn pairs(state_dir: &Path) -> Vec<(String, String, PathBuf)> {
             continue;
         };
         for id in ids.flatten() {
-            let state = id.path().join("state.json");
+            let state = id.path().join(FILE_NAME);
             if state.is_file() {
                 // The directory name may be a shortened id (long CRI ids):
                 // state.json carries the full one.
                 let full = read(&state)
-                    .ok()
-                    .and_then(|v| v["id"].as_str().map(str::to_string))
-                    .unwrap_or_else(|| id.file_name().to_string_lossy().into_owned());
+                    .map(|s| s.id)
+                    .unwrap_or_else(|_| id.file_name().to_string_lossy().into_owned());
                 out.push((ns.file_name().to_string_lossy().into_owned(), full, state));
             }
         }
@@ -49,26 +72,19 @@ fn pairs(state_dir: &Path) -> Vec<(String, String, PathBuf)> {
     out
 }
 
-fn read(path: &Path) -> Result<Value, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| format!("parsing {}: {e}", path.display()))
+fn read(path: &Path) -> Result<PairState, String> {
+    PairState::read(path).map_err(|e| e.to_string())
 }
 
-fn str_of(v: &Value) -> String {
-    match v {
-        Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
+/// A value, or `-` when there is none.
+fn or_dash<T: ToString>(v: Option<T>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
 }
 
-fn last_total_ms(v: &Value) -> String {
-    v.pointer("/promotions")
-        .and_then(Value::as_array)
-        .and_then(|p| p.last())
-        .and_then(|p| p.get("total_ms"))
-        .and_then(Value::as_f64)
+fn last_total_ms(s: &PairState) -> String {
+    s.promotions
+        .last()
+        .and_then(|p| p.total_ms)
         .map(|ms| format!("{ms:.2} ms"))
         .unwrap_or_else(|| "-".into())
 }
@@ -80,13 +96,13 @@ fn list(state_dir: &Path) -> ExitCode {
     );
     for (ns, id, path) in pairs(state_dir) {
         match read(&path) {
-            Ok(v) => println!(
+            Ok(s) => println!(
                 "{:<40} {:<7} {:<10} {:<10} {}",
                 format!("{ns}/{id}"),
-                str_of(&v["pair"]["active"]),
-                str_of(&v["pair"]["protected"]),
-                str_of(&v["pair"]["failovers"]),
-                last_total_ms(&v)
+                or_dash(s.pair.active),
+                s.pair.protected,
+                s.pair.failovers,
+                last_total_ms(&s)
             ),
             Err(e) => eprintln!("shadowctl: {e}"),
         }
@@ -120,111 +136,95 @@ fn show(state_dir: &Path, id: &str, namespace: Option<&str>, json: bool) -> Exit
             return ExitCode::from(1);
         }
     };
-    let v = match read(&path) {
-        Ok(v) => v,
+    let s = match read(&path) {
+        Ok(s) => s,
         Err(e) => {
             eprintln!("shadowctl: {e}");
             return ExitCode::from(1);
         }
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        println!("{}", serde_json::to_string_pretty(&s).unwrap_or_default());
         return ExitCode::SUCCESS;
     }
     println!("pair {ns}/{id}");
     println!(
         "  task pid {}  active slot {}  protected {}  failovers {}  cold restarts {}",
-        str_of(&v["pid"]),
-        str_of(&v["pair"]["active"]),
-        str_of(&v["pair"]["protected"]),
-        str_of(&v["pair"]["failovers"]),
-        str_of(&v["pair"]["cold_restarts"])
+        s.pid,
+        or_dash(s.pair.active),
+        s.pair.protected,
+        s.pair.failovers,
+        s.pair.cold_restarts
     );
-    for slot in v["pair"]["slots"].as_array().into_iter().flatten() {
+    for slot in &s.pair.slots {
         println!(
             "  slot {}: {:<9} pid {:<8} generation {:<5} notify {} last exit {}",
-            str_of(&slot["id"]),
-            str_of(&slot["state"]),
-            str_of(&slot["pid"]),
-            str_of(&slot["generation"]),
-            str_of(&slot["speaks_notify"]),
-            str_of(&slot["last_exit"])
+            slot.id,
+            slot.state.as_str(),
+            or_dash(slot.pid),
+            slot.generation,
+            slot.speaks_notify,
+            or_dash(slot.last_exit)
         );
     }
-    match v["promotions"].as_array().and_then(|p| p.last()) {
-        Some(p) => {
-            let phase = |k: &str| {
-                p[k].as_object()
-                    .and_then(|d| {
-                        let secs = d.get("secs")?.as_f64()?;
-                        let nanos = d.get("nanos")?.as_f64()?;
-                        let reaped = p["reaped_at"].as_object()?;
-                        let r =
-                            reaped.get("secs")?.as_f64()? + reaped.get("nanos")?.as_f64()? / 1e9;
-                        Some(format!("{:.3} ms", (secs + nanos / 1e9 - r) * 1e3))
-                    })
+    match s.promotions.last() {
+        Some(r) => {
+            let p = &r.promotion;
+            // Phases from the first sign of the death (never negative).
+            let phase = |at: Option<std::time::Duration>| {
+                at.map(|t| format!("{:.3} ms", t.saturating_sub(p.death_at).as_secs_f64() * 1e3))
                     .unwrap_or_else(|| "-".into())
             };
             println!(
-                "  last failover #{}: slot {} -> {} ({}, {}): reaped → lock {}, reaped → ready {}",
-                str_of(&p["number"]),
-                str_of(&p["from"]),
-                str_of(&p["to"]),
-                str_of(&p["exit"]),
-                str_of(&p["class"]),
-                phase("lock_at"),
-                phase("ready_at")
+                "  last failover #{}: slot {} -> {} ({}, {}): death seen by {}; death → reap {}, → lock {}, → ready {}; total {}",
+                p.number,
+                p.from,
+                or_dash(p.to),
+                p.exit,
+                p.class.as_str(),
+                p.death_seen.as_str(),
+                phase(Some(p.reaped_at)),
+                phase(p.lock_at),
+                phase(p.ready_at),
+                r.total_ms
+                    .map(|ms| format!("{ms:.2} ms"))
+                    .unwrap_or_else(|| "-".into())
             );
         }
         None => println!("  no failover yet"),
     }
-    match v.get("gms") {
-        Some(g) if !g.is_null() => println!(
+    match &s.gms {
+        Some(g) => println!(
             "  gms: device {} state {} bytes {} allocations {} leases {}",
-            str_of(&g["device"]),
-            str_of(&g["state"]),
-            str_of(&g["bytes"]),
-            str_of(&g["allocations"]),
-            g["leases"].as_array().map(Vec::len).unwrap_or(0)
+            g.device,
+            g.state,
+            g.bytes,
+            g.allocations,
+            g.leases.len()
         ),
-        _ => println!("  gms: none"),
+        None => println!("  gms: none"),
     }
-    if !v["exit_status"].is_null() {
-        println!("  exited with status {}", str_of(&v["exit_status"]));
+    if let Some(status) = s.exit_status {
+        println!("  exited with status {status}");
     }
     ExitCode::SUCCESS
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut state_dir = PathBuf::from(DEFAULT_STATE_DIR);
-    let mut namespace = None;
-    let mut json = false;
-    let mut positional = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--state-dir" => match it.next() {
-                Some(d) => state_dir = PathBuf::from(d),
-                None => return usage(),
-            },
-            "--namespace" | "-n" => match it.next() {
-                Some(n) => namespace = Some(n.clone()),
-                None => return usage(),
-            },
-            "--json" => json = true,
-            "-h" | "--help" => return usage(),
-            _ => positional.push(a.clone()),
-        }
+    // A reader that stops early (`shadowctl list | head -1`) ends us the
+    // way it ends any filter, instead of a panic in println!.
+    // SAFETY: called first thing in main, before any thread exists; the
+    // default disposition of SIGPIPE takes no handler code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    match positional
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .as_slice()
-    {
-        ["list"] => list(&state_dir),
-        ["show", id] => show(&state_dir, id, namespace.as_deref(), json),
-        _ => usage(),
+    let cli = Cli::parse();
+    match cli.command {
+        Command::List => list(&cli.state_dir),
+        Command::Show {
+            id,
+            namespace,
+            json,
+        } => show(&cli.state_dir, &id, namespace.as_deref(), json),
     }
 }

@@ -8,11 +8,18 @@
 
 pub mod cgroup;
 pub mod config;
+pub mod engine;
 pub mod gms;
+pub mod host;
 pub mod lock;
 pub mod netns;
 pub mod notify;
+pub mod observe;
+pub mod publish;
+#[cfg(test)]
+mod races;
 pub mod spec;
+pub mod state_file;
 pub mod supervisor;
 pub mod xid;
 
@@ -29,7 +36,6 @@ use containerd_shim_protos::types::task::ProcessInfo;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
-use runc::options::DeleteOpts;
 use serde_json::Value;
 use shadow_pair::SlotId;
 use tokio::net::unix::pipe;
@@ -38,18 +44,21 @@ use tokio::task::JoinHandle;
 
 use self::cgroup::PairCgroup;
 use self::config::GmsMode;
+use self::engine::{EngineSlot, SharedOutput};
 use self::gms::GmsDaemon;
+use self::host::Machine;
 use self::netns::PinnedNamespaces;
 use self::notify::NotifySocket;
-use self::supervisor::{EngineSlot, Input, Parts, SharedOutput, Supervisor, View};
+use self::publish::View;
+use self::supervisor::{Input, Parts, Supervisor};
 use crate::annotations::GmsBackend;
 use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
-use crate::plain::Runtime;
 use crate::process::Process;
 use crate::runc::RuncClient;
+use crate::runtime::Runtime;
 
 /// The parts of a Create request a pair needs.
 pub struct PairRequest {
@@ -99,7 +108,7 @@ impl PairDirs {
 const SUN_PATH_MAX: usize = 107;
 /// Longest socket below a pair directory without GPUs:
 /// `/gms/gms-host.sock` and `/pair/notify.sock`.
-pub const HOST_SOCKETS: usize = "/gms/gms-host.sock".len();
+pub const HOST_SOCKETS: usize = "/gms/".len() + shadow_contract::paths::GMS_HOST_SOCKET.len();
 /// … and with GPUs: `/gms/gms-GPU-<36-character UUID>.sock`.
 pub const CUDA_SOCKETS: usize = "/gms/gms-GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.sock".len();
 
@@ -158,7 +167,7 @@ impl Made {
             let _ = std::fs::remove_file(m);
         }
         if let Some(r) = self.mounted_rootfs.take() {
-            crate::plain::unmount(&r).await;
+            crate::mount::unmount(&r).await;
         }
     }
 }
@@ -281,7 +290,7 @@ impl PairedContainer {
         if !req.rootfs.is_empty() {
             let target = bundle.join("rootfs");
             made.mounted_rootfs = Some(target.clone());
-            crate::plain::mount_all(&req.rootfs, &target).await?;
+            crate::mount::mount_all(&req.rootfs, &target).await?;
         }
         let rootfs = spec::rootfs_of(&spec, &bundle);
         if !rootfs.is_dir() {
@@ -292,8 +301,8 @@ impl PairedContainer {
             )));
         }
 
-        let lock_file = lock::create_lock_file(&dirs.pair.join("engine.lock"))?;
-        let notify = NotifySocket::bind(&dirs.pair.join("notify.sock"))?;
+        let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
+        let notify = NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::NOTIFY_FILE))?;
 
         let pins = if spec::needs_pinned_namespaces(&spec) {
             let p = PinnedNamespaces::pin(&dirs.ns)?;
@@ -357,8 +366,8 @@ impl PairedContainer {
             };
             let engine = spec::engine_spec(&spec, &inputs)?;
             let dir = &dirs.slots[slot.index()];
-            let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Decode {
-                what: "engine spec",
+            let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Internal {
+                what: format!("engine spec for {}", dir.display()),
                 reason: e.to_string(),
             })?;
             std::fs::write(dir.join("config.json"), bytes)
@@ -383,18 +392,26 @@ impl PairedContainer {
             .metrics_dir
             .join(format!("shadow-{}-{}.prom", rt.namespace, req.id));
         made.metrics_file = Some(metrics_file);
+        let output = Arc::new(SharedOutput::new(out, err));
+        let host = Machine::new(
+            engines.clone(),
+            output.clone(),
+            rt.router.clone(),
+            lock_file,
+        );
         let sup = Supervisor::new(Parts {
             id: req.id.clone(),
             namespace: rt.namespace.clone(),
             config: cfg.clone(),
-            engines: engines.clone(),
-            output: Arc::new(SharedOutput::new(out, err)),
+            host: Arc::new(host),
+            runc_ids: [engines[0].runc_id.clone(), engines[1].runc_id.clone()],
+            output,
             copiers: out_copier.into_iter().chain(err_copier).collect(),
             router: rt.router.clone(),
             events: rt.events.clone(),
             view: view_tx,
-            lock_file,
-            notify,
+            notify: Some(notify),
+            lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
             state_json: dirs.state_json.clone(),
             metrics_dir: cfg.metrics_dir.clone(),
             gms,
@@ -458,7 +475,7 @@ impl PairedContainer {
         let env =
             spec::with_contract_env(spec.env().as_deref().unwrap_or_default(), &engine.bundle)?;
         spec.set_env(Some(env));
-        let exec = crate::plain::Exec {
+        let exec = crate::exec::Exec {
             client: &engine.client,
             runc_id: &engine.runc_id,
             bundle: &engine.bundle,
@@ -496,13 +513,13 @@ impl Container for PairedContainer {
             Ok(pid) => pid,
             Err(e) => {
                 // Nothing runs; Delete cleans up. Keep the GMS daemon for it.
-                if let Some(g) = sup.gms.take() {
+                if let Some(g) = sup.abandon() {
                     self.made.lock().await.gms = Some(Arc::new(std::sync::Mutex::new(Some(g))));
                 }
                 return Err(e);
             }
         };
-        *self.input.lock().await = Some(sup.tx.clone());
+        *self.input.lock().await = Some(sup.input());
         self.events.send(Event::Start(TaskStart {
             container_id: self.id.clone(),
             pid,
@@ -616,25 +633,14 @@ impl Container for PairedContainer {
             return Ok(exit);
         }
         // A pair that never started: its supervisor (and gmsd) go now.
-        if let Some(mut sup) = self.waiting.lock().await.take() {
-            if let Some(mut g) = sup.gms.take() {
+        if let Some(sup) = self.waiting.lock().await.take() {
+            if let Some(mut g) = sup.abandon() {
                 g.terminate().await;
             }
-            sup.output.close();
         }
-        let force = DeleteOpts::new().force(true);
         for e in self.engines.iter() {
-            if let Err(err) = e.client.runc.delete(&e.runc_id, Some(&force)).await {
-                let err = e.client.error("delete", &e.runc_id, err);
-                if !matches!(
-                    err,
-                    Error::Runc {
-                        kind: crate::error::RuncFailure::NotFound,
-                        ..
-                    }
-                ) {
-                    log::warn!("pair {}: {err}", self.id);
-                }
+            if let Err(err) = e.client.delete_force(&e.runc_id).await {
+                log::warn!("pair {}: {err}", self.id);
             }
         }
         for (_, e) in self.execs.lock().await.drain() {
@@ -700,9 +706,9 @@ impl Container for PairedContainer {
                 continue;
             }
             let e = &self.engines[slot.index()];
-            match e.client.runc.ps(&e.runc_id).await {
+            match e.client.ps(&e.runc_id).await {
                 Ok(list) => out.extend(list.into_iter().map(|pid| ProcessInfo {
-                    pid: pid as u32,
+                    pid,
                     ..Default::default()
                 })),
                 Err(err) => log::debug!("pair {}: ps {}: {err}", self.id, e.runc_id),

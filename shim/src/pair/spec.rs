@@ -1,6 +1,6 @@
 //! One container spec in, two engine specs out. The engines run the
 //! spec's process unchanged on the spec's own rootfs (two runc containers can
-//! share one rootfs), plus what DESIGN.md promises inside every engine: the
+//! share one rootfs), plus what the engine contract (docs/engine-contract.md) promises inside every engine: the
 //! pair directory with the election lock and the notify socket, the GMS
 //! socket directory, and the four `SHADOW_*`/`NOTIFY_SOCKET`/`GMS_*`
 //! variables. The pair's resource limits move to a parent cgroup (see
@@ -12,15 +12,10 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
+use shadow_contract::{env, paths};
 use shadow_pair::SlotId;
 
 use crate::error::{Error, Result};
-
-/// Where the engine finds the pair directory (lock + notify socket).
-pub const ENGINE_PAIR_DIR: &str = "/run/shadow/pair";
-pub const ENGINE_LOCK_PATH: &str = "/run/shadow/pair/engine.lock";
-pub const ENGINE_NOTIFY_SOCKET: &str = "/run/shadow/pair/notify.sock";
-pub const ENGINE_GMS_DIR: &str = "/run/shadow/gms";
 
 /// The host side of what one engine gets.
 #[derive(Debug, Clone)]
@@ -28,9 +23,9 @@ pub struct EngineInputs<'a> {
     pub slot: SlotId,
     /// Absolute rootfs of the original bundle.
     pub rootfs: &'a Path,
-    /// Host dir mounted at [`ENGINE_PAIR_DIR`].
+    /// Host dir mounted at [`paths::PAIR_DIR`].
     pub pair_dir: &'a Path,
-    /// Host dir mounted at [`ENGINE_GMS_DIR`], when the pair has GMS.
+    /// Host dir mounted at [`paths::GMS_DIR`], when the pair has GMS.
     pub gms_dir: Option<&'a Path>,
     /// Pinned network and IPC namespace files, used for namespaces the spec
     /// asks for without a path (no sandbox to share).
@@ -146,15 +141,6 @@ fn bind(source: &Path, destination: &str) -> Value {
     })
 }
 
-/// The spec of one engine. Pure: the same inputs give the same spec.
-/// The engine-contract variables a pair's engines get (DESIGN.md).
-const CONTRACT_KEYS: [&str; 4] = [
-    "SHADOW_ENGINE_ID",
-    "SHADOW_LOCK_PATH",
-    "NOTIFY_SOCKET",
-    "GMS_SOCKET_DIR",
-];
-
 /// `env` with the engine-contract entries of the engine bundle at `bundle`
 /// (its derived config.json) in place of any of the same name: an exec in
 /// the active engine sees what the engine itself sees.
@@ -162,15 +148,11 @@ pub fn with_contract_env(env: &[String], bundle: &std::path::Path) -> Result<Vec
     let path = bundle.join("config.json");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| Error::io(format!("reading engine spec {}", path.display()), e))?;
-    let engine: Value = serde_json::from_str(&text).map_err(|e| Error::Decode {
-        what: "engine spec",
-        reason: format!("{}: {e}", path.display()),
+    let engine: Value = serde_json::from_str(&text).map_err(|e| Error::Internal {
+        what: format!("engine spec {}", path.display()),
+        reason: e.to_string(),
     })?;
-    let is_contract = |kv: &str| {
-        CONTRACT_KEYS
-            .iter()
-            .any(|k| kv.strip_prefix(k).is_some_and(|rest| rest.starts_with('=')))
-    };
+    let is_contract = env::is_engine_entry;
     let ours = engine
         .pointer("/process/env")
         .and_then(Value::as_array)
@@ -187,6 +169,7 @@ pub fn with_contract_env(env: &[String], bundle: &std::path::Path) -> Result<Vec
         .collect())
 }
 
+/// The spec of one engine. Pure: the same inputs give the same spec.
 pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     let mut out = spec.clone();
     let obj = out
@@ -202,22 +185,19 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
 
     // Environment: ours replace any same-named entries of the spec.
     let mut ours = vec![
-        format!("SHADOW_ENGINE_ID={}", e.slot),
-        format!("SHADOW_LOCK_PATH={ENGINE_LOCK_PATH}"),
-        format!("NOTIFY_SOCKET={ENGINE_NOTIFY_SOCKET}"),
+        env::entry(env::ENGINE_ID, e.slot),
+        env::entry(env::LOCK_PATH, paths::LOCK_PATH),
+        env::entry(env::NOTIFY_SOCKET, paths::NOTIFY_SOCKET),
     ];
     if e.gms_dir.is_some() {
-        ours.push(format!("GMS_SOCKET_DIR={ENGINE_GMS_DIR}"));
+        ours.push(env::entry(env::GMS_SOCKET_DIR, paths::GMS_DIR));
     }
     let process = obj
         .get_mut("process")
         .and_then(Value::as_object_mut)
         .ok_or_else(|| Error::InvalidArgument("OCI spec has no process to run".into()))?;
-    let keys: Vec<String> = ours
-        .iter()
-        .filter_map(|kv| kv.split('=').next().map(|k| format!("{k}=")))
-        .collect();
-    let mut env: Vec<Value> = process
+    let keys: Vec<&str> = ours.iter().filter_map(|kv| env::name_of(kv)).collect();
+    let mut entries: Vec<Value> = process
         .get("env")
         .and_then(Value::as_array)
         .cloned()
@@ -225,11 +205,11 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         .into_iter()
         .filter(|v| {
             v.as_str()
-                .is_none_or(|s| !keys.iter().any(|k| s.starts_with(k.as_str())))
+                .is_none_or(|s| env::name_of(s).is_none_or(|k| !keys.contains(&k)))
         })
         .collect();
-    env.extend(ours.into_iter().map(Value::String));
-    process.insert("env".into(), Value::Array(env));
+    entries.extend(ours.iter().cloned().map(Value::String));
+    process.insert("env".into(), Value::Array(entries));
     // Both engines share the task's output pipes; a pty cannot be shared.
     process.insert("terminal".into(), Value::Bool(false));
 
@@ -241,11 +221,11 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         .ok_or_else(|| Error::InvalidArgument("OCI spec mounts is not a list".into()))?;
     mounts.retain(|m| {
         let d = m.get("destination").and_then(Value::as_str).unwrap_or("");
-        d != ENGINE_PAIR_DIR && d != ENGINE_GMS_DIR
+        d != paths::PAIR_DIR && d != paths::GMS_DIR
     });
-    mounts.push(bind(e.pair_dir, ENGINE_PAIR_DIR));
+    mounts.push(bind(e.pair_dir, paths::PAIR_DIR));
     if let Some(g) = e.gms_dir {
-        mounts.push(bind(g, ENGINE_GMS_DIR));
+        mounts.push(bind(g, paths::GMS_DIR));
     }
 
     let linux = obj

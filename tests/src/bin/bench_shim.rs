@@ -8,27 +8,36 @@
 //! assertions: the targets (ratio <= 1.10, shim RSS <= 8 MiB) are printed
 //! next to them.
 //!
-//! Environment: `BENCH_RUNS` (default 20, at least 20), `SHADOW_SHIM_BIN`.
+//! Environment: `BENCH_RUNS` (or `--runs`; default 20, at least 20),
+//! `SHADOW_SHIM_BIN`.
 
+use clap::Parser;
 use shadow_tests::{our_processes, Containerd, Runtime};
 use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+#[command(
+    name = "bench-shim",
+    about = "`ctr run --rm` of `true` through this shim vs io.containerd.runc.v2, interleaved; medians, ratio and shim RSS"
+)]
+struct Cli {
+    /// Runs per runtime (at least 20).
+    #[arg(long, env = "BENCH_RUNS", default_value_t = 20)]
+    runs: usize,
+}
 
 const TARGET_RATIO: f64 = 1.10;
 const TARGET_RSS_KIB: u64 = 8 * 1024;
 
 fn main() {
-    if let Err(e) = run() {
+    let Cli { runs } = Cli::parse();
+    if let Err(e) = run(runs.max(20)) {
         eprintln!("bench-shim: {e}");
         std::process::exit(1);
     }
 }
 
-fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let runs: usize = std::env::var("BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20)
-        .max(20);
+fn run(runs: usize) -> Result<(), Box<dyn std::error::Error>> {
     let cd = Containerd::builder()
         .shim_profile("release")
         .namespace(format!("bench-shim-{}", std::process::id()))

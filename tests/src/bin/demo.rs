@@ -2,16 +2,37 @@
 //! the task listed while it runs, then everything cleaned up. (The failover
 //! demo of an engine pair replaces this once pairing lands.)
 //!
-//! `DEMO_RUNTIME=io.containerd.runc.v2` runs the same through containerd's
-//! own shim, for comparison.
+//! `DEMO_RUNTIME=io.containerd.runc.v2` (or `--runtime …`) runs the same
+//! through containerd's own shim, for comparison.
 
+use clap::Parser;
 use shadow_tests::{Containerd, Runtime};
 use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "shadow-demo",
+    about = "One container through this shim on a private containerd, listed while it runs, then cleaned up"
+)]
+struct Cli {
+    /// The runtime to run the container with.
+    #[arg(
+        long,
+        env = "DEMO_RUNTIME",
+        default_value = "io.containerd.shadow.v1",
+        value_parser = ["io.containerd.shadow.v1", "io.containerd.runc.v2"]
+    )]
+    runtime: String,
+}
 
 const WAIT: Duration = Duration::from_secs(60);
 
 fn main() {
-    if let Err(e) = run() {
+    let rt = match Cli::parse().runtime.as_str() {
+        "io.containerd.runc.v2" => Runtime::RuncV2,
+        _ => Runtime::Shadow,
+    };
+    if let Err(e) = run(rt) {
         eprintln!("\ndemo failed: {e}");
         std::process::exit(1);
     }
@@ -21,11 +42,7 @@ fn step(text: &str) {
     println!("\n==> {text}");
 }
 
-fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let rt = match std::env::var("DEMO_RUNTIME").as_deref() {
-        Ok("io.containerd.runc.v2") => Runtime::RuncV2,
-        _ => Runtime::Shadow,
-    };
+fn run(rt: Runtime) -> Result<(), Box<dyn std::error::Error>> {
     step("starting a private containerd (own root, state and socket; the host's is untouched)");
     let cd = Containerd::builder()
         .namespace(format!("demo-{}", std::process::id()))

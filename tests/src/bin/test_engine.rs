@@ -1,5 +1,5 @@
-//! `test-engine`: a small real engine that follows the engine contract of
-//! DESIGN.md, for the pair tests and the failover benchmark. No test fakes
+//! `test-engine`: a small real engine that follows the engine contract
+//! (docs/engine-contract.md), for the pair tests and the failover benchmark. No test fakes
 //! it: it runs in a container under runc, takes the kernel lock, speaks
 //! sd_notify and GMS for real.
 //!
@@ -12,15 +12,16 @@
 //!    `slot=<n> boot=<start µs> weights=<sum> loaded=<bool> lock_us=<t> ready_us=<t>`.
 //!
 //! Flags: `--port N`, `--no-notify` (lock only), `--crash CODE` (exit with
-//! CODE right after start), `--weights-mib N`, `--seed N`.
+//! CODE right after start), `--weights-mib N`, `--seed N` (`--help`).
 
+use shadow_contract::{env, paths};
 use std::io::Write;
 use std::net::TcpListener;
 use std::os::fd::OwnedFd;
-use std::os::unix::net::UnixDatagram;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use clap::Parser;
 use nix::sys::socket::{
     bind, listen, setsockopt, socket, sockopt, AddressFamily, Backlog, SockFlag, SockType,
     SockaddrIn,
@@ -33,12 +34,32 @@ fn now_us() -> u128 {
         .as_micros()
 }
 
-fn notify(msg: &str) {
-    if let Some(path) = std::env::var_os("NOTIFY_SOCKET") {
-        if let Ok(s) = UnixDatagram::unbound() {
-            let _ = s.send_to(msg.as_bytes(), PathBuf::from(path));
-        }
-    }
+#[derive(Parser)]
+#[command(
+    name = "test-engine",
+    about = "A small real engine for the pair tests: GMS weights, the kernel lock, sd_notify, one line per connection"
+)]
+struct Cli {
+    /// TCP port on 127.0.0.1 (SO_REUSEPORT: both engines of a pair bind it).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Only take the lock: send neither STATUS=parked nor READY=1.
+    #[arg(long)]
+    no_notify: bool,
+    /// Exit with CODE right after start.
+    #[arg(long, value_name = "CODE", allow_negative_numbers = true)]
+    crash: Option<i32>,
+    /// Weights written (writer) or checked (reader) through GMS, in MiB.
+    #[arg(long, default_value_t = 4)]
+    weights_mib: u64,
+    /// Seed of the weights' values.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+fn notify(state: sd_notify::NotifyState<'_>) {
+    // Optional by the contract: no socket only loses the hint.
+    let _ = sd_notify::notify(&[state]);
 }
 
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
@@ -97,7 +118,7 @@ fn attach_gms(dir: &Path, slot: &str, mib: u64, seed: u64) -> Option<Weights> {
         let sum = checksum(&bytes[..n]);
         c.commit(std::slice::from_mut(&mut w))
             .unwrap_or_else(|e| fail("committing weights", e));
-        let log = Path::new("/run/shadow/pair/loads.log");
+        let log = Path::new(paths::PAIR_DIR).join("loads.log");
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -133,24 +154,14 @@ fn attach_gms(dir: &Path, slot: &str, mib: u64, seed: u64) -> Option<Weights> {
 }
 
 fn main() {
-    let mut port = 8000u16;
-    let mut speak = true;
-    let mut crash = None;
-    let mut mib = 4u64;
-    let mut seed = 42u64;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut val = || it.next().cloned().unwrap_or_else(|| fail("usage", a));
-        match a.as_str() {
-            "--port" => port = val().parse().unwrap_or_else(|e| fail("--port", e)),
-            "--no-notify" => speak = false,
-            "--crash" => crash = Some(val().parse::<i32>().unwrap_or_else(|e| fail("--crash", e))),
-            "--weights-mib" => mib = val().parse().unwrap_or_else(|e| fail("--weights-mib", e)),
-            "--seed" => seed = val().parse().unwrap_or_else(|e| fail("--seed", e)),
-            other => fail("unknown argument", other),
-        }
-    }
+    let Cli {
+        port,
+        no_notify,
+        crash,
+        weights_mib: mib,
+        seed,
+    } = Cli::parse();
+    let speak = !no_notify;
     // As pid 1 of its container, SIGTERM would be ignored without a handler:
     // block it here and let one thread exit as a shell would (143).
     let mut term = nix::sys::signal::SigSet::empty();
@@ -161,14 +172,14 @@ fn main() {
             std::process::exit(143);
         }
     });
-    let slot = std::env::var("SHADOW_ENGINE_ID").unwrap_or_else(|_| "?".into());
+    let slot = std::env::var(env::ENGINE_ID).unwrap_or_else(|_| "?".into());
     // Names this engine instance: its pid is 1 in its own pid namespace.
     let boot = now_us();
     if let Some(code) = crash {
         eprintln!("test-engine slot {slot}: crashing with {code}");
         std::process::exit(code);
     }
-    let weights = std::env::var_os("GMS_SOCKET_DIR")
+    let weights = std::env::var_os(env::GMS_SOCKET_DIR)
         .and_then(|d| attach_gms(Path::new(&d), &slot, mib, seed));
 
     // Bound now, listening only once active: connections reach the active.
@@ -188,10 +199,9 @@ fn main() {
     .unwrap_or_else(|e| fail("bind", e));
 
     if speak {
-        notify("STATUS=parked");
+        notify(sd_notify::NotifyState::Status("parked"));
     }
-    let lock_path =
-        std::env::var("SHADOW_LOCK_PATH").unwrap_or_else(|_| "/run/shadow/pair/engine.lock".into());
+    let lock_path = std::env::var(env::LOCK_PATH).unwrap_or_else(|_| paths::LOCK_PATH.into());
     let lock = std::fs::File::open(&lock_path).unwrap_or_else(|e| fail(&lock_path, e));
     let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
         .unwrap_or_else(|(_, e)| fail("flock", e));
@@ -200,7 +210,7 @@ fn main() {
         .unwrap_or_else(|e| fail("listen", e));
     let listener = TcpListener::from(sock);
     if speak {
-        notify("READY=1");
+        notify(sd_notify::NotifyState::Ready);
     }
     let ready_us = now_us();
     println!(

@@ -1,0 +1,273 @@
+//! The `shadow.dev/` annotations: one set, parsed the same way by the shim
+//! and by the OCI hook, so one container spec can serve both paths.
+//!
+//! - `shadow.dev/pair`, `shadow.dev/gms`, `shadow.dev/shadow` ask the shim
+//!   to make (and shape) an engine pair;
+//! - `shadow.dev/pair-name`, `shadow.dev/slot` place a container in a pair
+//!   that the hooks assemble from two containers (podman, CRI-O, runc).
+//!
+//! Each side acts on its own keys and validates the others', so a typo is
+//! refused by either runtime with the key, the value and what is allowed.
+//! A key under the prefix that is not in the set is refused too: a
+//! misspelt knob must not silently do nothing.
+
+use std::fmt;
+
+/// The prefix every key here lives under (also what a CRI runtime passes
+/// through with `pod_annotations = ["shadow.dev/*"]`).
+pub const PREFIX: &str = "shadow.dev/";
+/// `true`, `false`, or a list of CRI container names to pair.
+pub const PAIR: &str = "shadow.dev/pair";
+/// The GMS backend: `cuda`, `host` or `off`.
+pub const GMS: &str = "shadow.dev/gms";
+/// `false`: one engine, restarted in place, no shadow ("GMS only").
+pub const SHADOW: &str = "shadow.dev/shadow";
+/// The pair a hook-assembled container belongs to.
+pub const PAIR_NAME: &str = "shadow.dev/pair-name";
+/// The slot (`SHADOW_ENGINE_ID`) of a hook-assembled container.
+pub const SLOT: &str = "shadow.dev/slot";
+
+/// Every key of the set.
+pub const KEYS: [&str; 5] = [PAIR, GMS, SHADOW, PAIR_NAME, SLOT];
+
+/// A value the contract does not allow for its key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("annotation {key}={value:?} is not valid; allowed: {allowed}")]
+pub struct AnnotationError {
+    pub key: String,
+    pub value: String,
+    pub allowed: String,
+}
+
+fn bad(key: &str, value: &str, allowed: &str) -> AnnotationError {
+    AnnotationError {
+        key: key.to_string(),
+        value: value.to_string(),
+        allowed: allowed.to_string(),
+    }
+}
+
+/// What `shadow.dev/pair` asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PairRequest {
+    #[default]
+    Absent,
+    Off,
+    On,
+    /// Pod style: pair the containers with these CRI container names.
+    Names(Vec<String>),
+}
+
+/// `shadow.dev/gms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GmsBackend {
+    Cuda,
+    Host,
+    Off,
+}
+
+/// A pair name: a path component on the host and a CDI device name, so
+/// nothing that could climb out of the pairs' root.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PairName(String);
+
+impl PairName {
+    pub const ALLOWED: &str = "1 to 64 of [A-Za-z0-9_.-], not starting with '.'";
+
+    pub fn new(name: &str) -> Result<PairName, AnnotationError> {
+        let ok = !name.is_empty()
+            && name.len() <= 64
+            && !name.starts_with('.')
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+        if ok {
+            Ok(PairName(name.to_string()))
+        } else {
+            Err(bad(PAIR_NAME, name, Self::ALLOWED))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PairName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// An engine slot from `shadow.dev/slot`: `0` or `1`.
+pub fn parse_slot(value: &str) -> Result<u8, AnnotationError> {
+    match value.trim() {
+        "0" => Ok(0),
+        "1" => Ok(1),
+        _ => Err(bad(SLOT, value, "0|1")),
+    }
+}
+
+/// Every `shadow.dev/` annotation of one container spec, validated.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Annotations {
+    pub pair: PairRequest,
+    pub gms: Option<GmsBackend>,
+    /// `shadow.dev/shadow=false`: one engine, restarted in place.
+    pub no_shadow: bool,
+    pub pair_name: Option<PairName>,
+    pub slot: Option<u8>,
+}
+
+impl Annotations {
+    /// Parses the `shadow.dev/` keys among `annotations` and ignores the
+    /// rest. Keys are taken in sorted order, so the first error reported is
+    /// the same whatever the map's order.
+    pub fn parse<'a, I, K, V>(annotations: I) -> Result<Annotations, AnnotationError>
+    where
+        I: IntoIterator<Item = (&'a K, &'a V)>,
+        K: AsRef<str> + ?Sized + 'a,
+        V: AsRef<str> + ?Sized + 'a,
+    {
+        let mut ours: Vec<(&str, &str)> = annotations
+            .into_iter()
+            .map(|(k, v)| (k.as_ref(), v.as_ref()))
+            .filter(|(k, _)| k.starts_with(PREFIX))
+            .collect();
+        ours.sort();
+        let mut out = Annotations::default();
+        for (key, value) in ours {
+            match key {
+                PAIR => out.pair = parse_pair(value)?,
+                GMS => {
+                    out.gms = Some(match value {
+                        "cuda" => GmsBackend::Cuda,
+                        "host" => GmsBackend::Host,
+                        "off" => GmsBackend::Off,
+                        _ => return Err(bad(key, value, "cuda|host|off")),
+                    })
+                }
+                SHADOW => {
+                    out.no_shadow = match value {
+                        "true" => false,
+                        "false" => true,
+                        _ => return Err(bad(key, value, "true|false")),
+                    }
+                }
+                PAIR_NAME => out.pair_name = Some(PairName::new(value)?),
+                SLOT => out.slot = Some(parse_slot(value)?),
+                _ => {
+                    return Err(bad(
+                        key,
+                        value,
+                        &format!("keys {} under {PREFIX}", KEYS.join(", ")),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn parse_pair(value: &str) -> Result<PairRequest, AnnotationError> {
+    const ALLOWED: &str = "true|false|<container-name>[,<container-name>...]";
+    match value {
+        "true" => return Ok(PairRequest::On),
+        "false" => return Ok(PairRequest::Off),
+        _ => {}
+    }
+    let names: Vec<String> = value.split(',').map(|s| s.trim().to_string()).collect();
+    // A CRI container name is a DNS-1123 label-ish name.
+    let valid = |n: &String| {
+        !n.is_empty()
+            && n.len() <= 253
+            && n.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+    };
+    if names.iter().all(valid) {
+        Ok(PairRequest::Names(names))
+    } else {
+        Err(bad(PAIR, value, ALLOWED))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn map(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn both_sets_parse_together() {
+        let a = map(&[
+            (PAIR, "true"),
+            (GMS, "host"),
+            (SHADOW, "false"),
+            (PAIR_NAME, "llama-70b_v2.1"),
+            (SLOT, "1"),
+            ("io.kubernetes.cri.container-name", "engine"),
+        ]);
+        let s = Annotations::parse(&a).unwrap();
+        assert_eq!(s.pair, PairRequest::On);
+        assert_eq!(s.gms, Some(GmsBackend::Host));
+        assert!(s.no_shadow);
+        assert_eq!(
+            s.pair_name.as_ref().map(PairName::as_str),
+            Some("llama-70b_v2.1")
+        );
+        assert_eq!(s.slot, Some(1));
+    }
+
+    #[test]
+    fn hook_keys_alone_and_shim_keys_alone() {
+        let hook = Annotations::parse(&map(&[(PAIR_NAME, "p"), (SLOT, " 0 ")])).unwrap();
+        assert_eq!(hook.pair, PairRequest::Absent);
+        assert_eq!(hook.slot, Some(0));
+        let shim = Annotations::parse(&map(&[(PAIR, "engine, sidecar2")])).unwrap();
+        assert_eq!(
+            shim.pair,
+            PairRequest::Names(vec!["engine".into(), "sidecar2".into()])
+        );
+        assert_eq!(shim.pair_name, None);
+        assert_eq!(
+            Annotations::parse(&map(&[])).unwrap(),
+            Annotations::default()
+        );
+    }
+
+    #[test]
+    fn a_vec_of_str_pairs_parses_too() {
+        let v = [(PAIR_NAME, "p")];
+        let s = Annotations::parse(v.iter().map(|(k, v)| (*k, *v))).unwrap();
+        assert_eq!(s.pair_name.unwrap().to_string(), "p");
+    }
+
+    #[test]
+    fn bad_values_name_key_value_and_allowed() {
+        for (k, v, allowed) in [
+            (GMS, "gpu", "cuda|host|off"),
+            (SHADOW, "no", "true|false"),
+            (PAIR, "yes please", "true|false"),
+            (PAIR, "", "true|false"),
+            (PAIR, "a,,b", "true|false"),
+            (SLOT, "2", "0|1"),
+            (PAIR_NAME, "../etc", "[A-Za-z0-9_.-]"),
+            (PAIR_NAME, ".x", "[A-Za-z0-9_.-]"),
+            (PAIR_NAME, "", "[A-Za-z0-9_.-]"),
+            ("shadow.dev/colour", "blue", PAIR_NAME),
+        ] {
+            let e = Annotations::parse(&map(&[(k, v)])).unwrap_err();
+            let msg = e.to_string();
+            assert_eq!(e.key, k);
+            assert!(msg.contains(k) && msg.contains(allowed), "{msg}");
+        }
+        assert!(PairName::new(&"x".repeat(65)).is_err());
+        assert!(PairName::new(&"x".repeat(64)).is_ok());
+    }
+}

@@ -1,0 +1,57 @@
+//! The environment variables of the engine contract. The shim sets them in
+//! both engine specs, the precreate hook adds them to a podman/CRI-O spec,
+//! and an exec in the active engine gets the engine's values.
+
+/// The engine's slot, `0` or `1`.
+pub const ENGINE_ID: &str = "SHADOW_ENGINE_ID";
+/// The election lock an engine `flock`s to become active.
+pub const LOCK_PATH: &str = "SHADOW_LOCK_PATH";
+/// The sd_notify datagram socket (`STATUS=parked`, `READY=1`).
+pub const NOTIFY_SOCKET: &str = "NOTIFY_SOCKET";
+/// The directory of the pair's GMS sockets.
+pub const GMS_SOCKET_DIR: &str = "GMS_SOCKET_DIR";
+
+/// systemd socket activation: the number of inherited listening sockets.
+/// Reserved: the pair will hand its listening sockets to every engine.
+pub const LISTEN_FDS: &str = "LISTEN_FDS";
+/// systemd socket activation: the pid the sockets are meant for. Reserved.
+pub const LISTEN_PID: &str = "LISTEN_PID";
+/// systemd socket activation: the sockets' names. Reserved.
+pub const LISTEN_FDNAMES: &str = "LISTEN_FDNAMES";
+
+/// The variables an engine gets today, in the order they are added.
+pub const ENGINE: [&str; 4] = [ENGINE_ID, LOCK_PATH, NOTIFY_SOCKET, GMS_SOCKET_DIR];
+
+/// The socket-activation variables, reserved for the pair's listeners.
+pub const LISTEN: [&str; 3] = [LISTEN_FDS, LISTEN_PID, LISTEN_FDNAMES];
+
+/// Whether a `KEY=value` entry sets one of [`ENGINE`]'s variables (the
+/// entries a runtime replaces with its own).
+pub fn is_engine_entry(entry: &str) -> bool {
+    name_of(entry).is_some_and(|k| ENGINE.contains(&k))
+}
+
+/// The name of a `KEY=value` entry; `None` without `=`.
+pub fn name_of(entry: &str) -> Option<&str> {
+    entry.split_once('=').map(|(k, _)| k)
+}
+
+/// `KEY=value`.
+pub fn entry(name: &str, value: impl std::fmt::Display) -> String {
+    format!("{name}={value}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_match_by_whole_name() {
+        assert!(is_engine_entry("SHADOW_ENGINE_ID=1"));
+        assert!(is_engine_entry("GMS_SOCKET_DIR="));
+        assert!(!is_engine_entry("SHADOW_ENGINE_IDX=1"));
+        assert!(!is_engine_entry("SHADOW_ENGINE_ID"));
+        assert!(!is_engine_entry("LISTEN_FDS=3"), "reserved, not set yet");
+        assert_eq!(entry(LOCK_PATH, "/x"), "SHADOW_LOCK_PATH=/x");
+    }
+}

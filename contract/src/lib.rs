@@ -1,0 +1,25 @@
+//! One definition of every name that the shim, the OCI hooks, `shadowctl`,
+//! the tests and the benchmarks must agree on: the engine contract
+//! (docs/engine-contract.md) and the files an operator reads (docs/pairs.md).
+//!
+//! Before this crate each side kept its own copy of the strings, and the
+//! copies drifted: the shim refused the hook's annotations, and `state.json`
+//! was written by a private struct and read through string keys. Here each
+//! name exists once:
+//!
+//! - [`env`]: the variables an engine gets;
+//! - [`paths`]: where the pair directory, the lock, the notify socket and
+//!   the GMS sockets are inside a container;
+//! - [`annotations`]: the `shadow.dev/` keys, one set that both paths parse;
+//! - [`state`]: the `state.json` schema, for its writer and its readers;
+//! - [`gmsd`]: the one launcher of the GMS daemon (readiness pipe,
+//!   capabilities dropped, owned handle).
+//!
+//! The crate is synchronous and small on purpose: the hook is a short-lived
+//! sync binary, and the shim wraps the blocking parts itself.
+
+pub mod annotations;
+pub mod env;
+pub mod gmsd;
+pub mod paths;
+pub mod state;

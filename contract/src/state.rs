@@ -1,0 +1,401 @@
+//! The schema of a pair's `state.json`: written by the shim on every change
+//! of the pair (atomically, by rename), read by `shadowctl`, the tests and
+//! the failover benchmarks. docs/pairs.md describes the fields.
+//!
+//! These types are the schema; the shim's supervision crate keeps its own
+//! types and converts into these, so the file changes only on purpose.
+//! Readers deserialize with these types instead of indexing JSON by
+//! string, so a renamed field fails to compile instead of reading `null`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// The file's name in the pair's state directory.
+pub const FILE_NAME: &str = "state.json";
+
+/// The whole file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PairState {
+    pub namespace: String,
+    /// The container (task) id containerd knows.
+    pub id: String,
+    /// The pid containerd sees (`State.pid`): the active engine, or the
+    /// last one that ran.
+    pub pid: u32,
+    /// Each slot's engine pid, while it runs.
+    pub pids: [Option<u32>; 2],
+    /// Each slot's runc container id.
+    pub runc_ids: [String; 2],
+    pub pair: PairSnapshot,
+    /// The latest promotions, oldest first (config `pair.promotions_kept`).
+    pub promotions: Vec<PromotionRecord>,
+    /// The GMS daemon's last status report, when the pair has GMS.
+    pub gms: Option<GmsStatus>,
+    /// Set when the pair has ended: the status reported to containerd.
+    pub exit_status: Option<u32>,
+    /// When the file was written (µs since the Unix epoch).
+    pub updated_unix_us: u64,
+}
+
+impl PairState {
+    /// The pid of the active engine, when there is one and it runs.
+    pub fn active_pid(&self) -> Option<u32> {
+        self.pair.active.and_then(|s| self.pid_of(s))
+    }
+
+    /// The pid of the engine in `slot` (0 or 1), while it runs.
+    pub fn pid_of(&self, slot: u8) -> Option<u32> {
+        self.pids.get(usize::from(slot)).copied().flatten()
+    }
+
+    /// Reads and decodes a `state.json`.
+    pub fn read(path: &Path) -> Result<PairState, StateError> {
+        let text = std::fs::read_to_string(path).map_err(|source| StateError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        serde_json::from_str(&text).map_err(|source| StateError::Decode {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+}
+
+/// Why a `state.json` could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("decoding {path}: {source}")]
+    Decode {
+        path: std::path::PathBuf,
+        source: serde_json::Error,
+    },
+}
+
+/// The pair's supervision state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PairSnapshot {
+    pub slots: [SlotState; 2],
+    /// The slot that holds the lock.
+    pub active: Option<u8>,
+    /// An active engine with a parked shadow behind it.
+    pub protected: bool,
+    pub failovers: u64,
+    pub cold_restarts: u64,
+    pub last_promotion: Option<Promotion>,
+}
+
+/// One slot.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlotState {
+    pub id: u8,
+    pub state: EngineState,
+    pub pid: Option<u32>,
+    /// How many times this slot was spawned.
+    pub generation: u32,
+    /// Whether its engine spoke sd_notify since it was spawned.
+    pub speaks_notify: bool,
+    pub last_exit: Option<Exit>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineState {
+    Spawning,
+    Starting,
+    Parked,
+    Active,
+    /// Was active and lost the lock to its successor (dead or leaving), not
+    /// yet reaped.
+    Superseded,
+    Backoff,
+    Stopped,
+}
+
+impl EngineState {
+    /// The name as the file spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineState::Spawning => "spawning",
+            EngineState::Starting => "starting",
+            EngineState::Parked => "parked",
+            EngineState::Active => "active",
+            EngineState::Superseded => "superseded",
+            EngineState::Backoff => "backoff",
+            EngineState::Stopped => "stopped",
+        }
+    }
+}
+
+/// How an engine ended: `{"code": N}` or `{"signal": N}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Exit::Code(c) => write!(f, "exit code {c}"),
+            Exit::Signal(s) => write!(f, "signal {s}"),
+        }
+    }
+}
+
+/// What the supervisor did about a failure (docs/pairs.md, "Failure classes").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureClass {
+    DevicePreserving,
+    DeviceInvalidating,
+    CrashLoop,
+}
+
+impl FailureClass {
+    /// The name as the file spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureClass::DevicePreserving => "device_preserving",
+            FailureClass::DeviceInvalidating => "device_invalidating",
+            FailureClass::CrashLoop => "crash_loop",
+        }
+    }
+}
+
+/// How the shim first learnt that the active engine was gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeathSign {
+    /// The reaper collected it.
+    Reap,
+    /// The election lock seen let go: the kernel reported the lock file
+    /// closed (inotify) with the lock then free, or `/proc/locks` showed
+    /// it free.
+    LockFree,
+    /// The successor seen holding the lock (right after the lock file's
+    /// close, or in `/proc/locks`).
+    LockTaken,
+    /// The successor said `READY=1`.
+    Ready,
+}
+
+impl DeathSign {
+    /// The name as the file spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeathSign::Reap => "reap",
+            DeathSign::LockFree => "lock_free",
+            DeathSign::LockTaken => "lock_taken",
+            DeathSign::Ready => "ready",
+        }
+    }
+}
+
+/// One failover's timeline, in time since the pair started (`secs` +
+/// `nanos`, serde's encoding of a `Duration`), each time taken where the
+/// fact was observed (docs/pairs.md, "Failover timing").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Promotion {
+    pub number: u64,
+    /// The slot whose engine died.
+    pub from: u8,
+    /// The slot promoted; none when no shadow took over.
+    pub to: Option<u8>,
+    /// The first sign of the death: the earliest of the reap, the lock
+    /// seen free or taken by the successor, the successor's `READY=1`.
+    pub death_at: Duration,
+    /// Which sign that was.
+    pub death_seen: DeathSign,
+    /// When the reaper collected the dead engine.
+    pub reaped_at: Duration,
+    pub lock_at: Option<Duration>,
+    pub ready_at: Option<Duration>,
+    pub exit: Exit,
+    pub class: FailureClass,
+}
+
+impl Promotion {
+    /// Death → ready (or → lock, for an engine that does not speak
+    /// sd_notify).
+    pub fn total(&self) -> Option<Duration> {
+        self.ready_at
+            .or(self.lock_at)
+            .map(|t| t.saturating_sub(self.death_at))
+    }
+}
+
+/// A promotion with wall-clock times, for tools that took their own time
+/// of the kill.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromotionRecord {
+    #[serde(flatten)]
+    pub promotion: Promotion,
+    pub death_unix_us: u64,
+    pub reaped_unix_us: u64,
+    pub lock_unix_us: Option<u64>,
+    pub ready_unix_us: Option<u64>,
+    /// [`Promotion::total`] in milliseconds.
+    pub total_ms: Option<f64>,
+}
+
+/// The fields of gmsd's status report that tools read; the rest of the
+/// report is kept as gmsd wrote it (`gmsd status --json` documents it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GmsStatus {
+    pub pid: u32,
+    pub backend: String,
+    pub device: String,
+    pub socket: String,
+    /// `empty`, `loading`, `committed` or `replacing`.
+    pub state: String,
+    pub bytes: u64,
+    pub allocations: u64,
+    #[serde(default)]
+    pub leases: Vec<serde_json::Value>,
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, serde_json::Value>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sample() -> PairState {
+        let promotion = Promotion {
+            number: 1,
+            from: 0,
+            to: Some(1),
+            death_at: Duration::from_millis(1500),
+            death_seen: DeathSign::Reap,
+            reaped_at: Duration::from_millis(1500),
+            lock_at: Some(Duration::from_micros(1_500_040)),
+            ready_at: Some(Duration::from_micros(1_502_000)),
+            exit: Exit::Signal(9),
+            class: FailureClass::DevicePreserving,
+        };
+        let slot = |id, state, pid| SlotState {
+            id,
+            state,
+            pid,
+            generation: 2,
+            speaks_notify: true,
+            last_exit: Some(Exit::Code(3)),
+        };
+        PairState {
+            namespace: "default".into(),
+            id: "c1".into(),
+            pid: 42,
+            pids: [Some(41), Some(42)],
+            runc_ids: ["c1-s0".into(), "c1-s1".into()],
+            pair: PairSnapshot {
+                slots: [
+                    slot(0, EngineState::Parked, Some(41)),
+                    slot(1, EngineState::Active, Some(42)),
+                ],
+                active: Some(1),
+                protected: true,
+                failovers: 1,
+                cold_restarts: 0,
+                last_promotion: Some(promotion.clone()),
+            },
+            promotions: vec![PromotionRecord {
+                total_ms: promotion.total().map(|d| d.as_secs_f64() * 1e3),
+                promotion,
+                death_unix_us: 1_700_000_000_000_000,
+                reaped_unix_us: 1_700_000_000_000_000,
+                lock_unix_us: Some(1_700_000_000_000_040),
+                ready_unix_us: None,
+            }],
+            gms: Some(GmsStatus {
+                pid: 7,
+                backend: "host".into(),
+                device: "host".into(),
+                socket: "/run/x/gms-host.sock".into(),
+                state: "committed".into(),
+                bytes: 4096,
+                allocations: 1,
+                leases: vec![json!({"mode": "ro"})],
+                rest: [("resident_bytes".to_string(), json!(4096))]
+                    .into_iter()
+                    .collect(),
+            }),
+            exit_status: None,
+            updated_unix_us: 1_700_000_000_100_000,
+        }
+    }
+
+    #[test]
+    fn state_round_trips() {
+        let s = sample();
+        let text = serde_json::to_string_pretty(&s).unwrap();
+        let back: PairState = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, s);
+        assert_eq!(back.active_pid(), Some(42));
+        assert_eq!(back.pid_of(0), Some(41));
+        assert_eq!(back.pid_of(7), None);
+    }
+
+    /// The encoding tools and docs depend on (docs/pairs.md).
+    #[test]
+    fn encoding_is_the_documented_one() {
+        let v = serde_json::to_value(sample()).unwrap();
+        assert_eq!(v["pair"]["slots"][1]["state"], "active");
+        assert_eq!(v["pair"]["slots"][0]["last_exit"], json!({"code": 3}));
+        let p = &v["promotions"][0];
+        assert_eq!(p["reaped_at"], json!({"secs": 1, "nanos": 500_000_000}));
+        assert_eq!(p["exit"], json!({"signal": 9}));
+        assert_eq!(p["class"], FailureClass::DevicePreserving.as_str());
+        for e in [
+            EngineState::Spawning,
+            EngineState::Starting,
+            EngineState::Parked,
+            EngineState::Active,
+            EngineState::Superseded,
+            EngineState::Backoff,
+            EngineState::Stopped,
+        ] {
+            assert_eq!(serde_json::to_value(e).unwrap(), e.as_str());
+        }
+        for d in [
+            DeathSign::Reap,
+            DeathSign::LockFree,
+            DeathSign::LockTaken,
+            DeathSign::Ready,
+        ] {
+            assert_eq!(serde_json::to_value(d).unwrap(), d.as_str());
+        }
+        assert_eq!(p["death_seen"], "reap");
+        for c in [FailureClass::DeviceInvalidating, FailureClass::CrashLoop] {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
+        assert_eq!(p["number"], 1, "the promotion is flattened into the record");
+        assert_eq!(p["total_ms"], 2.0);
+        assert_eq!(v["gms"]["resident_bytes"], 4096, "gmsd's other fields kept");
+    }
+
+    #[test]
+    fn read_names_the_file_on_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE_NAME);
+        assert!(PairState::read(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("state.json"));
+        std::fs::write(&path, "{}").unwrap();
+        assert!(matches!(
+            PairState::read(&path),
+            Err(StateError::Decode { .. })
+        ));
+        std::fs::write(&path, serde_json::to_vec(&sample()).unwrap()).unwrap();
+        assert_eq!(PairState::read(&path).unwrap(), sample());
+    }
+}

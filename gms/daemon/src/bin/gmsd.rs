@@ -1,0 +1,194 @@
+//! `gmsd`: the GPU Memory Service daemon (`serve`) and its inspection
+//! command (`status`).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use gms_cuda::parse_device;
+use gmsd::backend::cuda::CudaBackend;
+use gmsd::backend::host::HostBackend;
+use gmsd::backend::Backend;
+use gmsd::daemon::{self, Config, Limits};
+
+#[derive(Parser)]
+#[command(
+    name = "gmsd",
+    about = "GPU Memory Service daemon: owns weights outside any engine"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve one device until SIGTERM/SIGINT.
+    Serve {
+        /// Directory for the socket (GMS_SOCKET_DIR); created 0700 if missing,
+        /// refused if world-writable.
+        #[arg(long, env = "GMS_SOCKET_DIR", default_value = "/run/shadow/gms")]
+        socket_dir: PathBuf,
+        /// `host`, or a CUDA device: an index (`0`), `cuda:0`, or a GPU UUID
+        /// (`GPU-…`, as `nvidia-smi -L` prints it). The socket is then
+        /// `gms-<GPU-UUID>.sock`.
+        #[arg(long, default_value = "host")]
+        device: String,
+        /// Most bytes allocated at once (K/M/G/T suffixes).
+        #[arg(long, default_value = "64G", value_parser = gmsd::parse_bytes)]
+        max_bytes: u64,
+        #[arg(long, default_value_t = 4096)]
+        max_allocations: usize,
+        #[arg(long, default_value_t = 65536)]
+        max_metadata_entries: usize,
+        #[arg(long, default_value = "8M", value_parser = gmsd::parse_bytes)]
+        max_metadata_bytes: u64,
+        #[arg(long, default_value_t = 256)]
+        max_connections: usize,
+        /// Peer uid allowed to connect (repeatable). Default: gmsd's own uid.
+        #[arg(long = "allow-uid")]
+        allow_uids: Vec<u32>,
+        /// Peer gid allowed to connect (repeatable).
+        #[arg(long = "allow-gid")]
+        allow_gids: Vec<u32>,
+        /// Group owner of the socket, which then gets mode 0660 (else 0600).
+        #[arg(long)]
+        socket_group: Option<u32>,
+        /// error, warn, info, debug or trace (or a tracing filter).
+        #[arg(long, default_value = "info")]
+        log_level: String,
+    },
+    /// Print a running daemon's state, leases, allocations and bytes.
+    Status {
+        #[arg(long)]
+        socket: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve {
+            socket_dir,
+            device,
+            max_bytes,
+            max_allocations,
+            max_metadata_entries,
+            max_metadata_bytes,
+            max_connections,
+            allow_uids,
+            allow_gids,
+            socket_group,
+            log_level,
+        } => {
+            let filter = tracing_subscriber::EnvFilter::try_new(&log_level)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+            tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .init();
+            // libcuda starts threads of its own in cuInit; they must not
+            // take SIGTERM/SIGINT (default action: die) before the daemon's
+            // signalfd does, so block both before any backend is opened.
+            let mut stop = nix::sys::signal::SigSet::empty();
+            stop.add(nix::sys::signal::Signal::SIGTERM);
+            stop.add(nix::sys::signal::Signal::SIGINT);
+            if let Err(e) = stop.thread_block() {
+                eprintln!("gmsd: blocking SIGTERM/SIGINT: {e}");
+                return ExitCode::FAILURE;
+            }
+            let backend: Box<dyn Backend> = match device.as_str() {
+                "host" => match HostBackend::new() {
+                    Ok(b) => Box::new(b),
+                    Err(e) => {
+                        eprintln!("gmsd: host backend: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                },
+                other => match parse_device(other).and_then(|sel| CudaBackend::open(&sel)) {
+                    Ok(b) => {
+                        tracing::info!(
+                            device = %b.device(),
+                            name = b.device_name(),
+                            ordinal = b.ordinal(),
+                            granularity = b.granularity(),
+                            "cuda backend: no context in this process"
+                        );
+                        Box::new(b)
+                    }
+                    Err(e) => {
+                        eprintln!("gmsd: cuda backend for device '{other}': {e}");
+                        return ExitCode::FAILURE;
+                    }
+                },
+            };
+            let config = Config {
+                socket_dir,
+                limits: Limits {
+                    max_bytes,
+                    max_allocations,
+                    max_metadata_entries,
+                    max_metadata_bytes: max_metadata_bytes as usize,
+                    max_connections,
+                },
+                allow_uids,
+                allow_gids,
+                socket_group,
+            };
+            let served = daemon::serve(config, backend, |socket| {
+                // Readiness line for supervisors and tests.
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "ready {}", socket.display());
+                let _ = out.flush();
+            });
+            match served {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("gmsd: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Status { socket, json } => match gms::client::status(&socket) {
+            Ok(report) => {
+                if json {
+                    match serde_json::to_string_pretty(&report) {
+                        Ok(text) => println!("{text}"),
+                        Err(e) => {
+                            eprintln!("gmsd status: {e}");
+                            return ExitCode::FAILURE;
+                        }
+                    }
+                } else {
+                    print!("{}", report.render());
+                    if report.backend == "cuda" {
+                        println!("{}", cuda_line(&report));
+                    }
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("gmsd status: {e}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+/// The CUDA device behind a report, named as a person looks for it: the
+/// driver is asked (no context) which local device has the report's UUID.
+fn cuda_line(report: &gms::status::StatusReport) -> String {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let name = parse_device(&report.device)
+        .and_then(|sel| CudaBackend::open(&sel))
+        .map(|b| format!("{} (index {})", b.device_name(), b.ordinal()))
+        .unwrap_or_else(|e| format!("(not resolvable here: {e})"));
+    format!(
+        "cuda device {} {name}: {:.2} GiB of device memory held by gmsd",
+        report.device,
+        gib(report.resident_bytes)
+    )
+}

@@ -1,0 +1,75 @@
+//! Spawning engines: one slot's runc container, the task output every
+//! engine writes into, and `runc run --detach` of a slot's bundle. The
+//! supervisor reaches this through [`super::host::Host`], so that its
+//! ordering logic is tested without runc.
+
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use crate::error::Result;
+use crate::runc::{RuncClient, RuncStdio};
+use async_trait::async_trait;
+
+/// One slot's runc container.
+#[derive(Debug)]
+pub struct EngineSlot {
+    pub runc_id: String,
+    pub bundle: PathBuf,
+    pub client: RuncClient,
+    /// The engine's cgroup path (`<pair cgroup>/s<slot>`).
+    pub cgroup: String,
+}
+
+/// The write ends of the task's stdout/stderr pipes, handed to every engine
+/// spawn (stdin is /dev/null: no engine owns the task's input). Closed when
+/// the pair ends, so that the copiers see EOF.
+#[derive(Debug, Default)]
+pub struct SharedOutput {
+    fds: Mutex<[Option<OwnedFd>; 2]>,
+}
+
+impl SharedOutput {
+    pub fn new(stdout: Option<OwnedFd>, stderr: Option<OwnedFd>) -> Self {
+        SharedOutput {
+            fds: Mutex::new([stdout, stderr]),
+        }
+    }
+
+    pub fn close(&self) {
+        let mut fds = self.fds.lock().unwrap_or_else(|p| p.into_inner());
+        *fds = [None, None];
+    }
+}
+
+#[async_trait]
+impl runc::io::Io for SharedOutput {
+    async fn set(&self, cmd: &mut runc::Command) -> std::io::Result<()> {
+        let fds = self.fds.lock().unwrap_or_else(|p| p.into_inner());
+        let pick = |fd: &Option<OwnedFd>| -> std::io::Result<std::process::Stdio> {
+            Ok(match fd {
+                Some(fd) => std::process::Stdio::from(fd.try_clone()?),
+                None => std::process::Stdio::null(),
+            })
+        };
+        cmd.stdin(std::process::Stdio::null());
+        cmd.stdout(pick(&fds[0])?);
+        cmd.stderr(pick(&fds[1])?);
+        Ok(())
+    }
+
+    async fn close_after_start(&self) {
+        // Kept for the next respawn; `close` drops them at the pair's end.
+    }
+}
+
+/// Start one engine: `runc run --detach` of the slot's bundle. A previous
+/// generation's stopped container of the same id is removed first.
+pub async fn run_engine(e: &EngineSlot, output: Arc<SharedOutput>, fresh: bool) -> Result<u32> {
+    if !fresh {
+        let _ = e.client.delete_force(&e.runc_id).await;
+    }
+    e.client
+        .run_detached(&e.runc_id, &e.bundle, RuncStdio::Fds(output))
+        .await
+}

@@ -1,0 +1,88 @@
+//! Everything the supervisor asks of the machine, behind one small trait:
+//! start an engine, learn when a pid is reaped, signal a pid, and read
+//! `/proc` (which slot a pid belongs to, who holds the election lock).
+//! [`Machine`] does it with runc, kill(2) and `/proc`; the supervisor's
+//! tests use a fake, so the order races of a failover run without root.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use shadow_pair::{FileId, SlotId};
+use tokio::sync::oneshot;
+
+use super::engine::{run_engine, EngineSlot, SharedOutput};
+use super::lock::{self, LockLook};
+use crate::error::Result;
+use crate::exits::{Exit, ExitRouter};
+
+#[async_trait]
+pub trait Host: Send + Sync + 'static {
+    /// Start the engine of `slot` and return its pid. `fresh`: the slot
+    /// never ran, so there is no stopped container to remove first.
+    async fn spawn(&self, slot: SlotId, fresh: bool) -> Result<u32>;
+    /// The reaped exit of `pid`, stamped when the reaper collected it
+    /// (also when that happened before this call).
+    fn reaped(&self, pid: u32) -> oneshot::Receiver<Exit>;
+    fn signal(&self, pid: u32, signal: Signal);
+    /// The slot whose cgroup `pid` is in.
+    fn slot_of_pid(&self, pid: u32) -> Option<SlotId>;
+    /// Who holds the election lock now, and who waits for it.
+    fn lock(&self) -> LockLook;
+}
+
+/// The real machine: runc for the engines, the shim's exit router, kill(2)
+/// and `/proc`.
+pub struct Machine {
+    pub engines: Arc<[EngineSlot; 2]>,
+    pub output: Arc<SharedOutput>,
+    pub router: Arc<ExitRouter>,
+    pub lock_file: FileId,
+    cgroups: [String; 2],
+}
+
+impl Machine {
+    pub fn new(
+        engines: Arc<[EngineSlot; 2]>,
+        output: Arc<SharedOutput>,
+        router: Arc<ExitRouter>,
+        lock_file: FileId,
+    ) -> Self {
+        let cgroups = [engines[0].cgroup.clone(), engines[1].cgroup.clone()];
+        Machine {
+            engines,
+            output,
+            router,
+            lock_file,
+            cgroups,
+        }
+    }
+}
+
+#[async_trait]
+impl Host for Machine {
+    async fn spawn(&self, slot: SlotId, fresh: bool) -> Result<u32> {
+        run_engine(&self.engines[slot.index()], self.output.clone(), fresh).await
+    }
+
+    fn reaped(&self, pid: u32) -> oneshot::Receiver<Exit> {
+        self.router.watch(pid as i32)
+    }
+
+    fn signal(&self, pid: u32, signal: Signal) {
+        if let Ok(pid) = i32::try_from(pid) {
+            if pid > 0 {
+                let _ = nix::sys::signal::kill(Pid::from_raw(pid), signal);
+            }
+        }
+    }
+
+    fn slot_of_pid(&self, pid: u32) -> Option<SlotId> {
+        lock::slot_of_pid(pid, &self.cgroups)
+    }
+
+    fn lock(&self) -> LockLook {
+        lock::observe(self.lock_file, &self.cgroups)
+    }
+}

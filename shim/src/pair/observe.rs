@@ -1,0 +1,188 @@
+//! The pair's observers: small tasks that turn what the machine reports —
+//! notify datagrams, reaped exits, closes of the lock file, XIDs in the
+//! kernel log — into
+//! supervisor [`Input`]s, each stamped where it was observed (the reaper's
+//! time for an exit, the receipt for a datagram), never when the
+//! supervisor gets round to it. gmsd's death is watched by `GmsDaemon`.
+
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+use shadow_pair::{Exit, SlotId};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::host::Host;
+use super::notify::NotifySocket;
+use super::supervisor::Input;
+
+/// The pair's monotonic clock: `Duration` since the supervisor started.
+pub struct Clock {
+    start: Instant,
+}
+
+impl Clock {
+    pub fn start() -> Clock {
+        Clock {
+            start: Instant::now(),
+        }
+    }
+
+    pub fn now(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    pub fn since(&self, at: Instant) -> Duration {
+        at.saturating_duration_since(self.start)
+    }
+
+    /// The pair time of a recent wall-clock stamp (the reaper's), measured
+    /// back from now so that an earlier clock step does not shift it.
+    pub fn of_wall(&self, at: SystemTime) -> Duration {
+        let ago = SystemTime::now().duration_since(at).unwrap_or_default();
+        self.now().saturating_sub(ago)
+    }
+}
+
+pub fn exit_of(status: i32) -> Exit {
+    // The reaper reports 128+signal for a signal death, as a shell does.
+    if status > 128 && status < 128 + 65 {
+        Exit::Signal(status - 128)
+    } else {
+        Exit::Code(status)
+    }
+}
+
+/// Forward every datagram of the pair's notify socket, with its receipt time.
+pub fn notify(sock: NotifySocket, tx: UnboundedSender<Input>) {
+    tokio::spawn(async move {
+        loop {
+            match sock.recv().await {
+                Ok(d) => {
+                    if tx.send(Input::Notify(d, Instant::now())).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    log::warn!("notify socket: {e}");
+                    return;
+                }
+            }
+        }
+    });
+}
+
+/// Forward every final close of the lock file (inotify `IN_CLOSE_*`),
+/// with its receipt time. The kernel sends it from the close that releases
+/// the closing file's flock, so a dying active is seen letting go of the
+/// lock at once, well before its reap (an exiting container init is
+/// reported only after its namespace is torn down), and without polling.
+pub fn lock_closes(path: &Path, tx: UnboundedSender<Input>) -> std::io::Result<()> {
+    let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
+    inotify.add_watch(
+        path,
+        AddWatchFlags::IN_CLOSE_WRITE | AddWatchFlags::IN_CLOSE_NOWRITE,
+    )?;
+    // SAFETY: `Watch` owns the inotify fd, returns that same fd from
+    // `as_raw_fd`, and neither closes nor replaces it while the AsyncFd
+    // holds it (it is closed when the AsyncFd, and the Watch in it, drop).
+    let fd = unsafe { AsyncFd::register_with_interest(Watch(inotify), Interest::READABLE)? };
+    tokio::spawn(async move {
+        loop {
+            let Ok(mut ready) = fd.readable().await else {
+                return;
+            };
+            let at = Instant::now();
+            match ready.try_io(|w| w.get_ref().0.read_events().map_err(std::io::Error::from)) {
+                Ok(Ok(events)) if !events.is_empty() => {
+                    if tx.send(Input::LockClosed(at)).is_err() {
+                        return;
+                    }
+                }
+                Ok(Ok(_)) | Err(_) => {}
+                Ok(Err(e)) => {
+                    log::warn!("inotify of the lock file: {e}");
+                    return;
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// An inotify instance as tokio polls it.
+struct Watch(Inotify);
+
+impl AsRawFd for Watch {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+/// Forward the reap of the engine `pid` of `slot`, with the reaper's time.
+pub fn exit(host: &dyn Host, slot: SlotId, pid: u32, tx: UnboundedSender<Input>) {
+    let reaped = host.reaped(pid);
+    tokio::spawn(async move {
+        if let Ok(e) = reaped.await {
+            let _ = tx.send(Input::Exited {
+                slot,
+                pid,
+                status: e.status,
+                at: e.at,
+            });
+        }
+    });
+}
+
+/// Watch the kernel log for XIDs of the pair's GPUs until `stop`.
+pub fn xids(id: &str, gpus: &[String], stop: Arc<AtomicBool>, tx: UnboundedSender<Input>) {
+    if gpus.is_empty() {
+        return;
+    }
+    let buses = super::xid::gpu_buses(std::path::Path::new("/proc/driver/nvidia/gpus"), gpus);
+    log::info!("pair {id}: watching XIDs of GPUs {buses:?}");
+    super::xid::watch(buses, stop, move |xid| {
+        let _ = tx.send(Input::Xid(xid));
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_final_close_of_the_lock_file_is_reported() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("engine.lock");
+        std::fs::write(&path, b"").unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        lock_closes(&path, tx).unwrap();
+        let before = Instant::now();
+        let held = std::fs::File::open(&path).unwrap();
+        let twin = held.try_clone().unwrap();
+        drop(held);
+        // A duplicate still open: the file is not released, nothing said.
+        let quiet = tokio::time::timeout(Duration::from_millis(50), rx.recv()).await;
+        assert!(quiet.is_err(), "{quiet:?}");
+        drop(twin);
+        let got = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .unwrap();
+        assert!(matches!(got, Some(Input::LockClosed(at)) if at >= before));
+    }
+
+    #[test]
+    fn reaper_statuses_become_exits() {
+        assert_eq!(exit_of(0), Exit::Code(0));
+        assert_eq!(exit_of(3), Exit::Code(3));
+        assert_eq!(exit_of(137), Exit::Signal(9));
+        assert_eq!(exit_of(143), Exit::Signal(15));
+        assert_eq!(exit_of(128), Exit::Code(128));
+        assert_eq!(exit_of(255), Exit::Code(255));
+    }
+}

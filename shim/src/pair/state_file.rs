@@ -1,0 +1,127 @@
+//! `state.json` from the supervisor's values. The schema is
+//! `shadow_contract::state` (shared with `shadowctl`, the tests and the
+//! benchmarks); the pure crate `shadow_pair` keeps its own types, and this
+//! is the one place that maps them onto the file, so either side can change
+//! its internals without changing what tools read.
+
+use shadow_contract::state as file;
+use shadow_pair::{DeathSign, EngineState, Exit, FailureClass, Promotion, Slot, SlotId, Snapshot};
+
+fn slot_id(s: SlotId) -> u8 {
+    // A slot is 0 or 1 by construction.
+    s.index() as u8
+}
+
+fn exit(e: Exit) -> file::Exit {
+    match e {
+        Exit::Code(c) => file::Exit::Code(c),
+        Exit::Signal(s) => file::Exit::Signal(s),
+    }
+}
+
+fn class(c: FailureClass) -> file::FailureClass {
+    match c {
+        FailureClass::DevicePreserving => file::FailureClass::DevicePreserving,
+        FailureClass::DeviceInvalidating => file::FailureClass::DeviceInvalidating,
+        FailureClass::CrashLoop => file::FailureClass::CrashLoop,
+    }
+}
+
+fn engine_state(s: EngineState) -> file::EngineState {
+    match s {
+        EngineState::Spawning => file::EngineState::Spawning,
+        EngineState::Starting => file::EngineState::Starting,
+        EngineState::Parked => file::EngineState::Parked,
+        EngineState::Active => file::EngineState::Active,
+        EngineState::Superseded => file::EngineState::Superseded,
+        EngineState::Backoff => file::EngineState::Backoff,
+        EngineState::Stopped => file::EngineState::Stopped,
+    }
+}
+
+fn death_sign(d: DeathSign) -> file::DeathSign {
+    match d {
+        DeathSign::Reap => file::DeathSign::Reap,
+        DeathSign::LockFree => file::DeathSign::LockFree,
+        DeathSign::LockTaken => file::DeathSign::LockTaken,
+        DeathSign::Ready => file::DeathSign::Ready,
+    }
+}
+
+fn slot(s: &Slot) -> file::SlotState {
+    file::SlotState {
+        id: slot_id(s.id),
+        state: engine_state(s.state),
+        pid: s.pid,
+        generation: s.generation,
+        speaks_notify: s.speaks_notify,
+        last_exit: s.last_exit.map(exit),
+    }
+}
+
+pub fn promotion(p: &Promotion) -> file::Promotion {
+    file::Promotion {
+        number: p.number,
+        from: slot_id(p.from),
+        to: p.to.map(slot_id),
+        death_at: p.death_at,
+        death_seen: death_sign(p.death_seen),
+        reaped_at: p.reaped_at,
+        lock_at: p.lock_at,
+        ready_at: p.ready_at,
+        exit: exit(p.exit),
+        class: class(p.class),
+    }
+}
+
+pub fn snapshot(s: &Snapshot) -> file::PairSnapshot {
+    file::PairSnapshot {
+        slots: [slot(&s.slots[0]), slot(&s.slots[1])],
+        active: s.active.map(slot_id),
+        protected: s.protected,
+        failovers: s.failovers,
+        cold_restarts: s.cold_restarts,
+        last_promotion: s.last_promotion.as_ref().map(promotion),
+    }
+}
+
+/// gmsd's status report as the file keeps it; None if it does not have
+/// the fields the schema requires (an older gmsd).
+pub fn gms(report: serde_json::Value) -> Option<file::GmsStatus> {
+    serde_json::from_value(report).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shadow_pair::{Pair, RestartPolicy};
+
+    /// Whatever the pure crate serializes, the file's types read back: the
+    /// mapping loses nothing tools read.
+    #[test]
+    fn snapshot_maps_onto_the_schema() {
+        let pair = Pair::new(RestartPolicy::default());
+        let snap = pair.snapshot();
+        let mapped = snapshot(&snap);
+        assert_eq!(
+            serde_json::to_value(&mapped).unwrap(),
+            serde_json::to_value(&snap).unwrap()
+        );
+        let p = Promotion {
+            number: 3,
+            from: SlotId::ONE,
+            to: Some(SlotId::ZERO),
+            death_at: std::time::Duration::from_millis(4),
+            death_seen: DeathSign::Ready,
+            reaped_at: std::time::Duration::from_millis(5),
+            lock_at: None,
+            ready_at: Some(std::time::Duration::from_millis(9)),
+            exit: Exit::Signal(9),
+            class: FailureClass::DevicePreserving,
+        };
+        assert_eq!(
+            serde_json::to_value(promotion(&p)).unwrap(),
+            serde_json::to_value(&p).unwrap()
+        );
+    }
+}
