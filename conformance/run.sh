@@ -101,7 +101,7 @@ log "building the suite and conformance-registry (Go $(go env GOVERSION))"
 (cd "$ROOT/conformance/registry" && GO111MODULE=off GOFLAGS='' nice go build -o "$BIN/conformance-registry" .)
 if [ "$PROFILE" = release ]; then cargo_profile=(--release); else cargo_profile=(); fi
 log "building the shim and gmsd ($PROFILE)"
-(cd "$ROOT" && nice cargo build -q "${cargo_profile[@]}" -p shadow-shim -p gms --bin containerd-shim-shadow-v1 --bin gmsd)
+(cd "$ROOT" && nice cargo build -q "${cargo_profile[@]}" --bin containerd-shim-shadow-v1 --bin gmsd)
 
 # containerd's PATH for the tests: our shim and gmsd, and a `containerd` that
 # moves the suite daemon's fixed root and state into the test's own dir.
