@@ -135,7 +135,8 @@ example: deps check-cargo
 # containerd 1.6.20's own integration/client suite (from Debian's source
 # package, fetched at run time) against io.containerd.runc.v2, our shim, and
 # our shim with every container a pair; offline, one containerd per test.
-# Not part of `make test` (about 10 minutes). docs/conformance.md has the results.
+# Not part of `make test` (about 25 minutes, most of it in the pair run's
+# timeouts). docs/conformance.md has the results.
 .PHONY: conformance
 conformance: check-root check-cargo
 	bash conformance/run.sh
