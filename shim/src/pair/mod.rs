@@ -717,22 +717,30 @@ impl Container for PairedContainer {
         Ok(out)
     }
 
-    async fn update(&self, _resources: LinuxResources) -> Result<()> {
-        Err(Error::Unimplemented(
-            "updating the resources of an engine pair is not supported yet".into(),
-        ))
+    async fn update(&self, resources: LinuxResources) -> Result<()> {
+        match &self.made.lock().await.cgroup {
+            Some(cg) => cg.update(&resources),
+            None => Err(Error::FailedPrecondition(format!(
+                "pair {} has no cgroup (deleted)",
+                self.id
+            ))),
+        }
     }
 
     async fn stats(&self) -> Result<Any> {
-        let pid = self.pid();
-        if pid == 0 {
+        if self.pid() == 0 {
             return Err(Error::FailedPrecondition(format!(
                 "pair {} has no process",
                 self.id
             )));
         }
-        // The pair's cgroup: the parent of the engine's.
-        crate::stats::collect_parent(pid)
+        match &self.made.lock().await.cgroup {
+            Some(cg) => cg.stats(),
+            None => Err(Error::FailedPrecondition(format!(
+                "pair {} has no cgroup (deleted)",
+                self.id
+            ))),
+        }
     }
 }
 
