@@ -622,6 +622,19 @@ fn pinned_network_and_pair_cgroup_limits() {
     let limit = std::fs::read_to_string(format!("{parent}/memory.limit_in_bytes"))
         .expect("pair memory cgroup");
     assert_eq!(limit.trim(), "67108864");
+    // The task's metrics are the pair cgroup's: its limit, both engines.
+    let m = cd
+        .ctr()
+        .run(&["task", "metrics", "--format", "json", id])
+        .expect("ctr task metrics");
+    m.assert_success();
+    let v: serde_json::Value = serde_json::from_str(&m.stdout).expect("metrics JSON");
+    assert_eq!(
+        v["memory"]["usage"]["limit"].as_u64(),
+        Some(67108864),
+        "{m}"
+    );
+    assert!(v["pids"]["current"].as_u64() >= Some(2), "{m}");
     for (s, p) in [(slot, pid), (1 - slot, shadow)] {
         let cg = std::fs::read_to_string(format!("/proc/{p}/cgroup")).expect("cgroup");
         assert!(
