@@ -19,7 +19,7 @@ use serde::Serialize;
 use crate::{
     failure::{classify, Exit, FailureClass, XidClass},
     notify::Notification,
-    policy::{RestartBudget, RestartPolicy},
+    policy::{RestartBudget, RestartPolicy, Verdict},
     promotion::{DeathSign, Handover, Promotion},
 };
 
@@ -680,13 +680,22 @@ impl Pair {
         // The shadow may already hold the lock: if it is the only live
         // engine and it is active by lock, the promotion completes when the
         // shim next sees the lock or READY=1.
+        let other = self.slot(slot.other());
+        let survivor = other.alive() || other.state == EngineState::Spawning;
         match self.budget.on_death(useful, now) {
-            Some(delay) if delay.is_zero() => actions.push(self.spawn(slot)),
-            Some(delay) => {
+            Verdict::Respawn(delay) if delay.is_zero() => actions.push(self.spawn(slot)),
+            Verdict::Respawn(delay) => {
                 self.slots[slot.index()].state = EngineState::Backoff;
                 actions.push(Action::SpawnAfter { slot, delay });
             }
-            None => {
+            // Too many respawns lately, but an engine is left: it serves
+            // (unprotected) and this slot returns when the window allows.
+            // Ending the task would kill an engine that can serve.
+            Verdict::WindowFull(delay) if survivor => {
+                self.slots[slot.index()].state = EngineState::Backoff;
+                actions.push(Action::SpawnAfter { slot, delay });
+            }
+            Verdict::WindowFull(_) | Verdict::CrashLoop => {
                 self.ending = Some(Ending::CrashLoop);
                 self.final_status = Some(exit.status());
                 actions.extend(self.end_or_kill());
