@@ -184,6 +184,8 @@ enum Ending {
     Stopping,
     /// The restart budget is spent.
     CrashLoop,
+    /// Every engine finished cleanly (exit 0) on its own.
+    Finished,
 }
 
 /// A pair's observable state, for metrics and `shadowctl`.
@@ -675,6 +677,21 @@ impl Pair {
         }
         if class == FailureClass::DeviceInvalidating {
             actions.extend(self.begin_cold_restart());
+            return actions;
+        }
+        if exit == Exit::Code(0) {
+            // Restart on failure only (systemd's Restart=on-failure): an
+            // engine that finished cleanly on its own is not started again.
+            // Whoever is left serves; once nobody is, the task ends with 0,
+            // as a plain container whose process finished would.
+            let other = self.slot(slot.other());
+            let left = other.alive()
+                || matches!(other.state, EngineState::Spawning | EngineState::Backoff);
+            if !left {
+                self.ending = Some(Ending::Finished);
+                self.final_status = Some(0);
+                actions.extend(self.end_or_kill());
+            }
             return actions;
         }
         // The shadow may already hold the lock: if it is the only live

@@ -611,3 +611,54 @@ fn a_full_restart_window_with_no_survivor_ends_the_pair() {
         "no engine left: the task ends with the last status: {a:?}"
     );
 }
+
+/// Restart on failure only: a clean exit is not respawned, and the task
+/// ends with 0 once no engine is left (a one-shot command run as a pair).
+#[test]
+fn clean_exits_are_not_respawned_and_the_last_one_ends_the_task_with_0() {
+    let mut p = Pair::new(RestartPolicy::default());
+    p.start();
+    p.handle(Event::Spawned { slot: S0, pid: 100 }, t(1));
+    p.handle(Event::Spawned { slot: S1, pid: 101 }, t(1));
+    let a = p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: Exit::Code(0),
+        },
+        t(2),
+    );
+    assert!(a.is_empty(), "no respawn, slot 1 still runs: {a:?}");
+    assert_eq!(p.slot(S0).state, EngineState::Stopped);
+    let a = p.handle(
+        Event::Exited {
+            slot: S1,
+            exit: Exit::Code(0),
+        },
+        t(3),
+    );
+    assert_eq!(a, vec![Action::Exit { status: 0 }]);
+}
+
+/// A clean exit of the active hands over like any death: the shadow
+/// serves on, unprotected, and nothing is respawned.
+#[test]
+fn a_clean_exit_of_the_active_leaves_the_shadow_serving() {
+    let mut p = serving();
+    notified(&mut p, S1, Notification::Ready, 10);
+    let a = p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: Exit::Code(0),
+        },
+        t(11),
+    );
+    assert!(
+        !a.iter().any(|x| matches!(
+            x,
+            Action::Spawn { .. } | Action::Exit { .. } | Action::KillAll
+        )),
+        "{a:?}"
+    );
+    assert_eq!(p.active(), Some(S1));
+    assert!(!p.snapshot().protected);
+}
