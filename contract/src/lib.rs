@@ -1,6 +1,6 @@
 //! One definition of every name that the shim, the OCI hooks, `shadowctl`,
-//! the tests and the benchmarks must agree on (DESIGN.md, "Names that other
-//! tools and people depend on" and "The engine contract").
+//! the tests and the benchmarks must agree on: the engine contract
+//! (docs/engine-contract.md) and the files an operator reads (docs/pairs.md).
 //!
 //! Before this crate each side kept its own copy of the strings, and the
 //! copies drifted: the shim refused the hook's annotations, and `state.json`

@@ -150,7 +150,7 @@ impl std::fmt::Display for Exit {
     }
 }
 
-/// What the supervisor did about a failure (DESIGN.md, "Failure classes").
+/// What the supervisor did about a failure (docs/pairs.md, "Failure classes").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureClass {

@@ -6,7 +6,7 @@ generated from a seed, a real forward pass on the GPU with a KV cache, and
 an HTTP server (POST /v1/completions, GET /health). Weights come through
 GMS: the first engine (lease rw) generates and commits them, every later
 engine (lease ro) maps the committed weights read-only at the same
-addresses. Then, per DESIGN.md:
+addresses. Then, per docs/engine-contract.md:
 
   1. initialise (weights, a warm-up forward that loads the kernels);
   2. STATUS=parked on NOTIFY_SOCKET;

@@ -1,5 +1,5 @@
 //! `shadow-oci-hook`: the shadow engine contract (election lock + GMS
-//! sockets, DESIGN.md "Names") for containers that our containerd shim does
+//! sockets, docs/engine-contract.md) for containers that our containerd shim does
 //! not run — podman, CRI-O, plain runc. Pairing and supervision stay the
 //! shim's job; this crate only provides the plumbing: an OCI hook
 //! (`precreate` for podman/CRI-O, `createRuntime` + `poststop` for any OCI

@@ -3,7 +3,7 @@
 //! the one that serves hands the port to the other; the task stays running
 //! with the active engine's pid; Kill ends it with one exit; nothing is left.
 
-use shadow_contract::state::PairState;
+use shadow_contract::state::{EngineState, PairState};
 use shadow_tests::pair::{ask, free_port, task_pid, until, PairEnv};
 use shadow_tests::{Containerd, Spawned};
 use std::path::Path;
@@ -322,6 +322,37 @@ fn an_engine_that_always_crashes_ends_the_task_with_its_status() {
     assert!(!r.env.pair_dir(&cd, id).exists());
 }
 
+/// Restart on failure only: a one-shot command run as a pair runs once in
+/// each slot, and the task ends with 0 (it used to be respawned until the
+/// restart budget was spent).
+#[test]
+fn a_pair_of_engines_that_finish_cleanly_ends_with_0_and_runs_each_once() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "oneshot";
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--rm"],
+            &["sh", "-c", "echo ran-in-slot-$SHADOW_ENGINE_ID"],
+        )
+        .expect("ctr run");
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    assert_eq!(out.code(), 0, "{out}");
+    for slot in ["0", "1"] {
+        let line = format!("ran-in-slot-{slot}");
+        assert_eq!(
+            out.stdout.lines().filter(|l| *l == line).count(),
+            1,
+            "slot {slot} ran once: {out}"
+        );
+    }
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
+}
+
 #[test]
 fn ctr_kill_ends_the_pair_with_one_exit_and_rm_leaves_nothing() {
     let cd = Containerd::start().expect("containerd");
@@ -400,6 +431,12 @@ fn an_unmodified_program_under_flock_fails_over() {
         env.state(&cd, id).filter(|v| v.pair.active.is_some())
     });
     let (slot, pid) = active_of(&st);
+    // Nor does the shadow say it is parked: the shim sees it waiting on the
+    // lock (/proc/locks lists the waiter), and that is what parked means.
+    let st = until("protected by a waiter on the lock", LONG, STEP, || {
+        env.state(&cd, id).filter(|v| v.pair.protected)
+    });
+    assert_eq!(st.pair.slots[1 - slot].state, EngineState::Parked, "{st:?}");
     let first = until("nc answers", LONG, STEP, || ask(port));
     assert_eq!(first.slot, slot.to_string());
     kill(pid, libc::SIGKILL);
@@ -412,6 +449,11 @@ fn an_unmodified_program_under_flock_fails_over() {
             .filter(|v| v.pair.failovers == 1 && v.pair.active.map(usize::from) == Some(1 - slot))
     });
     assert!(st.promotions[0].promotion.lock_at.is_some(), "{st:?}");
+    // The respawned slot waits on the lock in turn: protected again.
+    until("protected again", LONG, STEP, || {
+        env.state(&cd, id)
+            .filter(|v| v.pair.protected && v.pair.active.map(usize::from) == Some(1 - slot))
+    });
     cd.ctr()
         .run(&["task", "kill", "-s", "SIGKILL", id])
         .expect("kill")

@@ -1,5 +1,5 @@
-//! `shadow-engine`: the reference engine. It follows the engine contract of
-//! DESIGN.md for real, so that the failover benchmark measures what a real
+//! `shadow-engine`: the reference engine. It follows the engine contract
+//! (docs/engine-contract.md) for real, so that the failover benchmark measures what a real
 //! engine would see:
 //!
 //! 1. weights: with `GMS_SOCKET_DIR/gms-host.sock`, `rw_or_ro`. The writer

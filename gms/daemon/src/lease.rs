@@ -1,4 +1,4 @@
-//! The lease model of DESIGN.md as a pure state machine: who may hold which
+//! The lease model of docs/gms-protocol.md ("Leases") as a pure state machine: who may hold which
 //! lease, what commit does, what a lease's end discards. No sockets here, so
 //! every rule is unit-tested exhaustively; the daemon only calls it.
 //!

@@ -9,7 +9,7 @@ Engine authors use three things from here:
   same tensors, zero-copy, at the writer's addresses (``Gms.load_module``).
 - ``Gms.kv_cache(bytes)``: a KV cache whose addresses are reserved now and
   whose pages are materialised only on promotion.
-- ``FailoverLock`` and ``notify``: the engine contract of DESIGN.md
+- ``FailoverLock`` and ``notify``: the engine contract of docs/engine-contract.md
   (flock on SHADOW_LOCK_PATH, STATUS=parked / READY=1 on NOTIFY_SOCKET).
 
 Only torch and the standard library are needed.

@@ -1,4 +1,4 @@
-//! What an engine's death means for the pair (DESIGN.md, "Failure classes").
+//! What an engine's death means for the pair (docs/pairs.md, "Failure classes").
 //!
 //! An engine that exited or was killed on a healthy GPU leaves the weights in
 //! GMS valid: the shadow takes over and the slot is respawned. An XID of the

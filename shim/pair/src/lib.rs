@@ -1,7 +1,7 @@
 //! Supervision logic of an active/shadow engine pair.
 //!
 //! The shim observes; this crate decides. Keeping the decisions free of
-//! containerd, runc and sockets means every failure policy of DESIGN.md is a
+//! containerd, runc and sockets means every failure policy (docs/pairs.md) is a
 //! unit test over plain values, and the shim is a thin adapter that turns
 //! [`Action`]s into runc calls.
 
@@ -16,8 +16,8 @@ mod promotion;
 mod races;
 
 pub use failure::{classify, Exit, FailureClass, XidClass};
-pub use locks::{parse_proc_locks, FileId, FlockHolder};
+pub use locks::{parse_proc_lock_waiters, parse_proc_locks, FileId, FlockHolder};
 pub use notify::{parse_notify, Notification};
 pub use pair::{Action, EngineState, Event, LockWatch, Pair, Slot, SlotId, Snapshot};
-pub use policy::{RestartBudget, RestartPolicy};
+pub use policy::{RestartBudget, RestartPolicy, Verdict};
 pub use promotion::{DeathSign, Promotion};

@@ -39,44 +39,59 @@ pub struct FlockHolder {
 /// `->`) and POSIX/OFD locks are skipped; malformed lines are ignored rather
 /// than trusted.
 pub fn parse_proc_locks(text: &str) -> Vec<FlockHolder> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        // "1: FLOCK  ADVISORY  WRITE 1234 00:1a:5678 0 EOF"
-        if fields.len() < 6 || fields.get(1) != Some(&"FLOCK") {
-            continue;
-        }
-        let exclusive = match fields[3] {
-            "WRITE" => true,
-            "READ" => false,
-            _ => continue,
-        };
-        let Ok(pid) = fields[4].parse::<u32>() else {
-            continue;
-        };
-        let mut id = fields[5].split(':');
-        let (Some(maj), Some(min), Some(ino), None) = (id.next(), id.next(), id.next(), id.next())
-        else {
-            continue;
-        };
-        let (Ok(major), Ok(minor), Ok(inode)) = (
-            u32::from_str_radix(maj, 16),
-            u32::from_str_radix(min, 16),
-            ino.parse::<u64>(),
-        ) else {
-            continue;
-        };
-        out.push(FlockHolder {
-            pid,
-            file: FileId {
-                major,
-                minor,
-                inode,
-            },
-            exclusive,
-        });
+    entries(text, false)
+}
+
+/// The `FLOCK` requests still waiting (the kernel lists them under the lock
+/// they wait for, as `N: -> FLOCK …`): a shadow blocked on the election
+/// lock shows up here, which is how the shim sees it parked when it says
+/// nothing on the notify socket.
+pub fn parse_proc_lock_waiters(text: &str) -> Vec<FlockHolder> {
+    entries(text, true)
+}
+
+fn entries(text: &str, waiters: bool) -> Vec<FlockHolder> {
+    text.lines()
+        .filter_map(|line| {
+            let mut fields: Vec<&str> = line.split_whitespace().collect();
+            // "1: FLOCK  ADVISORY  WRITE 1234 00:1a:5678 0 EOF", and a
+            // waiter: "1: -> FLOCK  ADVISORY  WRITE 1235 00:1a:5678 0 EOF".
+            let waiting = fields.get(1) == Some(&"->");
+            if waiting != waiters {
+                return None;
+            }
+            if waiting {
+                fields.remove(1);
+            }
+            flock_entry(&fields)
+        })
+        .collect()
+}
+
+fn flock_entry(fields: &[&str]) -> Option<FlockHolder> {
+    if fields.len() < 6 || fields[1] != "FLOCK" {
+        return None;
     }
-    out
+    let exclusive = match fields[3] {
+        "WRITE" => true,
+        "READ" => false,
+        _ => return None,
+    };
+    let pid = fields[4].parse::<u32>().ok()?;
+    let mut id = fields[5].split(':');
+    let (Some(maj), Some(min), Some(ino), None) = (id.next(), id.next(), id.next(), id.next())
+    else {
+        return None;
+    };
+    Some(FlockHolder {
+        pid,
+        file: FileId {
+            major: u32::from_str_radix(maj, 16).ok()?,
+            minor: u32::from_str_radix(min, 16).ok()?,
+            inode: ino.parse::<u64>().ok()?,
+        },
+        exclusive,
+    })
 }
 
 #[cfg(test)]
@@ -118,6 +133,16 @@ garbage
             }
         );
         assert!(!h[1].exclusive);
+    }
+
+    #[test]
+    fn waiters_only() {
+        let w = parse_proc_lock_waiters(SAMPLE);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert_eq!(w[0].pid, 4243);
+        assert_eq!(w[0].file, parse_proc_locks(SAMPLE)[0].file);
+        assert!(w[0].exclusive);
+        assert!(parse_proc_lock_waiters("1: -> FLOCK ADVISORY WRITE x 0:1:2 0 EOF").is_empty());
     }
 
     #[test]

@@ -19,7 +19,7 @@ use serde::Serialize;
 use crate::{
     failure::{classify, Exit, FailureClass, XidClass},
     notify::Notification,
-    policy::{RestartBudget, RestartPolicy},
+    policy::{RestartBudget, RestartPolicy, Verdict},
     promotion::{DeathSign, Handover, Promotion},
 };
 
@@ -123,6 +123,9 @@ pub enum Event {
     LockHeld { slot: SlotId },
     /// `/proc/locks` shows nobody holding the election lock.
     LockFree,
+    /// `/proc/locks` shows the engine of `slot` waiting for the election
+    /// lock: it is initialised and parked, whether or not it says so.
+    LockWaiting { slot: SlotId },
     /// The kernel reported the lock file closed for good (inotify), and
     /// the active engine's pid was not then seen holding the lock: an
     /// engine let go of it (dying or on purpose), which releases its flock.
@@ -181,6 +184,8 @@ enum Ending {
     Stopping,
     /// The restart budget is spent.
     CrashLoop,
+    /// Every engine finished cleanly (exit 0) on its own.
+    Finished,
 }
 
 /// A pair's observable state, for metrics and `shadowctl`.
@@ -340,12 +345,20 @@ impl Pair {
             .slots
             .iter()
             .any(|s| s.alive() && s.state != EngineState::Superseded && !s.speaks_notify);
-        if !silent {
-            LockWatch::Off
-        } else if self
+        let serving = self
             .active
-            .is_some_and(|a| self.slot(a).state == EngineState::Active)
-        {
+            .is_some_and(|a| self.slot(a).state == EngineState::Active);
+        // An engine that speaks sd_notify but has not said it is parked may
+        // be waiting on the lock all the same: worth a look at the idle
+        // rate while another serves, so the pair is seen protected.
+        let unsaid = serving
+            && self
+                .slots
+                .iter()
+                .any(|s| s.state == EngineState::Starting && s.speaks_notify);
+        if !silent && !unsaid {
+            LockWatch::Off
+        } else if serving {
             LockWatch::Idle
         } else {
             LockWatch::Fast
@@ -413,6 +426,7 @@ impl Pair {
             Event::Notified { slot, notification } => self.on_notify(slot, notification, now),
             Event::LockHeld { slot } => self.on_lock(slot, now),
             Event::LockFree => self.on_lock_free(now),
+            Event::LockWaiting { slot } => self.on_lock_waiting(slot),
             Event::LockClosed => self.on_lock_closed(now),
             Event::Exited { slot, exit } => {
                 if !self.slot(slot).alive() {
@@ -557,6 +571,18 @@ impl Pair {
         }
     }
 
+    /// The engine blocks on the lock: step 3 of the engine contract, so it
+    /// has done everything that does not need the lock. An engine that
+    /// says `STATUS=parked` gets there by its own word; one that does not
+    /// (a server under `flock(1)`, or one that only says `READY=1`) by this.
+    fn on_lock_waiting(&mut self, slot: SlotId) -> Vec<Action> {
+        let s = &mut self.slots[slot.index()];
+        if s.state == EngineState::Starting {
+            s.state = EngineState::Parked;
+        }
+        Vec::new()
+    }
+
     fn on_lock_free(&mut self, now: Duration) -> Vec<Action> {
         // Only an engine that is active by the lock (no sd_notify) is known
         // to hold it; READY=1 and the reap speak for the others.
@@ -653,16 +679,40 @@ impl Pair {
             actions.extend(self.begin_cold_restart());
             return actions;
         }
+        if exit == Exit::Code(0) {
+            // Restart on failure only (systemd's Restart=on-failure): an
+            // engine that finished cleanly on its own is not started again.
+            // Whoever is left serves; once nobody is, the task ends with 0,
+            // as a plain container whose process finished would.
+            let other = self.slot(slot.other());
+            let left = other.alive()
+                || matches!(other.state, EngineState::Spawning | EngineState::Backoff);
+            if !left {
+                self.ending = Some(Ending::Finished);
+                self.final_status = Some(0);
+                actions.extend(self.end_or_kill());
+            }
+            return actions;
+        }
         // The shadow may already hold the lock: if it is the only live
         // engine and it is active by lock, the promotion completes when the
         // shim next sees the lock or READY=1.
+        let other = self.slot(slot.other());
+        let survivor = other.alive() || other.state == EngineState::Spawning;
         match self.budget.on_death(useful, now) {
-            Some(delay) if delay.is_zero() => actions.push(self.spawn(slot)),
-            Some(delay) => {
+            Verdict::Respawn(delay) if delay.is_zero() => actions.push(self.spawn(slot)),
+            Verdict::Respawn(delay) => {
                 self.slots[slot.index()].state = EngineState::Backoff;
                 actions.push(Action::SpawnAfter { slot, delay });
             }
-            None => {
+            // Too many respawns lately, but an engine is left: it serves
+            // (unprotected) and this slot returns when the window allows.
+            // Ending the task would kill an engine that can serve.
+            Verdict::WindowFull(delay) if survivor => {
+                self.slots[slot.index()].state = EngineState::Backoff;
+                actions.push(Action::SpawnAfter { slot, delay });
+            }
+            Verdict::WindowFull(_) | Verdict::CrashLoop => {
                 self.ending = Some(Ending::CrashLoop);
                 self.final_status = Some(exit.status());
                 actions.extend(self.end_or_kill());

@@ -13,7 +13,7 @@ use shadow_pair::{FileId, SlotId};
 use tokio::sync::oneshot;
 
 use super::engine::{run_engine, EngineSlot, SharedOutput};
-use super::lock::{self, LockSeen};
+use super::lock::{self, LockLook};
 use crate::error::Result;
 use crate::exits::{Exit, ExitRouter};
 
@@ -28,8 +28,8 @@ pub trait Host: Send + Sync + 'static {
     fn signal(&self, pid: u32, signal: Signal);
     /// The slot whose cgroup `pid` is in.
     fn slot_of_pid(&self, pid: u32) -> Option<SlotId>;
-    /// Who holds the election lock now.
-    fn lock(&self) -> LockSeen;
+    /// Who holds the election lock now, and who waits for it.
+    fn lock(&self) -> LockLook;
 }
 
 /// The real machine: runc for the engines, the shim's exit router, kill(2)
@@ -82,7 +82,7 @@ impl Host for Machine {
         lock::slot_of_pid(pid, &self.cgroups)
     }
 
-    fn lock(&self) -> LockSeen {
+    fn lock(&self) -> LockLook {
         lock::observe(self.lock_file, &self.cgroups)
     }
 }

@@ -6,7 +6,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use shadow_pair::{parse_proc_locks, FileId, SlotId};
+use shadow_pair::{parse_proc_lock_waiters, parse_proc_locks, FileId, SlotId};
 
 use crate::error::{Error, Result};
 
@@ -61,15 +61,46 @@ pub enum LockSeen {
     Unknown,
 }
 
-/// Who holds `file` exclusively now.
-pub fn observe(file: FileId, engine_cgroups: &[String; 2]) -> LockSeen {
-    let Ok(text) = std::fs::read_to_string("/proc/locks") else {
-        return LockSeen::Unknown;
-    };
-    seen_in(&text, file, |pid| slot_of_pid(pid, engine_cgroups))
+/// One look at `/proc/locks`: who holds the election lock, and which
+/// engines wait for it (a waiting engine is parked, said or not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockLook {
+    pub seen: LockSeen,
+    /// Indexed by slot.
+    pub waiting: [bool; 2],
 }
 
-fn seen_in(text: &str, file: FileId, slot_of: impl Fn(u32) -> Option<SlotId>) -> LockSeen {
+impl LockLook {
+    pub const UNKNOWN: LockLook = LockLook {
+        seen: LockSeen::Unknown,
+        waiting: [false, false],
+    };
+}
+
+/// Who holds `file` exclusively now, and who waits for it.
+pub fn observe(file: FileId, engine_cgroups: &[String; 2]) -> LockLook {
+    let Ok(text) = std::fs::read_to_string("/proc/locks") else {
+        return LockLook::UNKNOWN;
+    };
+    look_in(&text, file, |pid| slot_of_pid(pid, engine_cgroups))
+}
+
+fn look_in(text: &str, file: FileId, slot_of: impl Fn(u32) -> Option<SlotId>) -> LockLook {
+    let mut waiting = [false, false];
+    for w in parse_proc_lock_waiters(text) {
+        if w.file == file {
+            if let Some(slot) = slot_of(w.pid) {
+                waiting[slot.index()] = true;
+            }
+        }
+    }
+    LockLook {
+        seen: seen_in(text, file, &slot_of),
+        waiting,
+    }
+}
+
+fn seen_in(text: &str, file: FileId, slot_of: &impl Fn(u32) -> Option<SlotId>) -> LockSeen {
     let mut holders = parse_proc_locks(text)
         .into_iter()
         .filter(|h| h.file == file && h.exclusive)
@@ -108,14 +139,82 @@ mod tests {
         };
         let line = |pid: u32| format!("1: FLOCK  ADVISORY  WRITE {pid} fd:01:42 0 EOF\n");
         let slot_of = |pid: u32| (pid == 7).then_some(SlotId::ONE);
-        assert_eq!(seen_in("", file, slot_of), LockSeen::Free);
+        assert_eq!(seen_in("", file, &slot_of), LockSeen::Free);
         assert_eq!(
-            seen_in(&line(7), file, slot_of),
+            seen_in(&line(7), file, &slot_of),
             LockSeen::Held(SlotId::ONE)
         );
-        assert_eq!(seen_in(&line(8), file, slot_of), LockSeen::Unknown);
+        assert_eq!(seen_in(&line(8), file, &slot_of), LockSeen::Unknown);
         let other = "1: FLOCK  ADVISORY  WRITE 7 fd:01:43 0 EOF\n";
-        assert_eq!(seen_in(other, file, slot_of), LockSeen::Free);
+        assert_eq!(seen_in(other, file, &slot_of), LockSeen::Free);
+    }
+
+    #[test]
+    fn waiters_of_the_election_lock_are_told_by_slot() {
+        let file = FileId {
+            major: 0xfd,
+            minor: 1,
+            inode: 42,
+        };
+        let slot_of = |pid: u32| match pid {
+            7 => Some(SlotId::ZERO),
+            8 => Some(SlotId::ONE),
+            _ => None,
+        };
+        let text = "1: FLOCK  ADVISORY  WRITE 7 fd:01:42 0 EOF\n\
+                    1: -> FLOCK  ADVISORY  WRITE 8 fd:01:42 0 EOF\n\
+                    2: FLOCK  ADVISORY  WRITE 9 fd:01:43 0 EOF\n\
+                    2: -> FLOCK  ADVISORY  WRITE 7 fd:01:43 0 EOF\n";
+        let look = look_in(text, file, slot_of);
+        assert_eq!(look.seen, LockSeen::Held(SlotId::ZERO));
+        assert_eq!(
+            look.waiting,
+            [false, true],
+            "a wait on another file is not ours"
+        );
+        let alone = look_in(
+            "1: -> FLOCK  ADVISORY  WRITE 5 fd:01:42 0 EOF\n",
+            file,
+            slot_of,
+        );
+        assert_eq!(alone.waiting, [false, false], "a waiter of no slot");
+    }
+
+    /// Two real flocks on the lock file: the second waits, and is listed.
+    #[test]
+    fn a_real_waiter_is_listed() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("engine.lock");
+        let id = create_lock_file(&p).unwrap();
+        let held = nix::fcntl::Flock::lock(
+            std::fs::File::open(&p).unwrap(),
+            nix::fcntl::FlockArg::LockExclusive,
+        )
+        .map_err(|(_, e)| e)
+        .unwrap();
+        let path = p.clone();
+        let waiter = std::thread::spawn(move || {
+            // Blocks until `held` goes: a second open file description.
+            let f = std::fs::File::open(&path).unwrap();
+            nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+                .map_err(|(_, e)| e)
+                .unwrap()
+        });
+        let me = std::process::id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let text = std::fs::read_to_string("/proc/locks").unwrap();
+            // Threads share our tgid: the waiter's pid is ours too.
+            let look = look_in(&text, id, |pid| (pid == me).then_some(SlotId::ONE));
+            if look.waiting == [false, true] {
+                assert_eq!(look.seen, LockSeen::Held(SlotId::ONE));
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "no waiter in {text}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        drop(held);
+        drop(waiter.join().unwrap());
     }
 
     #[test]

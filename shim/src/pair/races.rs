@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::config::PairConfig;
 use super::engine::SharedOutput;
 use super::host::Host;
-use super::lock::LockSeen;
+use super::lock::LockLook;
 use super::notify::Datagram;
 use super::publish::View;
 use super::supervisor::{Input, Parts, Supervisor};
@@ -134,8 +134,8 @@ impl Host for FakeHost {
         self.state().slots.get(&pid).copied()
     }
 
-    fn lock(&self) -> LockSeen {
-        LockSeen::Unknown
+    fn lock(&self) -> LockLook {
+        LockLook::UNKNOWN
     }
 }
 
@@ -348,4 +348,37 @@ async fn the_lock_files_close_dates_a_death_that_ready_reported_first() {
     let total = p.total_ms.expect("total");
     assert!((15.0..1000.0).contains(&total), "death → READY {total} ms");
     assert!(p.reaped_unix_us > p.death_unix_us, "{p:?}");
+}
+
+#[tokio::test]
+async fn a_second_kill_reaches_the_engines_at_once_not_after_the_grace() {
+    let rig = Rig::serving().await;
+    let [active, shadow] = rig.pids();
+    let _ = rig.input.send(Input::Kill { signal: 15 });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !rig.host.signals().contains(&(shadow, Signal::SIGTERM)) {
+        assert!(Instant::now() < deadline, "{:?}", rig.host.signals());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The engines ignore SIGTERM; CRI's own grace ends: SIGKILL, long
+    // before the pair's stop_grace_ms (10 s by default).
+    let _ = rig.input.send(Input::Kill { signal: 9 });
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let sent = rig.host.signals();
+        if sent.contains(&(active, Signal::SIGKILL)) && sent.contains(&(shadow, Signal::SIGKILL)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{sent:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    rig.host.reap(active, 137, SystemTime::now());
+    rig.host.reap(shadow, 137, SystemTime::now());
+    let mut view = rig.view.clone();
+    let v = tokio::time::timeout(Duration::from_secs(5), view.wait_for(|v| v.exit.is_some()))
+        .await
+        .expect("exit in time")
+        .expect("view")
+        .clone();
+    assert_eq!(v.exit.map(|e| e.status), Some(137));
 }

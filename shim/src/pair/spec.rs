@@ -1,6 +1,6 @@
 //! One container spec in, two engine specs out. The engines run the
 //! spec's process unchanged on the spec's own rootfs (two runc containers can
-//! share one rootfs), plus what DESIGN.md promises inside every engine: the
+//! share one rootfs), plus what the engine contract (docs/engine-contract.md) promises inside every engine: the
 //! pair directory with the election lock and the notify socket, the GMS
 //! socket directory, and the four `SHADOW_*`/`NOTIFY_SOCKET`/`GMS_*`
 //! variables. The pair's resource limits move to a parent cgroup (see

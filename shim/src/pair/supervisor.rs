@@ -260,11 +260,19 @@ impl Supervisor {
             return Vec::new();
         }
         let now = self.clock.now();
-        match self.host.lock() {
+        let look = self.host.lock();
+        let mut actions = Vec::new();
+        for slot in SlotId::BOTH {
+            if look.waiting[slot.index()] {
+                actions.extend(self.pair.handle(PairEvent::LockWaiting { slot }, now));
+            }
+        }
+        actions.extend(match look.seen {
             LockSeen::Held(slot) => self.pair.handle(PairEvent::LockHeld { slot }, now),
             LockSeen::Free => self.pair.handle(PairEvent::LockFree, now),
             LockSeen::Unknown => Vec::new(),
-        }
+        });
+        actions
     }
 
     fn on_spawned(
@@ -352,18 +360,21 @@ impl Supervisor {
                 self.pair.handle(PairEvent::BackoffElapsed { slot }, now)
             }
             Input::Kill { signal } => {
-                if self.stop_signal.is_none() {
-                    self.stop_signal = Some(signal);
-                    let s = Signal::try_from(signal as i32).unwrap_or(Signal::SIGKILL);
-                    self.kill_all(s);
-                    if s != Signal::SIGKILL {
-                        let tx = self.tx.clone();
-                        let grace = self.config.stop_grace();
-                        tokio::spawn(async move {
-                            tokio::time::sleep(grace).await;
-                            let _ = tx.send(Input::Escalate);
-                        });
-                    }
+                // Every Kill reaches the engines at once, as under runc-v2:
+                // CRI follows its SIGTERM with a SIGKILL after its own grace
+                // period, which must not wait for ours. The latest signal is
+                // also the one a respawn that lands afterwards gets.
+                let s = Signal::try_from(signal as i32).unwrap_or(Signal::SIGKILL);
+                self.kill_all(s);
+                let first = self.stop_signal.is_none();
+                self.stop_signal = Some(signal);
+                if first && s != Signal::SIGKILL {
+                    let tx = self.tx.clone();
+                    let grace = self.config.stop_grace();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(grace).await;
+                        let _ = tx.send(Input::Escalate);
+                    });
                 }
                 let now = self.clock.now();
                 self.pair.handle(PairEvent::Stop, now)

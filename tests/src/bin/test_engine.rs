@@ -1,5 +1,5 @@
-//! `test-engine`: a small real engine that follows the engine contract of
-//! DESIGN.md, for the pair tests and the failover benchmark. No test fakes
+//! `test-engine`: a small real engine that follows the engine contract
+//! (docs/engine-contract.md), for the pair tests and the failover benchmark. No test fakes
 //! it: it runs in a container under runc, takes the kernel lock, speaks
 //! sd_notify and GMS for real.
 //!
