@@ -8,6 +8,7 @@
 //! (which writes shares as a v2 weight and `-1` pids as a number), so a
 //! refused value fails with the setting's name.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cgroups_rs::fs::cpu::CpuController;
@@ -23,6 +24,8 @@ use crate::error::{Error, Result};
 
 /// How long removal retries while the last engine processes leave.
 const REMOVE_WAIT: Duration = Duration::from_secs(2);
+/// cgroup v1 hosts in hybrid mode also mount cgroup2 here.
+const HYBRID_UNIFIED: &str = "/sys/fs/cgroup/unified";
 
 /// The pair's parent cgroup, as created.
 #[derive(Debug)]
@@ -91,11 +94,20 @@ impl PairCgroup {
     fn remove_blocking(&self, wait: Duration) {
         let deadline = Instant::now() + wait;
         let children = ["s0", "s1"].map(|s| crate::stats::at(&format!("{}/{s}", self.path)));
+        // A hybrid host's cgroup2 mount, where runc puts the engines too:
+        // not one of cgroups-rs's v1 hierarchies.
+        let hybrid = Path::new(HYBRID_UNIFIED).join(self.path.trim_start_matches('/'));
+        let hybrid = [hybrid.join("s0"), hybrid.join("s1"), hybrid];
         loop {
             let mut left = Vec::new();
             for cg in children.iter().chain([&self.cgroup]) {
                 if let Err(e) = cg.delete() {
                     left.push(format!("{}: {e}", cg.path()));
+                }
+            }
+            for d in hybrid.iter().filter(|d| !self.cgroup.v2() && d.is_dir()) {
+                if let Err(e) = std::fs::remove_dir(d) {
+                    left.push(format!("{}: {e}", d.display()));
                 }
             }
             if left.is_empty() {
@@ -299,10 +311,17 @@ mod tests {
         let url = if v2 { "v2" } else { "v1" };
         assert_eq!(any.type_url, format!("io.containerd.cgroups.{url}.Metrics"));
 
+        // On a hybrid host runc also makes the engines' cgroups in cgroup2.
         let top = format!("/shadow-unit-{}", std::process::id());
+        let hybrid = Path::new(HYBRID_UNIFIED).join(&top[1..]);
+        let made_hybrid = !v2 && std::fs::create_dir_all(hybrid.join("pair/s0")).is_ok();
         let left = cg.cgroup.clone();
         cg.remove().await;
         assert!(!left.exists(), "pair cgroup left");
+        assert!(!hybrid.join("pair").exists(), "hybrid cgroup2 dir left");
+        if made_hybrid {
+            std::fs::remove_dir(&hybrid).expect("remove the test's hybrid dir");
+        }
         crate::stats::at(&top)
             .delete()
             .expect("remove the test's top cgroup");
