@@ -104,12 +104,7 @@ fn watch_v2(dir: PathBuf, on_oom: impl Fn() + Send + 'static) -> Result<JoinHand
     // the fd stays open and unchanged for the AsyncFd's whole life.
     let afd = unsafe { AsyncFd::register(ino) }
         .map_err(|e| Error::io("polling inotify", std::io::Error::other(e.to_string())))?;
-    let oom_kills = |d: &Path| {
-        keyed(d, "memory.events")
-            .get("oom_kill")
-            .copied()
-            .unwrap_or(0)
-    };
+    let oom_kills = |d: &Path| keyed(d, "memory.events").remove("oom_kill").unwrap_or(0);
     let mut seen = oom_kills(&dir);
     Ok(tokio::spawn(async move {
         let mut buf = [0u8; 512];
