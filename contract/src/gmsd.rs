@@ -57,6 +57,32 @@ pub struct GmsdCommand {
     reaper: Reaper,
 }
 
+/// Whether `binary` (a path, or a name looked up on `PATH`) names a
+/// regular file someone may execute.
+fn executable(binary: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let is_exec = |p: &Path| {
+        std::fs::metadata(p)
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    };
+    let found = if binary.components().count() > 1 || binary.is_absolute() {
+        is_exec(binary)
+    } else {
+        std::env::var_os("PATH")
+            .map(|path| std::env::split_paths(&path).any(|dir| is_exec(&dir.join(binary))))
+            .unwrap_or(false)
+    };
+    if found {
+        Ok(())
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "no executable file there (or on PATH)",
+        ))
+    }
+}
+
 /// Why gmsd did not become ready.
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
@@ -190,6 +216,15 @@ impl GmsdCommand {
     /// Starts gmsd in a session of its own and waits, at most `timeout`,
     /// until it announces its socket.
     pub fn spawn(mut self, timeout: Duration) -> Result<Gmsd, LaunchError> {
+        // A binary that cannot be executed is refused before any fork: when
+        // exec fails, std reaps the child itself and panics if a subreaper's
+        // `waitpid(-1)` took it first, which is the shim's case.
+        if let Err(source) = executable(&self.binary) {
+            return Err(LaunchError::Spawn {
+                binary: self.binary.clone(),
+                source,
+            });
+        }
         let mut cmd = self.command();
         cmd.stdin(Stdio::null()).stdout(Stdio::piped());
         if let Some(log) = self.stderr.take() {
@@ -735,6 +770,20 @@ mod tests {
     fn missing_binary_is_a_spawn_error() {
         let r = GmsdCommand::new("/nonexistent/gmsd", "/tmp", "host").spawn(Duration::from_secs(1));
         assert!(matches!(r, Err(LaunchError::Spawn { .. })), "{r:?}");
+    }
+
+    /// Refused before any fork: no child whose failed exec std would reap.
+    #[test]
+    fn what_cannot_be_executed_is_refused_before_a_fork() {
+        let d = tempfile::tempdir().unwrap();
+        let plain = d.path().join("gmsd");
+        std::fs::write(&plain, "not a program").unwrap();
+        for binary in [plain.as_path(), d.path(), Path::new("no-such-gmsd-on-path")] {
+            let err = executable(binary).expect_err("refused");
+            assert_eq!(err.kind(), std::io::ErrorKind::NotFound, "{binary:?}");
+        }
+        assert!(executable(Path::new("sh")).is_ok(), "found on PATH");
+        assert!(executable(Path::new("/bin/sh")).is_ok());
     }
 
     #[test]

@@ -2,28 +2,30 @@
 //! cgroup v1: an eventfd registered on `memory.oom_control` through
 //! `cgroup.event_control`. cgroup v2: inotify on `memory.events`, reporting
 //! when `oom_kill` grows. Either watcher ends when the cgroup disappears.
+//! The memory directory comes from `stats` (cgroups-rs), as the metrics do.
 
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
+use cgroups_rs::fs::Cgroup;
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tokio::io::unix::AsyncFd;
 use tokio::task::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::stats::{read_keyed, CgroupPaths};
+use crate::stats::{keyed, memory_dir};
 
-/// Start watching the memory cgroup of `pid`; `on_oom` runs for each OOM.
-pub fn watch(pid: u32, on_oom: impl Fn() + Send + 'static) -> Result<Option<JoinHandle<()>>> {
-    let paths = CgroupPaths::of_pid(pid)?;
-    let Some(dir) = paths.memory_dir().map(Path::to_path_buf) else {
+/// Start watching the memory cgroup of `cg`; `on_oom` runs for each OOM.
+pub fn watch(cg: &Cgroup, on_oom: impl Fn() + Send + 'static) -> Result<Option<JoinHandle<()>>> {
+    let Some(dir) = memory_dir(cg) else {
         return Ok(None);
     };
-    match paths {
-        CgroupPaths::V1(_) => watch_v1(dir, on_oom).map(Some),
-        CgroupPaths::V2(_) => watch_v2(dir, on_oom).map(Some),
+    if cg.v2() {
+        watch_v2(dir, on_oom).map(Some)
+    } else {
+        watch_v1(dir, on_oom).map(Some)
     }
 }
 
@@ -102,8 +104,8 @@ fn watch_v2(dir: PathBuf, on_oom: impl Fn() + Send + 'static) -> Result<JoinHand
     // the fd stays open and unchanged for the AsyncFd's whole life.
     let afd = unsafe { AsyncFd::register(ino) }
         .map_err(|e| Error::io("polling inotify", std::io::Error::other(e.to_string())))?;
-    let oom_kills = |p: &Path| read_keyed(p).get("oom_kill").copied().unwrap_or(0);
-    let mut seen = oom_kills(&events);
+    let oom_kills = |d: &Path| keyed(d, "memory.events").remove("oom_kill").unwrap_or(0);
+    let mut seen = oom_kills(&dir);
     Ok(tokio::spawn(async move {
         let mut buf = [0u8; 512];
         loop {
@@ -126,7 +128,7 @@ fn watch_v2(dir: PathBuf, on_oom: impl Fn() + Send + 'static) -> Result<JoinHand
                     if !events.exists() {
                         return;
                     }
-                    let now = oom_kills(&events);
+                    let now = oom_kills(&dir);
                     if now > seen {
                         seen = now;
                         on_oom();

@@ -183,11 +183,14 @@ impl PlainContainer {
     fn watch_oom(&self, pid: u32) {
         let events = self.events.clone();
         let id = self.id.clone();
-        match crate::oom::watch(pid, move || {
-            events.send(Event::Oom(TaskOOM {
-                container_id: id.clone(),
-                ..Default::default()
-            }))
+        let cg = crate::stats::of_pid(pid);
+        match cg.and_then(|cg| {
+            crate::oom::watch(&cg, move || {
+                events.send(Event::Oom(TaskOOM {
+                    container_id: id.clone(),
+                    ..Default::default()
+                }))
+            })
         }) {
             Ok(task) => *self.oom.lock().unwrap_or_else(|p| p.into_inner()) = task,
             Err(e) => log::warn!("container {}: no OOM events: {e}", self.id),
@@ -420,6 +423,6 @@ impl Container for PlainContainer {
                 self.id
             )));
         }
-        crate::stats::collect(pid)
+        crate::stats::collect(&crate::stats::of_pid(pid)?)
     }
 }

@@ -162,6 +162,35 @@ impl Cri {
         })
     }
 
+    /// `UpdateContainerResources` with Linux resources (containerd: task Update).
+    pub fn update_resources(&self, id: &str, linux: LinuxContainerResources) -> Result<()> {
+        let mut c = self.runtime.clone();
+        let req = UpdateContainerResourcesRequest {
+            container_id: id.to_owned(),
+            linux: Some(linux),
+            ..Default::default()
+        };
+        self.call(
+            "UpdateContainerResources",
+            c.update_container_resources(req),
+        )
+        .map(drop)
+    }
+
+    /// `ContainerStats` (containerd: task Metrics).
+    pub fn container_stats(&self, id: &str) -> Result<ContainerStats> {
+        let mut c = self.runtime.clone();
+        let req = ContainerStatsRequest {
+            container_id: id.to_owned(),
+        };
+        let r = self.call("ContainerStats", c.container_stats(req))?;
+        r.stats.ok_or_else(|| Error::Cri {
+            call: "ContainerStats",
+            address: self.address.clone(),
+            reason: format!("container {id}: no stats"),
+        })
+    }
+
     /// `StopContainer`: the stop signal, then SIGKILL after `grace`.
     pub fn stop_container(&self, id: &str, grace: Duration) -> Result<()> {
         let mut c = self.runtime.clone();

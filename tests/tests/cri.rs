@@ -252,6 +252,34 @@ fn active_of(st: &PairState) -> (usize, u32) {
     (usize::from(slot), pid)
 }
 
+/// A file of the cgroup of `pid` (`rel` "." itself, ".." its parent); `ctrl`
+/// names the v1 hierarchy, "" the unified one.
+fn cgroup_file(pid: u32, ctrl: &str, rel: &str, file: &str) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup file");
+    let path = text
+        .lines()
+        .find_map(|l| {
+            let mut f = l.splitn(3, ':').skip(1);
+            let (ctrls, path) = (f.next()?, f.next()?);
+            (ctrls == ctrl || ctrls.split(',').any(|c| c == ctrl)).then_some(path)
+        })
+        .unwrap_or_else(|| panic!("no {ctrl:?} line in {text}"));
+    let p = Path::new("/sys/fs/cgroup")
+        .join(ctrl)
+        .join(path.trim_start_matches('/'))
+        .join(rel)
+        .join(file);
+    let body = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    body.trim().to_string()
+}
+
+fn task_pid_of(cri: &Cri, id: &str) -> u32 {
+    let status = cri.container_status(id).expect("status");
+    let info: Value =
+        serde_json::from_str(status.info.get("info").expect("verbose info")).expect("info is JSON");
+    info["pid"].as_u64().expect("pid") as u32
+}
+
 #[test]
 fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
     let state = StateDir::new();
@@ -348,7 +376,7 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
     });
     assert_eq!(next.weights, first.weights, "same weights, shared");
     assert!(!next.loaded, "the promoted engine did not reload weights");
-    until(
+    let st = until(
         "the killed slot back as a parked shadow",
         LONG,
         STEP,
@@ -357,6 +385,46 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
                 .filter(|v| v.pair.protected && v.pair.active.map(usize::from) == Some(1 - slot))
         },
     );
+    // Update reaches the pair's cgroup, the engines' parent; stats read it.
+    let (_, engine) = active_of(&st);
+    let pair_file = |ctrl: &str, file: &str| cgroup_file(engine, ctrl, "..", file);
+    let resources = |mib: i64| cri::v1::LinuxContainerResources {
+        memory_limit_in_bytes: mib << 20,
+        cpu_shares: 512,
+        ..Default::default()
+    };
+    cri.update_resources(&cid, resources(256))
+        .expect("UpdateContainerResources of the pair");
+    let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let (mem, cpu) = if v2 {
+        (pair_file("", "memory.max"), pair_file("", "cpu.weight"))
+    } else {
+        (
+            pair_file("memory", "memory.limit_in_bytes"),
+            pair_file("cpu", "cpu.shares"),
+        )
+    };
+    assert_eq!(
+        (mem.as_str(), cpu.as_str()),
+        ("268435456", if v2 { "20" } else { "512" })
+    );
+    let stats = cri
+        .container_stats(&cid)
+        .expect("ContainerStats of the pair");
+    let working_set = stats.memory.and_then(|m| m.working_set_bytes);
+    assert!(working_set.is_some_and(|w| w.value > 0), "{working_set:?}");
+    // A plain container's Update is runc's, as with runc-v2.
+    let side_pid = task_pid_of(&cri, &side);
+    cri.update_resources(&side, resources(128))
+        .expect("UpdateContainerResources of the sidecar");
+    let file = if v2 {
+        "memory.max"
+    } else {
+        "memory.limit_in_bytes"
+    };
+    let ctrl = if v2 { "" } else { "memory" };
+    assert_eq!(cgroup_file(side_pid, ctrl, ".", file), "134217728");
+    assert!(cri.container_stats(&side).is_ok(), "sidecar stats");
     let status = cri.container_status(&cid).expect("status");
     let s = status.status.expect("status");
     assert_eq!(

@@ -322,6 +322,37 @@ fn an_engine_that_always_crashes_ends_the_task_with_its_status() {
     assert!(!r.env.pair_dir(&cd, id).exists());
 }
 
+/// Restart on failure only: a one-shot command run as a pair runs once in
+/// each slot, and the task ends with 0 (it used to be respawned until the
+/// restart budget was spent).
+#[test]
+fn a_pair_of_engines_that_finish_cleanly_ends_with_0_and_runs_each_once() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "oneshot";
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--rm"],
+            &["sh", "-c", "echo ran-in-slot-$SHADOW_ENGINE_ID"],
+        )
+        .expect("ctr run");
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    assert_eq!(out.code(), 0, "{out}");
+    for slot in ["0", "1"] {
+        let line = format!("ran-in-slot-{slot}");
+        assert_eq!(
+            out.stdout.lines().filter(|l| *l == line).count(),
+            1,
+            "slot {slot} ran once: {out}"
+        );
+    }
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
+}
+
 #[test]
 fn ctr_kill_ends_the_pair_with_one_exit_and_rm_leaves_nothing() {
     let cd = Containerd::start().expect("containerd");
@@ -633,6 +664,19 @@ fn pinned_network_and_pair_cgroup_limits() {
     let limit = std::fs::read_to_string(format!("{parent}/memory.limit_in_bytes"))
         .expect("pair memory cgroup");
     assert_eq!(limit.trim(), "67108864");
+    // The task's metrics are the pair cgroup's: its limit, both engines.
+    let m = cd
+        .ctr()
+        .run(&["task", "metrics", "--format", "json", id])
+        .expect("ctr task metrics");
+    m.assert_success();
+    let v: serde_json::Value = serde_json::from_str(&m.stdout).expect("metrics JSON");
+    assert_eq!(
+        v["memory"]["usage"]["limit"].as_u64(),
+        Some(67108864),
+        "{m}"
+    );
+    assert!(v["pids"]["current"].as_u64() >= Some(2), "{m}");
     for (s, p) in [(slot, pid), (1 - slot, shadow)] {
         let cg = std::fs::read_to_string(format!("/proc/{p}/cgroup")).expect("cgroup");
         assert!(

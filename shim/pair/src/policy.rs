@@ -55,6 +55,20 @@ mod millis {
     }
 }
 
+/// What a death leads to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Respawn the slot after this delay (zero: at once).
+    Respawn(Duration),
+    /// `max_restarts_in_window` respawns already happened within `window`:
+    /// the slot may come back only after this delay, when the window has
+    /// room again. A surviving engine keeps serving meanwhile, unprotected.
+    WindowFull(Duration),
+    /// More engines in a row died before they became useful than
+    /// `max_consecutive_failures` allows: the pair gives up.
+    CrashLoop,
+}
+
 /// The policy's memory: the current streak and the recent respawns.
 #[derive(Clone, Debug)]
 pub struct RestartBudget {
@@ -77,10 +91,9 @@ impl RestartBudget {
         self.streak
     }
 
-    /// Records a death at `now` and answers the delay before the respawn, or
-    /// `None` when the budget is spent. `useful` says whether the engine had
-    /// become parked or active.
-    pub fn on_death(&mut self, useful: bool, now: Duration) -> Option<Duration> {
+    /// Records a death at `now` and answers what follows. `useful` says
+    /// whether the engine had become parked or active.
+    pub fn on_death(&mut self, useful: bool, now: Duration) -> Verdict {
         self.streak = if useful { 0 } else { self.streak + 1 };
         while self
             .recent
@@ -89,13 +102,21 @@ impl RestartBudget {
         {
             self.recent.pop_front();
         }
-        if self.streak > self.policy.max_consecutive_failures
-            || self.recent.len() as u32 >= self.policy.max_restarts_in_window
-        {
-            return None;
+        if self.streak > self.policy.max_consecutive_failures {
+            return Verdict::CrashLoop;
+        }
+        if self.recent.len() as u32 >= self.policy.max_restarts_in_window {
+            // The oldest respawn of the window leaves it at `oldest +
+            // window`; the respawn is booked for then, so that the window
+            // still holds no more than its cap.
+            let oldest = self.recent.front().copied().unwrap_or(now);
+            let at = oldest + self.policy.window + Duration::from_millis(1);
+            self.recent.pop_front();
+            self.recent.push_back(at);
+            return Verdict::WindowFull(at.saturating_sub(now));
         }
         self.recent.push_back(now);
-        Some(self.delay())
+        Verdict::Respawn(self.delay())
     }
 
     fn delay(&self) -> Duration {
@@ -124,7 +145,7 @@ mod tests {
         for i in 0..100 {
             assert_eq!(
                 b.on_death(true, ms(i * 1000)),
-                Some(Duration::ZERO),
+                Verdict::Respawn(Duration::ZERO),
                 "death {i}"
             );
         }
@@ -140,13 +161,17 @@ mod tests {
             ..RestartPolicy::default()
         };
         let mut b = RestartBudget::new(policy);
-        assert_eq!(b.on_death(false, ms(0)), Some(ms(0)));
-        assert_eq!(b.on_death(false, ms(10)), Some(ms(100)));
-        assert_eq!(b.on_death(false, ms(200)), Some(ms(200)));
-        assert_eq!(b.on_death(false, ms(500)), Some(ms(250)), "capped");
+        assert_eq!(b.on_death(false, ms(0)), Verdict::Respawn(ms(0)));
+        assert_eq!(b.on_death(false, ms(10)), Verdict::Respawn(ms(100)));
+        assert_eq!(b.on_death(false, ms(200)), Verdict::Respawn(ms(200)));
+        assert_eq!(
+            b.on_death(false, ms(500)),
+            Verdict::Respawn(ms(250)),
+            "capped"
+        );
         assert_eq!(
             b.on_death(false, ms(900)),
-            None,
+            Verdict::CrashLoop,
             "fifth early death spends the budget"
         );
     }
@@ -157,7 +182,7 @@ mod tests {
         b.on_death(false, ms(0));
         b.on_death(false, ms(1));
         assert_eq!(b.streak(), 2);
-        assert_eq!(b.on_death(true, ms(2)), Some(Duration::ZERO));
+        assert_eq!(b.on_death(true, ms(2)), Verdict::Respawn(Duration::ZERO));
         assert_eq!(b.streak(), 0);
     }
 
@@ -169,10 +194,19 @@ mod tests {
             ..RestartPolicy::default()
         };
         let mut b = RestartBudget::new(policy);
-        assert!(b.on_death(true, ms(0)).is_some());
-        assert!(b.on_death(true, ms(100)).is_some());
-        assert!(b.on_death(true, ms(200)).is_some());
-        assert!(b.on_death(true, ms(300)).is_none(), "4th within 1 s");
+        assert_eq!(b.on_death(true, ms(0)), Verdict::Respawn(ms(0)));
+        assert_eq!(b.on_death(true, ms(100)), Verdict::Respawn(ms(0)));
+        assert_eq!(b.on_death(true, ms(200)), Verdict::Respawn(ms(0)));
+        assert_eq!(
+            b.on_death(true, ms(300)),
+            Verdict::WindowFull(ms(701)),
+            "4th within 1 s: booked for when the first has aged out"
+        );
+        assert_eq!(
+            b.on_death(true, ms(400)),
+            Verdict::WindowFull(ms(701)),
+            "5th: after the second ages out"
+        );
         let mut b = RestartBudget::new(RestartPolicy {
             max_restarts_in_window: 3,
             window: ms(1000),
@@ -181,8 +215,9 @@ mod tests {
         for t in [0, 100, 200] {
             b.on_death(true, ms(t));
         }
-        assert!(
-            b.on_death(true, ms(1150)).is_some(),
+        assert_eq!(
+            b.on_death(true, ms(1150)),
+            Verdict::Respawn(ms(0)),
             "the first two have aged out"
         );
     }

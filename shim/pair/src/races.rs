@@ -500,3 +500,165 @@ fn waiting_never_demotes_or_revives() {
     p.handle(Event::LockWaiting { slot: S1 }, t(6));
     assert_eq!(p.slot(S1).state, before, "a dead slot stays dead");
 }
+
+/// A spent window budget stops respawns but never the survivor: it
+/// serves unprotected, and the dead slot returns when the window allows.
+#[test]
+fn a_full_restart_window_leaves_the_survivor_serving() {
+    let policy = RestartPolicy {
+        max_restarts_in_window: 2,
+        window: t(10_000),
+        ..RestartPolicy::default()
+    };
+    let mut p = Pair::new(policy);
+    p.start();
+    p.handle(Event::Spawned { slot: S0, pid: 100 }, t(1));
+    p.handle(Event::Spawned { slot: S1, pid: 101 }, t(1));
+    notified(&mut p, S0, parked(), 2);
+    notified(&mut p, S1, parked(), 2);
+    notified(&mut p, S0, Notification::Ready, 3);
+    let mut pid = 200;
+    // Two failovers, each respawning the dead slot at once.
+    for (round, at) in [(0u64, 100u64), (1, 200)] {
+        let dead = p.active().expect("an active engine");
+        let heir = dead.other();
+        notified(&mut p, heir, Notification::Ready, at);
+        let a = p.handle(
+            Event::Exited {
+                slot: dead,
+                exit: KILL,
+            },
+            t(at + 1),
+        );
+        assert!(
+            a.contains(&Action::Spawn { slot: dead }),
+            "round {round}: {a:?}"
+        );
+        p.handle(Event::Spawned { slot: dead, pid }, t(at + 2));
+        notified(&mut p, dead, parked(), at + 3);
+        pid += 1;
+        assert!(p.snapshot().protected, "round {round}");
+    }
+    // The third death within the window: no respawn now, no exit either.
+    let dead = p.active().expect("active");
+    let heir = dead.other();
+    notified(&mut p, heir, Notification::Ready, 300);
+    let a = p.handle(
+        Event::Exited {
+            slot: dead,
+            exit: KILL,
+        },
+        t(301),
+    );
+    assert!(
+        !a.iter()
+            .any(|x| matches!(x, Action::Exit { .. } | Action::KillAll)),
+        "the survivor must not be killed: {a:?}"
+    );
+    let delay = a
+        .iter()
+        .find_map(|x| match x {
+            Action::SpawnAfter { slot, delay } if *slot == dead => Some(*delay),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("the slot comes back later: {a:?}"));
+    assert_eq!(
+        delay,
+        t(10_000 + 101 + 1 - 301),
+        "when the first respawn ages out"
+    );
+    assert_eq!(p.active(), Some(heir));
+    assert!(!p.snapshot().protected, "unprotected meanwhile");
+    // The window has room again: the slot respawns and parks.
+    let a = p.handle(Event::BackoffElapsed { slot: dead }, t(301) + delay);
+    assert_eq!(a, vec![Action::Spawn { slot: dead }]);
+    p.handle(Event::Spawned { slot: dead, pid }, t(10_500));
+    notified(&mut p, dead, parked(), 10_600);
+    assert!(p.snapshot().protected);
+}
+
+/// With no engine left, a full window ends the pair as before.
+#[test]
+fn a_full_restart_window_with_no_survivor_ends_the_pair() {
+    let policy = RestartPolicy {
+        max_restarts_in_window: 1,
+        window: t(10_000),
+        ..RestartPolicy::default()
+    };
+    let mut p = Pair::single(policy);
+    p.start();
+    p.handle(Event::Spawned { slot: S0, pid: 100 }, t(1));
+    notified(&mut p, S0, Notification::Ready, 2);
+    let a = p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: KILL,
+        },
+        t(3),
+    );
+    assert_eq!(a, vec![Action::Spawn { slot: S0 }]);
+    p.handle(Event::Spawned { slot: S0, pid: 101 }, t(4));
+    notified(&mut p, S0, Notification::Ready, 5);
+    let a = p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: KILL,
+        },
+        t(6),
+    );
+    assert!(
+        a.contains(&Action::Exit { status: 137 }),
+        "no engine left: the task ends with the last status: {a:?}"
+    );
+}
+
+/// Restart on failure only: a clean exit is not respawned, and the task
+/// ends with 0 once no engine is left (a one-shot command run as a pair).
+#[test]
+fn clean_exits_are_not_respawned_and_the_last_one_ends_the_task_with_0() {
+    let mut p = Pair::new(RestartPolicy::default());
+    p.start();
+    p.handle(Event::Spawned { slot: S0, pid: 100 }, t(1));
+    p.handle(Event::Spawned { slot: S1, pid: 101 }, t(1));
+    let a = p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: Exit::Code(0),
+        },
+        t(2),
+    );
+    assert!(a.is_empty(), "no respawn, slot 1 still runs: {a:?}");
+    assert_eq!(p.slot(S0).state, EngineState::Stopped);
+    let a = p.handle(
+        Event::Exited {
+            slot: S1,
+            exit: Exit::Code(0),
+        },
+        t(3),
+    );
+    assert_eq!(a, vec![Action::Exit { status: 0 }]);
+}
+
+/// A clean exit of the active hands over like any death: the shadow
+/// serves on, unprotected, and nothing is respawned.
+#[test]
+fn a_clean_exit_of_the_active_leaves_the_shadow_serving() {
+    let mut p = serving();
+    notified(&mut p, S1, Notification::Ready, 10);
+    let a = p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: Exit::Code(0),
+        },
+        t(11),
+    );
+    assert!(
+        !a.iter().any(|x| matches!(
+            x,
+            Action::Spawn { .. } | Action::Exit { .. } | Action::KillAll
+        )),
+        "{a:?}"
+    );
+    assert_eq!(p.active(), Some(S1));
+    assert!(!p.snapshot().protected);
+}

@@ -1,69 +1,38 @@
 //! The pair's cgroup: the spec's resource limits apply to the pair as a
 //! whole, so they go on a parent cgroup (the spec's `cgroupsPath`) and each
 //! engine runs in a child (`s0`, `s1`) that runc creates without limits.
-//! cgroup v1 (one directory per controller hierarchy) and v2 (one directory)
-//! are both written straight to cgroupfs.
+//! Made, limited (at Create and by Update), read for stats and removed
+//! through cgroups-rs, on cgroup v1 and v2 alike. The limits are written
+//! with cgroups-rs's per-controller setters rather than `Cgroup::apply`
+//! (which drops memory errors) or containerd-shim's `update_resources`
+//! (which writes shares as a v2 weight and `-1` pids as a number), so a
+//! refused value fails with the setting's name.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use cgroups_rs::fs::cpu::CpuController;
+use cgroups_rs::fs::cpuset::CpuSetController;
+use cgroups_rs::fs::memory::MemController;
+use cgroups_rs::fs::pid::PidController;
+use cgroups_rs::fs::{Cgroup, Controller, MaxValue};
+use containerd_shim_protos::protobuf::well_known_types::any::Any;
+use oci_spec::runtime::{LinuxCpu, LinuxMemory, LinuxResources};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::stats::CGROUP_ROOT;
 
 /// How long removal retries while the last engine processes leave.
 const REMOVE_WAIT: Duration = Duration::from_secs(2);
-
-fn unified() -> bool {
-    Path::new(CGROUP_ROOT).join("cgroup.controllers").exists()
-}
-
-/// (controller dir under /sys/fs/cgroup for v1, file, value)
-fn limits(resources: &Value) -> Vec<(&'static str, &'static str, String)> {
-    let mut out = Vec::new();
-    let num = |p: &str| resources.pointer(p).and_then(Value::as_i64);
-    let v2 = unified();
-    if let Some(l) = num("/memory/limit").filter(|l| *l > 0) {
-        out.push(if v2 {
-            ("", "memory.max", l.to_string())
-        } else {
-            ("memory", "memory.limit_in_bytes", l.to_string())
-        });
-    }
-    if let Some(l) = num("/pids/limit").filter(|l| *l > 0) {
-        out.push(if v2 {
-            ("", "pids.max", l.to_string())
-        } else {
-            ("pids", "pids.max", l.to_string())
-        });
-    }
-    let period = num("/cpu/period").filter(|p| *p > 0);
-    if let Some(q) = num("/cpu/quota").filter(|q| *q > 0) {
-        let period = period.unwrap_or(100_000);
-        if v2 {
-            out.push(("", "cpu.max", format!("{q} {period}")));
-        } else {
-            out.push(("cpu", "cpu.cfs_period_us", period.to_string()));
-            out.push(("cpu", "cpu.cfs_quota_us", q.to_string()));
-        }
-    }
-    if let Some(s) = num("/cpu/shares").filter(|s| *s > 0) {
-        if v2 {
-            let weight = 1 + ((s.clamp(2, 262_144) - 2) * 9999) / 262_142;
-            out.push(("", "cpu.weight", weight.to_string()));
-        } else {
-            out.push(("cpu", "cpu.shares", s.to_string()));
-        }
-    }
-    out
-}
+/// cgroup v1 hosts in hybrid mode also mount cgroup2 here.
+const HYBRID_UNIFIED: &str = "/sys/fs/cgroup/unified";
 
 /// The pair's parent cgroup, as created.
 #[derive(Debug)]
 pub struct PairCgroup {
     /// `cgroupsPath` of the pair (`/ns/id`).
     pub path: String,
+    cgroup: Cgroup,
 }
 
 impl PairCgroup {
@@ -71,73 +40,76 @@ impl PairCgroup {
     pub fn create(path: &str, resources: Option<&Value>) -> Result<Self> {
         let cg = PairCgroup {
             path: path.to_string(),
+            cgroup: crate::stats::at(path),
         };
-        let rel = path.trim_start_matches('/');
-        let Some(resources) = resources else {
-            return Ok(cg);
-        };
-        let v2 = unified();
-        for (ctrl, file, value) in limits(resources) {
-            let dir = Path::new(CGROUP_ROOT).join(ctrl).join(rel);
-            if v2 {
-                enable_v2_controllers(rel);
-            }
-            std::fs::create_dir_all(&dir)
-                .map_err(|e| Error::io(format!("creating pair cgroup {}", dir.display()), e))?;
-            let f = dir.join(file);
-            if let Err(e) = std::fs::write(&f, &value) {
-                cg.remove_now();
-                return Err(Error::io(
-                    format!("setting pair limit {} = {value}", f.display()),
-                    e,
-                ));
+        let resources = resources
+            .map(|r| serde_json::from_value::<LinuxResources>(r.clone()))
+            .transpose()
+            .map_err(|e| Error::InvalidArgument(format!("linux.resources of {path}: {e}")))?;
+        cg.cgroup
+            .create()
+            .map_err(|e| failed(format!("creating pair cgroup {path}"), e))?;
+        if let Some(r) = resources {
+            if let Err(e) = cg.update(&r) {
+                cg.remove_blocking(Duration::ZERO);
+                return Err(e);
             }
         }
         Ok(cg)
     }
 
-    /// Every directory of this cgroup in every hierarchy, children first.
-    fn dirs(&self) -> Vec<PathBuf> {
-        let rel = self.path.trim_start_matches('/');
-        let mut roots = vec![PathBuf::from(CGROUP_ROOT)];
-        if let Ok(rd) = std::fs::read_dir(CGROUP_ROOT) {
-            for e in rd.flatten() {
-                // Skip the cpu -> cpu,cpuacct style links: same hierarchy.
-                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                    roots.push(e.path());
-                }
+    /// Apply `r` to the pair (both engines are below it). Values left out,
+    /// or 0, keep what the cgroup has.
+    pub fn update(&self, r: &LinuxResources) -> Result<()> {
+        let what = |s: String| format!("pair cgroup {}: setting {s}", self.path);
+        let cg = &self.cgroup;
+        if let (Some(m), Some(mc)) = (r.memory(), cg.controller_of::<MemController>()) {
+            set_memory(mc, m, cg.v2()).map_err(|(s, e)| failed(what(s), e))?;
+        }
+        if let (Some(p), Some(pc)) = (r.pids(), cg.controller_of::<PidController>()) {
+            if p.limit() != 0 {
+                let max = pids_max(p.limit());
+                pc.set_pid_max(max)
+                    .map_err(|e| failed(what(format!("pids.max = {max}")), e))?;
             }
         }
-        let mut out = Vec::new();
-        for r in roots {
-            let d = r.join(rel);
-            if !d.is_dir() || d == r {
-                continue;
-            }
-            for child in ["s0", "s1"] {
-                let c = d.join(child);
-                if c.is_dir() {
-                    out.push(c);
-                }
-            }
-            out.push(d);
+        if let Some(c) = r.cpu() {
+            set_cpu(cg, c).map_err(|(s, e)| failed(what(s), e))?;
         }
-        out
+        Ok(())
     }
 
-    fn remove_now(&self) -> Vec<PathBuf> {
-        self.dirs()
-            .into_iter()
-            .filter(|d| std::fs::remove_dir(d).is_err())
-            .collect()
+    /// The pair's metrics: its cgroup holds both engines.
+    pub fn stats(&self) -> Result<Any> {
+        crate::stats::collect(&self.cgroup)
     }
 
     /// Remove the parent (and children runc left), retrying while processes
     /// are still leaving; logs what would not go.
-    pub async fn remove(&self) {
-        let deadline = Instant::now() + REMOVE_WAIT;
+    pub async fn remove(self) {
+        // cgroups-rs sleeps between its own retries: off the runtime thread.
+        let _ = tokio::task::spawn_blocking(move || self.remove_blocking(REMOVE_WAIT)).await;
+    }
+
+    fn remove_blocking(&self, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        let children = ["s0", "s1"].map(|s| crate::stats::at(&format!("{}/{s}", self.path)));
+        // A hybrid host's cgroup2 mount, where runc puts the engines too:
+        // not one of cgroups-rs's v1 hierarchies.
+        let hybrid = Path::new(HYBRID_UNIFIED).join(self.path.trim_start_matches('/'));
+        let hybrid = [hybrid.join("s0"), hybrid.join("s1"), hybrid];
         loop {
-            let left = self.remove_now();
+            let mut left = Vec::new();
+            for cg in children.iter().chain([&self.cgroup]) {
+                if let Err(e) = cg.delete() {
+                    left.push(format!("{}: {e}", cg.path()));
+                }
+            }
+            for d in hybrid.iter().filter(|d| !self.cgroup.v2() && d.is_dir()) {
+                if let Err(e) = std::fs::remove_dir(d) {
+                    left.push(format!("{}: {e}", d.display()));
+                }
+            }
             if left.is_empty() {
                 return;
             }
@@ -145,19 +117,113 @@ impl PairCgroup {
                 log::warn!("pair cgroup {}: could not remove {left:?}", self.path);
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }
 
-/// v2: controllers must be enabled down the path for limits to apply.
-fn enable_v2_controllers(rel: &str) {
-    let mut dir = PathBuf::from(CGROUP_ROOT);
-    for part in Path::new(rel).components() {
-        let _ = std::fs::write(dir.join("cgroup.subtree_control"), "+memory +pids +cpu");
-        dir = dir.join(part);
-        let _ = std::fs::create_dir_all(&dir);
+type SetResult = std::result::Result<(), (String, cgroups_rs::fs::error::Error)>;
+
+fn failed(what: String, e: cgroups_rs::fs::error::Error) -> Error {
+    use std::error::Error as _;
+    let reason = e.source().map_or_else(|| e.to_string(), |s| s.to_string());
+    Error::Internal { what, reason }
+}
+
+/// OCI: a positive count, else (negative) no limit.
+fn pids_max(limit: i64) -> MaxValue {
+    if limit > 0 {
+        MaxValue::Value(limit)
+    } else {
+        MaxValue::Max
     }
+}
+
+/// runc's order: when memory+swap grows past the current limit (or goes
+/// unlimited) swap is written first, else memory first — the kernel refuses
+/// memory.memsw.limit_in_bytes below memory.limit_in_bytes. On v2 the swap
+/// file holds swap alone (`swap - memory`, runc's conversion).
+fn set_memory(mc: &MemController, m: &LinuxMemory, v2: bool) -> SetResult {
+    let limit = m.limit().filter(|l| *l != 0);
+    // runc: unlimited memory with swap left out makes swap unlimited too.
+    let mut swap = m
+        .swap()
+        .filter(|s| *s != 0)
+        .or((limit == Some(-1)).then_some(-1));
+    if !v2 && !mc.path().join("memory.memsw.limit_in_bytes").exists() {
+        swap = None; // no swap accounting in this kernel: nothing to limit
+    } else if v2 {
+        swap = match (swap, limit) {
+            (Some(-1), _) => Some(-1),
+            (Some(s), Some(l)) if l > 0 => Some(s - l),
+            _ => None,
+        };
+    }
+    let set_limit = |l: i64| {
+        mc.set_limit(l)
+            .map_err(|e| (format!("memory limit = {l}"), e))
+    };
+    let set_swap = |s: i64| {
+        mc.set_memswap_limit(s)
+            .map_err(|e| (format!("memory+swap limit = {s}"), e))
+    };
+    let swap_first = !v2
+        && match (swap, limit) {
+            (Some(s), Some(_)) => s == -1 || s > mc.memory_stat().limit_in_bytes,
+            _ => false,
+        };
+    if swap_first {
+        swap.map_or(Ok(()), set_swap)?;
+        limit.map_or(Ok(()), set_limit)?;
+    } else {
+        limit.map_or(Ok(()), set_limit)?;
+        swap.map_or(Ok(()), set_swap)?;
+    }
+    if let Some(r) = m.reservation().filter(|r| *r != 0) {
+        mc.set_soft_limit(r)
+            .map_err(|e| (format!("memory reservation = {r}"), e))?;
+    }
+    Ok(())
+}
+
+/// cgroup v2 has a weight (1..10000) where v1 has shares (2..262144):
+/// runc's conversion.
+fn weight_of_shares(shares: u64) -> u64 {
+    1 + (shares.clamp(2, 262_144) - 2) * 9999 / 262_142
+}
+
+fn set_cpu(cg: &Cgroup, c: &LinuxCpu) -> SetResult {
+    if let Some(cc) = cg.controller_of::<CpuController>() {
+        if let Some(s) = c.shares().filter(|s| *s != 0) {
+            let v = if cg.v2() { weight_of_shares(s) } else { s };
+            cc.set_shares(v)
+                .map_err(|e| (format!("cpu shares = {s}"), e))?;
+        }
+        let quota = c.quota().filter(|q| *q != 0);
+        let period = c.period().filter(|p| *p != 0);
+        if quota.is_some() || period.is_some() {
+            // v2: one write of cpu.max; v1: period first, as runc.
+            let r = if cg.v2() {
+                cc.set_cfs_quota_and_period(quota, period)
+            } else {
+                period
+                    .map_or(Ok(()), |p| cc.set_cfs_period(p))
+                    .and_then(|_| quota.map_or(Ok(()), |q| cc.set_cfs_quota(q)))
+            };
+            r.map_err(|e| (format!("cpu quota/period = {quota:?}/{period:?}"), e))?;
+        }
+    }
+    if let Some(cs) = cg.controller_of::<CpuSetController>() {
+        if let Some(cpus) = c.cpus().as_deref().filter(|s| !s.is_empty()) {
+            cs.set_cpus(cpus)
+                .map_err(|e| (format!("cpuset.cpus = {cpus}"), e))?;
+        }
+        if let Some(mems) = c.mems().as_deref().filter(|s| !s.is_empty()) {
+            cs.set_mems(mems)
+                .map_err(|e| (format!("cpuset.mems = {mems}"), e))?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -166,20 +232,98 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn limits_of_a_spec() {
-        let r = json!({"memory": {"limit": 1048576}, "pids": {"limit": 20},
-                       "cpu": {"quota": 50000, "period": 100000, "shares": 512},
-                       "devices": [{"allow": false}]});
-        let l = limits(&r);
-        if unified() {
-            assert!(l.contains(&("", "memory.max", "1048576".into())));
-            assert!(l.contains(&("", "cpu.max", "50000 100000".into())));
+    fn conversions_follow_runc() {
+        assert_eq!(weight_of_shares(2), 1);
+        assert_eq!(weight_of_shares(1024), 39);
+        assert_eq!(weight_of_shares(262_144), 10_000);
+        assert_eq!(pids_max(20), MaxValue::Value(20));
+        assert_eq!(pids_max(-1), MaxValue::Max);
+    }
+
+    #[test]
+    fn a_resources_object_that_is_not_oci_is_refused() {
+        let e = PairCgroup::create("/shadow-test/never", Some(&json!({"memory": 5}))).unwrap_err();
+        assert!(e.to_string().contains("linux.resources"), "{e}");
+    }
+
+    fn root() -> bool {
+        nix::unistd::Uid::effective().is_root()
+    }
+
+    fn read(cg: &PairCgroup, ctrl: &str, v1_file: &str, v2_file: &str) -> String {
+        let (dir, file) = if cg.cgroup.v2() {
+            (std::path::PathBuf::from("/sys/fs/cgroup"), v2_file)
         } else {
-            assert!(l.contains(&("memory", "memory.limit_in_bytes", "1048576".into())));
-            assert!(l.contains(&("pids", "pids.max", "20".into())));
-            assert!(l.contains(&("cpu", "cpu.cfs_quota_us", "50000".into())));
-            assert!(l.contains(&("cpu", "cpu.shares", "512".into())));
+            (std::path::Path::new("/sys/fs/cgroup").join(ctrl), v1_file)
+        };
+        let p = dir.join(cg.path.trim_start_matches('/')).join(file);
+        std::fs::read_to_string(&p)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            .trim()
+            .to_string()
+    }
+
+    /// Create → limits → Update → stats → remove, on a real cgroup under a
+    /// test-owned path (root only; skipped otherwise).
+    #[tokio::test]
+    async fn a_real_pair_cgroup_is_limited_updated_read_and_removed() {
+        if !root() {
+            eprintln!("skipped: needs root");
+            return;
         }
-        assert!(limits(&json!({"devices": []})).is_empty());
+        let path = format!("/shadow-unit-{}/pair", std::process::id());
+        let spec = json!({"memory": {"limit": 67108864}, "pids": {"limit": 20},
+                          "cpu": {"quota": 50000, "period": 100000, "shares": 512},
+                          "devices": [{"allow": false, "access": "rwm"}]});
+        let cg = PairCgroup::create(&path, Some(&spec)).expect("create");
+        let v2 = cg.cgroup.v2();
+        let mem = |cg: &PairCgroup| read(cg, "memory", "memory.limit_in_bytes", "memory.max");
+        assert_eq!(mem(&cg), "67108864");
+        assert_eq!(read(&cg, "pids", "pids.max", "pids.max"), "20");
+        assert_eq!(
+            read(&cg, "cpu", "cpu.shares", "cpu.weight"),
+            if v2 { "20" } else { "512" }
+        );
+        if !v2 {
+            assert_eq!(read(&cg, "cpu", "cpu.cfs_quota_us", ""), "50000");
+        }
+
+        let update: LinuxResources = serde_json::from_value(json!({
+            "memory": {"limit": 134217728}, "pids": {"limit": -1}, "cpu": {"quota": 20000}
+        }))
+        .unwrap();
+        cg.update(&update).expect("update");
+        assert_eq!(mem(&cg), "134217728");
+        assert_eq!(read(&cg, "pids", "pids.max", "pids.max"), "max");
+        if v2 {
+            assert_eq!(read(&cg, "", "", "cpu.max"), "20000 100000");
+        } else {
+            assert_eq!(read(&cg, "cpu", "cpu.cfs_quota_us", ""), "20000");
+        }
+
+        // A limit the kernel refuses names the setting.
+        let bad: LinuxResources =
+            serde_json::from_value(json!({"cpu": {"quota": 500, "period": 10}})).unwrap();
+        let e = cg.update(&bad).unwrap_err().to_string();
+        assert!(e.contains(&path) && e.contains("cpu quota/period"), "{e}");
+
+        let any = cg.stats().expect("stats");
+        let url = if v2 { "v2" } else { "v1" };
+        assert_eq!(any.type_url, format!("io.containerd.cgroups.{url}.Metrics"));
+
+        // On a hybrid host runc also makes the engines' cgroups in cgroup2.
+        let top = format!("/shadow-unit-{}", std::process::id());
+        let hybrid = Path::new(HYBRID_UNIFIED).join(&top[1..]);
+        let made_hybrid = !v2 && std::fs::create_dir_all(hybrid.join("pair/s0")).is_ok();
+        let left = cg.cgroup.clone();
+        cg.remove().await;
+        assert!(!left.exists(), "pair cgroup left");
+        assert!(!hybrid.join("pair").exists(), "hybrid cgroup2 dir left");
+        if made_hybrid {
+            std::fs::remove_dir(&hybrid).expect("remove the test's hybrid dir");
+        }
+        crate::stats::at(&top)
+            .delete()
+            .expect("remove the test's top cgroup");
     }
 }

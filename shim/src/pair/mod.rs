@@ -8,6 +8,8 @@
 
 pub mod cgroup;
 pub mod config;
+mod create;
+pub mod dirs;
 pub mod engine;
 pub mod gms;
 pub mod host;
@@ -24,7 +26,6 @@ pub mod supervisor;
 pub mod xid;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -36,28 +37,19 @@ use containerd_shim_protos::types::task::ProcessInfo;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
-use serde_json::Value;
 use shadow_pair::SlotId;
-use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, watch, Mutex};
-use tokio::task::JoinHandle;
 
-use self::cgroup::PairCgroup;
-use self::config::GmsMode;
-use self::engine::{EngineSlot, SharedOutput};
-use self::gms::GmsDaemon;
-use self::host::Machine;
-use self::netns::PinnedNamespaces;
-use self::notify::NotifySocket;
+use self::create::Made;
+use self::engine::EngineSlot;
 use self::publish::View;
-use self::supervisor::{Input, Parts, Supervisor};
+use self::supervisor::{Input, Supervisor};
 use crate::annotations::GmsBackend;
 use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
 use crate::process::Process;
-use crate::runc::RuncClient;
 use crate::runtime::Runtime;
 
 /// The parts of a Create request a pair needs.
@@ -69,107 +61,6 @@ pub struct PairRequest {
     pub gms: Option<GmsBackend>,
     /// One engine and no shadow (`shadow.dev/shadow=false`).
     pub single: bool,
-}
-
-/// The host-side files of one pair: `<state_dir>/<namespace>/<name>/`,
-/// where `<name>` is the container id, or a shortened form of it when the
-/// id would make the pair's Unix sockets too long for `sun_path` (CRI ids
-/// are 64 hex characters; see [`dir_name`]).
-#[derive(Debug, Clone)]
-pub struct PairDirs {
-    pub root: PathBuf,
-    pub pair: PathBuf,
-    pub gms: PathBuf,
-    pub ns: PathBuf,
-    pub slots: [PathBuf; 2],
-    pub state_json: PathBuf,
-}
-
-impl PairDirs {
-    /// `longest_socket`: the longest socket path below the pair directory
-    /// ([`HOST_SOCKETS`] or [`CUDA_SOCKETS`]).
-    pub fn new(state_dir: &Path, namespace: &str, id: &str, longest_socket: usize) -> Self {
-        let parent = state_dir.join(namespace);
-        let max_dir = SUN_PATH_MAX.saturating_sub(longest_socket);
-        let room = max_dir.saturating_sub(parent.as_os_str().len() + 1);
-        let root = parent.join(dir_name(id, room));
-        PairDirs {
-            pair: root.join("pair"),
-            gms: root.join("gms"),
-            ns: root.join("ns"),
-            slots: [root.join("slot-0"), root.join("slot-1")],
-            state_json: root.join("state.json"),
-            root,
-        }
-    }
-}
-
-/// Longest Unix socket path (`sun_path` is 108 bytes with its NUL).
-const SUN_PATH_MAX: usize = 107;
-/// Longest socket below a pair directory without GPUs:
-/// `/gms/gms-host.sock` and `/pair/notify.sock`.
-pub const HOST_SOCKETS: usize = "/gms/".len() + shadow_contract::paths::GMS_HOST_SOCKET.len();
-/// … and with GPUs: `/gms/gms-GPU-<36-character UUID>.sock`.
-pub const CUDA_SOCKETS: usize = "/gms/gms-GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.sock".len();
-
-/// The directory name of a pair: its id when it fits in `room` bytes, else
-/// the id's first characters and a 64-bit FNV-1a digest of the whole id
-/// (`<12 chars>-<16 hex>`), stable across shim versions. `state.json` keeps
-/// the full id for tools.
-fn dir_name(id: &str, room: usize) -> String {
-    if id.len() <= room {
-        return id.to_string();
-    }
-    let digest = id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    let head: String = id.chars().take(12).collect();
-    format!("{head}-{digest:016x}")
-}
-
-/// Everything Create made, for Delete (and for undoing a failed Create).
-#[derive(Default)]
-struct Made {
-    dirs: Option<PairDirs>,
-    mounted_rootfs: Option<PathBuf>,
-    pins: Option<PinnedNamespaces>,
-    cgroup: Option<PairCgroup>,
-    gms: Option<Arc<std::sync::Mutex<Option<GmsDaemon>>>>,
-    metrics_file: Option<PathBuf>,
-}
-
-impl Made {
-    async fn undo(&mut self) {
-        if let Some(g) = self.gms.take() {
-            let taken = g.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(mut g) = taken {
-                g.terminate().await;
-            }
-        }
-        if let Some(p) = self.pins.take() {
-            p.unpin();
-        }
-        if let Some(c) = self.cgroup.take() {
-            c.remove().await;
-        }
-        if let Some(d) = self.dirs.take() {
-            if let Err(e) = std::fs::remove_dir_all(&d.root) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    log::warn!("removing pair dir {}: {e}", d.root.display());
-                }
-            }
-            // The namespace dir too, once its last pair is gone.
-            if let Some(parent) = d.root.parent() {
-                let _ = std::fs::remove_dir(parent);
-            }
-        }
-        if let Some(m) = self.metrics_file.take() {
-            let _ = std::fs::remove_file(m);
-        }
-        if let Some(r) = self.mounted_rootfs.take() {
-            crate::mount::unmount(&r).await;
-        }
-    }
 }
 
 pub struct PairedContainer {
@@ -187,41 +78,6 @@ pub struct PairedContainer {
     made: Mutex<Made>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
     deleted: Mutex<bool>,
-}
-
-fn read_spec_value(bundle: &Path) -> Result<Value> {
-    let path = bundle.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::InvalidArgument(format!("reading OCI spec {}: {e}", path.display())))?;
-    serde_json::from_str(&text)
-        .map_err(|e| Error::InvalidArgument(format!("parsing OCI spec {}: {e}", path.display())))
-}
-
-fn mkdir(p: &Path, mode: u32) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(p).map_err(|e| Error::io(format!("creating {}", p.display()), e))?;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| Error::io(format!("chmod {}", p.display()), e))
-}
-
-/// Open the task's output FIFO and return the pipe's write end and the
-/// copier that drains the pipe into the FIFO.
-fn output_pipe(fifo: &str) -> Result<(Option<std::os::fd::OwnedFd>, Option<JoinHandle<()>>)> {
-    if fifo.is_empty() {
-        return Ok((None, None));
-    }
-    let mut to = pipe::OpenOptions::new()
-        .read_write(true)
-        .open_sender(fifo)
-        .map_err(|e| Error::io(format!("opening output FIFO {fifo}"), e))?;
-    let (tx, mut rx) = pipe::pipe().map_err(|e| Error::io("creating output pipe", e))?;
-    let tx = tx
-        .into_blocking_fd()
-        .map_err(|e| Error::io("output pipe", e))?;
-    let copier = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut rx, &mut to).await;
-    });
-    Ok((Some(tx), Some(copier)))
 }
 
 impl PairedContainer {
@@ -247,184 +103,6 @@ impl PairedContainer {
                 Err(e)
             }
         }
-    }
-
-    async fn create_steps(
-        rt: &Runtime,
-        req: &PairRequest,
-        made: &mut Made,
-    ) -> Result<(Arc<[EngineSlot; 2]>, Supervisor, watch::Receiver<View>)> {
-        let cfg = &rt.config.pair;
-        let bundle = PathBuf::from(&req.bundle);
-        if req.stdio.terminal {
-            return Err(Error::InvalidArgument(format!(
-                "container {}: a paired container cannot have a terminal (both engines share the task's output)",
-                req.id
-            )));
-        }
-        let spec = read_spec_value(&bundle)?;
-        let cgroup_path = spec::pair_cgroup(&spec, &rt.namespace, &req.id)?;
-
-        // A GPU pair's gmsd socket carries the GPU's UUID: leave room for it.
-        let longest_socket = if spec::nvidia_devices(&spec).is_empty() {
-            HOST_SOCKETS
-        } else {
-            CUDA_SOCKETS
-        };
-        let dirs = PairDirs::new(&cfg.state_dir, &rt.namespace, &req.id, longest_socket);
-        if dirs.root.exists() {
-            return Err(Error::AlreadyExists(format!(
-                "pair directory {} (a pair {} of namespace {} exists or was not cleaned up)",
-                dirs.root.display(),
-                req.id,
-                rt.namespace
-            )));
-        }
-        made.dirs = Some(dirs.clone());
-        mkdir(&dirs.root, 0o711)?;
-        mkdir(&dirs.pair, 0o777)?;
-        for s in &dirs.slots {
-            mkdir(s, 0o700)?;
-        }
-
-        if !req.rootfs.is_empty() {
-            let target = bundle.join("rootfs");
-            made.mounted_rootfs = Some(target.clone());
-            crate::mount::mount_all(&req.rootfs, &target).await?;
-        }
-        let rootfs = spec::rootfs_of(&spec, &bundle);
-        if !rootfs.is_dir() {
-            return Err(Error::InvalidArgument(format!(
-                "container {}: rootfs {} does not exist",
-                req.id,
-                rootfs.display()
-            )));
-        }
-
-        let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
-        let notify = NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::NOTIFY_FILE))?;
-
-        let pins = if spec::needs_pinned_namespaces(&spec) {
-            let p = PinnedNamespaces::pin(&dirs.ns)?;
-            made.pins = Some(p);
-            made.pins.as_ref()
-        } else {
-            None
-        };
-
-        made.cgroup = Some(PairCgroup::create(
-            &cgroup_path,
-            spec.pointer("/linux/resources"),
-        )?);
-
-        // GMS: the annotation, else the config's mode; `auto` picks cuda
-        // when the spec has NVIDIA GPUs.
-        let gpus = spec::nvidia_devices(&spec);
-        let backend = match (req.gms, cfg.gms) {
-            (Some(b), _) => b,
-            (None, GmsMode::Off) => GmsBackend::Off,
-            (None, GmsMode::Host) => GmsBackend::Host,
-            (None, GmsMode::Auto) if gpus.is_empty() => GmsBackend::Host,
-            (None, GmsMode::Auto) => GmsBackend::Cuda,
-        };
-        let mut gms = None;
-        if backend != GmsBackend::Off {
-            let device = match backend {
-                GmsBackend::Cuda => {
-                    if gpus.len() > 1 {
-                        log::warn!(
-                            "pair {}: {} GPUs; GMS serves the first ({}) only",
-                            req.id,
-                            gpus.len(),
-                            gpus[0]
-                        );
-                    }
-                    gpus.first().cloned().unwrap_or_else(|| "0".into())
-                }
-                _ => "host".into(),
-            };
-            mkdir(&dirs.gms, 0o755)?;
-            let mut g = GmsDaemon::new(cfg, &dirs.gms, device);
-            if let Err(e) = g.start().await {
-                g.terminate().await;
-                return Err(e);
-            }
-            // Owned by the supervisor from here; Delete gets it back.
-            gms = Some(g);
-        }
-        let gms_dir = gms.as_ref().map(|_| dirs.gms.as_path());
-
-        let mut engines = Vec::new();
-        for slot in SlotId::BOTH {
-            let inputs = spec::EngineInputs {
-                slot,
-                rootfs: &rootfs,
-                pair_dir: &dirs.pair,
-                gms_dir,
-                pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
-                cgroup_parent: &cgroup_path,
-            };
-            let engine = spec::engine_spec(&spec, &inputs)?;
-            let dir = &dirs.slots[slot.index()];
-            let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Internal {
-                what: format!("engine spec for {}", dir.display()),
-                reason: e.to_string(),
-            })?;
-            std::fs::write(dir.join("config.json"), bytes)
-                .map_err(|e| Error::io(format!("writing engine bundle {}", dir.display()), e))?;
-            engines.push(EngineSlot {
-                runc_id: spec::engine_id(&req.id, slot),
-                bundle: dir.clone(),
-                client: RuncClient::new(&rt.config, &rt.namespace, dir, rt.router.clone())?,
-                cgroup: spec::engine_cgroup(&cgroup_path, slot),
-            });
-        }
-        let engines: Arc<[EngineSlot; 2]> = Arc::new(
-            engines
-                .try_into()
-                .map_err(|_| Error::FailedPrecondition("two engine slots".into()))?,
-        );
-
-        let (out, out_copier) = output_pipe(&req.stdio.stdout)?;
-        let (err, err_copier) = output_pipe(&req.stdio.stderr)?;
-        let (view_tx, view_rx) = watch::channel(View::default());
-        let metrics_file = cfg
-            .metrics_dir
-            .join(format!("shadow-{}-{}.prom", rt.namespace, req.id));
-        made.metrics_file = Some(metrics_file);
-        let output = Arc::new(SharedOutput::new(out, err));
-        let host = Machine::new(
-            engines.clone(),
-            output.clone(),
-            rt.router.clone(),
-            lock_file,
-        );
-        let sup = Supervisor::new(Parts {
-            id: req.id.clone(),
-            namespace: rt.namespace.clone(),
-            config: cfg.clone(),
-            host: Arc::new(host),
-            runc_ids: [engines[0].runc_id.clone(), engines[1].runc_id.clone()],
-            output,
-            copiers: out_copier.into_iter().chain(err_copier).collect(),
-            router: rt.router.clone(),
-            events: rt.events.clone(),
-            view: view_tx,
-            notify: Some(notify),
-            lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
-            state_json: dirs.state_json.clone(),
-            metrics_dir: cfg.metrics_dir.clone(),
-            gms,
-            gpus: gpus.clone(),
-            single: req.single,
-        });
-        log::info!(
-            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {})",
-            req.id,
-            dirs.root.display(),
-            pins.is_some()
-        );
-        Ok((engines, sup, view_rx))
     }
 
     fn status(&self) -> Status {
@@ -717,54 +395,29 @@ impl Container for PairedContainer {
         Ok(out)
     }
 
-    async fn update(&self, _resources: LinuxResources) -> Result<()> {
-        Err(Error::Unimplemented(
-            "updating the resources of an engine pair is not supported yet".into(),
-        ))
+    async fn update(&self, resources: LinuxResources) -> Result<()> {
+        match &self.made.lock().await.cgroup {
+            Some(cg) => cg.update(&resources),
+            None => Err(Error::FailedPrecondition(format!(
+                "pair {} has no cgroup (deleted)",
+                self.id
+            ))),
+        }
     }
 
     async fn stats(&self) -> Result<Any> {
-        let pid = self.pid();
-        if pid == 0 {
+        if self.pid() == 0 {
             return Err(Error::FailedPrecondition(format!(
                 "pair {} has no process",
                 self.id
             )));
         }
-        // The pair's cgroup: the parent of the engine's.
-        crate::stats::collect_parent(pid)
-    }
-}
-
-#[cfg(test)]
-mod dir_tests {
-    use super::*;
-
-    const CRI_ID: &str = "4f0c1b2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b";
-
-    fn dirs(ns: &str, id: &str, longest: usize) -> PairDirs {
-        PairDirs::new(Path::new("/run/shadow"), ns, id, longest)
-    }
-
-    #[test]
-    fn pair_dirs_keep_sockets_within_sun_path() {
-        let d = dirs("k8s.io", CRI_ID, CUDA_SOCKETS);
-        let gms_sock = d
-            .gms
-            .join("gms-GPU-5a2b1c3d-0e1f-2a3b-4c5d-6e7f8a9b0c1d.sock");
-        assert!(gms_sock.as_os_str().len() <= 107, "{}", gms_sock.display());
-        assert!(d.pair.join("notify.sock").as_os_str().len() <= 107);
-        let name = d.root.file_name().unwrap().to_string_lossy().into_owned();
-        assert!(name.starts_with("4f0c1b2d3e4f-"), "{name}");
-        // Deterministic, and distinct for distinct ids.
-        assert_eq!(dirs("k8s.io", CRI_ID, CUDA_SOCKETS).root, d.root);
-        let other = CRI_ID.replace('b', "c");
-        assert_ne!(dirs("k8s.io", &other, CUDA_SOCKETS).root, d.root);
-        // A host pair with the same id fits whole; so do short ids.
-        let d = dirs("k8s.io", CRI_ID, HOST_SOCKETS);
-        assert_eq!(d.root.file_name().unwrap().to_string_lossy(), CRI_ID);
-        assert!(d.gms.join("gms-host.sock").as_os_str().len() <= 107);
-        let d = dirs("default", "llm", CUDA_SOCKETS);
-        assert_eq!(d.root, Path::new("/run/shadow/default/llm"));
+        match &self.made.lock().await.cgroup {
+            Some(cg) => cg.stats(),
+            None => Err(Error::FailedPrecondition(format!(
+                "pair {} has no cgroup (deleted)",
+                self.id
+            ))),
+        }
     }
 }

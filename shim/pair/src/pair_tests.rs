@@ -1,0 +1,581 @@
+//! The pair's own unit tests: one rule of `pair.rs` each (the order
+//! races have theirs in `races.rs`).
+
+use super::*;
+
+const KILL: Exit = Exit::Signal(9);
+
+fn t(ms: u64) -> Duration {
+    Duration::from_millis(ms)
+}
+
+/// A pair with slot 0 active and slot 1 parked, both speaking sd_notify.
+fn running() -> Pair {
+    let mut p = Pair::new(RestartPolicy::default());
+    assert_eq!(
+        p.start(),
+        vec![
+            Action::Spawn { slot: SlotId::ZERO },
+            Action::Spawn { slot: SlotId::ONE }
+        ]
+    );
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 100,
+        },
+        t(1),
+    );
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ONE,
+            pid: 101,
+        },
+        t(1),
+    );
+    for s in SlotId::BOTH {
+        p.handle(
+            Event::Notified {
+                slot: s,
+                notification: Notification::Status("parked".into()),
+            },
+            t(2),
+        );
+    }
+    p.handle(Event::LockHeld { slot: SlotId::ZERO }, t(3));
+    let a = p.handle(
+        Event::Notified {
+            slot: SlotId::ZERO,
+            notification: Notification::Ready,
+        },
+        t(4),
+    );
+    assert!(a.is_empty(), "first activation is not a promotion: {a:?}");
+    assert_eq!(p.active(), Some(SlotId::ZERO));
+    assert!(p.snapshot().protected);
+    p
+}
+
+#[test]
+fn killing_the_active_promotes_the_shadow_and_respawns_the_slot() {
+    let mut p = running();
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(1000),
+    );
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+    assert_eq!(p.active(), None);
+    assert_eq!(
+        p.representative_pid(),
+        Some(101),
+        "the shadow stands for the task meanwhile"
+    );
+    p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
+    let a = p.handle(
+        Event::Notified {
+            slot: SlotId::ONE,
+            notification: Notification::Ready,
+        },
+        t(1010),
+    );
+    let [Action::Promoted(pr)] = a.as_slice() else {
+        panic!("{a:?}")
+    };
+    assert_eq!((pr.from, pr.to), (SlotId::ZERO, Some(SlotId::ONE)));
+    assert_eq!(pr.lock_at, Some(t(1001)));
+    assert_eq!(pr.total(), Some(t(10)));
+    assert_eq!(pr.class, FailureClass::DevicePreserving);
+    assert_eq!(p.active(), Some(SlotId::ONE));
+    assert_eq!(p.representative_pid(), Some(101));
+    assert!(!p.snapshot().protected, "slot 0 is not parked yet");
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 200,
+        },
+        t(1020),
+    );
+    p.handle(
+        Event::Notified {
+            slot: SlotId::ZERO,
+            notification: Notification::Status("parked".into()),
+        },
+        t(1500),
+    );
+    let snap = p.snapshot();
+    assert!(snap.protected);
+    assert_eq!(snap.failovers, 1);
+    assert_eq!(snap.slots[0].generation, 2);
+}
+
+#[test]
+fn twenty_failovers_in_a_row_never_spend_the_budget() {
+    let mut p = running();
+    let mut active = SlotId::ZERO;
+    for (i, pid) in (0..20u64).zip(1001..) {
+        let now = 10_000 * (i + 1);
+        let a = p.handle(
+            Event::Exited {
+                slot: active,
+                exit: KILL,
+            },
+            t(now),
+        );
+        assert_eq!(a, vec![Action::Spawn { slot: active }], "failover {i}");
+        let next = active.other();
+        p.handle(Event::LockHeld { slot: next }, t(now + 1));
+        let a = p.handle(
+            Event::Notified {
+                slot: next,
+                notification: Notification::Ready,
+            },
+            t(now + 2),
+        );
+        assert!(matches!(a.as_slice(), [Action::Promoted(pr)] if pr.number == i + 1));
+        p.handle(Event::Spawned { slot: active, pid }, t(now + 3));
+        p.handle(
+            Event::Notified {
+                slot: active,
+                notification: Notification::Status("parked".into()),
+            },
+            t(now + 4),
+        );
+        assert!(p.snapshot().protected);
+        active = next;
+    }
+    assert_eq!(p.snapshot().failovers, 20);
+}
+
+#[test]
+fn a_dead_shadow_is_respawned_and_the_active_untouched() {
+    let mut p = running();
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(100),
+    );
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
+    assert_eq!(p.active(), Some(SlotId::ZERO));
+    assert_eq!(p.snapshot().failovers, 0);
+    assert!(
+        !p.snapshot().protected,
+        "unprotected until the new shadow parks"
+    );
+}
+
+#[test]
+fn engines_without_sd_notify_are_active_by_lock() {
+    let mut p = Pair::new(RestartPolicy::default());
+    p.start();
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 10,
+        },
+        t(0),
+    );
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ONE,
+            pid: 11,
+        },
+        t(0),
+    );
+    p.handle(Event::LockHeld { slot: SlotId::ONE }, t(5));
+    assert_eq!(p.active(), Some(SlotId::ONE));
+    p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(100),
+    );
+    let a = p.handle(Event::LockHeld { slot: SlotId::ZERO }, t(103));
+    let [Action::Promoted(pr)] = a.as_slice() else {
+        panic!("{a:?}")
+    };
+    assert_eq!(pr.total(), Some(t(3)));
+    assert_eq!(pr.ready_at, None);
+}
+
+#[test]
+fn both_killed_at_once_both_come_back() {
+    let mut p = running();
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(100),
+    );
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(100),
+    );
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
+    assert_eq!(p.representative_pid(), None);
+}
+
+#[test]
+fn an_engine_that_always_crashes_backs_off_then_the_task_exits_with_its_status() {
+    let mut p = Pair::new(RestartPolicy {
+        max_consecutive_failures: 3,
+        ..RestartPolicy::default()
+    });
+    p.start();
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 1,
+        },
+        t(0),
+    );
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ONE,
+            pid: 2,
+        },
+        t(0),
+    );
+    let crash = Exit::Code(3);
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: crash,
+        },
+        t(10),
+    );
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: crash,
+        },
+        t(20),
+    );
+    assert!(
+        matches!(a.as_slice(), [Action::SpawnAfter { slot: SlotId::ONE, delay }] if !delay.is_zero())
+    );
+    assert_eq!(p.slot(SlotId::ONE).state, EngineState::Backoff);
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 3,
+        },
+        t(30),
+    );
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: crash,
+        },
+        t(40),
+    );
+    assert!(matches!(a.as_slice(), [Action::SpawnAfter { .. }]));
+    // Fourth early death: budget spent. Slot 1 is in backoff, slot 0 dead:
+    // nothing alive, so the task exits at once with the crash's status.
+    let a = p.handle(Event::BackoffElapsed { slot: SlotId::ONE }, t(500));
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ONE,
+            pid: 4,
+        },
+        t(501),
+    );
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: crash,
+        },
+        t(510),
+    );
+    assert_eq!(a, vec![Action::Exit { status: 3 }]);
+    assert!(p.is_ending());
+    assert!(p
+        .handle(Event::BackoffElapsed { slot: SlotId::ZERO }, t(900))
+        .is_empty());
+}
+
+#[test]
+fn stop_kills_both_and_exits_once_with_the_active_status() {
+    let mut p = running();
+    assert_eq!(p.handle(Event::Stop, t(10)), vec![Action::KillAll]);
+    assert!(
+        p.handle(Event::Stop, t(11)).is_empty(),
+        "a second Kill adds nothing"
+    );
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(12),
+    );
+    assert_eq!(a, vec![Action::KillAll], "still one alive, no respawn");
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: Exit::Signal(15),
+        },
+        t(13),
+    );
+    assert_eq!(a, vec![Action::Exit { status: 143 }]);
+}
+
+#[test]
+fn stop_right_after_a_failover_reports_the_new_active_status() {
+    let mut p = running();
+    p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(100),
+    );
+    p.handle(Event::LockHeld { slot: SlotId::ONE }, t(101));
+    p.handle(
+        Event::Notified {
+            slot: SlotId::ONE,
+            notification: Notification::Ready,
+        },
+        t(102),
+    );
+    // Stop while slot 0 is still being respawned.
+    assert_eq!(p.handle(Event::Stop, t(103)), vec![Action::KillAll]);
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 300,
+        },
+        t(104),
+    );
+    // The respawned engine, killed on arrival, is reaped first.
+    assert_eq!(
+        p.handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: KILL
+            },
+            t(105)
+        ),
+        vec![Action::KillAll]
+    );
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: Exit::Signal(15),
+        },
+        t(106),
+    );
+    assert_eq!(a, vec![Action::Exit { status: 143 }]);
+}
+
+#[test]
+fn a_single_engine_restarts_in_place_and_is_never_protected() {
+    let mut p = Pair::single(RestartPolicy::default());
+    assert!(p.is_single());
+    assert_eq!(p.start(), vec![Action::Spawn { slot: SlotId::ZERO }]);
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 7,
+        },
+        t(0),
+    );
+    p.handle(
+        Event::Notified {
+            slot: SlotId::ZERO,
+            notification: Notification::Ready,
+        },
+        t(5),
+    );
+    assert_eq!(p.active(), Some(SlotId::ZERO));
+    assert!(!p.snapshot().protected);
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(100),
+    );
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+    assert_eq!(
+        p.representative_pid(),
+        None,
+        "nothing serves until the restart is up"
+    );
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 8,
+        },
+        t(120),
+    );
+    let a = p.handle(
+        Event::Notified {
+            slot: SlotId::ZERO,
+            notification: Notification::Ready,
+        },
+        t(300),
+    );
+    let [Action::Promoted(pr)] = a.as_slice() else {
+        panic!("{a:?}")
+    };
+    assert_eq!((pr.from, pr.to), (SlotId::ZERO, Some(SlotId::ZERO)));
+    assert_eq!(
+        pr.total(),
+        Some(t(200)),
+        "reap → the restarted engine's READY"
+    );
+    assert_eq!(p.slot(SlotId::ONE).state, EngineState::Stopped);
+    // Cold restarts and stops involve slot 0 only.
+    assert_eq!(p.handle(Event::GmsDied, t(400)), vec![Action::KillAll]);
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(401),
+    );
+    assert_eq!(
+        a,
+        vec![Action::RestartGms, Action::Spawn { slot: SlotId::ZERO }]
+    );
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 9,
+        },
+        t(402),
+    );
+    assert_eq!(p.handle(Event::Stop, t(500)), vec![Action::KillAll]);
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: Exit::Signal(15),
+        },
+        t(501),
+    );
+    assert_eq!(a, vec![Action::Exit { status: 143 }]);
+}
+
+#[test]
+fn gms_death_restarts_the_pair_cold() {
+    let mut p = running();
+    assert_eq!(p.handle(Event::GmsDied, t(10)), vec![Action::KillAll]);
+    assert!(p
+        .handle(
+            Event::Exited {
+                slot: SlotId::ZERO,
+                exit: KILL
+            },
+            t(11)
+        )
+        .is_empty());
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(12),
+    );
+    assert_eq!(
+        a,
+        vec![
+            Action::RestartGms,
+            Action::Spawn { slot: SlotId::ZERO },
+            Action::Spawn { slot: SlotId::ONE }
+        ]
+    );
+    let snap = p.snapshot();
+    assert_eq!(snap.cold_restarts, 1);
+    assert_eq!(snap.failovers, 0, "a cold restart is not a failover");
+}
+
+#[test]
+fn invalidating_xid_restarts_cold_preserving_xid_does_not() {
+    let mut p = running();
+    assert!(p.handle(Event::Xid(13), t(5)).is_empty());
+    assert_eq!(p.handle(Event::Xid(79), t(6)), vec![Action::KillAll]);
+    p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(7),
+    );
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(8),
+    );
+    assert_eq!(a.first(), Some(&Action::RestartGms));
+}
+
+#[test]
+fn stale_exits_and_events_for_dead_slots_are_ignored() {
+    let mut p = running();
+    p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(10),
+    );
+    // Slot 1 is spawning again; a duplicate exit for the old engine.
+    let before = p.snapshot().slots[1].generation;
+    assert!(p
+        .handle(
+            Event::Exited {
+                slot: SlotId::ONE,
+                exit: KILL
+            },
+            t(11)
+        )
+        .is_empty());
+    assert_eq!(p.snapshot().slots[1].generation, before);
+    assert!(p
+        .handle(Event::LockHeld { slot: SlotId::ONE }, t(12))
+        .is_empty());
+    assert_eq!(p.active(), Some(SlotId::ZERO));
+}
+
+#[test]
+fn spawn_failure_counts_as_an_early_death() {
+    let mut p = Pair::new(RestartPolicy {
+        max_consecutive_failures: 1,
+        ..RestartPolicy::default()
+    });
+    p.start();
+    let a = p.handle(Event::SpawnFailed { slot: SlotId::ZERO }, t(0));
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ONE,
+            pid: 5,
+        },
+        t(1),
+    );
+    let a = p.handle(Event::SpawnFailed { slot: SlotId::ZERO }, t(2));
+    assert_eq!(a, vec![Action::KillAll]);
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(3),
+    );
+    assert_eq!(a, vec![Action::Exit { status: 255 }]);
+}

@@ -1,0 +1,289 @@
+//! Create of a pair, step by step, each step recorded in [`Made`] so that a
+//! failure at any point undoes exactly what was done: the pair directory,
+//! the rootfs mounts, the pinned namespaces, the pair cgroup, gmsd, the
+//! engine bundles, the output pipes and the supervisor waiting for Start.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::Value;
+use shadow_pair::SlotId;
+use tokio::net::unix::pipe;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::cgroup::PairCgroup;
+use super::config::GmsMode;
+use super::dirs::{PairDirs, CUDA_SOCKETS, HOST_SOCKETS};
+use super::engine::{EngineSlot, SharedOutput};
+use super::gms::GmsDaemon;
+use super::host::Machine;
+use super::netns::PinnedNamespaces;
+use super::notify::NotifySocket;
+use super::publish::View;
+use super::supervisor::{Parts, Supervisor};
+use super::{lock, spec, PairRequest, PairedContainer};
+use crate::annotations::GmsBackend;
+use crate::error::{Error, Result};
+use crate::runc::RuncClient;
+use crate::runtime::Runtime;
+
+/// Everything Create made, for Delete (and for undoing a failed Create).
+#[derive(Default)]
+pub(super) struct Made {
+    pub(super) dirs: Option<PairDirs>,
+    pub(super) mounted_rootfs: Option<PathBuf>,
+    pub(super) pins: Option<PinnedNamespaces>,
+    pub(super) cgroup: Option<PairCgroup>,
+    pub(super) gms: Option<Arc<std::sync::Mutex<Option<GmsDaemon>>>>,
+    pub(super) metrics_file: Option<PathBuf>,
+}
+
+impl Made {
+    pub(super) async fn undo(&mut self) {
+        if let Some(g) = self.gms.take() {
+            let taken = g.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(mut g) = taken {
+                g.terminate().await;
+            }
+        }
+        if let Some(p) = self.pins.take() {
+            p.unpin();
+        }
+        if let Some(c) = self.cgroup.take() {
+            c.remove().await;
+        }
+        if let Some(d) = self.dirs.take() {
+            if let Err(e) = std::fs::remove_dir_all(&d.root) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    log::warn!("removing pair dir {}: {e}", d.root.display());
+                }
+            }
+            // The namespace dir too, once its last pair is gone.
+            if let Some(parent) = d.root.parent() {
+                let _ = std::fs::remove_dir(parent);
+            }
+        }
+        if let Some(m) = self.metrics_file.take() {
+            let _ = std::fs::remove_file(m);
+        }
+        if let Some(r) = self.mounted_rootfs.take() {
+            crate::mount::unmount(&r).await;
+        }
+    }
+}
+
+fn read_spec_value(bundle: &Path) -> Result<Value> {
+    let path = bundle.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::InvalidArgument(format!("reading OCI spec {}: {e}", path.display())))?;
+    serde_json::from_str(&text)
+        .map_err(|e| Error::InvalidArgument(format!("parsing OCI spec {}: {e}", path.display())))
+}
+
+fn mkdir(p: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(p).map_err(|e| Error::io(format!("creating {}", p.display()), e))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| Error::io(format!("chmod {}", p.display()), e))
+}
+
+/// Open the task's output FIFO and return the pipe's write end and the
+/// copier that drains the pipe into the FIFO.
+fn output_pipe(fifo: &str) -> Result<(Option<std::os::fd::OwnedFd>, Option<JoinHandle<()>>)> {
+    if fifo.is_empty() {
+        return Ok((None, None));
+    }
+    let mut to = pipe::OpenOptions::new()
+        .read_write(true)
+        .open_sender(fifo)
+        .map_err(|e| Error::io(format!("opening output FIFO {fifo}"), e))?;
+    let (tx, mut rx) = pipe::pipe().map_err(|e| Error::io("creating output pipe", e))?;
+    let tx = tx
+        .into_blocking_fd()
+        .map_err(|e| Error::io("output pipe", e))?;
+    let copier = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut rx, &mut to).await;
+    });
+    Ok((Some(tx), Some(copier)))
+}
+
+impl PairedContainer {
+    pub(super) async fn create_steps(
+        rt: &Runtime,
+        req: &PairRequest,
+        made: &mut Made,
+    ) -> Result<(Arc<[EngineSlot; 2]>, Supervisor, watch::Receiver<View>)> {
+        let cfg = &rt.config.pair;
+        let bundle = PathBuf::from(&req.bundle);
+        if req.stdio.terminal {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: a paired container cannot have a terminal (both engines share the task's output)",
+                req.id
+            )));
+        }
+        let spec = read_spec_value(&bundle)?;
+        let cgroup_path = spec::pair_cgroup(&spec, &rt.namespace, &req.id)?;
+
+        // A GPU pair's gmsd socket carries the GPU's UUID: leave room for it.
+        let longest_socket = if spec::nvidia_devices(&spec).is_empty() {
+            HOST_SOCKETS
+        } else {
+            CUDA_SOCKETS
+        };
+        let dirs = PairDirs::new(&cfg.state_dir, &rt.namespace, &req.id, longest_socket);
+        if dirs.root.exists() {
+            return Err(Error::AlreadyExists(format!(
+                "pair directory {} (a pair {} of namespace {} exists or was not cleaned up)",
+                dirs.root.display(),
+                req.id,
+                rt.namespace
+            )));
+        }
+        made.dirs = Some(dirs.clone());
+        mkdir(&dirs.root, 0o711)?;
+        mkdir(&dirs.pair, 0o777)?;
+        for s in &dirs.slots {
+            mkdir(s, 0o700)?;
+        }
+
+        if !req.rootfs.is_empty() {
+            let target = bundle.join("rootfs");
+            made.mounted_rootfs = Some(target.clone());
+            crate::mount::mount_all(&req.rootfs, &target).await?;
+        }
+        let rootfs = spec::rootfs_of(&spec, &bundle);
+        if !rootfs.is_dir() {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: rootfs {} does not exist",
+                req.id,
+                rootfs.display()
+            )));
+        }
+
+        let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
+        let notify = NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::NOTIFY_FILE))?;
+
+        let pins = if spec::needs_pinned_namespaces(&spec) {
+            let p = PinnedNamespaces::pin(&dirs.ns)?;
+            made.pins = Some(p);
+            made.pins.as_ref()
+        } else {
+            None
+        };
+
+        made.cgroup = Some(PairCgroup::create(
+            &cgroup_path,
+            spec.pointer("/linux/resources"),
+        )?);
+
+        // GMS: the annotation, else the config's mode; `auto` picks cuda
+        // when the spec has NVIDIA GPUs.
+        let gpus = spec::nvidia_devices(&spec);
+        let backend = match (req.gms, cfg.gms) {
+            (Some(b), _) => b,
+            (None, GmsMode::Off) => GmsBackend::Off,
+            (None, GmsMode::Host) => GmsBackend::Host,
+            (None, GmsMode::Auto) if gpus.is_empty() => GmsBackend::Host,
+            (None, GmsMode::Auto) => GmsBackend::Cuda,
+        };
+        let mut gms = None;
+        if backend != GmsBackend::Off {
+            let device = match backend {
+                GmsBackend::Cuda => {
+                    if gpus.len() > 1 {
+                        log::warn!(
+                            "pair {}: {} GPUs; GMS serves the first ({}) only",
+                            req.id,
+                            gpus.len(),
+                            gpus[0]
+                        );
+                    }
+                    gpus.first().cloned().unwrap_or_else(|| "0".into())
+                }
+                _ => "host".into(),
+            };
+            mkdir(&dirs.gms, 0o755)?;
+            let mut g = GmsDaemon::new(cfg, &dirs.gms, device);
+            if let Err(e) = g.start().await {
+                g.terminate().await;
+                return Err(e);
+            }
+            // Owned by the supervisor from here; Delete gets it back.
+            gms = Some(g);
+        }
+        let gms_dir = gms.as_ref().map(|_| dirs.gms.as_path());
+
+        let mut engines = Vec::new();
+        for slot in SlotId::BOTH {
+            let inputs = spec::EngineInputs {
+                slot,
+                rootfs: &rootfs,
+                pair_dir: &dirs.pair,
+                gms_dir,
+                pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
+                cgroup_parent: &cgroup_path,
+            };
+            let engine = spec::engine_spec(&spec, &inputs)?;
+            let dir = &dirs.slots[slot.index()];
+            let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Internal {
+                what: format!("engine spec for {}", dir.display()),
+                reason: e.to_string(),
+            })?;
+            std::fs::write(dir.join("config.json"), bytes)
+                .map_err(|e| Error::io(format!("writing engine bundle {}", dir.display()), e))?;
+            engines.push(EngineSlot {
+                runc_id: spec::engine_id(&req.id, slot),
+                bundle: dir.clone(),
+                client: RuncClient::new(&rt.config, &rt.namespace, dir, rt.router.clone())?,
+                cgroup: spec::engine_cgroup(&cgroup_path, slot),
+            });
+        }
+        let engines: Arc<[EngineSlot; 2]> = Arc::new(
+            engines
+                .try_into()
+                .map_err(|_| Error::FailedPrecondition("two engine slots".into()))?,
+        );
+
+        let (out, out_copier) = output_pipe(&req.stdio.stdout)?;
+        let (err, err_copier) = output_pipe(&req.stdio.stderr)?;
+        let (view_tx, view_rx) = watch::channel(View::default());
+        let metrics_file = cfg
+            .metrics_dir
+            .join(format!("shadow-{}-{}.prom", rt.namespace, req.id));
+        made.metrics_file = Some(metrics_file);
+        let output = Arc::new(SharedOutput::new(out, err));
+        let host = Machine::new(
+            engines.clone(),
+            output.clone(),
+            rt.router.clone(),
+            lock_file,
+        );
+        let sup = Supervisor::new(Parts {
+            id: req.id.clone(),
+            namespace: rt.namespace.clone(),
+            config: cfg.clone(),
+            host: Arc::new(host),
+            runc_ids: [engines[0].runc_id.clone(), engines[1].runc_id.clone()],
+            output,
+            copiers: out_copier.into_iter().chain(err_copier).collect(),
+            router: rt.router.clone(),
+            events: rt.events.clone(),
+            view: view_tx,
+            notify: Some(notify),
+            lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
+            state_json: dirs.state_json.clone(),
+            metrics_dir: cfg.metrics_dir.clone(),
+            gms,
+            gpus: gpus.clone(),
+            single: req.single,
+        });
+        log::info!(
+            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {})",
+            req.id,
+            dirs.root.display(),
+            pins.is_some()
+        );
+        Ok((engines, sup, view_rx))
+    }
+}
