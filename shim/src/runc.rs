@@ -42,11 +42,18 @@ impl std::fmt::Debug for ExitRouter {
 impl Spawner for ReapedSpawner {
     async fn execute(&self, mut cmd: Command) -> runc::Result<(ExitStatus, u32, String, String)> {
         // Spawned through std so that tokio's own child reaping stays out of
-        // it: the shim's reaper is the only one.
-        let mut child = cmd
-            .as_std_mut()
-            .spawn()
-            .map_err(runc::error::Error::ProcessSpawnFailed)?;
+        // it: the shim's reaper is the only one. On a blocking thread: the
+        // fork and runc's exec take milliseconds, during which the shim's
+        // one runtime thread must stay free (a failover's READY=1 arrives
+        // exactly while the dead engine's respawn starts).
+        let std_cmd = std::mem::replace(cmd.as_std_mut(), std::process::Command::new("runc"));
+        let mut child = tokio::task::spawn_blocking(move || {
+            let mut std_cmd = std_cmd;
+            std_cmd.spawn()
+        })
+        .await
+        .map_err(|e| runc::error::Error::ProcessSpawnFailed(std::io::Error::other(e.to_string())))?
+        .map_err(runc::error::Error::ProcessSpawnFailed)?;
         let pid = child.id();
         let exit = self.router.watch(pid as i32);
         let stdout = child.stdout.take().map(OwnedFd::from);
