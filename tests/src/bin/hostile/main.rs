@@ -1,0 +1,63 @@
+//! `hostile-engine`: an engine that attacks the runtime from inside its
+//! container, for the security tests (docs/security.md, `tests/tests/security/`).
+//!
+//! Engines run untrusted model code, so the shim and gmsd must survive
+//! whatever an engine does with what the runtime hands it: the notify
+//! socket, the election lock, the GMS sockets, the directories they live in.
+//! Each attack is one subcommand; the test that runs it asserts the outcome
+//! from outside (the shim still answers, nothing host-side changed, the
+//! pair's limits still hold).
+//!
+//! `hostile-engine <attack> [args…]`; `hostile-engine list` prints the attacks.
+//! Every attack prints `attack=<name> step=<what>` lines on stdout as it goes,
+//! so a test can wait for the moment it cares about.
+
+mod common;
+
+use std::process::ExitCode;
+
+/// An attack: its name, a one-line description, and its entry point, which
+/// gets the arguments after the attack's name.
+struct Attack {
+    name: &'static str,
+    about: &'static str,
+    run: fn(&[String]) -> Result<(), String>,
+}
+
+/// Every attack this binary knows. Add one by writing a module with a
+/// `run(&[String]) -> Result<(), String>` and listing it here.
+const ATTACKS: &[Attack] = &[Attack {
+    name: "park",
+    about:
+        "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
+    run: common::park_forever,
+}];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(name) = args.first() else {
+        eprintln!("usage: hostile-engine <attack> [args…]; `hostile-engine list` lists them");
+        return ExitCode::from(2);
+    };
+    if name == "list" {
+        for a in ATTACKS {
+            println!("{:<24} {}", a.name, a.about);
+        }
+        return ExitCode::SUCCESS;
+    }
+    let Some(attack) = ATTACKS.iter().find(|a| a.name == name.as_str()) else {
+        eprintln!("hostile-engine: no attack named {name:?}; `hostile-engine list` lists them");
+        return ExitCode::from(2);
+    };
+    common::step(attack.name, "start");
+    match (attack.run)(&args[1..]) {
+        Ok(()) => {
+            common::step(attack.name, "done");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("hostile-engine {}: {e}", attack.name);
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,6 @@
+//! The security tests: a hostile engine (`hostile-engine`, tests/src/bin/hostile)
+//! attacks the runtime from inside a real pair, through the private
+//! containerd, and each test asserts the outcome from outside. One module per
+//! item of docs/security.md.
+
+mod control;
