@@ -181,6 +181,7 @@ impl Range for HostRange {
     }
 
     fn map(&mut self, fd: BorrowedFd<'_>, access: Access) -> Result<()> {
+        check_host_memory(fd, self.len, access)?;
         let prot = match access {
             Access::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
             Access::ReadOnly => libc::PROT_READ,
@@ -209,6 +210,42 @@ impl Range for HostRange {
         self.state = RangeState::Materialised;
         Ok(())
     }
+}
+
+/// The seals a committed (read-only) host allocation carries: gmsd seals
+/// at commit, so its bytes can no longer change under a reader.
+const COMMITTED_SEALS: libc::c_int = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
+
+/// Before mapping a descriptor that came from a daemon: it must cover the
+/// whole range (a shorter file would fault the engine with SIGBUS on the
+/// first touch past its end), and a read-only mapping must be of sealed
+/// memory (an unsealed file could be rewritten by whoever else holds it:
+/// a socket replaced by another server, a daemon that is not gmsd).
+fn check_host_memory(fd: BorrowedFd<'_>, len: u64, access: Access) -> Result<()> {
+    let st = nix::sys::stat::fstat(fd).map_err(|e| Error::sys("fstat of an allocation", e))?;
+    let size = u64::try_from(st.st_size).unwrap_or(0);
+    if size < len {
+        return Err(Error::Malformed(format!(
+            "allocation descriptor holds {size} bytes, the range needs {len}"
+        )));
+    }
+    if access == Access::ReadOnly {
+        // SAFETY: fcntl(F_GET_SEALS) on a descriptor we borrow; it only
+        // reads the file's seals.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(Error::Malformed(format!(
+                "a read-only allocation is not sealable memory ({})",
+                Errno::last()
+            )));
+        }
+        if seals & COMMITTED_SEALS != COMMITTED_SEALS {
+            return Err(Error::Malformed(format!(
+                "a read-only allocation is not sealed against writes (seals {seals:#x})"
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl Drop for HostRange {
@@ -242,6 +279,43 @@ mod tests {
         assert_eq!(r.addr(), addr, "address kept while released");
         r.materialise().unwrap();
         assert_eq!(r.bytes().unwrap()[4096], 0, "fresh pages after release");
+    }
+
+    fn memfd(len: u64, seals: libc::c_int) -> std::os::fd::OwnedFd {
+        use std::os::fd::FromRawFd;
+        // SAFETY: memfd_create with a NUL-terminated name; the fd is new
+        // and owned here.
+        let fd = unsafe { libc::memfd_create(c"t".as_ptr(), libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0);
+        // SAFETY: the kernel just returned fd.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        nix::unistd::ftruncate(&fd, len as i64).unwrap();
+        if seals != 0 {
+            // SAFETY: fcntl on our own fd.
+            assert_eq!(
+                unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) },
+                0
+            );
+        }
+        fd
+    }
+
+    #[test]
+    fn short_or_unsealed_memory_is_not_mapped() {
+        use std::os::fd::AsFd;
+        let mut r = HostMapper.reserve(1 << 20, None).unwrap();
+        let short = memfd(4096, COMMITTED_SEALS);
+        let e = r.map(short.as_fd(), Access::ReadOnly).unwrap_err();
+        assert!(e.to_string().contains("holds 4096 bytes"), "{e}");
+        let unsealed = memfd(1 << 20, 0);
+        let e = r.map(unsealed.as_fd(), Access::ReadOnly).unwrap_err();
+        assert!(e.to_string().contains("not sealed"), "{e}");
+        assert_eq!(r.state(), RangeState::Reserved);
+        // A writer maps its unsealed allocation; a reader a sealed one.
+        r.map(unsealed.as_fd(), Access::ReadWrite).unwrap();
+        let sealed = memfd(1 << 20, COMMITTED_SEALS);
+        r.map(sealed.as_fd(), Access::ReadOnly).unwrap();
+        assert_eq!(r.state(), RangeState::Mapped(Access::ReadOnly));
     }
 
     #[test]

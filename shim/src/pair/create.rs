@@ -141,8 +141,10 @@ impl PairedContainer {
             )));
         }
         made.dirs = Some(dirs.clone());
+        // Root's alone: engines get the lock and the sockets bound one by
+        // one (spec.rs), never a directory of the host to write in.
         mkdir(&dirs.root, 0o711)?;
-        mkdir(&dirs.pair, 0o777)?;
+        mkdir(&dirs.pair, 0o700)?;
         for s in &dirs.slots {
             mkdir(s, 0o700)?;
         }
@@ -212,7 +214,10 @@ impl PairedContainer {
             // Owned by the supervisor from here; Delete gets it back.
             gms = Some(g);
         }
-        let gms_dir = gms.as_ref().map(|_| dirs.gms.as_path());
+        let gms_sockets: Vec<PathBuf> = gms
+            .iter()
+            .filter_map(|g| g.socket().map(Path::to_path_buf))
+            .collect();
 
         let mut engines = Vec::new();
         for slot in SlotId::BOTH {
@@ -220,7 +225,7 @@ impl PairedContainer {
                 slot,
                 rootfs: &rootfs,
                 pair_dir: &dirs.pair,
-                gms_dir,
+                gms_sockets: &gms_sockets,
                 pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
                 cgroup_parent: &cgroup_path,
             };

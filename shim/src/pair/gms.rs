@@ -26,6 +26,9 @@ use crate::exits::ExitRouter;
 const STOP_GRACE: Duration = Duration::from_secs(3);
 /// How often the status (bytes, leases) is refreshed for metrics.
 const STATUS_PERIOD: Duration = Duration::from_secs(1);
+/// How long one status call may take (connect, send, each receive): a
+/// daemon that does not answer costs the poller this, never a thread.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub struct GmsDaemon {
     binary: PathBuf,
@@ -60,6 +63,12 @@ impl GmsDaemon {
 
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// The socket of the running daemon (its path stays the same across
+    /// restarts: the device's socket name in the pair's GMS directory).
+    pub fn socket(&self) -> Option<&Path> {
+        self.daemon.as_ref().map(Gmsd::socket)
     }
 
     fn pid(&self) -> u32 {
@@ -106,10 +115,12 @@ impl GmsDaemon {
         self.poller = Some(tokio::spawn(async move {
             loop {
                 let s = socket.clone();
-                let report = tokio::task::spawn_blocking(move || gms::client::status(&s).ok())
-                    .await
-                    .ok()
-                    .flatten();
+                let report = tokio::task::spawn_blocking(move || {
+                    gms::client::status_within(&s, STATUS_TIMEOUT).ok()
+                })
+                .await
+                .ok()
+                .flatten();
                 *status.lock().unwrap_or_else(|p| p.into_inner()) = report;
                 tokio::time::sleep(STATUS_PERIOD).await;
             }

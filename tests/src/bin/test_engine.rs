@@ -5,7 +5,9 @@
 //!
 //! 1. with `GMS_SOCKET_DIR/gms-host.sock`: `rw_or_ro`; the writer fills
 //!    `--weights-mib` MiB from `--seed`, commits, and appends a line to
-//!    `/run/shadow/pair/loads.log`; a reader imports and checks the sum;
+//!    `/loads.log` (in the rootfs both engines share: `/run` is each
+//!    container's own tmpfs, and the runtime's files there are bound
+//!    read-only); a reader imports and checks the sum;
 //! 2. binds `127.0.0.1:<port>` with SO_REUSEPORT (not listening yet), sends
 //!    `STATUS=parked`, blocks in `flock(LOCK_EX)` on `SHADOW_LOCK_PATH`;
 //! 3. listens, sends `READY=1`, and answers each connection with one line:
@@ -118,7 +120,7 @@ fn attach_gms(dir: &Path, slot: &str, mib: u64, seed: u64) -> Option<Weights> {
         let sum = checksum(&bytes[..n]);
         c.commit(std::slice::from_mut(&mut w))
             .unwrap_or_else(|e| fail("committing weights", e));
-        let log = Path::new(paths::PAIR_DIR).join("loads.log");
+        let log = Path::new("/loads.log");
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

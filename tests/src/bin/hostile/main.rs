@@ -13,6 +13,7 @@
 //! so a test can wait for the moment it cares about.
 
 mod common;
+mod dirs;
 
 use std::process::ExitCode;
 
@@ -26,12 +27,18 @@ struct Attack {
 
 /// Every attack this binary knows. Add one by writing a module with a
 /// `run(&[String]) -> Result<(), String>` and listing it here.
-const ATTACKS: &[Attack] = &[Attack {
-    name: "park",
-    about:
-        "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
-    run: common::park_forever,
-}];
+const ATTACKS: &[Attack] = &[
+    Attack {
+        name: "park",
+        about: "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
+        run: common::park_forever,
+    },
+    Attack {
+        name: "dirs",
+        about: "write, fill, mkdir in every runtime-provided directory, squat the sockets, then park",
+        run: dirs::run,
+    },
+];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
