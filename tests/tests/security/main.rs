@@ -5,3 +5,4 @@
 
 mod control;
 mod dirs;
+mod gpus;

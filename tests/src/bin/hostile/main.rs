@@ -14,6 +14,7 @@
 
 mod common;
 mod dirs;
+mod gpus;
 
 use std::process::ExitCode;
 
@@ -30,8 +31,14 @@ struct Attack {
 const ATTACKS: &[Attack] = &[
     Attack {
         name: "park",
-        about: "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
+        about:
+            "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
         run: common::park_forever,
+    },
+    Attack {
+        name: "gpus",
+        about: "name another tenant's GPU in NVIDIA_VISIBLE_DEVICES and look for its GMS daemon",
+        run: gpus::run,
     },
     Attack {
         name: "dirs",
