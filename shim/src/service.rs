@@ -110,6 +110,7 @@ impl TaskService {
                     stdio,
                     gms: shadow.gms,
                     single: shadow.no_shadow,
+                    listen: shadow.listen.clone(),
                 },
             )
             .await?

@@ -13,6 +13,7 @@ pub mod dirs;
 pub mod engine;
 pub mod gms;
 pub mod host;
+pub mod listen;
 pub mod lock;
 pub mod netns;
 pub mod notify;
@@ -61,6 +62,8 @@ pub struct PairRequest {
     pub gms: Option<GmsBackend>,
     /// One engine and no shadow (`shadow.dev/shadow=false`).
     pub single: bool,
+    /// `shadow.dev/listen`: the sockets the pair owns (else the config's).
+    pub listen: Option<Vec<shadow_contract::listen::Listen>>,
 }
 
 pub struct PairedContainer {
