@@ -12,6 +12,7 @@ mod create;
 pub mod dirs;
 pub mod engine;
 pub mod gms;
+pub mod gpus;
 pub mod host;
 pub mod listen;
 pub mod lock;
