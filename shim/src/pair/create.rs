@@ -286,7 +286,13 @@ impl PairedContainer {
             engines.push(EngineSlot {
                 runc_id: spec::engine_id(&req.id, slot),
                 bundle: dir.clone(),
-                client: RuncClient::new(&rt.config, &rt.namespace, dir, rt.router.clone())?,
+                client: RuncClient::new(
+                    &rt.config,
+                    &rt.namespace,
+                    dir,
+                    rt.router.clone(),
+                    &req.runc,
+                )?,
                 cgroup: spec::engine_cgroup(&cgroup_path, slot),
             });
         }
