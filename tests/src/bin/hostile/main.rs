@@ -13,6 +13,7 @@
 //! so a test can wait for the moment it cares about.
 
 mod common;
+mod gms;
 
 use std::process::ExitCode;
 
@@ -31,6 +32,11 @@ const ATTACKS: &[Attack] = &[Attack {
     about:
         "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
     run: common::park_forever,
+},
+Attack {
+    name: "gms-rw-after-commit",
+    about: "slot 1 asks gmsd for rw in a loop to replace the committed weights when readers drop to zero (a failover)",
+    run: gms::rw_after_commit,
 }];
 
 fn main() -> ExitCode {
