@@ -22,6 +22,7 @@ use tokio::io::AsyncReadExt;
 use crate::config::Config;
 use crate::error::{Error, Result, RuncFailure};
 use crate::exits::ExitRouter;
+use crate::options::RuncOptions;
 
 /// The pid file of a container's init (or an engine), in its bundle.
 pub const INIT_PID_FILE: &str = "init.pid";
@@ -100,36 +101,69 @@ pub struct RuncClient {
     /// knows the container.
     root: PathBuf,
     log: PathBuf,
+    /// `--no-pivot` and `--no-new-keyring` for create and run.
+    no_pivot: bool,
+    no_new_keyring: bool,
+    /// `IoUid`/`IoGid`: owner of the stdio pipes handed to the processes.
+    io_owner: Option<(u32, u32)>,
 }
 
 impl RuncClient {
+    /// The task's runc options (`options`) override the config's binary
+    /// and root, as runc-v2's do: `<root>/<namespace>` is the state root.
     pub fn new(
         config: &Config,
         namespace: &str,
         bundle: &Path,
         router: Arc<ExitRouter>,
+        options: &RuncOptions,
     ) -> Result<Self> {
         let log = bundle.join("log.json");
-        let root = config.runc_root(namespace);
+        let root = match &options.root {
+            Some(root) => root.join(namespace),
+            None => config.runc_root(namespace),
+        };
+        let (binary, source) = match &options.binary {
+            Some(b) => (b.as_str(), "the task's runtime options, BinaryName"),
+            None => (config.runc.binary.as_str(), "config runc.binary"),
+        };
         let mut opts = GlobalOpts::new()
-            .command(&config.runc.binary)
+            .command(binary)
             .root(&root)
             .log(&log)
-            .log_json();
+            .log_json()
+            .systemd_cgroup(options.systemd_cgroup);
         opts.custom_spawner(Arc::new(ReapedSpawner { router }));
         let runc = opts.build().map_err(|e| {
-            Error::FailedPrecondition(format!(
-                "runc binary {:?} (config runc.binary): {e}",
-                config.runc.binary
-            ))
+            Error::FailedPrecondition(format!("runc binary {binary:?} ({source}): {e}"))
         })?;
-        Ok(RuncClient { runc, root, log })
+        Ok(RuncClient {
+            runc,
+            root,
+            log,
+            no_pivot: options.no_pivot_root,
+            no_new_keyring: options.no_new_keyring,
+            io_owner: Some((options.io_uid, options.io_gid)).filter(|o| *o != (0, 0)),
+        })
+    }
+
+    /// Who must own the container's ends of its stdio pipes (`IoUid`,
+    /// `IoGid`), when the options name someone other than root.
+    pub fn io_owner(&self) -> Option<(u32, u32)> {
+        self.io_owner
+    }
+
+    fn create_opts(&self, pid_file: &Path) -> CreateOpts {
+        CreateOpts::new()
+            .pid_file(pid_file)
+            .no_pivot(self.no_pivot)
+            .no_new_keyring(self.no_new_keyring)
     }
 
     /// `runc create` of `bundle`; returns the init's pid.
     pub async fn create(&self, id: &str, bundle: &Path, stdio: RuncStdio<'_>) -> Result<u32> {
         let pid_file = bundle.join(INIT_PID_FILE);
-        let opts = with_stdio(CreateOpts::new().pid_file(&pid_file), stdio);
+        let opts = with_stdio(self.create_opts(&pid_file), stdio);
         let created = self.runc.create(id, bundle, Some(&opts)).await;
         drop(opts); // closes the container's stdio ends in the shim
         created.map_err(|e| self.error("create", id, e))?;
@@ -142,7 +176,7 @@ impl RuncClient {
         let pid_file = bundle.join(INIT_PID_FILE);
         // A previous generation's pid must never be read as this one's.
         let _ = std::fs::remove_file(&pid_file);
-        let opts = with_stdio(CreateOpts::new().pid_file(&pid_file).detach(true), stdio);
+        let opts = with_stdio(self.create_opts(&pid_file).detach(true), stdio);
         let ran = self.runc.run(id, bundle, Some(&opts)).await;
         drop(opts);
         ran.map_err(|e| self.error("run", id, e))?;
@@ -438,7 +472,14 @@ mod tests {
         let mut config = Config::default();
         config.runc.binary = binary.into();
         config.runc.root = root.to_path_buf();
-        RuncClient::new(&config, "ns", bundle, Arc::new(ExitRouter::default())).unwrap()
+        RuncClient::new(
+            &config,
+            "ns",
+            bundle,
+            Arc::new(ExitRouter::default()),
+            &RuncOptions::default(),
+        )
+        .unwrap()
     }
 
     fn command_failed(stderr: &str) -> runc::error::Error {
@@ -497,8 +538,15 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let mut config = Config::default();
         config.runc.binary = "/nonexistent/runc".into();
-        let e =
-            RuncClient::new(&config, "ns", d.path(), Arc::new(ExitRouter::default())).unwrap_err();
+        let router = Arc::new(ExitRouter::default());
+        let e = RuncClient::new(
+            &config,
+            "ns",
+            d.path(),
+            router.clone(),
+            &RuncOptions::default(),
+        )
+        .unwrap_err();
         assert_eq!(
             e.code(),
             containerd_shim_protos::ttrpc::Code::FAILED_PRECONDITION
@@ -508,6 +556,43 @@ mod tests {
             msg.contains("/nonexistent/runc") && msg.contains("runc.binary"),
             "{msg}"
         );
+        // The task's options name their own binary: the error says so.
+        config.runc.binary = "runc".into();
+        let options = RuncOptions {
+            binary: Some("/nonexistent/no-runc".into()),
+            ..Default::default()
+        };
+        let e = RuncClient::new(&config, "ns", d.path(), router, &options).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("/nonexistent/no-runc") && msg.contains("BinaryName"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn the_tasks_runc_root_replaces_the_configs() {
+        let d = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.runc.binary = "/bin/true".into();
+        config.runc.root = d.path().join("config-root");
+        let options = RuncOptions {
+            root: Some(d.path().join("task-root")),
+            ..Default::default()
+        };
+        let client = RuncClient::new(
+            &config,
+            "ns",
+            d.path(),
+            Arc::new(ExitRouter::default()),
+            &options,
+        )
+        .unwrap();
+        assert_eq!(client.root, d.path().join("task-root/ns"));
+        std::fs::create_dir_all(d.path().join("config-root/ns/c1")).unwrap();
+        assert!(!client.knows("c1"));
+        std::fs::create_dir_all(d.path().join("task-root/ns/c1")).unwrap();
+        assert!(client.knows("c1"));
     }
 
     #[test]

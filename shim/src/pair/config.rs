@@ -34,6 +34,12 @@ pub struct PairConfig {
     pub gms_max_allocations: u64,
     /// How long a fresh gmsd may take to create its socket.
     pub gms_start_timeout_ms: u64,
+    /// The NVIDIA driver's per-GPU directory: maps the minor of each
+    /// `/dev/nvidiaN` the spec grants to the GPU's UUID and PCI bus.
+    pub nvidia_gpus_dir: PathBuf,
+    /// For tests on machines without GPUs: each GPU's gmsd keeps its memory
+    /// in host memfds, under the GPU's UUID (`gmsd --device host:GPU-…`).
+    pub gms_gpus_on_host: bool,
     /// After Kill's signal, how long before the engines get SIGKILL.
     pub stop_grace_ms: u64,
     /// `/proc/locks` poll period while a promotion is pending or nobody serves.
@@ -61,6 +67,8 @@ impl Default for PairConfig {
             gms_max_bytes: 0,
             gms_max_allocations: 0,
             gms_start_timeout_ms: 5000,
+            nvidia_gpus_dir: PathBuf::from("/proc/driver/nvidia/gpus"),
+            gms_gpus_on_host: false,
             stop_grace_ms: 10_000,
             lock_poll_fast_ms: 1,
             lock_poll_idle_ms: 200,

@@ -82,42 +82,6 @@ fn namespaces(spec: &Value) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-/// Whether the spec gives the container NVIDIA GPUs (then GMS runs `cuda`).
-pub fn nvidia_devices(spec: &Value) -> Vec<String> {
-    let mut out = Vec::new();
-    for e in spec
-        .pointer("/process/env")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-    {
-        if let Some(v) = e.strip_prefix("NVIDIA_VISIBLE_DEVICES=") {
-            if !v.is_empty() && v != "void" && v != "none" {
-                out.extend(v.split(',').map(|s| s.trim().to_string()));
-            }
-        }
-    }
-    for d in spec
-        .pointer("/linux/devices")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        if let Some(p) = d.get("path").and_then(Value::as_str) {
-            if let Some(n) = p.strip_prefix("/dev/nvidia") {
-                if !n.is_empty()
-                    && n.chars().all(|c| c.is_ascii_digit())
-                    && !out.iter().any(|x| x == n)
-                {
-                    out.push(n.to_string());
-                }
-            }
-        }
-    }
-    out
-}
-
 /// The absolute rootfs of a bundle's spec.
 pub fn rootfs_of(spec: &Value, bundle: &Path) -> PathBuf {
     let root = spec
@@ -379,20 +343,6 @@ mod tests {
         assert!(e.contains("systemd"), "{e}");
         assert_eq!(engine_id("c1", SlotId::ONE), "c1-s1");
         assert_eq!(engine_cgroup("/ns1/c1/", SlotId::ZERO), "/ns1/c1/s0");
-    }
-
-    #[test]
-    fn nvidia_gpus_from_env_or_devices() {
-        assert!(nvidia_devices(&spec()).is_empty());
-        let mut s = spec();
-        s["process"]["env"] = json!(["NVIDIA_VISIBLE_DEVICES=0,1"]);
-        assert_eq!(nvidia_devices(&s), ["0", "1"]);
-        let mut s = spec();
-        s["linux"]["devices"] = json!([{"path": "/dev/nvidia2"}, {"path": "/dev/nvidiactl"}]);
-        assert_eq!(nvidia_devices(&s), ["2"]);
-        let mut s = spec();
-        s["process"]["env"] = json!(["NVIDIA_VISIBLE_DEVICES=void"]);
-        assert!(nvidia_devices(&s).is_empty());
     }
     #[test]
     fn exec_env_gets_the_engines_contract_variables() {

@@ -5,3 +5,4 @@
 
 mod control;
 mod gms;
+mod gpus;

@@ -32,7 +32,8 @@ enum Command {
         socket_dir: PathBuf,
         /// `host`, or a CUDA device: an index (`0`), `cuda:0`, or a GPU UUID
         /// (`GPU-…`, as `nvidia-smi -L` prints it). The socket is then
-        /// `gms-<GPU-UUID>.sock`.
+        /// `gms-<GPU-UUID>.sock`. `host:GPU-<uuid>`: host memory served as
+        /// that GPU's daemon (for tests of multi-GPU pairs without GPUs).
         #[arg(long, default_value = "host")]
         device: String,
         /// Most bytes allocated at once (K/M/G/T suffixes).
@@ -78,9 +79,14 @@ enum Command {
         log_level: String,
     },
     /// Print a running daemon's state, leases, allocations and bytes.
+    /// (`--dir`: every daemon whose socket is in a GMS socket directory,
+    /// one per GPU of a pair.)
     Status {
+        #[arg(long, conflicts_with = "dir")]
+        socket: Option<PathBuf>,
+        /// A GMS socket directory: report every `gms-*.sock` in it.
         #[arg(long)]
-        socket: PathBuf,
+        dir: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -131,6 +137,15 @@ fn main() -> ExitCode {
                         return ExitCode::FAILURE;
                     }
                 },
+                stand_in if stand_in.starts_with("host:") => {
+                    match HostBackend::standing_for(&stand_in["host:".len()..]) {
+                        Ok(b) => Box::new(b),
+                        Err(e) => {
+                            eprintln!("gmsd: host backend: {e}");
+                            return ExitCode::FAILURE;
+                        }
+                    }
+                }
                 other => match parse_device(other).and_then(|sel| CudaBackend::open(&sel)) {
                     Ok(b) => {
                         tracing::info!(
@@ -182,29 +197,71 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Status { socket, json } => match gms::client::status(&socket) {
-            Ok(report) => {
-                if json {
-                    match serde_json::to_string_pretty(&report) {
-                        Ok(text) => println!("{text}"),
-                        Err(e) => {
-                            eprintln!("gmsd status: {e}");
-                            return ExitCode::FAILURE;
-                        }
+        Command::Status { socket, dir, json } => {
+            let sockets = match (socket, dir) {
+                (Some(s), _) => vec![s],
+                (None, Some(d)) => match daemon_sockets(&d) {
+                    Ok(list) if !list.is_empty() => list,
+                    Ok(_) => {
+                        eprintln!("gmsd status: no gms-*.sock in {}", d.display());
+                        return ExitCode::FAILURE;
                     }
-                } else {
-                    print!("{}", report.render());
-                    if report.backend == "cuda" {
-                        println!("{}", cuda_line(&report));
+                    Err(e) => {
+                        eprintln!("gmsd status: reading {}: {e}", d.display());
+                        return ExitCode::FAILURE;
+                    }
+                },
+                (None, None) => {
+                    eprintln!("gmsd status: give --socket or --dir");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let many = sockets.len() > 1;
+            let mut failed = false;
+            let mut reports = Vec::new();
+            for s in &sockets {
+                match gms::client::status(s) {
+                    Ok(r) => reports.push(r),
+                    Err(e) => {
+                        eprintln!("gmsd status: {}: {e}", s.display());
+                        failed = true;
                     }
                 }
+            }
+            if json {
+                let text = if many {
+                    serde_json::to_string_pretty(&reports)
+                } else {
+                    match reports.first() {
+                        Some(r) => serde_json::to_string_pretty(r),
+                        None => Ok(String::new()),
+                    }
+                };
+                match text {
+                    Ok(t) if !t.is_empty() => println!("{t}"),
+                    Ok(_) => {}
+                    Err(e) => {
+                        eprintln!("gmsd status: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            } else {
+                for (i, report) in reports.iter().enumerate() {
+                    if i > 0 {
+                        println!();
+                    }
+                    print!("{}", report.render());
+                    if report.backend == "cuda" {
+                        println!("{}", cuda_line(report));
+                    }
+                }
+            }
+            if failed {
+                ExitCode::FAILURE
+            } else {
                 ExitCode::SUCCESS
             }
-            Err(e) => {
-                eprintln!("gmsd status: {e}");
-                ExitCode::FAILURE
-            }
-        },
+        }
     }
 }
 
@@ -214,6 +271,21 @@ fn parse_supervisor(s: &str) -> Result<Supervisor, String> {
         "none" => Ok(Supervisor::Nobody),
         _ => Err(format!("supervisor '{s}': parent or none")),
     }
+}
+
+/// The daemons' sockets in a GMS socket directory (one per device), by name.
+fn daemon_sockets(dir: &std::path::Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(shadow_contract::paths::is_gms_socket_name)
+        })
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    Ok(out)
 }
 
 /// The CUDA device behind a report, named as a person looks for it: the
