@@ -212,36 +212,36 @@ impl Range for HostRange {
     }
 }
 
-/// The seals a committed (read-only) host allocation carries: gmsd seals
-/// at commit, so its bytes can no longer change under a reader.
-const COMMITTED_SEALS: libc::c_int = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
-
-/// Before mapping a descriptor that came from a daemon: it must cover the
-/// whole range (a shorter file would fault the engine with SIGBUS on the
-/// first touch past its end), and a read-only mapping must be of sealed
-/// memory (an unsealed file could be rewritten by whoever else holds it:
-/// a socket replaced by another server, a daemon that is not gmsd).
+/// What a host-backend descriptor must be before it is mapped: at least as
+/// long as the range (a shorter file faults with SIGBUS on access), and,
+/// for read-only weights, sealed against every change (write, grow,
+/// shrink), so the bytes cannot change under a reader whoever else holds
+/// the file. A descriptor that fails either came from something that is
+/// not an honest gmsd (a socket replaced in a writable directory, a bug):
+/// refused before it is mapped.
 fn check_host_memory(fd: BorrowedFd<'_>, len: u64, access: Access) -> Result<()> {
-    let st = nix::sys::stat::fstat(fd).map_err(|e| Error::sys("fstat of an allocation", e))?;
-    let size = u64::try_from(st.st_size).unwrap_or(0);
-    if size < len {
-        return Err(Error::Malformed(format!(
-            "allocation descriptor holds {size} bytes, the range needs {len}"
+    let st = nix::sys::stat::fstat(fd)
+        .map_err(|e| Error::sys(format!("fstat of memory fd {}", fd.as_raw_fd()), e))?;
+    if u64::try_from(st.st_size).map_or(true, |size| size < len) {
+        return Err(Error::Invalid(format!(
+            "memory fd {} holds {} bytes, the allocation claims {len}: refusing to map it",
+            fd.as_raw_fd(),
+            st.st_size
         )));
     }
     if access == Access::ReadOnly {
-        // SAFETY: fcntl(F_GET_SEALS) on a descriptor we borrow; it only
-        // reads the file's seals.
+        let needed = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
+        // SAFETY: fcntl(F_GET_SEALS) reads the descriptor's seals; no memory is passed.
         let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 {
-            return Err(Error::Malformed(format!(
-                "a read-only allocation is not sealable memory ({})",
-                Errno::last()
-            )));
-        }
-        if seals & COMMITTED_SEALS != COMMITTED_SEALS {
-            return Err(Error::Malformed(format!(
-                "a read-only allocation is not sealed against writes (seals {seals:#x})"
+        if seals < 0 || seals & needed != needed {
+            let why = if seals < 0 {
+                format!("not a sealable memfd ({})", Errno::last())
+            } else {
+                format!("seals {seals:#x} lack write/grow/shrink")
+            };
+            return Err(Error::Invalid(format!(
+                "committed memory fd {}: {why}; refusing to map weights that can still change",
+                fd.as_raw_fd()
             )));
         }
     }
@@ -281,41 +281,37 @@ mod tests {
         assert_eq!(r.bytes().unwrap()[4096], 0, "fresh pages after release");
     }
 
-    fn memfd(len: u64, seals: libc::c_int) -> std::os::fd::OwnedFd {
-        use std::os::fd::FromRawFd;
-        // SAFETY: memfd_create with a NUL-terminated name; the fd is new
-        // and owned here.
-        let fd = unsafe { libc::memfd_create(c"t".as_ptr(), libc::MFD_ALLOW_SEALING) };
-        assert!(fd >= 0);
-        // SAFETY: the kernel just returned fd.
-        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-        nix::unistd::ftruncate(&fd, len as i64).unwrap();
-        if seals != 0 {
-            // SAFETY: fcntl on our own fd.
-            assert_eq!(
-                unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) },
-                0
-            );
-        }
+    fn memfd(len: i64) -> std::os::fd::OwnedFd {
+        let fd = nix::sys::memfd::memfd_create(
+            "t",
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC | nix::sys::memfd::MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .unwrap();
+        nix::unistd::ftruncate(&fd, len).unwrap();
         fd
     }
 
+    /// A short file would SIGBUS the reader, an unsealed one could change
+    /// under it: both refused before mapping.
     #[test]
-    fn short_or_unsealed_memory_is_not_mapped() {
+    fn short_or_unsealed_memory_is_refused_before_mapping() {
         use std::os::fd::AsFd;
-        let mut r = HostMapper.reserve(1 << 20, None).unwrap();
-        let short = memfd(4096, COMMITTED_SEALS);
-        let e = r.map(short.as_fd(), Access::ReadOnly).unwrap_err();
-        assert!(e.to_string().contains("holds 4096 bytes"), "{e}");
-        let unsealed = memfd(1 << 20, 0);
-        let e = r.map(unsealed.as_fd(), Access::ReadOnly).unwrap_err();
-        assert!(e.to_string().contains("not sealed"), "{e}");
+        let mut r = HostMapper.reserve(8192, None).unwrap();
+        let short = memfd(4096);
+        let err = r.map(short.as_fd(), Access::ReadWrite).unwrap_err();
+        assert!(err.to_string().contains("holds 4096 bytes"), "{err}");
+        let unsealed = memfd(8192);
+        let err = r.map(unsealed.as_fd(), Access::ReadOnly).unwrap_err();
+        assert!(err.to_string().contains("seals"), "{err}");
         assert_eq!(r.state(), RangeState::Reserved);
-        // A writer maps its unsealed allocation; a reader a sealed one.
-        r.map(unsealed.as_fd(), Access::ReadWrite).unwrap();
-        let sealed = memfd(1 << 20, COMMITTED_SEALS);
-        r.map(sealed.as_fd(), Access::ReadOnly).unwrap();
-        assert_eq!(r.state(), RangeState::Mapped(Access::ReadOnly));
+        let seals = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
+        // SAFETY: adds seals to our own memfd.
+        assert_eq!(
+            unsafe { libc::fcntl(unsealed.as_raw_fd(), libc::F_ADD_SEALS, seals) },
+            0
+        );
+        r.map(unsealed.as_fd(), Access::ReadOnly).unwrap();
+        assert_eq!(r.bytes().unwrap().len(), 8192);
     }
 
     #[test]

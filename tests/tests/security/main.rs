@@ -5,4 +5,5 @@
 
 mod control;
 mod dirs;
+mod gms;
 mod gpus;

@@ -14,6 +14,7 @@
 
 mod common;
 mod dirs;
+mod gms;
 mod gpus;
 
 use std::process::ExitCode;
@@ -44,6 +45,11 @@ const ATTACKS: &[Attack] = &[
         name: "dirs",
         about: "write, fill, mkdir in every runtime-provided directory, squat the sockets, then park",
         run: dirs::run,
+    },
+    Attack {
+        name: "gms-rw-after-commit",
+        about: "slot 1 asks gmsd for rw in a loop to replace the committed weights when readers drop to zero (a failover)",
+        run: gms::rw_after_commit,
     },
 ];
 
