@@ -19,6 +19,7 @@ use super::engine::{EngineSlot, SharedOutput};
 use super::gms::GmsDaemons;
 use super::gpus::{self, Gpu};
 use super::host::Machine;
+use super::listen::{ListenSockets, Site};
 use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
 use super::publish::View;
@@ -218,6 +219,29 @@ impl PairedContainer {
             None
         };
 
+        // Before gmsd and the cgroup: a socket that cannot be made (port in
+        // use, privileged) is the user's error, found cheaply.
+        let listen = match (&req.listen, cfg.listen.as_str()) {
+            (Some(list), _) => Some(list.clone()),
+            (None, "") => None,
+            (None, value) => Some(shadow_contract::listen::parse(value)?),
+        };
+        let listen = match listen {
+            Some(list) => {
+                spec::check_listen_pid(&spec, &req.id)?;
+                let netns = spec::network_namespace(&spec, pins.map(|p| p.net.as_path()))?;
+                Some(ListenSockets::open(
+                    &list,
+                    &Site {
+                        netns: netns.as_deref(),
+                        dir: &dirs.root.join("listen"),
+                        may_bind_privileged: super::listen::may_bind_privileged(&spec),
+                    },
+                )?)
+            }
+            None => None,
+        };
+
         made.cgroup = Some(PairCgroup::create(
             &cgroup_path,
             spec.pointer("/linux/resources"),
@@ -248,6 +272,8 @@ impl PairedContainer {
                 gms_dir,
                 pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
                 cgroup_parent: &cgroup_path,
+                listen_names: listen.as_ref().map_or(&[], |l| l.names()),
+                listen_mounts: listen.as_ref().map_or(&[], |l| l.mounts()),
             };
             let engine = spec::engine_spec(&spec, &inputs)?;
             let dir = &dirs.slots[slot.index()];
@@ -260,7 +286,13 @@ impl PairedContainer {
             engines.push(EngineSlot {
                 runc_id: spec::engine_id(&req.id, slot),
                 bundle: dir.clone(),
-                client: RuncClient::new(&rt.config, &rt.namespace, dir, rt.router.clone())?,
+                client: RuncClient::new(
+                    &rt.config,
+                    &rt.namespace,
+                    dir,
+                    rt.router.clone(),
+                    &req.runc,
+                )?,
                 cgroup: spec::engine_cgroup(&cgroup_path, slot),
             });
         }
@@ -278,11 +310,13 @@ impl PairedContainer {
             .join(format!("shadow-{}-{}.prom", rt.namespace, req.id));
         made.metrics_file = Some(metrics_file);
         let output = Arc::new(SharedOutput::new(out, err));
+        let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
         let host = Machine::new(
             engines.clone(),
             output.clone(),
             rt.router.clone(),
             lock_file,
+            listen,
         );
         let sup = Supervisor::new(Parts {
             id: req.id.clone(),
@@ -304,10 +338,11 @@ impl PairedContainer {
             single: req.single,
         });
         log::info!(
-            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {})",
+            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {})",
             req.id,
             dirs.root.display(),
-            pins.is_some()
+            pins.is_some(),
+            listen_count
         );
         Ok((engines, sup, view_rx))
     }
