@@ -4,4 +4,6 @@
 //! item of docs/security.md.
 
 mod control;
+mod dirs;
+mod gms;
 mod gpus;
