@@ -4,3 +4,4 @@
 //! item of docs/security.md.
 
 mod control;
+mod notify;

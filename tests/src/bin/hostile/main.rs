@@ -13,6 +13,7 @@
 //! so a test can wait for the moment it cares about.
 
 mod common;
+mod notify;
 
 use std::process::ExitCode;
 
@@ -31,6 +32,21 @@ const ATTACKS: &[Attack] = &[Attack {
     about:
         "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
     run: common::park_forever,
+},
+Attack {
+    name: "notify-linger-fd",
+    about: "as the parked shadow, pass the shim a TCP socket whose last close lingers (SCM_RIGHTS)",
+    run: notify::linger_fd,
+},
+Attack {
+    name: "notify-flood",
+    about: "as the parked shadow, flood the notify socket with READY=1 and STATUS for N seconds",
+    run: notify::flood,
+},
+Attack {
+    name: "notify-garbage",
+    about: "as the parked shadow, send oversized, malformed, lying and fd-laden datagrams for N seconds",
+    run: notify::garbage,
 }];
 
 fn main() -> ExitCode {
