@@ -5,6 +5,7 @@
 //! ends with nothing left.
 
 use super::control::{hostile_env, LONG};
+use shadow_contract::state::PairState;
 use shadow_tests::pair::{until, PairEnv};
 use shadow_tests::{our_processes, Containerd, Spawned};
 use std::time::{Duration, Instant};
@@ -72,7 +73,9 @@ fn survive(id: &str, attack: &str, args: &[&str], lies_ready: bool) {
     let ctr = env
         .run(&cd, id, &[], &["--rm", "--net-host"], &cmd)
         .expect("ctr run");
-    let st = env.wait_protected(&cd, id, LONG);
+    let st = settle(&cd, &env, id, &ctr, "protected before the attack", |s| {
+        s.pair.protected
+    });
     let active = st.pair.active.expect("active slot");
     let shim = shim_pid(&cd, id);
     let attacked = format!("attack={attack} step=attacked");
@@ -105,34 +108,47 @@ fn survive(id: &str, attack: &str, args: &[&str], lies_ready: bool) {
     let holder = st.pid_of(active).expect("active pid");
     if !lies_ready {
         let st = env.state(&cd, id).expect("state.json");
-        assert_eq!(st.pair.active, Some(active), "the attack moved the active");
         assert!(
-            st.pair.protected,
-            "the attacker is no longer parked: {st:?}"
+            st.pair.active == Some(active) && st.pair.protected,
+            "the attack moved the active or unparked the attacker: {st:#?}\nengines said:\n{}",
+            ctr.stdout_so_far()
         );
     }
     fail_over_and_end(&cd, &env, id, ctr, holder);
 }
 
-fn fail_over_and_end(cd: &Containerd, env: &PairEnv, id: &str, ctr: Spawned, pid: u32) {
-    // SAFETY: kill(2) with the active engine's pid, read from the pair's state.
-    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+/// Waits until the pair's state satisfies `ok`; on a timeout, fails with the
+/// state, what the engines said and the containerd log.
+fn settle(
+    cd: &Containerd,
+    env: &PairEnv,
+    id: &str,
+    ctr: &Spawned,
+    what: &str,
+    ok: impl Fn(&PairState) -> bool,
+) -> PairState {
     let deadline = Instant::now() + LONG;
     loop {
         let st = env.state(cd, id);
-        if st
-            .as_ref()
-            .is_some_and(|s| s.pair.failovers == 1 && s.pair.protected)
-        {
-            break;
+        if let Some(st) = st.as_ref().filter(|s| ok(s)) {
+            return st.clone();
         }
         assert!(
             Instant::now() < deadline,
-            "the attacker never took over: {st:#?}\ncontainerd log:\n{}",
+            "timed out waiting for: {what}; state: {st:#?}\nengines said:\n{}\ncontainerd log:\n{}",
+            ctr.stdout_so_far(),
             cd.log_tail(40)
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+fn fail_over_and_end(cd: &Containerd, env: &PairEnv, id: &str, ctr: Spawned, pid: u32) {
+    // SAFETY: kill(2) with the active engine's pid, read from the pair's state.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+    settle(cd, env, id, &ctr, "the attacker takes over", |s| {
+        s.pair.failovers == 1 && s.pair.protected
+    });
     cd.ctr()
         .run_timeout(&["task", "kill", "--signal", "SIGKILL", id], ANSWER)
         .expect("ctr task kill")

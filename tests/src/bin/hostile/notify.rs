@@ -190,8 +190,9 @@ pub fn flood(args: &[String]) -> Result<(), String> {
 
 /// `notify-garbage [seconds]`: for `seconds` (default 3), sends what no
 /// engine should: oversized datagrams, invalid UTF-8, NULs, lies
-/// (`MAINPID=1`), `READY=1` under forged credentials, 253 fds in one
-/// datagram, malformed and unknown lines.
+/// (`MAINPID=1`), forged credentials, 253 fds in one datagram, malformed
+/// and unknown lines. It never says `READY=1`: from either engine of a
+/// pair that is believed (docs/security.md).
 pub fn garbage(args: &[String]) -> Result<(), String> {
     let how_long = secs(args, 3)?;
     as_shadow("notify-garbage", || {
@@ -249,8 +250,8 @@ pub fn garbage(args: &[String]) -> Result<(), String> {
 }
 
 /// One datagram claiming to come from another pid (the kernel refuses it
-/// to a sender without CAP_SYS_ADMIN over its pid namespace, and refuses a
-/// pid that does not exist there).
+/// to a sender without CAP_SYS_ADMIN over its pid namespace, and a pid that
+/// does not exist there; any pid it may claim is one of its own container).
 fn forged_credentials(path: &str) -> Result<(), nix::errno::Errno> {
     let sock = UnixDatagram::unbound().map_err(|_| nix::errno::Errno::EIO)?;
     let addr = UnixAddr::new(path)?;
@@ -261,7 +262,7 @@ fn forged_credentials(path: &str) -> Result<(), nix::errno::Errno> {
         gid: 0,
     };
     let creds = nix::sys::socket::UnixCredentials::from(cred);
-    let iov = [std::io::IoSlice::new(b"READY=1")];
+    let iov = [std::io::IoSlice::new(b"STATUS=forged\nMAINPID=1")];
     sendmsg(
         sock.as_raw_fd(),
         &iov,
