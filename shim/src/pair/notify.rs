@@ -21,7 +21,8 @@
 //!   and one without credentials are dropped whole, never half read.
 //! - **Floods.** [`Gate`] decides which datagrams reach the supervisor: a
 //!   datagram identical to one of the same sender still waiting is
-//!   coalesced, each engine has a token bucket, and at most
+//!   coalesced, each engine has a token bucket (one token per notification
+//!   in a datagram), and at most
 //!   [`QUEUE_MAX`] datagrams wait for the supervisor at any time. What it
 //!   drops is counted and logged at most every [`LOG_EVERY`].
 
@@ -43,18 +44,22 @@ use crate::error::{Error, Result};
 
 /// The most fds one datagram can carry (the kernel's `SCM_MAX_FD`).
 const SCM_MAX_FD: usize = 253;
+/// Room for the control data, in u64 words: the credentials and
+/// `SCM_MAX_FD` fds, each with its header (checked by a test).
+const CONTROL_WORDS: usize = 136;
 /// Received fds waiting for the closer thread, at most (all pairs of the
 /// shim together). Past it the socket is not read until the closer catches up.
 const CLOSER_BACKLOG: usize = 1024;
 /// Datagrams forwarded to the supervisor and not yet taken, at most.
 pub const QUEUE_MAX: u64 = 64;
-/// Each engine's token bucket: sustained datagrams per second, and burst.
+/// Each engine's token bucket: sustained notifications (`KEY=VALUE` lines
+/// the shim acts on; a datagram costs at least one) per second, and burst.
 pub const RATE_PER_SEC: u32 = 50;
 pub const BURST: u32 = 200;
 /// Datagrams dropped in one second past which the reader pauses for the
 /// rest of that second, leaving the flood in the kernel's queue (which
 /// then blocks or refuses the flooder) instead of spending the shim's CPU.
-const DROPS_PER_SEC_MAX: u64 = 2000;
+const DROPS_PER_SEC_MAX: u64 = 1000;
 /// How often, at most, a pair logs what its notify socket dropped.
 pub const LOG_EVERY: Duration = Duration::from_secs(10);
 /// How long a pid's slot, once looked up, is taken as known.
@@ -239,7 +244,7 @@ struct Raw {
 /// carry, so that the kernel never closes an fd on this thread; each fd
 /// received is owned (and closed on close-on-exec terms) from here on.
 fn recv_raw(fd: RawFd) -> io::Result<Raw> {
-    let mut buf = vec![0u8; MAX_DATAGRAM];
+    let mut buf = [0u8; MAX_DATAGRAM];
     let ucred = std::mem::size_of::<libc::ucred>();
     let rights = SCM_MAX_FD * std::mem::size_of::<libc::c_int>();
     // SAFETY: CMSG_SPACE only computes a length.
@@ -248,7 +253,8 @@ fn recv_raw(fd: RawFd) -> io::Result<Raw> {
             + libc::CMSG_SPACE(rights as libc::c_uint) as usize
     };
     // u64 words: the control buffer must be aligned for `cmsghdr`.
-    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut control = [0u64; CONTROL_WORDS];
+    let space = space.min(CONTROL_WORDS * 8);
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -271,10 +277,9 @@ fn recv_raw(fd: RawFd) -> io::Result<Raw> {
         return Err(io::Error::last_os_error());
     }
     let len = n as usize;
-    buf.truncate(len.min(MAX_DATAGRAM));
     let mut raw = Raw {
         len,
-        bytes: buf,
+        bytes: buf[..len.min(MAX_DATAGRAM)].to_vec(),
         pid: None,
         fds: Vec::new(),
         truncated: hdr.msg_flags & libc::MSG_CTRUNC != 0,
@@ -419,17 +424,33 @@ impl Bucket {
         }
     }
 
-    fn take(&mut self, now: Instant) -> bool {
+    /// The tokens there are at `now`.
+    fn refill(&mut self, now: Instant) -> f64 {
         let dt = now.saturating_duration_since(self.at).as_secs_f64();
         self.at = now;
         self.tokens = (self.tokens + dt * f64::from(RATE_PER_SEC)).min(f64::from(BURST));
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
+        self.tokens
+    }
+
+    /// Takes `n` tokens if there are as many.
+    fn take(&mut self, n: u32, now: Instant) -> bool {
+        if self.refill(now) >= f64::from(n) {
+            self.tokens -= f64::from(n);
             true
         } else {
             false
         }
     }
+}
+
+/// What a datagram costs: one token per `KEY=VALUE` line (what the
+/// supervisor may act on), at least one; counted without parsing.
+fn cost(bytes: &[u8]) -> u32 {
+    let lines = bytes
+        .split(|b| *b == b'\n')
+        .filter(|l| l.contains(&b'='))
+        .count();
+    lines.clamp(1, BURST as usize + 1) as u32
 }
 
 /// Decides which datagrams reach the supervisor; see the module doc.
@@ -491,7 +512,9 @@ impl Gate {
         let Some(slot) = slot else {
             return Err(Dropped::NotAnEngine);
         };
-        if !self.buckets[slot.index()].take(now) {
+        // An empty bucket refuses before the datagram is even looked at.
+        let bucket = &mut self.buckets[slot.index()];
+        if bucket.refill(now) < 1.0 || !bucket.take(cost(&d.bytes), now) {
             return Err(Dropped::RateLimited);
         }
         if self.queue.waiting() >= QUEUE_MAX {
@@ -718,6 +741,41 @@ mod tests {
             g.admit(&dg(9, b"READY=1"), later, |_| Some(SlotId::ONE)),
             Ok(())
         );
+    }
+
+    #[test]
+    fn the_control_buffer_holds_credentials_and_every_fd() {
+        // SAFETY: CMSG_SPACE only computes a length.
+        let need = unsafe {
+            libc::CMSG_SPACE(std::mem::size_of::<libc::ucred>() as libc::c_uint)
+                + libc::CMSG_SPACE(
+                    (SCM_MAX_FD * std::mem::size_of::<libc::c_int>()) as libc::c_uint,
+                )
+        } as usize;
+        assert!(CONTROL_WORDS * 8 >= need, "{need} bytes needed");
+    }
+
+    #[test]
+    fn a_datagram_costs_one_token_per_notification() {
+        let (mut g, q, now) = gate();
+        let s0 = |_| Some(SlotId::ZERO);
+        let lines = "STATUS=x\n".repeat(BURST as usize + 1);
+        assert_eq!(
+            g.admit(&dg(7, lines.as_bytes()), now, s0),
+            Err(Dropped::RateLimited)
+        );
+        let half = "STATUS=y\n".repeat(BURST as usize / 2);
+        assert_eq!(g.admit(&dg(7, half.as_bytes()), now, s0), Ok(()));
+        q.taken();
+        assert_eq!(g.admit(&dg(7, half.as_bytes()), now, s0), Ok(()));
+        q.taken();
+        assert_eq!(
+            g.admit(&dg(7, b"READY=1"), now, s0),
+            Err(Dropped::RateLimited)
+        );
+        // Garbage holds no notification and costs one token.
+        let later = now + Duration::from_secs(1);
+        assert_eq!(g.admit(&dg(7, b"\xff\xfe"), later, s0), Ok(()));
     }
 
     #[test]

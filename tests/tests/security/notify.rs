@@ -1,8 +1,8 @@
 //! The notify socket (docs/security.md, "The notify socket"): a parked
 //! shadow that passes fds, floods or sends garbage on `NOTIFY_SOCKET` must
 //! not freeze the shim (State and Kill answer within [`ANSWER`] throughout)
-//! nor grow it past [`RSS_CAP_KIB`]; the pair still fails over afterwards and
-//! ends with nothing left.
+//! nor grow it past [`RSS_CAP_KIB`] or spend more than [`CPU_CAP`] on it;
+//! the pair still fails over afterwards and ends with nothing left.
 
 use super::control::{hostile_env, LONG};
 use shadow_contract::state::PairState;
@@ -17,6 +17,26 @@ const ANSWER: Duration = Duration::from_secs(5);
 /// The shim's resident memory, at most, while an engine floods it (an idle
 /// debug shim is about 6-10 MiB).
 const RSS_CAP_KIB: u64 = 64 * 1024;
+
+/// The shim's CPU time (user + system) spent while an engine attacks, at
+/// most: the notify socket must not turn an engine's flood into a core of
+/// the node's CPU outside the pod's cgroup.
+const CPU_CAP: Duration = Duration::from_secs(1);
+
+/// The CPU time `pid` has used so far (utime + stime of /proc/<pid>/stat).
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command (which may hold spaces) end with ')'.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|i| fields.get(*i)?.parse::<u64>().ok())
+        .sum();
+    // SAFETY: sysconf takes a constant and touches no memory.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_millis(ticks * 1000 / hz)
+}
 
 /// The pid of the shim serving `id` under `cd`.
 fn shim_pid(cd: &Containerd, id: &str) -> u32 {
@@ -79,6 +99,7 @@ fn survive(id: &str, attack: &str, args: &[&str], lies_ready: bool) {
     let active = st.pair.active.expect("active slot");
     let shim = shim_pid(&cd, id);
     let attacked = format!("attack={attack} step=attacked");
+    let cpu_before = cpu_time(shim);
     let deadline = Instant::now() + LONG;
     let mut polls = 0;
     while !ctr.stdout_so_far().contains(&attacked) {
@@ -89,8 +110,13 @@ fn survive(id: &str, attack: &str, args: &[&str], lies_ready: bool) {
         );
         assert_answers(&cd, id, shim, "during the attack");
         polls += 1;
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(250));
     }
+    let cpu = cpu_time(shim).saturating_sub(cpu_before);
+    assert!(
+        cpu <= CPU_CAP,
+        "the shim spent {cpu:?} of CPU during the attack (cap {CPU_CAP:?})"
+    );
     // After it, too: what it left queued must not stall or bloat the shim.
     for _ in 0..3 {
         assert_answers(&cd, id, shim, "after the attack");
@@ -102,7 +128,7 @@ fn survive(id: &str, attack: &str, args: &[&str], lies_ready: bool) {
         .find(|l| l.contains("sent=") || l.contains(" step=sent") || l.contains("refused"))
         .unwrap_or("");
     eprintln!(
-        "{attack}: {polls} ctr task ps answered during the attack; shim rss {} KiB; {report}",
+        "{attack}: {polls} ctr task ps answered during the attack; shim cpu {cpu:?}, rss {} KiB; {report}",
         rss_kib(shim)
     );
     let holder = st.pid_of(active).expect("active pid");

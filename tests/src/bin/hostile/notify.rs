@@ -200,8 +200,10 @@ pub fn garbage(args: &[String]) -> Result<(), String> {
         let sock = UnixDatagram::unbound().map_err(|e| format!("socket: {e}"))?;
         sock.set_write_timeout(Some(Duration::from_millis(200)))
             .map_err(|e| format!("SO_SNDTIMEO: {e}"))?;
+        // Oversized: whatever its first 4 KiB say, it is not a datagram
+        // of the contract and must not be half read.
         let big = {
-            let mut b = b"STATUS=".to_vec();
+            let mut b = b"READY=1\nSTATUS=".to_vec();
             b.resize(60_000, b'x');
             b
         };
