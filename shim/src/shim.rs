@@ -15,6 +15,7 @@ use crate::bundle::BUNDLE_CONFIG;
 use crate::config::{Config, ConfigSource, Origin, ENV_CONFIG_ORIGIN};
 use crate::events::{spawn_forwarder, EventSink};
 use crate::exits::ExitRouter;
+use crate::options::RuncOptions;
 use crate::runc::RuncClient;
 use crate::runtime::Runtime;
 use crate::service::TaskService;
@@ -114,8 +115,19 @@ impl Shim for ShadowShim {
         let router = ExitRouter::start()
             .await
             .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
-        let client = RuncClient::new(&self.config, &self.namespace, &self.bundle, router)
-            .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
+        // The runc root and binary the task was created with.
+        let options = RuncOptions::load(&self.bundle).unwrap_or_else(|e| {
+            log::warn!("delete {}: {e}; using the config's runc", self.id);
+            RuncOptions::default()
+        });
+        let client = RuncClient::new(
+            &self.config,
+            &self.namespace,
+            &self.bundle,
+            router,
+            &options,
+        )
+        .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
         if let Err(e) = client.delete_force(&self.id).await {
             log::warn!("delete {}: {e}", self.id);
         }

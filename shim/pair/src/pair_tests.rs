@@ -439,7 +439,7 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
     );
     assert_eq!(p.slot(SlotId::ONE).state, EngineState::Stopped);
     // Cold restarts and stops involve slot 0 only.
-    assert_eq!(p.handle(Event::GmsDied, t(400)), vec![Action::KillAll]);
+    assert_eq!(p.handle(gms_died("host"), t(400)), vec![Action::KillAll]);
     let a = p.handle(
         Event::Exited {
             slot: SlotId::ZERO,
@@ -469,10 +469,17 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
     assert_eq!(a, vec![Action::Exit { status: 143 }]);
 }
 
+fn gms_died(device: &str) -> Event {
+    Event::GmsDied {
+        device: device.into(),
+    }
+}
+
 #[test]
 fn gms_death_restarts_the_pair_cold() {
     let mut p = running();
-    assert_eq!(p.handle(Event::GmsDied, t(10)), vec![Action::KillAll]);
+    let gpu = "GPU-00000000-0000-0000-0000-000000000002";
+    assert_eq!(p.handle(gms_died(gpu), t(10)), vec![Action::KillAll]);
     assert!(p
         .handle(
             Event::Exited {
@@ -500,6 +507,12 @@ fn gms_death_restarts_the_pair_cold() {
     let snap = p.snapshot();
     assert_eq!(snap.cold_restarts, 1);
     assert_eq!(snap.failovers, 0, "a cold restart is not a failover");
+    assert_eq!(
+        snap.last_cold_restart,
+        Some(ColdRestartCause::GmsDied { device: gpu.into() }),
+        "the cause names the GPU whose daemon died"
+    );
+    assert_eq!(snap.gms_deaths.get(gpu), Some(&1));
 }
 
 #[test]
@@ -522,6 +535,10 @@ fn invalidating_xid_restarts_cold_preserving_xid_does_not() {
         t(8),
     );
     assert_eq!(a.first(), Some(&Action::RestartGms));
+    assert_eq!(
+        p.snapshot().last_cold_restart,
+        Some(ColdRestartCause::Xid { xid: 79 })
+    );
 }
 
 #[test]
@@ -578,4 +595,100 @@ fn spawn_failure_counts_as_an_early_death() {
         t(3),
     );
     assert_eq!(a, vec![Action::Exit { status: 255 }]);
+}
+
+/// Both engines reaped after a `KillAll` of a cold restart.
+fn reap_both(p: &mut Pair, at: u64) -> Vec<Action> {
+    let mut a = Vec::new();
+    for slot in SlotId::BOTH {
+        a = p.handle(Event::Exited { slot, exit: KILL }, t(at));
+    }
+    a
+}
+
+/// The spawns of a cold restart reported, so that the next failure has
+/// engines to stop.
+fn spawned_both(p: &mut Pair, at: u64) {
+    for (slot, pid) in [(SlotId::ZERO, 70), (SlotId::ONE, 71)] {
+        p.handle(Event::Spawned { slot, pid }, t(at));
+    }
+}
+
+/// A GMS daemon that will not start again (its socket path taken, its
+/// binary gone) must not make the pair restart cold in a tight loop: each
+/// failed start counts as an early death, so restarts back off and the
+/// pair ends as a crash loop once the budget is spent.
+#[test]
+fn a_gmsd_that_will_not_start_backs_off_then_ends_the_pair() {
+    let policy = RestartPolicy::default();
+    let mut p = Pair::new(policy.clone());
+    // Engines up, then gmsd dies: the first cold restart is at once.
+    let mut p2 = running();
+    assert_eq!(
+        p2.handle(
+            Event::GmsDied {
+                device: "host".into()
+            },
+            t(10)
+        ),
+        vec![Action::KillAll]
+    );
+    assert_eq!(reap_both(&mut p2, 11)[0], Action::RestartGms);
+    // From here on every restart of gmsd fails.
+    let mut now = 100;
+    p.start();
+    spawned_both(&mut p, now);
+    let mut delays = Vec::new();
+    for _ in 0..=policy.max_consecutive_failures {
+        now += 1;
+        assert_eq!(
+            p.handle(Event::GmsStartFailed, t(now)),
+            vec![Action::KillAll]
+        );
+        now += 1;
+        let a = reap_both(&mut p, now);
+        match a.as_slice() {
+            [Action::RestartGms, Action::Spawn { .. }, Action::Spawn { .. }] => delays.push(0),
+            [Action::RestartGmsAfter { delay }] => {
+                delays.push(delay.as_millis() as u64);
+                // Nothing happens before the delay is over.
+                assert!(p
+                    .handle(Event::BackoffElapsed { slot: SlotId::ZERO }, t(now))
+                    .is_empty());
+                now += delay.as_millis() as u64;
+                let a = p.handle(Event::ColdRestartDue, t(now));
+                assert_eq!(a[0], Action::RestartGms, "{a:?}");
+            }
+            [Action::Exit { status }] => {
+                assert_eq!(*status, 255);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+        spawned_both(&mut p, now);
+    }
+    assert_eq!(delays, [0, 200, 400, 800, 1600], "backoff doubles");
+    assert!(p.is_ending());
+}
+
+/// A cold restart that waits out its backoff ends at once on Stop.
+#[test]
+fn stop_during_a_cold_restart_backoff_ends_the_pair() {
+    let mut p = Pair::new(RestartPolicy::default());
+    p.start();
+    spawned_both(&mut p, 1);
+    p.handle(Event::GmsStartFailed, t(2));
+    reap_both(&mut p, 3);
+    spawned_both(&mut p, 4);
+    p.handle(Event::GmsStartFailed, t(5));
+    let a = reap_both(&mut p, 6);
+    assert!(
+        matches!(a.as_slice(), [Action::RestartGmsAfter { .. }]),
+        "{a:?}"
+    );
+    assert_eq!(
+        p.handle(Event::Stop, t(7)),
+        vec![Action::Exit { status: 0 }]
+    );
+    assert!(p.handle(Event::ColdRestartDue, t(300)).is_empty());
 }

@@ -295,7 +295,10 @@ fn recv_raw(fd: RawFd) -> io::Result<Raw> {
         // SAFETY: CMSG_DATA of a valid header: the bytes after it.
         let data = unsafe { libc::CMSG_DATA(c) };
         let data_at = data as usize;
-        let data_len = (c as usize + clen as usize)
+        // cmsg_len is a size_t on glibc, a socklen_t on musl.
+        #[allow(clippy::unnecessary_cast)]
+        let clen = clen as usize;
+        let data_len = (c as usize + clen)
             .min(end)
             .saturating_sub(data_at);
         if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {

@@ -170,7 +170,7 @@ impl Rig {
             state_json: dir.path().join("state.json"),
             metrics_dir: dir.path().to_path_buf(),
             gms: None,
-            gpus: Vec::new(),
+            gpu_buses: Vec::new(),
             single: false,
         });
         let input = sup.input();

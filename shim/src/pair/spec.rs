@@ -23,15 +23,22 @@ pub struct EngineInputs<'a> {
     pub slot: SlotId,
     /// Absolute rootfs of the original bundle.
     pub rootfs: &'a Path,
-    /// Host dir mounted at [`paths::PAIR_DIR`].
+    /// The pair's host directory holding the election lock
+    /// ([`paths::LOCK_FILE`]) and the notify socket ([`paths::NOTIFY_FILE`]):
+    /// each is bound alone, read-only, at its place in [`paths::PAIR_DIR`].
     pub pair_dir: &'a Path,
-    /// Host dir mounted at [`paths::GMS_DIR`], when the pair has GMS.
-    pub gms_dir: Option<&'a Path>,
+    /// The GMS daemons' sockets on the host, when the pair has GMS: each is
+    /// bound alone, read-only, under its own name in [`paths::GMS_DIR`].
+    pub gms_sockets: &'a [PathBuf],
     /// Pinned network and IPC namespace files, used for namespaces the spec
     /// asks for without a path (no sandbox to share).
     pub pinned: Option<(&'a Path, &'a Path)>,
     /// The pair's cgroup (the spec's `cgroupsPath`): engines go below it.
     pub cgroup_parent: &'a str,
+    /// The pair's listening sockets' `LISTEN_FDNAMES` (empty: none).
+    pub listen_names: &'a [String],
+    /// Unix listening sockets: (host path, path in the container).
+    pub listen_mounts: &'a [(PathBuf, PathBuf)],
 }
 
 /// The runc container id of a slot's engine.
@@ -75,47 +82,53 @@ pub fn needs_pinned_namespaces(spec: &Value) -> bool {
     })
 }
 
+/// The network namespace the pair's listening sockets belong in: the
+/// spec's (a sandbox's path), the pinned one (`pinned`, for a namespace
+/// asked for without a path), or None for a spec without one (the host's).
+pub fn network_namespace(spec: &Value, pinned: Option<&Path>) -> Result<Option<PathBuf>> {
+    let Some(ns) = namespaces(spec)
+        .into_iter()
+        .find(|ns| ns.get("type").and_then(Value::as_str) == Some("network"))
+    else {
+        return Ok(None);
+    };
+    match ns
+        .get("path")
+        .and_then(Value::as_str)
+        .filter(|p| !p.is_empty())
+    {
+        Some(p) => Ok(Some(PathBuf::from(p))),
+        None => pinned.map(|p| Some(p.to_path_buf())).ok_or_else(|| {
+            Error::FailedPrecondition("a new network namespace without a pinned one".into())
+        }),
+    }
+}
+
+/// `LISTEN_PID=1` must be true: each engine is the init of a pid namespace
+/// of its own, so the spec must ask for a new one (not join a path).
+pub fn check_listen_pid(spec: &Value, id: &str) -> Result<()> {
+    let own = namespaces(spec).iter().any(|ns| {
+        ns.get("type").and_then(Value::as_str) == Some("pid")
+            && ns
+                .get("path")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+    });
+    if own {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "container {id}: {} needs each engine in a pid namespace of its own (the sockets are handed down with LISTEN_PID=1); the spec shares the host's or another container's",
+            shadow_contract::annotations::LISTEN
+        )))
+    }
+}
+
 fn namespaces(spec: &Value) -> Vec<Value> {
     spec.pointer("/linux/namespaces")
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default()
-}
-
-/// Whether the spec gives the container NVIDIA GPUs (then GMS runs `cuda`).
-pub fn nvidia_devices(spec: &Value) -> Vec<String> {
-    let mut out = Vec::new();
-    for e in spec
-        .pointer("/process/env")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-    {
-        if let Some(v) = e.strip_prefix("NVIDIA_VISIBLE_DEVICES=") {
-            if !v.is_empty() && v != "void" && v != "none" {
-                out.extend(v.split(',').map(|s| s.trim().to_string()));
-            }
-        }
-    }
-    for d in spec
-        .pointer("/linux/devices")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        if let Some(p) = d.get("path").and_then(Value::as_str) {
-            if let Some(n) = p.strip_prefix("/dev/nvidia") {
-                if !n.is_empty()
-                    && n.chars().all(|c| c.is_ascii_digit())
-                    && !out.iter().any(|x| x == n)
-                {
-                    out.push(n.to_string());
-                }
-            }
-        }
-    }
-    out
 }
 
 /// The absolute rootfs of a bundle's spec.
@@ -132,13 +145,27 @@ pub fn rootfs_of(spec: &Value, bundle: &Path) -> PathBuf {
     }
 }
 
-fn bind(source: &Path, destination: &str) -> Value {
+/// One file (the lock) or socket bound alone and read-only: the engine can
+/// take the lock (flock needs no write access) and send to or connect to
+/// a socket (the kernel does not check the mount for that), but neither
+/// write nor create anything in the host directory it came from, which it
+/// never sees.
+fn bind_file(source: &Path, destination: String) -> Value {
     json!({
         "destination": destination,
         "type": "bind",
         "source": source.display().to_string(),
-        "options": ["rbind", "rw", "nosuid", "nodev"],
+        "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
     })
+}
+
+/// Whether a mount's destination is one of the contract's places (or
+/// below one): the spec's own mounts there give way to ours.
+fn in_contract_dirs(destination: &str) -> bool {
+    let d = destination.trim_end_matches('/');
+    [paths::PAIR_DIR, paths::GMS_DIR]
+        .iter()
+        .any(|dir| d == *dir || d.strip_prefix(dir).is_some_and(|r| r.starts_with('/')))
 }
 
 /// `env` with the engine-contract entries of the engine bundle at `bundle`
@@ -189,8 +216,11 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         env::entry(env::LOCK_PATH, paths::LOCK_PATH),
         env::entry(env::NOTIFY_SOCKET, paths::NOTIFY_SOCKET),
     ];
-    if e.gms_dir.is_some() {
+    if !e.gms_sockets.is_empty() {
         ours.push(env::entry(env::GMS_SOCKET_DIR, paths::GMS_DIR));
+    }
+    if !e.listen_names.is_empty() {
+        ours.extend(shadow_contract::listen::env_entries(e.listen_names));
     }
     let process = obj
         .get_mut("process")
@@ -219,13 +249,31 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     let mounts = mounts
         .as_array_mut()
         .ok_or_else(|| Error::InvalidArgument("OCI spec mounts is not a list".into()))?;
+    let sockets: Vec<String> = e
+        .listen_mounts
+        .iter()
+        .map(|(_, inside)| inside.display().to_string())
+        .collect();
     mounts.retain(|m| {
         let d = m.get("destination").and_then(Value::as_str).unwrap_or("");
-        d != paths::PAIR_DIR && d != paths::GMS_DIR
+        !in_contract_dirs(d) && !sockets.iter().any(|s| s == d)
     });
-    mounts.push(bind(e.pair_dir, paths::PAIR_DIR));
-    if let Some(g) = e.gms_dir {
-        mounts.push(bind(g, paths::GMS_DIR));
+    mounts.push(bind_file(
+        &e.pair_dir.join(paths::LOCK_FILE),
+        paths::LOCK_PATH.to_string(),
+    ));
+    mounts.push(bind_file(
+        &e.pair_dir.join(paths::NOTIFY_FILE),
+        paths::NOTIFY_SOCKET.to_string(),
+    ));
+    for socket in e.gms_sockets {
+        let name = socket.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+            Error::InvalidArgument(format!("GMS socket {} has no name", socket.display()))
+        })?;
+        mounts.push(bind_file(socket, format!("{}/{name}", paths::GMS_DIR)));
+    }
+    for ((host, _), inside) in e.listen_mounts.iter().zip(&sockets) {
+        mounts.push(bind_file(host, inside.clone()));
     }
 
     let linux = obj
@@ -285,14 +333,19 @@ mod tests {
         })
     }
 
+    static GMS_SOCKETS: std::sync::LazyLock<[PathBuf; 1]> =
+        std::sync::LazyLock::new(|| [PathBuf::from("/run/shadow/ns1/c1/gms/gms-host.sock")]);
+
     fn inputs<'a>(slot: SlotId, pinned: Option<(&'a Path, &'a Path)>) -> EngineInputs<'a> {
         EngineInputs {
             slot,
             rootfs: Path::new("/b/rootfs"),
             pair_dir: Path::new("/run/shadow/ns1/c1/pair"),
-            gms_dir: Some(Path::new("/run/shadow/ns1/c1/gms")),
+            gms_sockets: &*GMS_SOCKETS,
             pinned,
             cgroup_parent: "/ns1/c1",
+            listen_names: &[],
+            listen_mounts: &[],
         }
     }
 
@@ -325,8 +378,31 @@ mod tests {
             .iter()
             .map(|m| m["destination"].as_str().unwrap())
             .collect();
-        assert_eq!(dests, ["/proc", "/run/shadow/pair", "/run/shadow/gms"]);
-        assert_eq!(e["mounts"][1]["source"], "/run/shadow/ns1/c1/pair");
+        assert_eq!(
+            dests,
+            [
+                "/proc",
+                "/run/shadow/pair/engine.lock",
+                "/run/shadow/pair/notify.sock",
+                "/run/shadow/gms/gms-host.sock"
+            ]
+        );
+        assert_eq!(
+            e["mounts"][1]["source"],
+            "/run/shadow/ns1/c1/pair/engine.lock"
+        );
+        assert_eq!(
+            e["mounts"][3]["source"],
+            "/run/shadow/ns1/c1/gms/gms-host.sock"
+        );
+        // Each alone and read-only: nothing of the host directories is
+        // writable from the engine.
+        for m in &e["mounts"].as_array().unwrap()[1..] {
+            assert_eq!(
+                m["options"],
+                json!(["bind", "ro", "nosuid", "nodev", "noexec"])
+            );
+        }
         assert_eq!(e["linux"]["cgroupsPath"], "/ns1/c1/s1");
         assert_eq!(
             e["linux"]["resources"],
@@ -360,11 +436,83 @@ mod tests {
     #[test]
     fn gms_off_means_no_gms_mount_or_variable() {
         let mut i = inputs(SlotId::ZERO, None);
-        i.gms_dir = None;
+        i.gms_sockets = &[];
         let e = engine_spec(&spec(), &i).unwrap();
         let text = e.to_string();
         assert!(!text.contains("GMS_SOCKET_DIR") && !text.contains("/run/shadow/gms"));
         assert!(text.contains("SHADOW_ENGINE_ID=0"));
+    }
+
+    #[test]
+    fn listening_sockets_give_the_socket_env_and_mounts() {
+        let names = ["tcp-8000".to_string(), "unix-e.sock".to_string()];
+        let mounts = [(
+            PathBuf::from("/run/shadow/ns1/c1/listen/1.sock"),
+            PathBuf::from("/run/e.sock"),
+        )];
+        let mut i = inputs(SlotId::ZERO, None);
+        i.listen_names = &names;
+        i.listen_mounts = &mounts;
+        let mut s = spec();
+        s["process"]["env"] = json!(["LISTEN_FDS=9", "PATH=/bin"]);
+        s["mounts"] = json!([{"destination": "/run/e.sock", "type": "bind", "source": "/x"}]);
+        let e = engine_spec(&s, &i).unwrap();
+        let env: Vec<&str> = e["process"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .filter(|v| v.starts_with("LISTEN_"))
+            .collect();
+        assert_eq!(
+            env,
+            [
+                "LISTEN_FDS=2",
+                "LISTEN_PID=1",
+                "LISTEN_FDNAMES=tcp-8000:unix-e.sock"
+            ]
+        );
+        let sock: Vec<&Value> = e["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["destination"] == "/run/e.sock")
+            .collect();
+        assert_eq!(sock.len(), 1);
+        assert_eq!(sock[0]["source"], "/run/shadow/ns1/c1/listen/1.sock");
+        // Without sockets: no variables.
+        let e = engine_spec(&spec(), &inputs(SlotId::ZERO, None)).unwrap();
+        assert!(!e.to_string().contains("LISTEN_FDS"));
+    }
+
+    #[test]
+    fn listening_needs_an_own_pid_namespace_and_finds_the_network_one() {
+        let s = spec();
+        assert!(check_listen_pid(&s, "c1").is_ok());
+        let mut shared = spec();
+        shared["linux"]["namespaces"][0]["path"] = "/proc/7/ns/pid".into();
+        let e = check_listen_pid(&shared, "c1").unwrap_err().to_string();
+        assert!(e.contains("LISTEN_PID=1"), "{e}");
+        let mut host = spec();
+        host["linux"]["namespaces"] = json!([{"type": "network"}]);
+        assert!(check_listen_pid(&host, "c1").is_err());
+
+        let pin = Path::new("/p/ns/net");
+        assert_eq!(
+            network_namespace(&s, Some(pin)).unwrap().as_deref(),
+            Some(pin)
+        );
+        let mut sandboxed = spec();
+        sandboxed["linux"]["namespaces"][1]["path"] = "/var/run/netns/cni-1".into();
+        assert_eq!(
+            network_namespace(&sandboxed, None).unwrap(),
+            Some(PathBuf::from("/var/run/netns/cni-1"))
+        );
+        assert_eq!(network_namespace(&host_net(), None).unwrap(), None);
+    }
+
+    fn host_net() -> Value {
+        json!({"linux": {"namespaces": [{"type": "pid"}]}})
     }
 
     #[test]
@@ -382,18 +530,32 @@ mod tests {
     }
 
     #[test]
-    fn nvidia_gpus_from_env_or_devices() {
-        assert!(nvidia_devices(&spec()).is_empty());
+    fn the_specs_own_mounts_at_the_contract_places_give_way() {
         let mut s = spec();
-        s["process"]["env"] = json!(["NVIDIA_VISIBLE_DEVICES=0,1"]);
-        assert_eq!(nvidia_devices(&s), ["0", "1"]);
-        let mut s = spec();
-        s["linux"]["devices"] = json!([{"path": "/dev/nvidia2"}, {"path": "/dev/nvidiactl"}]);
-        assert_eq!(nvidia_devices(&s), ["2"]);
-        let mut s = spec();
-        s["process"]["env"] = json!(["NVIDIA_VISIBLE_DEVICES=void"]);
-        assert!(nvidia_devices(&s).is_empty());
+        s["mounts"] = json!([
+            {"destination": "/run/shadow/pair", "type": "bind", "source": "/tmp/x"},
+            {"destination": "/run/shadow/gms/", "type": "bind", "source": "/tmp/y"},
+            {"destination": "/run/shadow/pair/engine.lock", "type": "bind", "source": "/tmp/z"},
+            {"destination": "/run/shadow/pairs", "type": "bind", "source": "/tmp/kept"}
+        ]);
+        let e = engine_spec(&s, &inputs(SlotId::ZERO, None)).unwrap();
+        let sources: Vec<&str> = e["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["source"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            sources,
+            [
+                "/tmp/kept",
+                "/run/shadow/ns1/c1/pair/engine.lock",
+                "/run/shadow/ns1/c1/pair/notify.sock",
+                "/run/shadow/ns1/c1/gms/gms-host.sock"
+            ]
+        );
     }
+
     #[test]
     fn exec_env_gets_the_engines_contract_variables() {
         let dir = tempfile::tempdir().unwrap();

@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 
 use super::config::PairConfig;
 use super::engine::SharedOutput;
-use super::gms::GmsDaemon;
+use super::gms::GmsDaemons;
 use super::host::Host;
 use super::lock::LockSeen;
 use super::notify::{Datagram, NotifySocket, Queue};
@@ -63,9 +63,13 @@ pub enum Input {
         signal: u32,
     },
     Escalate,
+    /// The GMS daemon at `index` of the pair's daemons died.
     GmsDied {
+        index: usize,
         generation: u64,
     },
+    /// A cold restart's backoff is over.
+    ColdRestartDue,
     /// An XID on one of the pair's GPUs (kernel log).
     Xid(u32),
 }
@@ -87,9 +91,9 @@ pub struct Parts {
     pub lock_path: Option<PathBuf>,
     pub state_json: PathBuf,
     pub metrics_dir: PathBuf,
-    pub gms: Option<GmsDaemon>,
-    /// The spec's NVIDIA GPUs (UUIDs or indices): their XIDs are watched.
-    pub gpus: Vec<String>,
+    pub gms: Option<GmsDaemons>,
+    /// PCI buses of the GPUs the spec's devices grant: their XIDs are watched.
+    pub gpu_buses: Vec<String>,
     /// One engine, restarted in place, no shadow.
     pub single: bool,
 }
@@ -107,8 +111,8 @@ pub struct Supervisor {
     /// Datagrams the notify reader forwarded and this task has not taken.
     notify_queue: Arc<Queue>,
     lock_path: Option<PathBuf>,
-    gms: Option<GmsDaemon>,
-    gpus: Vec<String>,
+    gms: Option<GmsDaemons>,
+    gpu_buses: Vec<String>,
     /// Ends the XID watcher thread with the pair.
     xid_stop: Arc<AtomicBool>,
     tx: mpsc::UnboundedSender<Input>,
@@ -153,7 +157,7 @@ impl Supervisor {
             notify_queue: Arc::new(Queue::default()),
             lock_path: p.lock_path,
             gms: p.gms,
-            gpus: p.gpus,
+            gpu_buses: p.gpu_buses,
             xid_stop: Arc::new(AtomicBool::new(false)),
             tx,
             rx,
@@ -171,7 +175,7 @@ impl Supervisor {
 
     /// A pair that will not run (Start failed, or Delete before Start):
     /// close the output and hand back the GMS daemon.
-    pub fn abandon(mut self) -> Option<GmsDaemon> {
+    pub fn abandon(mut self) -> Option<GmsDaemons> {
         self.output.close();
         self.gms.take()
     }
@@ -205,7 +209,7 @@ impl Supervisor {
     }
 
     /// Run until the pair is gone; hands back the GMS daemon for Delete.
-    pub async fn run_to_end(mut self) -> Option<GmsDaemon> {
+    pub async fn run_to_end(mut self) -> Option<GmsDaemons> {
         self.run().await;
         self.xid_stop.store(true, Ordering::Relaxed);
         self.gms.take()
@@ -228,9 +232,14 @@ impl Supervisor {
             }
         }
         if let Some(g) = &self.gms {
-            g.watch(self.router.clone(), self.tx.clone());
+            g.watch(&self.router, &self.tx);
         }
-        observe::xids(&self.id, &self.gpus, self.xid_stop.clone(), self.tx.clone());
+        observe::xids(
+            &self.id,
+            &self.gpu_buses,
+            self.xid_stop.clone(),
+            self.tx.clone(),
+        );
         loop {
             let wake = self.next_wake();
             let input = tokio::select! {
@@ -402,13 +411,26 @@ impl Supervisor {
                 let now = self.clock.now();
                 self.pair.handle(PairEvent::Xid(xid), now)
             }
-            Input::GmsDied { generation } => {
-                if self.gms.as_ref().map(GmsDaemon::generation) != Some(generation) {
-                    return Vec::new();
-                }
-                log::warn!("pair {}: gmsd died: cold restart of the pair", self.id);
+            Input::ColdRestartDue => {
                 let now = self.clock.now();
-                self.pair.handle(PairEvent::GmsDied, now)
+                self.pair.handle(PairEvent::ColdRestartDue, now)
+            }
+            Input::GmsDied { index, generation } => {
+                let Some(g) = self
+                    .gms
+                    .as_ref()
+                    .and_then(|g| g.daemon(index))
+                    .filter(|g| g.generation() == generation)
+                else {
+                    return Vec::new();
+                };
+                let device = g.name().to_string();
+                log::warn!(
+                    "pair {}: gmsd of {device} died: cold restart of the pair",
+                    self.id
+                );
+                let now = self.clock.now();
+                self.pair.handle(PairEvent::GmsDied { device }, now)
             }
         }
     }
@@ -459,14 +481,30 @@ impl Supervisor {
                 Action::RestartGms => {
                     if let Some(g) = self.gms.as_mut() {
                         match g.restart().await {
-                            Ok(()) => g.watch(self.router.clone(), self.tx.clone()),
+                            Ok(()) => g.watch(&self.router, &self.tx),
                             Err(e) => {
-                                // The engines will find no socket and fail
-                                // early: the restart budget ends the pair.
+                                // A failed cold restart, judged by the
+                                // restart budget: backoff, then a crash
+                                // loop. The spawns queued behind this are
+                                // killed as they land.
                                 log::error!("pair {}: restarting gmsd: {e}", self.id);
+                                let now = self.clock.now();
+                                queue.extend(self.pair.handle(PairEvent::GmsStartFailed, now));
                             }
                         }
                     }
+                }
+                Action::RestartGmsAfter { delay } => {
+                    log::warn!(
+                        "pair {}: cold restart in {} ms (restart backoff)",
+                        self.id,
+                        delay.as_millis()
+                    );
+                    let tx = self.tx.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        let _ = tx.send(Input::ColdRestartDue);
+                    });
                 }
                 Action::Promoted(p) => self.publisher.record(p),
                 Action::Exit { status } => {
@@ -524,7 +562,7 @@ impl Supervisor {
 
     fn gms_status(&self) -> Option<GmsStatus> {
         self.gms.as_ref().map(|g| GmsStatus {
-            report: g.cached_status(),
+            reports: g.cached_statuses(),
             figures: g.figures(),
         })
     }

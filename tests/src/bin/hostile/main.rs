@@ -13,6 +13,9 @@
 //! so a test can wait for the moment it cares about.
 
 mod common;
+mod dirs;
+mod gms;
+mod gpus;
 mod notify;
 
 use std::process::ExitCode;
@@ -27,27 +30,44 @@ struct Attack {
 
 /// Every attack this binary knows. Add one by writing a module with a
 /// `run(&[String]) -> Result<(), String>` and listing it here.
-const ATTACKS: &[Attack] = &[Attack {
-    name: "park",
-    about:
-        "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
-    run: common::park_forever,
-},
-Attack {
-    name: "notify-linger-fd",
-    about: "as the parked shadow, pass the shim a TCP socket whose last close lingers (SCM_RIGHTS)",
-    run: notify::linger_fd,
-},
-Attack {
-    name: "notify-flood",
-    about: "as the parked shadow, flood the notify socket with READY=1 and STATUS for N seconds",
-    run: notify::flood,
-},
-Attack {
-    name: "notify-garbage",
-    about: "as the parked shadow, send oversized, malformed, lying and fd-laden datagrams for N seconds",
-    run: notify::garbage,
-}];
+const ATTACKS: &[Attack] = &[
+    Attack {
+        name: "park",
+        about:
+            "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
+        run: common::park_forever,
+    },
+    Attack {
+        name: "gpus",
+        about: "name another tenant's GPU in NVIDIA_VISIBLE_DEVICES and look for its GMS daemon",
+        run: gpus::run,
+    },
+    Attack {
+        name: "dirs",
+        about: "write, fill, mkdir in every runtime-provided directory, squat the sockets, then park",
+        run: dirs::run,
+    },
+    Attack {
+        name: "gms-rw-after-commit",
+        about: "slot 1 asks gmsd for rw in a loop to replace the committed weights when readers drop to zero (a failover)",
+        run: gms::rw_after_commit,
+    },
+    Attack {
+        name: "notify-linger-fd",
+        about: "as the parked shadow, pass the shim a TCP socket whose last close lingers (SCM_RIGHTS)",
+        run: notify::linger_fd,
+    },
+    Attack {
+        name: "notify-flood",
+        about: "as the parked shadow, flood the notify socket with READY=1 and STATUS for N seconds",
+        run: notify::flood,
+    },
+    Attack {
+        name: "notify-garbage",
+        about: "as the parked shadow, send oversized, malformed, lying and fd-laden datagrams for N seconds",
+        run: notify::garbage,
+    },
+];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
