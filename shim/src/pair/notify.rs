@@ -298,9 +298,7 @@ fn recv_raw(fd: RawFd) -> io::Result<Raw> {
         // cmsg_len is a size_t on glibc, a socklen_t on musl.
         #[allow(clippy::unnecessary_cast)]
         let clen = clen as usize;
-        let data_len = (c as usize + clen)
-            .min(end)
-            .saturating_sub(data_at);
+        let data_len = (c as usize + clen).min(end).saturating_sub(data_at);
         if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
             for i in 0..data_len / std::mem::size_of::<libc::c_int>() {
                 // SAFETY: within the cmsg's data, read unaligned.

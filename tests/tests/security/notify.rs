@@ -161,8 +161,9 @@ fn settle(
         }
         assert!(
             Instant::now() < deadline,
-            "timed out waiting for: {what}; state: {st:#?}\nengines said:\n{}\ncontainerd log:\n{}",
+            "timed out waiting for: {what}; state: {st:#?}\nengines said:\n{}{}\ncontainerd log:\n{}",
             ctr.stdout_so_far(),
+            ctr.stderr_so_far(),
             cd.log_tail(40)
         );
         std::thread::sleep(Duration::from_millis(5));

@@ -22,13 +22,8 @@ fn as_shadow(name: &str, attack: impl FnOnce() -> Result<(), String>) -> Result<
     notify(b"STATUS=parked")?;
     let path = std::env::var(shadow_contract::env::LOCK_PATH)
         .map_err(|_| format!("{} is not set", shadow_contract::env::LOCK_PATH))?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| format!("open {path}: {e}"))?;
+    // Read-only, as the contract says: the lock is bound read-only.
+    let file = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
     match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
         Ok(lock) => {
             notify(b"READY=1")?;
