@@ -17,6 +17,7 @@ mod dirs;
 mod gms;
 mod gpus;
 mod notify;
+mod weights;
 
 use std::process::ExitCode;
 
@@ -66,6 +67,11 @@ const ATTACKS: &[Attack] = &[
         name: "notify-garbage",
         about: "as the parked shadow, send oversized, malformed, lying and fd-laden datagrams for N seconds",
         run: notify::garbage,
+    },
+    Attack {
+        name: "weights",
+        about: "ask gmsd for more than the pod's memory limit, then load (or map) weights and park",
+        run: weights::run,
     },
 ];
 
