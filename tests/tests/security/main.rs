@@ -7,3 +7,4 @@ mod control;
 mod dirs;
 mod gms;
 mod gpus;
+mod memory;
