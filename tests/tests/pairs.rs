@@ -700,3 +700,75 @@ fn pinned_network_and_pair_cgroup_limits() {
     cd.assert_no_leftovers();
     assert!(!Path::new(&parent).exists(), "pair cgroup left");
 }
+
+#[test]
+fn an_oom_killed_engine_is_task_oom_its_own_failure_class_and_respawned() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "oompair";
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let mut events = cd.ctr().spawn(&["events"], false).expect("ctr events");
+    // Both engines wait for the trigger file; the one whose `rm` takes it
+    // reads 256 MiB into one buffer under the pair's 64 MiB limit, and the
+    // OOM killer ends it.
+    let script = "while :; do if rm /tmp/oom-now 2>/dev/null; then exec dd if=/dev/zero of=/dev/null bs=256M count=1; fi; sleep 0.05; done";
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--memory-limit", &(64u64 << 20).to_string()],
+            &["sh", "-c", script],
+        )
+        .expect("ctr run");
+    let st = until("both engines running", LONG, STEP, || {
+        env.state(&cd, id)
+            .filter(|s| s.pids[0].is_some() && s.pids[1].is_some())
+    });
+    let generations: Vec<u32> = st.pair.slots.iter().map(|s| s.generation).collect();
+    std::fs::write(cd.rootfs().join("tmp/oom-now"), b"").expect("trigger");
+    // The pair counts it, in state.json and in its metrics.
+    until("the OOM kill counted", LONG, STEP, || {
+        env.state(&cd, id).filter(|s| s.pair.oom_kills == 1)
+    });
+    let metrics = env
+        .metrics_dir
+        .join(format!("shadow-{}-{id}.prom", cd.namespace()));
+    until("the OOM metric", LONG, STEP, || {
+        std::fs::read_to_string(&metrics).ok().filter(|m| {
+            m.lines()
+                .any(|l| l.starts_with("shadow_pair_oom_kills_total{") && l.ends_with(" 1"))
+        })
+    });
+    // containerd got /tasks/oom for the task, as for a plain container.
+    until("a /tasks/oom event", LONG, STEP, || {
+        let seen = events.stdout_so_far();
+        seen.lines()
+            .any(|l| l.contains("/tasks/oom") && l.contains(id))
+            .then_some(())
+    });
+    // The killed slot came back; the task never stopped.
+    let st = until("the OOM-killed slot respawned", LONG, STEP, || {
+        let now = env.state(&cd, id)?;
+        let respawned =
+            (0..2).any(|s| now.pair.slots[s].generation > generations[s] && now.pids[s].is_some());
+        respawned.then_some(now)
+    });
+    assert_eq!(st.pair.oom_kills, 1, "{st:?}");
+    assert_eq!(
+        cd.ctr().task_status(id).expect("ls").as_deref(),
+        Some("RUNNING")
+    );
+    cd.ctr()
+        .run(&["task", "kill", "--signal", "SIGKILL", id])
+        .expect("kill")
+        .assert_success();
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    assert_eq!(out.code(), 137, "{out}");
+    cd.ctr()
+        .run(&["c", "rm", id])
+        .expect("c rm")
+        .assert_success();
+    events.kill();
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
+}

@@ -79,6 +79,15 @@ impl PairCgroup {
         Ok(())
     }
 
+    /// Watch the pair for OOM events (both engines are below it, and the
+    /// spec's memory limit is on it); `on_oom` runs for each.
+    pub fn watch_oom(
+        &self,
+        on_oom: impl Fn() + Send + 'static,
+    ) -> Result<Option<tokio::task::JoinHandle<()>>> {
+        crate::oom::watch(&self.cgroup, on_oom)
+    }
+
     /// The pair's metrics: its cgroup holds both engines.
     pub fn stats(&self) -> Result<Any> {
         crate::stats::collect(&self.cgroup)

@@ -30,6 +30,9 @@ pub trait Host: Send + Sync + 'static {
     fn slot_of_pid(&self, pid: u32) -> Option<SlotId>;
     /// Who holds the election lock now, and who waits for it.
     fn lock(&self) -> LockLook;
+    /// Processes of the current engine of `slot` that the OOM killer
+    /// killed, as its cgroup counts them (a respawn makes a new cgroup).
+    fn oom_kills(&self, slot: SlotId) -> u64;
 }
 
 /// The real machine: runc for the engines, the shim's exit router, kill(2)
@@ -84,5 +87,9 @@ impl Host for Machine {
 
     fn lock(&self) -> LockLook {
         lock::observe(self.lock_file, &self.cgroups)
+    }
+
+    fn oom_kills(&self, slot: SlotId) -> u64 {
+        crate::oom::kills(&crate::stats::at(&self.cgroups[slot.index()]))
     }
 }

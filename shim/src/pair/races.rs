@@ -126,6 +126,10 @@ impl Host for FakeHost {
         rx
     }
 
+    fn oom_kills(&self, _slot: SlotId) -> u64 {
+        0
+    }
+
     fn signal(&self, pid: u32, signal: Signal) {
         self.state().signals.push((pid, signal));
     }

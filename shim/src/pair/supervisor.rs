@@ -338,7 +338,20 @@ impl Supervisor {
                 let exit = observe::exit_of(status);
                 log::info!("pair {}: slot {slot} pid {pid} exited ({exit:?})", self.id);
                 let reaped = self.clock.of_wall(at);
-                self.pair.handle(PairEvent::Exited { slot, exit }, reaped)
+                let mut actions = Vec::new();
+                // The kernel counts the kill before it sends SIGKILL, so the
+                // count is there at the reap (and until runc deletes the
+                // engine's cgroup, which the respawn does after this).
+                let oom_kills = self.host.oom_kills(slot);
+                if oom_kills > 0 {
+                    log::warn!(
+                        "pair {}: slot {slot} pid {pid}: the OOM killer killed {oom_kills} of its processes",
+                        self.id
+                    );
+                    actions.extend(self.pair.handle(PairEvent::OomKilled { slot }, reaped));
+                }
+                actions.extend(self.pair.handle(PairEvent::Exited { slot, exit }, reaped));
+                actions
             }
             Input::Notify(d, at) => {
                 let Some(slot) = self.host.slot_of_pid(d.pid) else {
