@@ -772,3 +772,99 @@ fn an_oom_killed_engine_is_task_oom_its_own_failure_class_and_respawned() {
     cd.assert_no_leftovers();
     assert!(!env.pair_dir(&cd, id).exists());
 }
+
+/// The freezer state of a cgroup path (v1 `freezer.state`, v2 `cgroup.freeze`).
+fn frozen(cgroup: &str) -> Option<bool> {
+    let v1 = format!("/sys/fs/cgroup/freezer/{cgroup}/freezer.state");
+    if let Ok(s) = std::fs::read_to_string(v1) {
+        return Some(s.trim() == "FROZEN");
+    }
+    let v2 = format!("/sys/fs/cgroup/{cgroup}/cgroup.freeze");
+    std::fs::read_to_string(v2).ok().map(|s| s.trim() == "1")
+}
+
+#[test]
+fn pause_freezes_both_engines_and_resume_thaws_them_with_the_shadow_still_parked() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "pausepair";
+    let r = start(&cd, id, "gms = \"off\"", &[], &[]);
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let (slot, pid) = active_of(&st);
+    let shadow = st.pids[1 - slot].expect("shadow pid");
+    let ctr = cd.ctr();
+    ctr.run(&["task", "pause", id])
+        .expect("pause")
+        .assert_success();
+    assert_eq!(ctr.task_status(id).expect("ls").as_deref(), Some("PAUSED"));
+    // ctr's default cgroupsPath is /<namespace>/<id>: the pair's cgroup,
+    // with the engines' below it.
+    let pair_cg = format!("{}/{id}", cd.namespace());
+    for cg in [
+        pair_cg.clone(),
+        format!("{pair_cg}/s0"),
+        format!("{pair_cg}/s1"),
+    ] {
+        assert_eq!(frozen(&cg), Some(true), "{cg} not frozen after pause");
+    }
+    // Exec into a paused pair is refused, as runc refuses it.
+    let out = cd.exec(id, "in-pause", &["true"]).expect("ctr task exec");
+    assert_ne!(out.code(), 0, "{out}");
+    ctr.run(&["task", "resume", id])
+        .expect("resume")
+        .assert_success();
+    assert_eq!(ctr.task_status(id).expect("ls").as_deref(), Some("RUNNING"));
+    assert_eq!(frozen(&pair_cg), Some(false), "still frozen after resume");
+    // The same engines, in the same roles: nothing died, nothing respawned.
+    let after = r.env.wait_protected(&cd, id, LONG);
+    assert_eq!(active_of(&after), (slot, pid));
+    assert_eq!(after.pids[1 - slot], Some(shadow));
+    assert_eq!(after.pair.failovers, 0);
+    for s in 0..2 {
+        assert_eq!(after.pair.slots[s].generation, st.pair.slots[s].generation);
+    }
+    assert_eq!(
+        until("the active serves again", LONG, STEP, || ask(r.port)).slot,
+        slot.to_string()
+    );
+    // Kill of a paused pair thaws it, so that the engines can end.
+    ctr.run(&["task", "pause", id])
+        .expect("pause again")
+        .assert_success();
+    r.stop(&cd, id, "SIGKILL");
+}
+
+#[test]
+fn exec_with_a_terminal_runs_in_the_active_engine() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "ttyexec";
+    let r = start(&cd, id, "gms = \"off\"", &[], &[]);
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let (slot, _) = active_of(&st);
+    // `ctr task exec -t` needs a terminal of its own: script(1) gives it one.
+    let mut exec = cd
+        .ctr()
+        .spawn_tty(&[
+            "task",
+            "exec",
+            "-t",
+            "--exec-id",
+            "tty1",
+            id,
+            "sh",
+            "-c",
+            "tty; [ -t 0 ] && [ -t 1 ] && echo both-ttys; echo slot=$SHADOW_ENGINE_ID; read x; exit 3",
+        ])
+        .expect("ctr task exec -t");
+    let tty = exec
+        .wait_line(LONG, |l| l.starts_with("/dev/"))
+        .expect("the exec prints its terminal");
+    assert!(tty.starts_with("/dev/pts/"), "not a pty: {tty:?}");
+    exec.wait_line(LONG, |l| l == "both-ttys")
+        .expect("stdin and stdout are ttys");
+    exec.wait_line(LONG, |l| l == format!("slot={slot}"))
+        .expect("the exec runs in the active engine");
+    exec.write_stdin(b"bye\n").expect("type a line");
+    let out = exec.wait(LONG).expect("ctr task exec -t ends");
+    assert_eq!(out.code(), 3, "{out}");
+    r.stop(&cd, id, "SIGKILL");
+}

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use cgroups_rs::fs::cpu::CpuController;
 use cgroups_rs::fs::cpuset::CpuSetController;
+use cgroups_rs::fs::freezer::FreezerController;
 use cgroups_rs::fs::memory::MemController;
 use cgroups_rs::fs::pid::PidController;
 use cgroups_rs::fs::{Cgroup, Controller, MaxValue};
@@ -24,6 +25,8 @@ use crate::error::{Error, Result};
 
 /// How long removal retries while the last engine processes leave.
 const REMOVE_WAIT: Duration = Duration::from_secs(2);
+/// How long Pause waits for every engine process to be frozen.
+const FREEZE_WAIT: Duration = Duration::from_secs(5);
 /// cgroup v1 hosts in hybrid mode also mount cgroup2 here.
 const HYBRID_UNIFIED: &str = "/sys/fs/cgroup/unified";
 
@@ -86,6 +89,56 @@ impl PairCgroup {
         on_oom: impl Fn() + Send + 'static,
     ) -> Result<Option<tokio::task::JoinHandle<()>>> {
         crate::oom::watch(&self.cgroup, on_oom)
+    }
+
+    /// Freeze both engines (Pause): the freezer of the pair's cgroup is
+    /// hierarchical on v1 and v2, so the engines' cgroups below it, and an
+    /// engine respawned meanwhile, freeze with it. Returns once every
+    /// process is frozen; a freeze that does not complete is undone.
+    pub async fn freeze(&self) -> Result<()> {
+        let fc = self.freezer()?;
+        fc.freeze()
+            .map_err(|e| failed(format!("freezing pair cgroup {}", self.path), e))?;
+        let deadline = Instant::now() + FREEZE_WAIT;
+        while !self.frozen(fc) {
+            if Instant::now() >= deadline {
+                let _ = fc.thaw();
+                return Err(Error::Internal {
+                    what: format!("freezing pair cgroup {}", self.path),
+                    reason: format!("not frozen after {FREEZE_WAIT:?}; thawed again"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        Ok(())
+    }
+
+    /// Thaw both engines (Resume, or Kill of a paused pair).
+    pub fn thaw(&self) -> Result<()> {
+        self.freezer()?
+            .thaw()
+            .map_err(|e| failed(format!("thawing pair cgroup {}", self.path), e))
+    }
+
+    fn freezer(&self) -> Result<&FreezerController> {
+        self.cgroup
+            .controller_of::<FreezerController>()
+            .ok_or_else(|| {
+                Error::FailedPrecondition(format!(
+                    "pair cgroup {}: no freezer controller to pause the pair with",
+                    self.path
+                ))
+            })
+    }
+
+    /// Whether the freeze has completed: v1 says FROZEN (not FREEZING);
+    /// v2's `cgroup.events` says `frozen 1`.
+    fn frozen(&self, fc: &FreezerController) -> bool {
+        if self.cgroup.v2() {
+            crate::stats::keyed(fc.path(), "cgroup.events").get("frozen") == Some(&1)
+        } else {
+            matches!(fc.state(), Ok(cgroups_rs::FreezerState::Frozen))
+        }
     }
 
     /// The pair's metrics: its cgroup holds both engines.

@@ -27,6 +27,7 @@ pub mod supervisor;
 pub mod xid;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -81,6 +82,8 @@ pub struct PairedContainer {
     made: Mutex<Made>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
     deleted: Mutex<bool>,
+    /// Paused: the pair's cgroup is frozen (both engines).
+    paused: AtomicBool,
 }
 
 impl PairedContainer {
@@ -100,6 +103,7 @@ impl PairedContainer {
                 made: Mutex::new(made),
                 execs: Mutex::new(HashMap::new()),
                 deleted: Mutex::new(false),
+                paused: AtomicBool::new(false),
             })),
             Err(e) => {
                 made.undo().await;
@@ -112,6 +116,8 @@ impl PairedContainer {
         let v = self.view.borrow();
         if v.exit.is_some() {
             Status::Stopped
+        } else if self.paused.load(Ordering::Acquire) {
+            Status::Paused
         } else if v.started {
             Status::Running
         } else {
@@ -255,6 +261,12 @@ impl Container for PairedContainer {
         }
         Signal::try_from(signal as i32)
             .map_err(|_| Error::InvalidArgument(format!("unknown signal {signal}")))?;
+        if self.paused.load(Ordering::Acquire) {
+            // A frozen engine acts on no signal (on cgroup v1 not even
+            // SIGKILL): a pair being stopped is thawed, so that the
+            // engines end and the escalation to SIGKILL can end them.
+            self.resume().await?;
+        }
         match self.input.lock().await.as_ref() {
             Some(tx) => {
                 let _ = tx.send(Input::Kill { signal });
@@ -298,7 +310,7 @@ impl Container for PairedContainer {
             self.execs.lock().await.remove(exec_id);
             return Ok(exit);
         }
-        if self.status() == Status::Running {
+        if matches!(self.status(), Status::Running | Status::Paused) {
             return Err(Error::FailedPrecondition(format!(
                 "cannot delete {}: the engine pair is still running",
                 self.id
@@ -368,15 +380,39 @@ impl Container for PairedContainer {
     }
 
     async fn pause(&self) -> Result<()> {
-        Err(Error::Unimplemented(
-            "pausing an engine pair is not supported".into(),
-        ))
+        // `made` is held throughout: one Pause/Resume/Delete at a time.
+        let made = self.made.lock().await;
+        if self.status() != Status::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "pair {} is not running",
+                self.id
+            )));
+        }
+        let cg = made.cgroup.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition(format!("pair {} has no cgroup (deleted)", self.id))
+        })?;
+        // Both engines stop where they are: the active mid-request, the
+        // shadow still parked on the lock. Nothing dies, so the supervisor
+        // has nothing to do until Resume.
+        cg.freeze().await?;
+        self.paused.store(true, Ordering::Release);
+        Ok(())
     }
 
     async fn resume(&self) -> Result<()> {
-        Err(Error::Unimplemented(
-            "resuming an engine pair is not supported".into(),
-        ))
+        let made = self.made.lock().await;
+        if self.status() != Status::Paused {
+            return Err(Error::FailedPrecondition(format!(
+                "pair {} is not paused",
+                self.id
+            )));
+        }
+        let cg = made.cgroup.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition(format!("pair {} has no cgroup (deleted)", self.id))
+        })?;
+        cg.thaw()?;
+        self.paused.store(false, Ordering::Release);
+        Ok(())
     }
 
     async fn pids(&self) -> Result<Vec<ProcessInfo>> {
