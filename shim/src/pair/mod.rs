@@ -190,6 +190,12 @@ impl Container for PairedContainer {
             return self.start_exec(&proc, exec_id).await;
         }
         let mut waiting = self.waiting.lock().await;
+        if self.view.borrow().exit.is_some() {
+            return Err(Error::FailedPrecondition(format!(
+                "pair {} was killed before it started",
+                self.id
+            )));
+        }
         let Some(mut sup) = waiting.take() else {
             return Err(Error::FailedPrecondition(format!(
                 "container {} is not in the created state",
@@ -267,14 +273,31 @@ impl Container for PairedContainer {
             // engines end and the escalation to SIGKILL can end them.
             self.resume().await?;
         }
-        match self.input.lock().await.as_ref() {
-            Some(tx) => {
-                let _ = tx.send(Input::Kill { signal });
-                Ok(())
+        // The input lock is not held while `waiting` is taken: Start takes
+        // them in the other order.
+        let started = self.input.lock().await.clone();
+        let tx = match started {
+            Some(tx) => tx,
+            None => {
+                let mut waiting = self.waiting.lock().await;
+                match waiting.as_mut() {
+                    // Not started: nothing runs, and the task ends now with
+                    // the signal's status; Delete removes the pair.
+                    Some(sup) => {
+                        sup.end_unstarted(128 + signal);
+                        return Ok(());
+                    }
+                    // Start ran meanwhile (it holds `waiting` until its
+                    // sender is in place).
+                    None => match self.input.lock().await.clone() {
+                        Some(tx) => tx,
+                        None => return Ok(()),
+                    },
+                }
             }
-            // Not started: nothing runs; Delete removes the pair.
-            None => Ok(()),
-        }
+        };
+        let _ = tx.send(Input::Kill { signal });
+        Ok(())
     }
 
     async fn wait(&self, exec: ExecId<'_>) -> Result<ExitInfo> {

@@ -175,6 +175,33 @@ impl Supervisor {
         self.gms.take()
     }
 
+    /// Kill of a pair that was created and never started: nothing runs,
+    /// yet the task ends, with `status`, as a created runc container killed
+    /// before its start does (its init dies of the signal). Without this
+    /// exit, Wait and Delete(WithProcessKill) would wait forever; CRI does
+    /// exactly this when a start fails.
+    pub fn end_unstarted(&mut self, status: u32) {
+        self.output.close();
+        let info = ExitInfo {
+            pid: 0,
+            status,
+            at: SystemTime::now(),
+        };
+        log::info!(
+            "pair {}: killed before it started, exit status {status}",
+            self.id
+        );
+        self.events.send(Event::Exit(TaskExit {
+            container_id: self.id.clone(),
+            id: self.id.clone(),
+            pid: info.pid,
+            exit_status: info.status,
+            exited_at: Some(timestamp(info.at)).into(),
+            ..Default::default()
+        }));
+        self.publisher.exited(&self.pair, None, info);
+    }
+
     /// Start both engines inline (Start waits for them), so that a spec
     /// that cannot run fails Start with runc's own error.
     pub async fn start_engines(&mut self) -> Result<u32> {
