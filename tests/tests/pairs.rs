@@ -868,3 +868,67 @@ fn exec_with_a_terminal_runs_in_the_active_engine() {
     assert_eq!(out.code(), 3, "{out}");
     r.stop(&cd, id, "SIGKILL");
 }
+
+/// Whether `pid` still runs (a zombie waiting for its reaper does not).
+fn runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
+    })
+}
+
+#[test]
+fn in_the_host_pid_namespace_what_an_engine_leaves_dies_before_the_exit() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "hostpidpair";
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    // The test's own PID namespace: the host's, or the one the suite runs in.
+    let pid_ns = format!("pid:/proc/{}/ns/pid", std::process::id());
+    let script = "sleep 100000 & echo $! > /tmp/child-$SHADOW_ENGINE_ID.new; mv /tmp/child-$SHADOW_ENGINE_ID.new /tmp/child-$SHADOW_ENGINE_ID; exec sleep 100001";
+    // Detached: nothing deletes the task (whose Delete kills everything
+    // anyway) before the check.
+    let out = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--detach", "--with-ns", &pid_ns],
+            &["sh", "-c", script],
+        )
+        .expect("ctr run --detach")
+        .wait(LONG)
+        .expect("ctr run --detach returns");
+    out.assert_success();
+    let children: Vec<u32> = (0..2)
+        .map(|s| {
+            let f = cd.rootfs().join(format!("tmp/child-{s}"));
+            until(&format!("slot {s}'s child"), LONG, STEP, || {
+                std::fs::read_to_string(&f).ok()?.trim().parse().ok()
+            })
+        })
+        .collect();
+    for c in &children {
+        assert!(runs(*c), "child {c} is not running");
+    }
+    cd.ctr()
+        .run(&["task", "kill", "--signal", "SIGKILL", id])
+        .expect("kill")
+        .assert_success();
+    until("task STOPPED", LONG, STEP, || {
+        (cd.ctr().task_status(id).ok()?.as_deref() == Some("STOPPED")).then_some(())
+    });
+    // Reported stopped: whatever the engines left is dead, or being reaped.
+    until("the engines' children gone", LONG, STEP, || {
+        children.iter().all(|c| !runs(*c)).then_some(())
+    });
+    cd.ctr()
+        .run(&["task", "delete", id])
+        .expect("task delete")
+        .assert_success();
+    cd.ctr()
+        .run(&["c", "rm", id])
+        .expect("c rm")
+        .assert_success();
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
+}

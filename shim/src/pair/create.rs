@@ -290,6 +290,7 @@ impl PairedContainer {
                     &req.runc,
                 )?,
                 cgroup: spec::engine_cgroup(&cgroup_path, slot),
+                kills_rest_on_exit: spec::kills_rest_on_exit(&engine),
             });
         }
         let engines: Arc<[EngineSlot; 2]> = Arc::new(

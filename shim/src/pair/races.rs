@@ -130,6 +130,8 @@ impl Host for FakeHost {
         0
     }
 
+    async fn kill_rest(&self, _slot: SlotId) {}
+
     fn signal(&self, pid: u32, signal: Signal) {
         self.state().signals.push((pid, signal));
     }

@@ -364,6 +364,10 @@ impl Supervisor {
                 }
                 let exit = observe::exit_of(status);
                 log::info!("pair {}: slot {slot} pid {pid} exited ({exit:?})", self.id);
+                // In the host's PID namespace the engine's other processes
+                // outlive it: they go before its death is decided on (and
+                // before the task's exit, if this was the last engine).
+                self.host.kill_rest(slot).await;
                 let reaped = self.clock.of_wall(at);
                 let mut actions = Vec::new();
                 // The kernel counts the kill before it sends SIGKILL, so the
