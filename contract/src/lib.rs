@@ -11,6 +11,8 @@
 //! - [`paths`]: where the pair directory, the lock, the notify socket and
 //!   the GMS sockets are inside a container;
 //! - [`annotations`]: the `shadow.dev/` keys, one set that both paths parse;
+//! - [`listen`]: the pair's listening sockets (`shadow.dev/listen`) and
+//!   the engine's side of taking them (`LISTEN_FDS`);
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
 //! - [`gmsd`]: the one launcher of the GMS daemon (readiness pipe,
 //!   capabilities dropped, owned handle).
@@ -21,5 +23,6 @@
 pub mod annotations;
 pub mod env;
 pub mod gmsd;
+pub mod listen;
 pub mod paths;
 pub mod state;

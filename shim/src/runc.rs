@@ -7,7 +7,7 @@
 //! would race it), runc's JSON log read back to give errors runc's own
 //! words, and the classification of those words into error codes.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -171,11 +171,34 @@ impl RuncClient {
     }
 
     /// `runc run --detach` of `bundle` (an engine: created and started in
-    /// one step); returns its pid.
-    pub async fn run_detached(&self, id: &str, bundle: &Path, stdio: RuncStdio<'_>) -> Result<u32> {
+    /// one step); returns its pid. `inherit` become the process's
+    /// descriptors 3, 4, … (`runc run --preserve-fds`).
+    pub async fn run_detached(
+        &self,
+        id: &str,
+        bundle: &Path,
+        stdio: RuncStdio<'_>,
+        inherit: &[BorrowedFd<'_>],
+    ) -> Result<u32> {
         let pid_file = bundle.join(INIT_PID_FILE);
         // A previous generation's pid must never be read as this one's.
         let _ = std::fs::remove_file(&pid_file);
+        let stdio = match stdio {
+            RuncStdio::Fds(io) if !inherit.is_empty() => {
+                let fds = inherit
+                    .iter()
+                    .map(|fd| fd.try_clone_to_owned())
+                    .collect::<std::io::Result<Vec<_>>>()
+                    .map_err(|e| Error::io(format!("duplicating the sockets {id} inherits"), e))?;
+                RuncStdio::Fds(Arc::new(PreservedFds { inner: io, fds }))
+            }
+            RuncStdio::Console(_) if !inherit.is_empty() => {
+                return Err(Error::InvalidArgument(format!(
+                    "{id}: inherited sockets with a terminal are not supported"
+                )))
+            }
+            stdio => stdio,
+        };
         let opts = with_stdio(self.create_opts(&pid_file).detach(true), stdio);
         let ran = self.runc.run(id, bundle, Some(&opts)).await;
         drop(opts);
@@ -304,6 +327,93 @@ impl RuncClient {
             kind,
             message,
         }
+    }
+}
+
+/// A `runc run` whose process inherits `fds` as its descriptors 3.. The
+/// runc crate has no option for `--preserve-fds`, so this wraps the stdio
+/// (the one hook it gives into the command) and rebuilds the command with
+/// the flag after the subcommand. Holds its own duplicates, closed when runc
+/// has returned.
+#[derive(Debug)]
+struct PreservedFds {
+    inner: Arc<dyn runc::io::Io>,
+    fds: Vec<OwnedFd>,
+}
+
+/// `cmd` again with `--preserve-fds n` right after its `run` subcommand.
+fn with_preserve_fds(cmd: &std::process::Command, n: usize) -> std::io::Result<Command> {
+    use std::ffi::OsStr;
+    let mut args: Vec<&OsStr> = cmd.get_args().collect();
+    let at = args
+        .windows(2)
+        .position(|w| w[0] == "run" && w[1] == "--bundle")
+        .ok_or_else(|| {
+            std::io::Error::other("--preserve-fds: not a `runc run --bundle` command")
+        })?;
+    let n = n.to_string();
+    args.splice(
+        at + 1..at + 1,
+        [OsStr::new("--preserve-fds"), OsStr::new(&n)],
+    );
+    let mut out = std::process::Command::new(cmd.get_program());
+    out.args(args);
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => out.env(k, v),
+            None => out.env_remove(k),
+        };
+    }
+    if let Some(dir) = cmd.get_current_dir() {
+        out.current_dir(dir);
+    }
+    // The runc crate's defaults; the wrapped stdio sets its own next.
+    out.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    Ok(Command::from(out))
+}
+
+#[async_trait]
+impl runc::io::Io for PreservedFds {
+    async fn set(&self, cmd: &mut Command) -> std::io::Result<()> {
+        *cmd = with_preserve_fds(cmd.as_std(), self.fds.len())?;
+        self.inner.set(cmd).await?;
+        let from: Vec<RawFd> = self.fds.iter().map(AsRawFd::as_raw_fd).collect();
+        let mut moved: Vec<RawFd> = vec![-1; from.len()];
+        let first = shadow_contract::listen::FIRST_FD;
+        let above = first + from.len() as RawFd;
+        // SAFETY: the closure runs in the forked child before exec and
+        // calls only fcntl(2) and dup2(2), which are async-signal-safe; it
+        // allocates nothing (both vectors exist before the fork). Each
+        // descriptor is first copied above the target range (close-on-exec,
+        // so the copies vanish at exec), then onto 3+i: no target can
+        // overwrite a source not yet copied. dup2 clears close-on-exec on
+        // the target, so runc gets exactly 3..3+n. A target may replace
+        // std's close-on-exec error pipe; then an exec failure shows as runc
+        // exiting 127 instead of a spawn error, which the caller reports too.
+        unsafe {
+            cmd.pre_exec(move || {
+                for (i, &fd) in from.iter().enumerate() {
+                    let m = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, above);
+                    if m < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    moved[i] = m;
+                }
+                for (i, &m) in moved.iter().enumerate() {
+                    if libc::dup2(m, first + i as RawFd) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+
+    async fn close_after_start(&self) {
+        self.inner.close_after_start().await
     }
 }
 

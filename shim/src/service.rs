@@ -117,6 +117,7 @@ impl TaskService {
                     stdio,
                     gms: shadow.gms,
                     single: shadow.no_shadow,
+                    listen: shadow.listen.clone(),
                     runc: runc.clone(),
                 },
             )

@@ -8,7 +8,7 @@
 //! (which writes shares as a v2 weight and `-1` pids as a number), so a
 //! refused value fails with the setting's name.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use cgroups_rs::fs::cpu::CpuController;
@@ -22,6 +22,7 @@ use oci_spec::runtime::{LinuxCpu, LinuxMemory, LinuxResources};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use shadow_pair::SlotId;
 
 /// How long removal retries while the last engine processes leave.
 const REMOVE_WAIT: Duration = Duration::from_secs(2);
@@ -30,12 +31,18 @@ const FREEZE_WAIT: Duration = Duration::from_secs(5);
 /// cgroup v1 hosts in hybrid mode also mount cgroup2 here.
 const HYBRID_UNIFIED: &str = "/sys/fs/cgroup/unified";
 
+/// The leaf gmsd runs in, beside the engines' `s0` and `s1`: its memory
+/// (the weights) is charged to the pair, under the pod's limit.
+pub const GMS_LEAF: &str = "gms";
+
 /// The pair's parent cgroup, as created.
 #[derive(Debug)]
 pub struct PairCgroup {
     /// `cgroupsPath` of the pair (`/ns/id`).
     pub path: String,
     cgroup: Cgroup,
+    /// The engines' cgroups below it (`s0`, `s1`), as runc makes them.
+    engines: [(String, Cgroup); 2],
 }
 
 impl PairCgroup {
@@ -44,6 +51,11 @@ impl PairCgroup {
         let cg = PairCgroup {
             path: path.to_string(),
             cgroup: crate::stats::at(path),
+            engines: SlotId::BOTH.map(|slot| {
+                let p = super::spec::engine_cgroup(path, slot);
+                let cg = crate::stats::at(&p);
+                (p, cg)
+            }),
         };
         let resources = resources
             .map(|r| serde_json::from_value::<LinuxResources>(r.clone()))
@@ -91,20 +103,25 @@ impl PairCgroup {
         crate::oom::watch(&self.cgroup, on_oom)
     }
 
-    /// Freeze both engines (Pause): the freezer of the pair's cgroup is
-    /// hierarchical on v1 and v2, so the engines' cgroups below it, and an
-    /// engine respawned meanwhile, freeze with it. Returns once every
-    /// process is frozen; a freeze that does not complete is undone.
+    /// Freeze both engines (Pause): the cgroups of the engines (`s0`,
+    /// `s1`), not the pair's own, whose gmsd leaf keeps serving (the
+    /// supervisor polls its status). The freezer is hierarchical, so every
+    /// process of an engine freezes. Returns once all are frozen; a freeze
+    /// that does not complete is undone.
     pub async fn freeze(&self) -> Result<()> {
-        let fc = self.freezer()?;
-        fc.freeze()
-            .map_err(|e| failed(format!("freezing pair cgroup {}", self.path), e))?;
+        let engines = self.engine_freezers()?;
+        for (path, fc) in &engines {
+            if let Err(e) = fc.freeze() {
+                self.thaw_all(&engines);
+                return Err(failed(format!("freezing engine cgroup {path}"), e));
+            }
+        }
         let deadline = Instant::now() + FREEZE_WAIT;
-        while !self.frozen(fc) {
+        while !engines.iter().all(|(_, fc)| self.frozen(fc)) {
             if Instant::now() >= deadline {
-                let _ = fc.thaw();
+                self.thaw_all(&engines);
                 return Err(Error::Internal {
-                    what: format!("freezing pair cgroup {}", self.path),
+                    what: format!("freezing the engines of pair cgroup {}", self.path),
                     reason: format!("not frozen after {FREEZE_WAIT:?}; thawed again"),
                 });
             }
@@ -115,20 +132,36 @@ impl PairCgroup {
 
     /// Thaw both engines (Resume, or Kill of a paused pair).
     pub fn thaw(&self) -> Result<()> {
-        self.freezer()?
-            .thaw()
-            .map_err(|e| failed(format!("thawing pair cgroup {}", self.path), e))
+        for (path, fc) in self.engine_freezers()? {
+            fc.thaw()
+                .map_err(|e| failed(format!("thawing engine cgroup {path}"), e))?;
+        }
+        Ok(())
     }
 
-    fn freezer(&self) -> Result<&FreezerController> {
-        self.cgroup
-            .controller_of::<FreezerController>()
-            .ok_or_else(|| {
+    fn thaw_all(&self, engines: &[(String, &FreezerController)]) {
+        for (path, fc) in engines {
+            if let Err(e) = fc.thaw() {
+                log::warn!("thawing engine cgroup {path}: {e}");
+            }
+        }
+    }
+
+    /// The freezers of the engines' cgroups that exist now (a slot between
+    /// two engines has none).
+    fn engine_freezers(&self) -> Result<Vec<(String, &FreezerController)>> {
+        let mut out = Vec::new();
+        for (path, cg) in &self.engines {
+            let fc = cg.controller_of::<FreezerController>().ok_or_else(|| {
                 Error::FailedPrecondition(format!(
-                    "pair cgroup {}: no freezer controller to pause the pair with",
-                    self.path
+                    "engine cgroup {path}: no freezer controller to pause the pair with"
                 ))
-            })
+            })?;
+            if fc.path().is_dir() {
+                out.push((path.clone(), fc));
+            }
+        }
+        Ok(out)
     }
 
     /// Whether the freeze has completed: v1 says FROZEN (not FREEZING);
@@ -139,6 +172,24 @@ impl PairCgroup {
         } else {
             matches!(fc.state(), Ok(cgroups_rs::FreezerState::Frozen))
         }
+    }
+
+    /// Create the pair's gmsd leaf ([`GMS_LEAF`]) and return the
+    /// `cgroup.procs` files a process writes itself into to join it (one
+    /// per hierarchy on cgroup v1, one on v2).
+    pub fn gms_leaf(&self) -> Result<Vec<PathBuf>> {
+        let path = format!("{}/{GMS_LEAF}", self.path);
+        let leaf = crate::stats::at(&path);
+        leaf.create()
+            .map_err(|e| failed(format!("creating gmsd's cgroup {path}"), e))?;
+        let mut files: Vec<PathBuf> = leaf
+            .subsystems()
+            .iter()
+            .map(|s| s.to_controller().path().join("cgroup.procs"))
+            .collect();
+        files.sort();
+        files.dedup();
+        Ok(files)
     }
 
     /// The pair's metrics: its cgroup holds both engines.
@@ -155,7 +206,8 @@ impl PairCgroup {
 
     fn remove_blocking(&self, wait: Duration) {
         let deadline = Instant::now() + wait;
-        let children = ["s0", "s1"].map(|s| crate::stats::at(&format!("{}/{s}", self.path)));
+        let children =
+            ["s0", "s1", GMS_LEAF].map(|s| crate::stats::at(&format!("{}/{s}", self.path)));
         // A hybrid host's cgroup2 mount, where runc puts the engines too:
         // not one of cgroups-rs's v1 hierarchies.
         let hybrid = Path::new(HYBRID_UNIFIED).join(self.path.trim_start_matches('/'));

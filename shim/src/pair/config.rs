@@ -28,7 +28,8 @@ pub struct PairConfig {
     /// The `gmsd` binary; empty: next to the shim binary, else on PATH.
     pub gmsd: String,
     pub gms: GmsMode,
-    /// `gmsd --max-bytes` (0: gmsd's own default).
+    /// `gmsd --max-bytes` (0: the pod's memory limit for a host-memory
+    /// gmsd, else gmsd's own default).
     pub gms_max_bytes: u64,
     /// `gmsd --max-allocations` (0: gmsd's own default).
     pub gms_max_allocations: u64,
@@ -54,6 +55,10 @@ pub struct PairConfig {
     /// entry or a node dedicated to engines, and for orchestrators that
     /// cannot set annotations (Nomad's containerd driver).
     pub pair_by_default: bool,
+    /// Listening sockets every pair owns when its spec has no
+    /// `shadow.dev/listen` (same syntax, e.g. `"tcp:0.0.0.0:8000"`); empty:
+    /// none, engines bind their own ports.
+    pub listen: String,
 }
 
 impl Default for PairConfig {
@@ -63,6 +68,7 @@ impl Default for PairConfig {
             metrics_dir: PathBuf::from("/run/shadow/metrics"),
             gmsd: String::new(),
             pair_by_default: false,
+            listen: String::new(),
             gms: GmsMode::Auto,
             gms_max_bytes: 0,
             gms_max_allocations: 0,
@@ -92,6 +98,10 @@ impl PairConfig {
                 "pair.metrics_dir = {:?}: must be an absolute path",
                 self.metrics_dir
             ));
+        }
+        if !self.listen.is_empty() {
+            shadow_contract::listen::parse(&self.listen)
+                .map_err(|e| format!("pair.listen = {:?}: {}", self.listen, e.allowed))?;
         }
         if self.lock_poll_fast_ms == 0 || self.lock_poll_idle_ms == 0 {
             return Err("pair.lock_poll_fast_ms and pair.lock_poll_idle_ms must be ≥ 1".into());
@@ -166,5 +176,14 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("backoff_initial"), "{e}");
+        let e = Config::parse("[pair]\nlisten = \"sctp:1\"\n", Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pair.listen") && e.contains("sctp"), "{e}");
+        let c = Config::parse(
+            "[pair]\nlisten = \"tcp:0.0.0.0:8000\"\n",
+            Path::new("t.toml"),
+        );
+        assert_eq!(c.unwrap().pair.listen, "tcp:0.0.0.0:8000");
     }
 }

@@ -17,9 +17,10 @@ use super::cgroup::PairCgroup;
 use super::config::GmsMode;
 use super::dirs::{PairDirs, CUDA_SOCKETS, HOST_SOCKETS};
 use super::engine::{EngineSlot, SharedOutput};
-use super::gms::GmsDaemons;
+use super::gms::{GmsDaemons, InPod};
 use super::gpus::{self, Gpu};
 use super::host::Machine;
+use super::listen::{ListenSockets, Site};
 use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
 use super::publish::View;
@@ -119,7 +120,8 @@ fn output_pipe(fifo: &str) -> Result<(Option<std::os::fd::OwnedFd>, Option<JoinH
 /// The pair's GMS backend and its GPUs. The GPUs are those the spec's
 /// `linux.devices` grants (`gpus.rs`), never those its environment names;
 /// the backend is the annotation's, else the config's mode (`auto`: cuda
-/// when the devices grant a GPU). `gms=cuda` without a granted GPU is
+/// when the devices grant a GPU), except that a node whose config says
+/// `gms = "off"` runs no gmsd whatever a pod asks for. `gms=cuda` without a granted GPU is
 /// refused: there is no GPU of the pod's to allocate on.
 fn gms_plan(
     cfg: &super::config::PairConfig,
@@ -127,13 +129,14 @@ fn gms_plan(
     spec: &Value,
 ) -> Result<(GmsBackend, Vec<Gpu>)> {
     let minors = gpus::granted_minors(spec);
-    let backend = match (req.gms, cfg.gms) {
-        (Some(b), _) => b,
-        (None, GmsMode::Off) => GmsBackend::Off,
-        (None, GmsMode::Host) => GmsBackend::Host,
-        (None, GmsMode::Auto) if minors.is_empty() => GmsBackend::Host,
-        (None, GmsMode::Auto) => GmsBackend::Cuda,
-    };
+    let backend = gms_backend(req.gms, cfg.gms, !minors.is_empty());
+    if req.gms.is_some_and(|b| b != backend) {
+        log::warn!(
+            "pair {}: annotation asks for GMS {:?}; the node's config says gms = \"off\"",
+            req.id,
+            req.gms
+        );
+    }
     if backend == GmsBackend::Cuda && minors.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "container {}: {}=cuda, but the spec grants no NVIDIA GPU (no /dev/nvidiaN of major {} in linux.devices); \
@@ -158,6 +161,19 @@ fn gms_plan(
         }
     };
     Ok((backend, gpus))
+}
+
+/// The pair's GMS backend: the annotation, else the config's mode (`auto`:
+/// cuda when the spec has NVIDIA GPUs, else host). A node whose config says
+/// `gms = "off"` runs no gmsd whatever a pod asks for.
+fn gms_backend(annotation: Option<GmsBackend>, mode: GmsMode, gpus: bool) -> GmsBackend {
+    match (annotation, mode) {
+        (_, GmsMode::Off) => GmsBackend::Off,
+        (Some(b), _) => b,
+        (None, GmsMode::Host) => GmsBackend::Host,
+        (None, GmsMode::Auto) if gpus => GmsBackend::Cuda,
+        (None, GmsMode::Auto) => GmsBackend::Host,
+    }
 }
 
 impl PairedContainer {
@@ -194,8 +210,10 @@ impl PairedContainer {
             )));
         }
         made.dirs = Some(dirs.clone());
+        // Root's alone: engines get the lock and the sockets bound one by
+        // one (spec.rs), never a directory of the host to write in.
         mkdir(&dirs.root, 0o711)?;
-        mkdir(&dirs.pair, 0o777)?;
+        mkdir(&dirs.pair, 0o700)?;
         for s in &dirs.slots {
             mkdir(s, 0o700)?;
         }
@@ -223,6 +241,29 @@ impl PairedContainer {
             made.pins.as_ref()
         } else {
             None
+        };
+
+        // Before gmsd and the cgroup: a socket that cannot be made (port in
+        // use, privileged) is the user's error, found cheaply.
+        let listen = match (&req.listen, cfg.listen.as_str()) {
+            (Some(list), _) => Some(list.clone()),
+            (None, "") => None,
+            (None, value) => Some(shadow_contract::listen::parse(value)?),
+        };
+        let listen = match listen {
+            Some(list) => {
+                spec::check_listen_pid(&spec, &req.id)?;
+                let netns = spec::network_namespace(&spec, pins.map(|p| p.net.as_path()))?;
+                Some(ListenSockets::open(
+                    &list,
+                    &Site {
+                        netns: netns.as_deref(),
+                        dir: &dirs.root.join("listen"),
+                        may_bind_privileged: super::listen::may_bind_privileged(&spec),
+                    },
+                )?)
+            }
+            None => None,
         };
 
         made.cgroup = Some(PairCgroup::create(
@@ -255,11 +296,25 @@ impl PairedContainer {
                 GmsBackend::Cuda => gpus.iter().map(|g| g.uuid.clone()).collect(),
                 _ => vec!["host".into()],
             };
-            mkdir(&dirs.gms, 0o755)?;
+            mkdir(&dirs.gms, 0o700)?;
+            let leaf = match made.cgroup.as_ref() {
+                Some(c) => c.gms_leaf()?,
+                None => Vec::new(),
+            };
+            // Host memory is the pod's memory: gmsd may hold no more than
+            // the pod's limit. GPU memory is not, so CUDA keeps gmsd's own.
+            let pod = InPod {
+                cgroup: leaf,
+                oom_score_adj: spec::oom_score_adj(&spec),
+                max_bytes: match backend {
+                    GmsBackend::Host => spec::memory_limit(&spec).unwrap_or(0),
+                    _ => 0,
+                },
+            };
             // Owned by the supervisor from here; Delete gets them back.
-            gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices).await?);
+            gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices, &pod).await?);
         }
-        let gms_dir = gms.as_ref().map(|_| dirs.gms.as_path());
+        let gms_sockets = gms.as_ref().map(GmsDaemons::sockets).unwrap_or_default();
 
         let mut engines = Vec::new();
         for slot in SlotId::BOTH {
@@ -267,9 +322,11 @@ impl PairedContainer {
                 slot,
                 rootfs: &rootfs,
                 pair_dir: &dirs.pair,
-                gms_dir,
+                gms_sockets: &gms_sockets,
                 pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
                 cgroup_parent: &cgroup_path,
+                listen_names: listen.as_ref().map_or(&[], |l| l.names()),
+                listen_mounts: listen.as_ref().map_or(&[], |l| l.mounts()),
             };
             let engine = spec::engine_spec(&spec, &inputs)?;
             let dir = &dirs.slots[slot.index()];
@@ -307,11 +364,13 @@ impl PairedContainer {
             .join(format!("shadow-{}-{}.prom", rt.namespace, req.id));
         made.metrics_file = Some(metrics_file);
         let output = Arc::new(SharedOutput::new(out, err));
+        let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
         let host = Machine::new(
             engines.clone(),
             output.clone(),
             rt.router.clone(),
             lock_file,
+            listen,
         );
         let sup = Supervisor::new(Parts {
             id: req.id.clone(),
@@ -333,11 +392,28 @@ impl PairedContainer {
             single: req.single,
         });
         log::info!(
-            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {})",
+            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {})",
             req.id,
             dirs.root.display(),
-            pins.is_some()
+            pins.is_some(),
+            listen_count
         );
         Ok((engines, sup, view_rx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pod_annotation_never_overrides_a_node_that_says_off() {
+        for b in [GmsBackend::Cuda, GmsBackend::Host, GmsBackend::Off] {
+            assert_eq!(gms_backend(Some(b), GmsMode::Off, true), GmsBackend::Off);
+            assert_eq!(gms_backend(Some(b), GmsMode::Auto, false), b);
+        }
+        assert_eq!(gms_backend(None, GmsMode::Auto, true), GmsBackend::Cuda);
+        assert_eq!(gms_backend(None, GmsMode::Auto, false), GmsBackend::Host);
+        assert_eq!(gms_backend(None, GmsMode::Host, true), GmsBackend::Host);
     }
 }

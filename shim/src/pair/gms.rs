@@ -28,6 +28,9 @@ use crate::exits::ExitRouter;
 const STOP_GRACE: Duration = Duration::from_secs(3);
 /// How often the status (bytes, leases) is refreshed for metrics.
 const STATUS_PERIOD: Duration = Duration::from_secs(1);
+/// How long one status call may take (connect, send, each receive): a
+/// daemon that does not answer costs the poller this, never a thread.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub struct GmsDaemon {
     binary: PathBuf,
@@ -39,6 +42,9 @@ pub struct GmsDaemon {
     max_bytes: u64,
     max_allocations: u64,
     start_timeout: Duration,
+    /// The pair's gmsd cgroup (`cgroup.procs` files), joined before exec.
+    cgroup: Vec<PathBuf>,
+    oom_score_adj: i32,
     /// The running daemon, once it announced its socket.
     daemon: Option<Gmsd>,
     generation: u64,
@@ -57,11 +63,30 @@ impl GmsDaemon {
             max_bytes: config.gms_max_bytes,
             max_allocations: config.gms_max_allocations,
             start_timeout: config.gms_start_timeout(),
+            cgroup: Vec::new(),
+            oom_score_adj: 0,
             daemon: None,
             generation: 0,
             status: Arc::new(Mutex::new(None)),
             poller: None,
         }
+    }
+
+    /// Run in the pair's cgroup (its gmsd leaf), with the pod's OOM score,
+    /// and, when the config leaves `gms_max_bytes` at 0, at most
+    /// `default_max_bytes` (the pod's memory limit; 0: gmsd's default).
+    pub fn in_pod(
+        mut self,
+        cgroup: Vec<PathBuf>,
+        oom_score_adj: i32,
+        default_max_bytes: u64,
+    ) -> Self {
+        self.cgroup = cgroup;
+        self.oom_score_adj = oom_score_adj;
+        if self.max_bytes == 0 {
+            self.max_bytes = default_max_bytes;
+        }
+        self
     }
 
     pub fn generation(&self) -> u64 {
@@ -71,6 +96,12 @@ impl GmsDaemon {
     /// `host` or the GPU's UUID.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The socket of the running daemon (its path stays the same across
+    /// restarts: the device's socket name in the pair's GMS directory).
+    pub fn socket(&self) -> Option<&Path> {
+        self.daemon.as_ref().map(Gmsd::socket)
     }
 
     fn pid(&self) -> u32 {
@@ -84,6 +115,8 @@ impl GmsDaemon {
         let command = GmsdCommand::new(&self.binary, &self.dir, &self.device)
             .max_bytes(self.max_bytes)
             .max_allocations(self.max_allocations)
+            .cgroup(self.cgroup.clone())
+            .oom_score_adj(self.oom_score_adj)
             .reaper(Reaper::Elsewhere);
         let timeout = self.start_timeout;
         let launched = tokio::task::spawn_blocking(move || command.spawn(timeout))
@@ -117,10 +150,12 @@ impl GmsDaemon {
         self.poller = Some(tokio::spawn(async move {
             loop {
                 let s = socket.clone();
-                let report = tokio::task::spawn_blocking(move || gms::client::status(&s).ok())
-                    .await
-                    .ok()
-                    .flatten();
+                let report = tokio::task::spawn_blocking(move || {
+                    gms::client::status_within(&s, STATUS_TIMEOUT).ok()
+                })
+                .await
+                .ok()
+                .flatten();
                 *status.lock().unwrap_or_else(|p| p.into_inner()) = report;
                 tokio::time::sleep(STATUS_PERIOD).await;
             }
@@ -178,6 +213,17 @@ impl GmsDaemon {
     }
 }
 
+/// Where a pair's daemons run: the pod's cgroup (the `cgroup.procs` files
+/// of the pair's gmsd leaf), its OOM score, and the most memory a daemon
+/// may hold when the config leaves `gms_max_bytes` at 0 (0: gmsd's own
+/// default).
+#[derive(Debug, Clone, Default)]
+pub struct InPod {
+    pub cgroup: Vec<PathBuf>,
+    pub oom_score_adj: i32,
+    pub max_bytes: u64,
+}
+
 /// Every GMS daemon of a pair, in the order of the spec's devices.
 pub struct GmsDaemons {
     daemons: Vec<GmsDaemon>,
@@ -190,12 +236,17 @@ impl GmsDaemons {
         config: &super::config::PairConfig,
         dir: &Path,
         devices: Vec<String>,
+        pod: &InPod,
     ) -> Result<GmsDaemons> {
         let mut set = GmsDaemons {
             daemons: Vec::new(),
         };
         for device in devices {
-            let mut g = GmsDaemon::new(config, dir, device);
+            let mut g = GmsDaemon::new(config, dir, device).in_pod(
+                pod.cgroup.clone(),
+                pod.oom_score_adj,
+                pod.max_bytes,
+            );
             let started = g.start().await;
             set.daemons.push(g);
             if let Err(e) = started {
@@ -204,6 +255,15 @@ impl GmsDaemons {
             }
         }
         Ok(set)
+    }
+
+    /// The daemons' sockets, in device order (each bound alone into the
+    /// engines; the paths stay the same across cold restarts).
+    pub fn sockets(&self) -> Vec<PathBuf> {
+        self.daemons
+            .iter()
+            .filter_map(|g| g.socket().map(Path::to_path_buf))
+            .collect()
     }
 
     pub fn daemon(&self, index: usize) -> Option<&GmsDaemon> {

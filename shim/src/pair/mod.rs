@@ -14,6 +14,7 @@ pub mod engine;
 pub mod gms;
 pub mod gpus;
 pub mod host;
+pub mod listen;
 pub mod lock;
 pub mod netns;
 pub mod notify;
@@ -63,6 +64,8 @@ pub struct PairRequest {
     pub gms: Option<GmsBackend>,
     /// One engine and no shadow (`shadow.dev/shadow=false`).
     pub single: bool,
+    /// `shadow.dev/listen`: the sockets the pair owns (else the config's).
+    pub listen: Option<Vec<shadow_contract::listen::Listen>>,
     /// runc settings from the task's options, for both engines.
     pub runc: crate::options::RuncOptions,
 }

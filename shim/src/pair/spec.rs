@@ -23,15 +23,22 @@ pub struct EngineInputs<'a> {
     pub slot: SlotId,
     /// Absolute rootfs of the original bundle.
     pub rootfs: &'a Path,
-    /// Host dir mounted at [`paths::PAIR_DIR`].
+    /// The pair's host directory holding the election lock
+    /// ([`paths::LOCK_FILE`]) and the notify socket ([`paths::NOTIFY_FILE`]):
+    /// each is bound alone, read-only, at its place in [`paths::PAIR_DIR`].
     pub pair_dir: &'a Path,
-    /// Host dir mounted at [`paths::GMS_DIR`], when the pair has GMS.
-    pub gms_dir: Option<&'a Path>,
+    /// The GMS daemons' sockets on the host, when the pair has GMS: each is
+    /// bound alone, read-only, under its own name in [`paths::GMS_DIR`].
+    pub gms_sockets: &'a [PathBuf],
     /// Pinned network and IPC namespace files, used for namespaces the spec
     /// asks for without a path (no sandbox to share).
     pub pinned: Option<(&'a Path, &'a Path)>,
     /// The pair's cgroup (the spec's `cgroupsPath`): engines go below it.
     pub cgroup_parent: &'a str,
+    /// The pair's listening sockets' `LISTEN_FDNAMES` (empty: none).
+    pub listen_names: &'a [String],
+    /// Unix listening sockets: (host path, path in the container).
+    pub listen_mounts: &'a [(PathBuf, PathBuf)],
 }
 
 /// Whether an engine of this spec has no PID namespace of its own (the
@@ -95,11 +102,69 @@ pub fn needs_pinned_namespaces(spec: &Value) -> bool {
     })
 }
 
+/// The network namespace the pair's listening sockets belong in: the
+/// spec's (a sandbox's path), the pinned one (`pinned`, for a namespace
+/// asked for without a path), or None for a spec without one (the host's).
+pub fn network_namespace(spec: &Value, pinned: Option<&Path>) -> Result<Option<PathBuf>> {
+    let Some(ns) = namespaces(spec)
+        .into_iter()
+        .find(|ns| ns.get("type").and_then(Value::as_str) == Some("network"))
+    else {
+        return Ok(None);
+    };
+    match ns
+        .get("path")
+        .and_then(Value::as_str)
+        .filter(|p| !p.is_empty())
+    {
+        Some(p) => Ok(Some(PathBuf::from(p))),
+        None => pinned.map(|p| Some(p.to_path_buf())).ok_or_else(|| {
+            Error::FailedPrecondition("a new network namespace without a pinned one".into())
+        }),
+    }
+}
+
+/// `LISTEN_PID=1` must be true: each engine is the init of a pid namespace
+/// of its own, so the spec must ask for a new one (not join a path).
+pub fn check_listen_pid(spec: &Value, id: &str) -> Result<()> {
+    let own = namespaces(spec).iter().any(|ns| {
+        ns.get("type").and_then(Value::as_str) == Some("pid")
+            && ns
+                .get("path")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+    });
+    if own {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "container {id}: {} needs each engine in a pid namespace of its own (the sockets are handed down with LISTEN_PID=1); the spec shares the host's or another container's",
+            shadow_contract::annotations::LISTEN
+        )))
+    }
+}
+
 fn namespaces(spec: &Value) -> Vec<Value> {
     spec.pointer("/linux/namespaces")
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default()
+}
+
+/// The spec's memory limit in bytes (`linux.resources.memory.limit`), when
+/// it sets one.
+pub fn memory_limit(spec: &Value) -> Option<u64> {
+    spec.pointer("/linux/resources/memory/limit")
+        .and_then(Value::as_i64)
+        .filter(|l| *l > 0)
+        .map(|l| l as u64)
+}
+
+/// The OOM score the spec gives its process (CRI sets the pod's), else 0.
+pub fn oom_score_adj(spec: &Value) -> i32 {
+    spec.pointer("/process/oomScoreAdj")
+        .and_then(Value::as_i64)
+        .map_or(0, |a| a.clamp(-1000, 1000) as i32)
 }
 
 /// The absolute rootfs of a bundle's spec.
@@ -116,13 +181,27 @@ pub fn rootfs_of(spec: &Value, bundle: &Path) -> PathBuf {
     }
 }
 
-fn bind(source: &Path, destination: &str) -> Value {
+/// One file (the lock) or socket bound alone and read-only: the engine can
+/// take the lock (flock needs no write access) and send to or connect to
+/// a socket (the kernel does not check the mount for that), but neither
+/// write nor create anything in the host directory it came from, which it
+/// never sees.
+fn bind_file(source: &Path, destination: String) -> Value {
     json!({
         "destination": destination,
         "type": "bind",
         "source": source.display().to_string(),
-        "options": ["rbind", "rw", "nosuid", "nodev"],
+        "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
     })
+}
+
+/// Whether a mount's destination is one of the contract's places (or
+/// below one): the spec's own mounts there give way to ours.
+fn in_contract_dirs(destination: &str) -> bool {
+    let d = destination.trim_end_matches('/');
+    [paths::PAIR_DIR, paths::GMS_DIR]
+        .iter()
+        .any(|dir| d == *dir || d.strip_prefix(dir).is_some_and(|r| r.starts_with('/')))
 }
 
 /// `env` with the engine-contract entries of the engine bundle at `bundle`
@@ -173,8 +252,11 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         env::entry(env::LOCK_PATH, paths::LOCK_PATH),
         env::entry(env::NOTIFY_SOCKET, paths::NOTIFY_SOCKET),
     ];
-    if e.gms_dir.is_some() {
+    if !e.gms_sockets.is_empty() {
         ours.push(env::entry(env::GMS_SOCKET_DIR, paths::GMS_DIR));
+    }
+    if !e.listen_names.is_empty() {
+        ours.extend(shadow_contract::listen::env_entries(e.listen_names));
     }
     let process = obj
         .get_mut("process")
@@ -203,13 +285,31 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     let mounts = mounts
         .as_array_mut()
         .ok_or_else(|| Error::InvalidArgument("OCI spec mounts is not a list".into()))?;
+    let sockets: Vec<String> = e
+        .listen_mounts
+        .iter()
+        .map(|(_, inside)| inside.display().to_string())
+        .collect();
     mounts.retain(|m| {
         let d = m.get("destination").and_then(Value::as_str).unwrap_or("");
-        d != paths::PAIR_DIR && d != paths::GMS_DIR
+        !in_contract_dirs(d) && !sockets.iter().any(|s| s == d)
     });
-    mounts.push(bind(e.pair_dir, paths::PAIR_DIR));
-    if let Some(g) = e.gms_dir {
-        mounts.push(bind(g, paths::GMS_DIR));
+    mounts.push(bind_file(
+        &e.pair_dir.join(paths::LOCK_FILE),
+        paths::LOCK_PATH.to_string(),
+    ));
+    mounts.push(bind_file(
+        &e.pair_dir.join(paths::NOTIFY_FILE),
+        paths::NOTIFY_SOCKET.to_string(),
+    ));
+    for socket in e.gms_sockets {
+        let name = socket.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+            Error::InvalidArgument(format!("GMS socket {} has no name", socket.display()))
+        })?;
+        mounts.push(bind_file(socket, format!("{}/{name}", paths::GMS_DIR)));
+    }
+    for ((host, _), inside) in e.listen_mounts.iter().zip(&sockets) {
+        mounts.push(bind_file(host, inside.clone()));
     }
 
     let linux = obj
@@ -269,14 +369,19 @@ mod tests {
         })
     }
 
+    static GMS_SOCKETS: std::sync::LazyLock<[PathBuf; 1]> =
+        std::sync::LazyLock::new(|| [PathBuf::from("/run/shadow/ns1/c1/gms/gms-host.sock")]);
+
     fn inputs<'a>(slot: SlotId, pinned: Option<(&'a Path, &'a Path)>) -> EngineInputs<'a> {
         EngineInputs {
             slot,
             rootfs: Path::new("/b/rootfs"),
             pair_dir: Path::new("/run/shadow/ns1/c1/pair"),
-            gms_dir: Some(Path::new("/run/shadow/ns1/c1/gms")),
+            gms_sockets: &*GMS_SOCKETS,
             pinned,
             cgroup_parent: "/ns1/c1",
+            listen_names: &[],
+            listen_mounts: &[],
         }
     }
 
@@ -309,8 +414,31 @@ mod tests {
             .iter()
             .map(|m| m["destination"].as_str().unwrap())
             .collect();
-        assert_eq!(dests, ["/proc", "/run/shadow/pair", "/run/shadow/gms"]);
-        assert_eq!(e["mounts"][1]["source"], "/run/shadow/ns1/c1/pair");
+        assert_eq!(
+            dests,
+            [
+                "/proc",
+                "/run/shadow/pair/engine.lock",
+                "/run/shadow/pair/notify.sock",
+                "/run/shadow/gms/gms-host.sock"
+            ]
+        );
+        assert_eq!(
+            e["mounts"][1]["source"],
+            "/run/shadow/ns1/c1/pair/engine.lock"
+        );
+        assert_eq!(
+            e["mounts"][3]["source"],
+            "/run/shadow/ns1/c1/gms/gms-host.sock"
+        );
+        // Each alone and read-only: nothing of the host directories is
+        // writable from the engine.
+        for m in &e["mounts"].as_array().unwrap()[1..] {
+            assert_eq!(
+                m["options"],
+                json!(["bind", "ro", "nosuid", "nodev", "noexec"])
+            );
+        }
         assert_eq!(e["linux"]["cgroupsPath"], "/ns1/c1/s1");
         assert_eq!(
             e["linux"]["resources"],
@@ -344,11 +472,83 @@ mod tests {
     #[test]
     fn gms_off_means_no_gms_mount_or_variable() {
         let mut i = inputs(SlotId::ZERO, None);
-        i.gms_dir = None;
+        i.gms_sockets = &[];
         let e = engine_spec(&spec(), &i).unwrap();
         let text = e.to_string();
         assert!(!text.contains("GMS_SOCKET_DIR") && !text.contains("/run/shadow/gms"));
         assert!(text.contains("SHADOW_ENGINE_ID=0"));
+    }
+
+    #[test]
+    fn listening_sockets_give_the_socket_env_and_mounts() {
+        let names = ["tcp-8000".to_string(), "unix-e.sock".to_string()];
+        let mounts = [(
+            PathBuf::from("/run/shadow/ns1/c1/listen/1.sock"),
+            PathBuf::from("/run/e.sock"),
+        )];
+        let mut i = inputs(SlotId::ZERO, None);
+        i.listen_names = &names;
+        i.listen_mounts = &mounts;
+        let mut s = spec();
+        s["process"]["env"] = json!(["LISTEN_FDS=9", "PATH=/bin"]);
+        s["mounts"] = json!([{"destination": "/run/e.sock", "type": "bind", "source": "/x"}]);
+        let e = engine_spec(&s, &i).unwrap();
+        let env: Vec<&str> = e["process"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .filter(|v| v.starts_with("LISTEN_"))
+            .collect();
+        assert_eq!(
+            env,
+            [
+                "LISTEN_FDS=2",
+                "LISTEN_PID=1",
+                "LISTEN_FDNAMES=tcp-8000:unix-e.sock"
+            ]
+        );
+        let sock: Vec<&Value> = e["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["destination"] == "/run/e.sock")
+            .collect();
+        assert_eq!(sock.len(), 1);
+        assert_eq!(sock[0]["source"], "/run/shadow/ns1/c1/listen/1.sock");
+        // Without sockets: no variables.
+        let e = engine_spec(&spec(), &inputs(SlotId::ZERO, None)).unwrap();
+        assert!(!e.to_string().contains("LISTEN_FDS"));
+    }
+
+    #[test]
+    fn listening_needs_an_own_pid_namespace_and_finds_the_network_one() {
+        let s = spec();
+        assert!(check_listen_pid(&s, "c1").is_ok());
+        let mut shared = spec();
+        shared["linux"]["namespaces"][0]["path"] = "/proc/7/ns/pid".into();
+        let e = check_listen_pid(&shared, "c1").unwrap_err().to_string();
+        assert!(e.contains("LISTEN_PID=1"), "{e}");
+        let mut host = spec();
+        host["linux"]["namespaces"] = json!([{"type": "network"}]);
+        assert!(check_listen_pid(&host, "c1").is_err());
+
+        let pin = Path::new("/p/ns/net");
+        assert_eq!(
+            network_namespace(&s, Some(pin)).unwrap().as_deref(),
+            Some(pin)
+        );
+        let mut sandboxed = spec();
+        sandboxed["linux"]["namespaces"][1]["path"] = "/var/run/netns/cni-1".into();
+        assert_eq!(
+            network_namespace(&sandboxed, None).unwrap(),
+            Some(PathBuf::from("/var/run/netns/cni-1"))
+        );
+        assert_eq!(network_namespace(&host_net(), None).unwrap(), None);
+    }
+
+    fn host_net() -> Value {
+        json!({"linux": {"namespaces": [{"type": "pid"}]}})
     }
 
     #[test]
@@ -364,6 +564,34 @@ mod tests {
         assert_eq!(engine_id("c1", SlotId::ONE), "c1-s1");
         assert_eq!(engine_cgroup("/ns1/c1/", SlotId::ZERO), "/ns1/c1/s0");
     }
+
+    #[test]
+    fn the_specs_own_mounts_at_the_contract_places_give_way() {
+        let mut s = spec();
+        s["mounts"] = json!([
+            {"destination": "/run/shadow/pair", "type": "bind", "source": "/tmp/x"},
+            {"destination": "/run/shadow/gms/", "type": "bind", "source": "/tmp/y"},
+            {"destination": "/run/shadow/pair/engine.lock", "type": "bind", "source": "/tmp/z"},
+            {"destination": "/run/shadow/pairs", "type": "bind", "source": "/tmp/kept"}
+        ]);
+        let e = engine_spec(&s, &inputs(SlotId::ZERO, None)).unwrap();
+        let sources: Vec<&str> = e["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["source"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            sources,
+            [
+                "/tmp/kept",
+                "/run/shadow/ns1/c1/pair/engine.lock",
+                "/run/shadow/ns1/c1/pair/notify.sock",
+                "/run/shadow/ns1/c1/gms/gms-host.sock"
+            ]
+        );
+    }
+
     #[test]
     fn exec_env_gets_the_engines_contract_variables() {
         let dir = tempfile::tempdir().unwrap();
@@ -392,6 +620,20 @@ mod tests {
             ]
         );
         assert!(with_contract_env(&[], &dir.path().join("absent")).is_err());
+    }
+
+    #[test]
+    fn memory_limit_and_oom_score_of_the_spec() {
+        assert_eq!(memory_limit(&spec()), Some(1048576));
+        assert_eq!(
+            memory_limit(&json!({"linux": {"resources": {"memory": {"limit": -1}}}})),
+            None
+        );
+        assert_eq!(oom_score_adj(&spec()), 0);
+        assert_eq!(
+            oom_score_adj(&json!({"process": {"oomScoreAdj": 999}})),
+            999
+        );
     }
 }
 

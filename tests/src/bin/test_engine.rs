@@ -10,13 +10,18 @@
 //! 1. for each daemon socket in `GMS_SOCKET_DIR` (`gms-host.sock`, or one
 //!    `gms-<GPU-UUID>.sock` per GPU): `rw_or_ro`; the writer fills
 //!    `--weights-mib` MiB from `--seed` (+ the device's place), commits, and
-//!    appends a line to `/run/shadow/pair/loads.log`; a reader imports and
-//!    checks the sum;
-//! 2. binds `127.0.0.1:<port>` with SO_REUSEPORT (not listening yet), sends
+//!    appends a line to `/loads.log` (in the rootfs both engines share:
+//!    `/run` is each container's own tmpfs, and the runtime's files there
+//!    are bound read-only); a reader imports and checks the sum;
+//! 2. takes the pair's inherited listening socket when `LISTEN_FDS` is set
+//!    (`shadow.dev/listen`; `--port` is then unused), else binds
+//!    `127.0.0.1:<port>` with SO_REUSEPORT (not listening yet); sends
 //!    `STATUS=parked`, blocks in `flock(LOCK_EX)` on `SHADOW_LOCK_PATH`;
-//! 3. listens, sends `READY=1`, and answers each connection with one line:
-//!    `slot=<n> boot=<start µs> weights=<sum> loaded=<bool> lock_us=<t> ready_us=<t>
-//!    ranks=<n> gms=<socket names, comma-separated>`.
+//!    a parked engine never accepts;
+//! 3. listens (its own socket), sends `READY=1`, and answers each
+//!    connection with one line: `slot=<n> boot=<start µs> weights=<sum>
+//!    loaded=<bool> lock_us=<t> ready_us=<t> ranks=<n> gms=<socket names,
+//!    comma-separated> listen=inherited|own`.
 //!
 //! Flags: `--port N`, `--no-notify` (lock only), `--crash CODE` (exit with
 //! CODE right after start), `--weights-mib N`, `--seed N` (`--help`).
@@ -182,7 +187,7 @@ fn attach_one(socket: &Path, slot: &str, mib: u64, seed: u64) -> Weights {
         let sum = checksum(&bytes[..n]);
         c.commit(std::slice::from_mut(&mut w))
             .unwrap_or_else(|e| fail("committing weights", e));
-        let log = Path::new(paths::PAIR_DIR).join("loads.log");
+        let log = Path::new("/loads.log");
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -305,40 +310,66 @@ fn main() {
     let weights = std::env::var_os(env::GMS_SOCKET_DIR)
         .and_then(|d| attach_gms(Path::new(&d), &slot, mib, seed));
 
-    // Bound now, listening only once active: connections reach the active.
-    let sock: OwnedFd = socket(
-        AddressFamily::Inet,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .unwrap_or_else(|e| fail("socket", e));
-    setsockopt(&sock, sockopt::ReusePort, &true).unwrap_or_else(|e| fail("SO_REUSEPORT", e));
-    setsockopt(&sock, sockopt::ReuseAddr, &true).unwrap_or_else(|e| fail("SO_REUSEADDR", e));
-    bind(
-        std::os::fd::AsRawFd::as_raw_fd(&sock),
-        &SockaddrIn::new(127, 0, 0, 1, port),
-    )
-    .unwrap_or_else(|e| fail("bind", e));
+    // The pair's socket (already listening: connections wait in its backlog
+    // until an active engine accepts), else one bound now and listening
+    // only once active, so that connections reach the active.
+    let inherited = shadow_contract::listen::inherited().into_iter().next();
+    let listen_kind = if inherited.is_some() {
+        "inherited"
+    } else {
+        "own"
+    };
+    let sock: OwnedFd = match inherited {
+        Some(s) => s.fd,
+        None => {
+            let sock = socket(
+                AddressFamily::Inet,
+                SockType::Stream,
+                SockFlag::SOCK_CLOEXEC,
+                None,
+            )
+            .unwrap_or_else(|e| fail("socket", e));
+            setsockopt(&sock, sockopt::ReusePort, &true)
+                .unwrap_or_else(|e| fail("SO_REUSEPORT", e));
+            setsockopt(&sock, sockopt::ReuseAddr, &true)
+                .unwrap_or_else(|e| fail("SO_REUSEADDR", e));
+            bind(
+                std::os::fd::AsRawFd::as_raw_fd(&sock),
+                &SockaddrIn::new(127, 0, 0, 1, port),
+            )
+            .unwrap_or_else(|e| fail("bind", e));
+            sock
+        }
+    };
 
     if speak {
         notify(sd_notify::NotifyState::Status("parked"));
     }
-    let lock_path = std::env::var(env::LOCK_PATH).unwrap_or_else(|_| paths::LOCK_PATH.into());
-    let lock = std::fs::File::open(&lock_path).unwrap_or_else(|e| fail(&lock_path, e));
-    let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
-        .unwrap_or_else(|(_, e)| fail("flock", e));
+    // Alone (no variable, no pair directory: plain runc) it takes no lock.
+    let lock_path = std::env::var(env::LOCK_PATH).ok().or_else(|| {
+        Path::new(paths::LOCK_PATH)
+            .exists()
+            .then(|| paths::LOCK_PATH.to_string())
+    });
+    let _held = lock_path.map(|lock_path| {
+        let lock = std::fs::File::open(&lock_path).unwrap_or_else(|e| fail(&lock_path, e));
+        nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .unwrap_or_else(|(_, e)| fail("flock", e))
+    });
     let lock_us = now_us();
-    listen(&sock, Backlog::new(128).unwrap_or(Backlog::MAXCONN))
-        .unwrap_or_else(|e| fail("listen", e));
+    if listen_kind == "own" {
+        listen(&sock, Backlog::new(128).unwrap_or(Backlog::MAXCONN))
+            .unwrap_or_else(|e| fail("listen", e));
+    }
     let listener = TcpListener::from(sock);
     if speak {
         notify(sd_notify::NotifyState::Ready);
     }
     let ready_us = now_us();
     println!(
-        "test-engine slot {slot} pid {} serving on {port}",
-        std::process::id()
+        "test-engine slot {slot} pid {} serving on {} socket",
+        std::process::id(),
+        listen_kind
     );
     let (sum, loaded, names) = weights
         .as_ref()
@@ -348,7 +379,7 @@ fn main() {
         let Ok(mut c) = conn else { continue };
         let _ = writeln!(
             c,
-            "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us} ranks={ranks} gms={names}"
+            "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us} ranks={ranks} gms={names} listen={listen_kind}"
         );
     }
 }

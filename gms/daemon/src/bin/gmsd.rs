@@ -10,7 +10,7 @@ use gms_cuda::parse_device;
 use gmsd::backend::cuda::CudaBackend;
 use gmsd::backend::host::HostBackend;
 use gmsd::backend::Backend;
-use gmsd::daemon::{self, Config, Limits};
+use gmsd::daemon::{self, Config, Limits, Supervisor, Timeouts};
 
 #[derive(Parser)]
 #[command(
@@ -45,8 +45,26 @@ enum Command {
         max_metadata_entries: usize,
         #[arg(long, default_value = "8M", value_parser = gmsd::parse_bytes)]
         max_metadata_bytes: u64,
+        /// Open connections in all (gmsd's supervisor is not counted).
         #[arg(long, default_value_t = 256)]
         max_connections: usize,
+        /// Open connections of one peer process (by pid).
+        #[arg(long, default_value_t = 16)]
+        max_connections_per_peer: usize,
+        /// A connection without a lease must send a request within this.
+        #[arg(long, default_value = "10s", value_parser = gmsd::parse_duration)]
+        hello_timeout: std::time::Duration,
+        /// A started message must arrive whole, and an answer be read, within this.
+        #[arg(long, default_value = "10s", value_parser = gmsd::parse_duration)]
+        frame_timeout: std::time::Duration,
+        /// An uncommitted rw lease silent this long is dropped and its
+        /// allocations discarded.
+        #[arg(long, default_value = "15m", value_parser = gmsd::parse_duration)]
+        writer_idle_timeout: std::time::Duration,
+        /// Who may `reset` (drop the committed layout): `parent` (the
+        /// process that started gmsd, e.g. the shim) or `none`.
+        #[arg(long, default_value = "parent", value_parser = parse_supervisor)]
+        supervisor: Supervisor,
         /// Peer uid allowed to connect (repeatable). Default: gmsd's own uid.
         #[arg(long = "allow-uid")]
         allow_uids: Vec<u32>,
@@ -85,6 +103,11 @@ fn main() -> ExitCode {
             max_metadata_entries,
             max_metadata_bytes,
             max_connections,
+            max_connections_per_peer,
+            hello_timeout,
+            frame_timeout,
+            writer_idle_timeout,
+            supervisor,
             allow_uids,
             allow_gids,
             socket_group,
@@ -148,10 +171,17 @@ fn main() -> ExitCode {
                     max_metadata_entries,
                     max_metadata_bytes: max_metadata_bytes as usize,
                     max_connections,
+                    max_connections_per_peer,
                 },
                 allow_uids,
                 allow_gids,
                 socket_group,
+                timeouts: Timeouts {
+                    hello: hello_timeout,
+                    frame: frame_timeout,
+                    writer_idle: writer_idle_timeout,
+                },
+                supervisor,
             };
             let served = daemon::serve(config, backend, |socket| {
                 // Readiness line for supervisors and tests.
@@ -232,6 +262,14 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
         }
+    }
+}
+
+fn parse_supervisor(s: &str) -> Result<Supervisor, String> {
+    match s {
+        "parent" => Ok(Supervisor::Parent),
+        "none" => Ok(Supervisor::Nobody),
+        _ => Err(format!("supervisor '{s}': parent or none")),
     }
 }
 

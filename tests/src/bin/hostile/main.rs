@@ -13,7 +13,10 @@
 //! so a test can wait for the moment it cares about.
 
 mod common;
+mod dirs;
+mod gms;
 mod gpus;
+mod weights;
 
 use std::process::ExitCode;
 
@@ -38,6 +41,21 @@ const ATTACKS: &[Attack] = &[
         name: "gpus",
         about: "name another tenant's GPU in NVIDIA_VISIBLE_DEVICES and look for its GMS daemon",
         run: gpus::run,
+    },
+    Attack {
+        name: "dirs",
+        about: "write, fill, mkdir in every runtime-provided directory, squat the sockets, then park",
+        run: dirs::run,
+    },
+    Attack {
+        name: "gms-rw-after-commit",
+        about: "slot 1 asks gmsd for rw in a loop to replace the committed weights when readers drop to zero (a failover)",
+        run: gms::rw_after_commit,
+    },
+    Attack {
+        name: "weights",
+        about: "ask gmsd for more than the pod's memory limit, then load (or map) weights and park",
+        run: weights::run,
     },
 ];
 
