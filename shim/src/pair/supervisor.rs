@@ -24,7 +24,7 @@ use super::engine::SharedOutput;
 use super::gms::GmsDaemons;
 use super::host::Host;
 use super::lock::LockSeen;
-use super::notify::{Datagram, NotifySocket};
+use super::notify::{Datagram, NotifySocket, Queue};
 use super::observe::{self, Clock};
 use super::publish::{GmsStatus, Outlets, Publisher, View};
 use crate::container::ExitInfo;
@@ -108,6 +108,8 @@ pub struct Supervisor {
     router: Arc<ExitRouter>,
     events: EventSink,
     notify: Option<NotifySocket>,
+    /// Datagrams the notify reader forwarded and this task has not taken.
+    notify_queue: Arc<Queue>,
     lock_path: Option<PathBuf>,
     gms: Option<GmsDaemons>,
     gpu_buses: Vec<String>,
@@ -152,6 +154,7 @@ impl Supervisor {
             router: p.router,
             events: p.events,
             notify: p.notify,
+            notify_queue: Arc::new(Queue::default()),
             lock_path: p.lock_path,
             gms: p.gms,
             gpu_buses: p.gpu_buses,
@@ -214,7 +217,13 @@ impl Supervisor {
 
     async fn run(&mut self) {
         if let Some(sock) = self.notify.take() {
-            observe::notify(sock, self.tx.clone());
+            observe::notify(
+                &self.id,
+                sock,
+                self.host.clone(),
+                self.notify_queue.clone(),
+                self.tx.clone(),
+            );
         }
         if let Some(path) = self.lock_path.take() {
             if let Err(e) = observe::lock_closes(&path, self.tx.clone()) {
@@ -343,6 +352,7 @@ impl Supervisor {
                 self.pair.handle(PairEvent::Exited { slot, exit }, reaped)
             }
             Input::Notify(d, at) => {
+                self.notify_queue.taken();
                 let Some(slot) = self.host.slot_of_pid(d.pid) else {
                     log::debug!("pair {}: notify from pid {} of no engine", self.id, d.pid);
                     return Vec::new();

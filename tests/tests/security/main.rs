@@ -8,3 +8,4 @@ mod dirs;
 mod gms;
 mod gpus;
 mod memory;
+mod notify;
