@@ -180,6 +180,33 @@ impl Supervisor {
         self.gms.take()
     }
 
+    /// Kill of a pair that was created and never started: nothing runs,
+    /// yet the task ends, with `status`, as a created runc container killed
+    /// before its start does (its init dies of the signal). Without this
+    /// exit, Wait and Delete(WithProcessKill) would wait forever; CRI does
+    /// exactly this when a start fails.
+    pub fn end_unstarted(&mut self, status: u32) {
+        self.output.close();
+        let info = ExitInfo {
+            pid: 0,
+            status,
+            at: SystemTime::now(),
+        };
+        log::info!(
+            "pair {}: killed before it started, exit status {status}",
+            self.id
+        );
+        self.events.send(Event::Exit(TaskExit {
+            container_id: self.id.clone(),
+            id: self.id.clone(),
+            pid: info.pid,
+            exit_status: info.status,
+            exited_at: Some(timestamp(info.at)).into(),
+            ..Default::default()
+        }));
+        self.publisher.exited(&self.pair, None, info);
+    }
+
     /// Start both engines inline (Start waits for them), so that a spec
     /// that cannot run fails Start with runc's own error.
     pub async fn start_engines(&mut self) -> Result<u32> {
@@ -348,8 +375,25 @@ impl Supervisor {
                 }
                 let exit = observe::exit_of(status);
                 log::info!("pair {}: slot {slot} pid {pid} exited ({exit:?})", self.id);
+                // In the host's PID namespace the engine's other processes
+                // outlive it: they go before its death is decided on (and
+                // before the task's exit, if this was the last engine).
+                self.host.kill_rest(slot).await;
                 let reaped = self.clock.of_wall(at);
-                self.pair.handle(PairEvent::Exited { slot, exit }, reaped)
+                let mut actions = Vec::new();
+                // The kernel counts the kill before it sends SIGKILL, so the
+                // count is there at the reap (and until runc deletes the
+                // engine's cgroup, which the respawn does after this).
+                let oom_kills = self.host.oom_kills(slot);
+                if oom_kills > 0 {
+                    log::warn!(
+                        "pair {}: slot {slot} pid {pid}: the OOM killer killed {oom_kills} of its processes",
+                        self.id
+                    );
+                    actions.extend(self.pair.handle(PairEvent::OomKilled { slot }, reaped));
+                }
+                actions.extend(self.pair.handle(PairEvent::Exited { slot, exit }, reaped));
+                actions
             }
             Input::Notify(d, at) => {
                 self.notify_queue.taken();
