@@ -10,6 +10,7 @@
 //! - [`env`]: the variables an engine gets;
 //! - [`paths`]: where the pair directory, the lock, the notify socket and
 //!   the GMS sockets are inside a container;
+//! - [`host`]: where a pair's files are on the host, per containerd;
 //! - [`annotations`]: the `shadow.dev/` keys, one set that both paths parse;
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
 //! - [`gmsd`]: the one launcher of the GMS daemon (readiness pipe,
@@ -21,5 +22,6 @@
 pub mod annotations;
 pub mod env;
 pub mod gmsd;
+pub mod host;
 pub mod paths;
 pub mod state;

@@ -58,6 +58,14 @@ impl PairCgroup {
         Ok(cg)
     }
 
+    /// The pair cgroup at `path` as a dead shim left it, for its removal.
+    pub fn open(path: &str) -> Self {
+        PairCgroup {
+            path: path.to_string(),
+            cgroup: crate::stats::at(path),
+        }
+    }
+
     /// Apply `r` to the pair (both engines are below it). Values left out,
     /// or 0, keep what the cgroup has.
     pub fn update(&self, r: &LinuxResources) -> Result<()> {

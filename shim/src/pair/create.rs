@@ -18,6 +18,7 @@ use super::dirs::{PairDirs, CUDA_SOCKETS, HOST_SOCKETS};
 use super::engine::{EngineSlot, SharedOutput};
 use super::gms::GmsDaemon;
 use super::host::Machine;
+use super::leftovers::{self, PairName};
 use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
 use super::publish::View;
@@ -131,18 +132,30 @@ impl PairedContainer {
         } else {
             CUDA_SOCKETS
         };
-        let dirs = PairDirs::new(&cfg.state_dir, &rt.namespace, &req.id, longest_socket);
-        if dirs.root.exists() {
-            return Err(Error::AlreadyExists(format!(
-                "pair directory {} (a pair {} of namespace {} exists or was not cleaned up)",
-                dirs.root.display(),
+        let key = shadow_contract::host::containerd_key(&rt.containerd);
+        let dirs = PairDirs::new(&cfg.state_dir, &key, &rt.namespace, &req.id, longest_socket);
+        let name = PairName {
+            config: &rt.config,
+            containerd: &rt.containerd,
+            namespace: &rt.namespace,
+            id: &req.id,
+        };
+        if dirs.root.exists() || name.metrics_file().exists() {
+            // containerd creates an id only once at a time: what is there
+            // is a dead shim's, which containerd could not clean up.
+            log::warn!(
+                "pair {}: {} is left from an earlier pair of this id whose shim died: removing it",
                 req.id,
-                rt.namespace
-            )));
+                dirs.root.display()
+            );
+            leftovers::remove(&name, &bundle, rt.router.clone()).await;
         }
         made.dirs = Some(dirs.clone());
         mkdir(&dirs.root, 0o711)?;
         mkdir(&dirs.pair, 0o777)?;
+        // For a cleanup after this shim's death (the spec may be gone).
+        std::fs::write(&dirs.cgroup_record, &cgroup_path)
+            .map_err(|e| Error::io(format!("writing {}", dirs.cgroup_record.display()), e))?;
         for s in &dirs.slots {
             mkdir(s, 0o700)?;
         }
@@ -248,10 +261,8 @@ impl PairedContainer {
         let (out, out_copier) = output_pipe(&req.stdio.stdout)?;
         let (err, err_copier) = output_pipe(&req.stdio.stderr)?;
         let (view_tx, view_rx) = watch::channel(View::default());
-        let metrics_file = cfg
-            .metrics_dir
-            .join(format!("shadow-{}-{}.prom", rt.namespace, req.id));
-        made.metrics_file = Some(metrics_file);
+        let metrics_file = name.metrics_file();
+        made.metrics_file = Some(metrics_file.clone());
         let output = Arc::new(SharedOutput::new(out, err));
         let host = Machine::new(
             engines.clone(),
@@ -273,7 +284,8 @@ impl PairedContainer {
             notify: Some(notify),
             lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
             state_json: dirs.state_json.clone(),
-            metrics_dir: cfg.metrics_dir.clone(),
+            containerd: rt.containerd.clone(),
+            metrics_file,
             gms,
             gpus: gpus.clone(),
             single: req.single,

@@ -13,6 +13,7 @@ pub mod dirs;
 pub mod engine;
 pub mod gms;
 pub mod host;
+pub mod leftovers;
 pub mod lock;
 pub mod netns;
 pub mod notify;
