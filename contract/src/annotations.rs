@@ -1,8 +1,8 @@
 //! The `shadow.dev/` annotations: one set, parsed the same way by the shim
 //! and by the OCI hook, so one container spec can serve both paths.
 //!
-//! - `shadow.dev/pair`, `shadow.dev/gms`, `shadow.dev/shadow` ask the shim
-//!   to make (and shape) an engine pair;
+//! - `shadow.dev/pair`, `shadow.dev/gms`, `shadow.dev/shadow`,
+//!   `shadow.dev/listen` ask the shim to make (and shape) an engine pair;
 //! - `shadow.dev/pair-name`, `shadow.dev/slot` place a container in a pair
 //!   that the hooks assemble from two containers (podman, CRI-O, runc).
 //!
@@ -26,9 +26,12 @@ pub const SHADOW: &str = "shadow.dev/shadow";
 pub const PAIR_NAME: &str = "shadow.dev/pair-name";
 /// The slot (`SHADOW_ENGINE_ID`) of a hook-assembled container.
 pub const SLOT: &str = "shadow.dev/slot";
+/// Listening sockets the pair owns and hands to every engine
+/// (`tcp:0.0.0.0:8000,unix:/run/engine.sock`; see [`crate::listen`]).
+pub const LISTEN: &str = "shadow.dev/listen";
 
 /// Every key of the set.
-pub const KEYS: [&str; 5] = [PAIR, GMS, SHADOW, PAIR_NAME, SLOT];
+pub const KEYS: [&str; 6] = [PAIR, GMS, SHADOW, PAIR_NAME, SLOT, LISTEN];
 
 /// A value the contract does not allow for its key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -117,6 +120,8 @@ pub struct Annotations {
     pub no_shadow: bool,
     pub pair_name: Option<PairName>,
     pub slot: Option<u8>,
+    /// `shadow.dev/listen`: the pair's listening sockets.
+    pub listen: Option<Vec<crate::listen::Listen>>,
 }
 
 impl Annotations {
@@ -156,6 +161,7 @@ impl Annotations {
                 }
                 PAIR_NAME => out.pair_name = Some(PairName::new(value)?),
                 SLOT => out.slot = Some(parse_slot(value)?),
+                LISTEN => out.listen = Some(crate::listen::parse(value)?),
                 _ => {
                     return Err(bad(
                         key,
@@ -257,6 +263,7 @@ mod tests {
             (PAIR, "", "true|false"),
             (PAIR, "a,,b", "true|false"),
             (SLOT, "2", "0|1"),
+            (LISTEN, "udp:0.0.0.0:53", "tcp:<ipv4>"),
             (PAIR_NAME, "../etc", "[A-Za-z0-9_.-]"),
             (PAIR_NAME, ".x", "[A-Za-z0-9_.-]"),
             (PAIR_NAME, "", "[A-Za-z0-9_.-]"),

@@ -11,18 +11,20 @@ pub const NOTIFY_SOCKET: &str = "NOTIFY_SOCKET";
 /// The directory of the pair's GMS sockets.
 pub const GMS_SOCKET_DIR: &str = "GMS_SOCKET_DIR";
 
-/// systemd socket activation: the number of inherited listening sockets.
-/// Reserved: the pair will hand its listening sockets to every engine.
+/// systemd socket activation: the number of inherited listening sockets,
+/// descriptors 3.. (a pair with `shadow.dev/listen`; see [`crate::listen`]).
 pub const LISTEN_FDS: &str = "LISTEN_FDS";
-/// systemd socket activation: the pid the sockets are meant for. Reserved.
+/// systemd socket activation: the pid the sockets are meant for; `1`, the
+/// engine as its container's init.
 pub const LISTEN_PID: &str = "LISTEN_PID";
-/// systemd socket activation: the sockets' names. Reserved.
+/// systemd socket activation: the sockets' names, `:`-separated.
 pub const LISTEN_FDNAMES: &str = "LISTEN_FDNAMES";
 
 /// The variables an engine gets today, in the order they are added.
 pub const ENGINE: [&str; 4] = [ENGINE_ID, LOCK_PATH, NOTIFY_SOCKET, GMS_SOCKET_DIR];
 
-/// The socket-activation variables, reserved for the pair's listeners.
+/// The socket-activation variables, set only with `shadow.dev/listen`; an
+/// exec never gets them (it inherits no socket and is not pid 1).
 pub const LISTEN: [&str; 3] = [LISTEN_FDS, LISTEN_PID, LISTEN_FDNAMES];
 
 /// Whether a `KEY=value` entry sets one of [`ENGINE`]'s variables (the
@@ -51,7 +53,7 @@ mod tests {
         assert!(is_engine_entry("GMS_SOCKET_DIR="));
         assert!(!is_engine_entry("SHADOW_ENGINE_IDX=1"));
         assert!(!is_engine_entry("SHADOW_ENGINE_ID"));
-        assert!(!is_engine_entry("LISTEN_FDS=3"), "reserved, not set yet");
+        assert!(!is_engine_entry("LISTEN_FDS=3"), "never copied to an exec");
         assert_eq!(entry(LOCK_PATH, "/x"), "SHADOW_LOCK_PATH=/x");
     }
 }

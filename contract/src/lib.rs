@@ -12,6 +12,8 @@
 //!   the GMS sockets are inside a container;
 //! - [`host`]: where a pair's files are on the host, per containerd;
 //! - [`annotations`]: the `shadow.dev/` keys, one set that both paths parse;
+//! - [`listen`]: the pair's listening sockets (`shadow.dev/listen`) and
+//!   the engine's side of taking them (`LISTEN_FDS`);
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
 //! - [`gmsd`]: the one launcher of the GMS daemon (readiness pipe,
 //!   capabilities dropped, owned handle).
@@ -23,5 +25,6 @@ pub mod annotations;
 pub mod env;
 pub mod gmsd;
 pub mod host;
+pub mod listen;
 pub mod paths;
 pub mod state;

@@ -35,8 +35,13 @@ pub struct PairState {
     pub pair: PairSnapshot,
     /// The latest promotions, oldest first (config `pair.promotions_kept`).
     pub promotions: Vec<PromotionRecord>,
-    /// The GMS daemon's last status report, when the pair has GMS.
+    /// The first GMS daemon's last status report, when the pair has GMS
+    /// (kept for readers of one daemon; `gms_daemons` lists them all).
     pub gms: Option<GmsStatus>,
+    /// Every GMS daemon's last status report: one per GPU of the pair (or
+    /// the one `host` daemon), in the order of the spec's devices.
+    #[serde(default)]
+    pub gms_daemons: Vec<GmsStatus>,
     /// Set when the pair has ended: the status reported to containerd.
     pub exit_status: Option<u32>,
     /// When the file was written (µs since the Unix epoch).
@@ -93,6 +98,22 @@ pub struct PairSnapshot {
     pub failovers: u64,
     pub cold_restarts: u64,
     pub last_promotion: Option<Promotion>,
+    /// Why the pair last restarted cold (or began to).
+    #[serde(default)]
+    pub last_cold_restart: Option<ColdRestartCause>,
+    /// Deaths of each GMS daemon, by device (a GPU UUID, or `host`).
+    #[serde(default)]
+    pub gms_deaths: std::collections::BTreeMap<String, u64>,
+}
+
+/// Why the pair restarted cold (a device-invalidating failure).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "cause")]
+pub enum ColdRestartCause {
+    /// The GMS daemon of `device` died: that GPU's weights are gone.
+    GmsDied { device: String },
+    /// A device-invalidating XID on one of the pair's GPUs.
+    Xid { xid: u32 },
 }
 
 /// One slot.
@@ -274,6 +295,19 @@ mod tests {
     use serde_json::json;
 
     fn sample() -> PairState {
+        let gms = GmsStatus {
+            pid: 7,
+            backend: "host".into(),
+            device: "host".into(),
+            socket: "/run/x/gms-host.sock".into(),
+            state: "committed".into(),
+            bytes: 4096,
+            allocations: 1,
+            leases: vec![json!({"mode": "ro"})],
+            rest: [("resident_bytes".to_string(), json!(4096))]
+                .into_iter()
+                .collect(),
+        };
         let promotion = Promotion {
             number: 1,
             from: 0,
@@ -311,6 +345,8 @@ mod tests {
                 failovers: 1,
                 cold_restarts: 0,
                 last_promotion: Some(promotion.clone()),
+                last_cold_restart: None,
+                gms_deaths: Default::default(),
             },
             promotions: vec![PromotionRecord {
                 total_ms: promotion.total().map(|d| d.as_secs_f64() * 1e3),
@@ -320,19 +356,8 @@ mod tests {
                 lock_unix_us: Some(1_700_000_000_000_040),
                 ready_unix_us: None,
             }],
-            gms: Some(GmsStatus {
-                pid: 7,
-                backend: "host".into(),
-                device: "host".into(),
-                socket: "/run/x/gms-host.sock".into(),
-                state: "committed".into(),
-                bytes: 4096,
-                allocations: 1,
-                leases: vec![json!({"mode": "ro"})],
-                rest: [("resident_bytes".to_string(), json!(4096))]
-                    .into_iter()
-                    .collect(),
-            }),
+            gms: Some(gms.clone()),
+            gms_daemons: vec![gms],
             exit_status: None,
             updated_unix_us: 1_700_000_000_100_000,
         }

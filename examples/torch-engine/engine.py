@@ -11,11 +11,18 @@ addresses. Then, per docs/engine-contract.md:
   1. initialise (weights, a warm-up forward that loads the kernels);
   2. STATUS=parked on NOTIFY_SOCKET;
   3. flock(LOCK_EX) on SHADOW_LOCK_PATH;
-  4. wake: materialise the KV cache at its reserved address, bind the port;
+  4. wake: materialise the KV cache at its reserved address, bind the port
+     (or, with an inherited listening socket, start accepting on it);
   5. READY=1, then serve.
 
+With LISTEN_FDS (a pair with shadow.dev/listen) the engine takes the pair's
+listening socket at start, holds it while parked without accepting, and
+serves on it once active: connections that arrive during a failover wait
+in its backlog instead of being refused. Without it, it binds ENGINE_PORT.
+
 Environment: SHADOW_ENGINE_ID, SHADOW_LOCK_PATH, NOTIFY_SOCKET,
-GMS_SOCKET_DIR (as the shim sets them); ENGINE_PORT (default 8000),
+GMS_SOCKET_DIR, LISTEN_FDS/LISTEN_PID/LISTEN_FDNAMES (as the shim sets
+them); ENGINE_PORT (default 8000),
 ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB, GMS_LIB.
 Prints one JSON line per phase on stdout.
 """
@@ -32,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "gms", "python"))
-from shadow_gms import FailoverLock, Gms, notify  # noqa: E402
+from shadow_gms import FailoverLock, Gms, listen_socket, notify  # noqa: E402
 
 VOCAB = 32000
 HEAD_DIM = 128
@@ -125,6 +132,9 @@ def main():
     hidden = int(os.environ.get("ENGINE_HIDDEN", "4096"))
     kv_bytes = int(float(os.environ.get("ENGINE_KV_GIB", "8")) * (1 << 30))
     t_start = time.perf_counter()
+    # The pair's socket, if handed down: held from now on, accepted on only
+    # once active.
+    inherited = listen_socket()
 
     # 1. initialise: weights through GMS (rw_or_ro).
     gms = Gms(mode="rw_or_ro", client=f"torch-engine-{engine_id}", timeout_s=300)
@@ -203,14 +213,23 @@ def main():
                              "choices": [{"index": 0, "text": text, "tokens": out}],
                              "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(out)}})
 
-    HTTPServer.allow_reuse_address = True
-    server = HTTPServer(("127.0.0.1", port), Handler)
+    if inherited is not None:
+        server = HTTPServer(("127.0.0.1", port), Handler, bind_and_activate=False)
+        server.socket.close()
+        server.socket = inherited
+        addr = inherited.getsockname()
+        server.server_name, server.server_port = str(addr[0]), int(addr[1])
+        port = server.server_port
+    else:
+        HTTPServer.allow_reuse_address = True
+        server = HTTPServer(("127.0.0.1", port), Handler)
     promote_ms = (time.perf_counter() - t_wake) * 1e3
 
     # 5. ready.
     notify("READY=1", f"STATUS=active engine {engine_id}", f"MAINPID={os.getpid()}")
     log(event="active", engine=engine_id, pid=os.getpid(), woke_at=woke_at,
-        kv_materialise_ms=round(kv_ms, 3), kv_bytes=kv.nbytes, promote_ms=round(promote_ms, 3), port=port)
+        kv_materialise_ms=round(kv_ms, 3), kv_bytes=kv.nbytes, promote_ms=round(promote_ms, 3), port=port,
+        socket="inherited" if inherited is not None else "own")
     try:
         server.serve_forever()
     finally:

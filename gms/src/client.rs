@@ -238,6 +238,19 @@ pub fn status(socket: &Path) -> Result<StatusReport> {
     }
 }
 
+/// The supervisor's reset (the shim, or whoever started gmsd): forgets the
+/// committed layout so that the next engine loads again. gmsd refuses it
+/// from any other process, and while any lease is attached. Returns the
+/// generation that was dropped (0: nothing was committed).
+pub fn reset(socket: &Path) -> Result<u64> {
+    let sock = open(socket)?;
+    let req = Request::Reset;
+    match call_on(&sock, &req)? {
+        (Response::ResetDone { generation }, _) => Ok(generation),
+        (other, _) => Err(unexpected(&req, &other)),
+    }
+}
+
 impl<M: Mapper> Client<M> {
     pub fn connect_with(mapper: M, socket: &Path, mode: Mode, name: &str) -> Result<Self> {
         let sock = open(socket)?;

@@ -59,6 +59,8 @@ pub enum Error {
     UnexpectedResponse { request: String, got: String },
     #[error("configuration: {0}")]
     Config(String),
+    #[error("timed out: {0}")]
+    Timeout(String),
 }
 
 impl Error {
@@ -95,6 +97,7 @@ impl Error {
             Error::Invalid(_) | Error::Config(_) => ErrorCode::Invalid,
             Error::Remote { code, .. } => *code,
             Error::UnexpectedResponse { .. } => ErrorCode::BadMessage,
+            Error::Timeout(_) => ErrorCode::Timeout,
         }
     }
 }

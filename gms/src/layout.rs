@@ -97,19 +97,38 @@ impl Layout {
         Ok(self.allocations.remove(at))
     }
 
-    fn metadata_bytes(&self) -> usize {
-        self.metadata.iter().map(|(k, v)| k.len() + v.len()).sum()
+    /// Bytes the metadata takes in an encoded layout (what a reader
+    /// receives). O(entries): the daemon keeps a running count instead.
+    pub fn metadata_encoded_bytes(&self) -> usize {
+        self.metadata
+            .iter()
+            .map(|(k, v)| encoded_entry_len(k, v))
+            .sum()
     }
 
-    pub fn put_meta(&mut self, key: String, value: String, limits: &MetadataLimits) -> Result<()> {
+    /// Adds or replaces one entry. Its size is counted as encoded (JSON
+    /// escapes included), not as claimed: a value of control characters
+    /// takes six bytes per byte on the wire, and the whole layout must reach
+    /// a reader under its response limit. `encoded` is the running count of
+    /// [`Layout::metadata_encoded_bytes`], kept by the caller.
+    pub fn put_meta(
+        &mut self,
+        key: String,
+        value: String,
+        limits: &MetadataLimits,
+        encoded: &mut usize,
+    ) -> Result<()> {
         if key.is_empty() || key.len() > 1024 {
             return Err(Error::Invalid("metadata key must be 1-1024 bytes".into()));
         }
-        let old = self.metadata.get(&key).map_or(0, |v| key.len() + v.len());
-        let new_total = self.metadata_bytes() - old + key.len() + value.len();
+        let old = self
+            .metadata
+            .get(&key)
+            .map_or(0, |v| encoded_entry_len(&key, v));
+        let new_total = encoded.saturating_sub(old) + encoded_entry_len(&key, &value);
         if new_total > limits.max_bytes {
             return Err(Error::LimitExceeded(format!(
-                "metadata would total {new_total} bytes, limit is {}",
+                "metadata would take {new_total} bytes encoded, limit is {}",
                 limits.max_bytes
             )));
         }
@@ -121,8 +140,41 @@ impl Layout {
             )));
         }
         self.metadata.insert(key, value);
+        *encoded = new_total;
         Ok(())
     }
+}
+
+/// Bytes `s` takes as a JSON string, quotes and escapes included, exactly
+/// as `serde_json` writes it: `"` and `\\` and the short control escapes
+/// take two bytes, other control characters six (`\u00XX`), everything
+/// else (UTF-8 included) itself.
+pub fn json_string_len(s: &str) -> usize {
+    2 + s
+        .bytes()
+        .map(|b| match b {
+            b'"' | b'\\' | b'\n' | b'\r' | b'\t' | 0x08 | 0x0c => 2,
+            0..=0x1f => 6,
+            _ => 1,
+        })
+        .sum::<usize>()
+}
+
+/// Bytes one metadata entry adds to an encoded layout: `"key":"value",`.
+pub fn encoded_entry_len(key: &str, value: &str) -> usize {
+    json_string_len(key) + json_string_len(value) + 2
+}
+
+/// The most bytes one allocation can take in an encoded layout (largest
+/// numbers, longest tag), so a daemon can bound a whole layout up front.
+pub fn max_encoded_allocation_len() -> usize {
+    let widest = Allocation {
+        id: u64::MAX,
+        tag: "x".repeat(64),
+        size: u64::MAX,
+        va: u64::MAX,
+    };
+    serde_json::to_vec(&widest).map_or(256, |v| v.len()) + 1
 }
 
 #[cfg(test)]
@@ -156,14 +208,57 @@ mod tests {
     fn metadata_limits_hold() {
         let limits = MetadataLimits {
             max_entries: 2,
-            max_bytes: 10,
+            max_bytes: 22,
         };
         let mut l = Layout::default();
-        l.put_meta("a".into(), "1234".into(), &limits).unwrap();
-        l.put_meta("a".into(), "123".into(), &limits).unwrap(); // replace, same entry
-        l.put_meta("b".into(), "1".into(), &limits).unwrap();
-        assert!(l.put_meta("c".into(), "".into(), &limits).is_err()); // entries
-        assert!(l.put_meta("b".into(), "1234567".into(), &limits).is_err()); // bytes
-        assert!(l.put_meta(String::new(), "x".into(), &limits).is_err());
+        let mut n = 0;
+        // "a":"1234", is 11 bytes encoded.
+        l.put_meta("a".into(), "1234".into(), &limits, &mut n)
+            .unwrap();
+        assert_eq!(n, 11);
+        l.put_meta("a".into(), "123".into(), &limits, &mut n)
+            .unwrap(); // replace, same entry
+        l.put_meta("b".into(), "1".into(), &limits, &mut n).unwrap();
+        assert_eq!(n, l.metadata_encoded_bytes());
+        assert!(l.put_meta("c".into(), "".into(), &limits, &mut n).is_err()); // entries
+        assert!(l
+            .put_meta("b".into(), "1234567".into(), &limits, &mut n)
+            .is_err()); // bytes
+        assert!(l
+            .put_meta(String::new(), "x".into(), &limits, &mut n)
+            .is_err());
+        assert_eq!(n, l.metadata_encoded_bytes(), "refusals change nothing");
+    }
+
+    /// A value of control characters is six times its length on the wire:
+    /// the limit counts that, not the claimed length.
+    #[test]
+    fn metadata_is_measured_as_encoded() {
+        let limits = MetadataLimits {
+            max_entries: 10,
+            max_bytes: 100,
+        };
+        let mut l = Layout::default();
+        let mut n = 0;
+        let sneaky = "\u{1}".repeat(20);
+        assert!(l.put_meta("k".into(), sneaky, &limits, &mut n).is_err());
+        l.put_meta("k".into(), "x".repeat(20), &limits, &mut n)
+            .unwrap();
+        for s in [
+            "",
+            "plain",
+            "quo\"te",
+            "back\\slash",
+            "\n\t\r\u{8}\u{c}",
+            "\u{1}\u{1f}\u{7f}",
+            "é漢🦀",
+        ] {
+            assert_eq!(
+                json_string_len(s),
+                serde_json::to_string(s).unwrap().len(),
+                "{s:?}"
+            );
+        }
+        assert!(max_encoded_allocation_len() < 200);
     }
 }

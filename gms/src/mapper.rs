@@ -181,6 +181,7 @@ impl Range for HostRange {
     }
 
     fn map(&mut self, fd: BorrowedFd<'_>, access: Access) -> Result<()> {
+        check_host_memory(fd, self.len, access)?;
         let prot = match access {
             Access::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
             Access::ReadOnly => libc::PROT_READ,
@@ -209,6 +210,42 @@ impl Range for HostRange {
         self.state = RangeState::Materialised;
         Ok(())
     }
+}
+
+/// What a host-backend descriptor must be before it is mapped: at least as
+/// long as the range (a shorter file faults with SIGBUS on access), and,
+/// for read-only weights, sealed against every change (write, grow,
+/// shrink), so the bytes cannot change under a reader whoever else holds
+/// the file. A descriptor that fails either came from something that is
+/// not an honest gmsd (a socket replaced in a writable directory, a bug):
+/// refused before it is mapped.
+fn check_host_memory(fd: BorrowedFd<'_>, len: u64, access: Access) -> Result<()> {
+    let st = nix::sys::stat::fstat(fd)
+        .map_err(|e| Error::sys(format!("fstat of memory fd {}", fd.as_raw_fd()), e))?;
+    if u64::try_from(st.st_size).map_or(true, |size| size < len) {
+        return Err(Error::Invalid(format!(
+            "memory fd {} holds {} bytes, the allocation claims {len}: refusing to map it",
+            fd.as_raw_fd(),
+            st.st_size
+        )));
+    }
+    if access == Access::ReadOnly {
+        let needed = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
+        // SAFETY: fcntl(F_GET_SEALS) reads the descriptor's seals; no memory is passed.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & needed != needed {
+            let why = if seals < 0 {
+                format!("not a sealable memfd ({})", Errno::last())
+            } else {
+                format!("seals {seals:#x} lack write/grow/shrink")
+            };
+            return Err(Error::Invalid(format!(
+                "committed memory fd {}: {why}; refusing to map weights that can still change",
+                fd.as_raw_fd()
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl Drop for HostRange {
@@ -242,6 +279,39 @@ mod tests {
         assert_eq!(r.addr(), addr, "address kept while released");
         r.materialise().unwrap();
         assert_eq!(r.bytes().unwrap()[4096], 0, "fresh pages after release");
+    }
+
+    fn memfd(len: i64) -> std::os::fd::OwnedFd {
+        let fd = nix::sys::memfd::memfd_create(
+            "t",
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC | nix::sys::memfd::MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .unwrap();
+        nix::unistd::ftruncate(&fd, len).unwrap();
+        fd
+    }
+
+    /// A short file would SIGBUS the reader, an unsealed one could change
+    /// under it: both refused before mapping.
+    #[test]
+    fn short_or_unsealed_memory_is_refused_before_mapping() {
+        use std::os::fd::AsFd;
+        let mut r = HostMapper.reserve(8192, None).unwrap();
+        let short = memfd(4096);
+        let err = r.map(short.as_fd(), Access::ReadWrite).unwrap_err();
+        assert!(err.to_string().contains("holds 4096 bytes"), "{err}");
+        let unsealed = memfd(8192);
+        let err = r.map(unsealed.as_fd(), Access::ReadOnly).unwrap_err();
+        assert!(err.to_string().contains("seals"), "{err}");
+        assert_eq!(r.state(), RangeState::Reserved);
+        let seals = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
+        // SAFETY: adds seals to our own memfd.
+        assert_eq!(
+            unsafe { libc::fcntl(unsealed.as_raw_fd(), libc::F_ADD_SEALS, seals) },
+            0
+        );
+        r.map(unsealed.as_fd(), Access::ReadOnly).unwrap();
+        assert_eq!(r.bytes().unwrap().len(), 8192);
     }
 
     #[test]

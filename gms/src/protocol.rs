@@ -85,6 +85,10 @@ pub enum Request {
     Export {
         ids: Vec<u64>,
     },
+    /// The pair's supervisor only (not an engine), as the first message or
+    /// without a lease: forget the committed layout so that the next engine
+    /// loads again. Needs no lease attached.
+    Reset,
 }
 
 impl Request {
@@ -99,6 +103,7 @@ impl Request {
             Request::Commit => "commit",
             Request::GetLayout => "get_layout",
             Request::Export { .. } => "export",
+            Request::Reset => "reset",
         }
     }
 
@@ -127,6 +132,9 @@ pub enum ErrorCode {
     Invalid,
     Internal,
     ShuttingDown,
+    /// The peer stalled: no first message, a frame left half-sent, or an
+    /// uncommitted `rw` lease idle past the daemon's deadline.
+    Timeout,
 }
 
 impl fmt::Display for ErrorCode {
@@ -180,6 +188,10 @@ pub enum Response {
     Status {
         status: Box<StatusReport>,
     },
+    /// `reset` done: the committed layout of `generation` (0: none) is gone.
+    ResetDone {
+        generation: u64,
+    },
     /// Always the last message on a connection: the daemon closes it next.
     Error {
         code: ErrorCode,
@@ -199,6 +211,7 @@ impl Response {
             Response::Layout { .. } => "layout",
             Response::Exported { .. } => "exported",
             Response::Status { .. } => "status",
+            Response::ResetDone { .. } => "reset_done",
             Response::Error { .. } => "error",
         }
     }
@@ -353,6 +366,7 @@ pub fn sample_requests() -> Vec<Request> {
         Request::Commit,
         Request::GetLayout,
         Request::Export { ids: vec![1, 2, 3] },
+        Request::Reset,
     ]
 }
 

@@ -54,7 +54,8 @@ impl Exec<'_> {
         let stdio = match &console_path {
             Some(path) => RuncStdio::Console(path),
             None => {
-                let (child, pio): (ChildStdio, ProcessIo) = ProcessIo::pipes(&proc.stdio)?;
+                let (child, pio): (ChildStdio, ProcessIo) =
+                    ProcessIo::pipes(&proc.stdio, self.client.io_owner())?;
                 io = Some(pio);
                 RuncStdio::Fds(Arc::new(child))
             }

@@ -75,7 +75,10 @@ pub struct ProcessIo {
 
 impl ProcessIo {
     /// Pipes for a process without a terminal: returns runc's ends and ours.
-    pub fn pipes(stdio: &Stdio) -> Result<(ChildStdio, ProcessIo)> {
+    /// `owner` (`IoUid`/`IoGid`) gets the container's ends, as runc-v2 does,
+    /// so that a process in a user namespace may reopen them
+    /// (`/proc/self/fd/1`).
+    pub fn pipes(stdio: &Stdio, owner: Option<(u32, u32)>) -> Result<(ChildStdio, ProcessIo)> {
         let child = ChildStdio::default();
         let mut io = ProcessIo::default();
         let (done_tx, done_rx) = mpsc::channel::<()>(1);
@@ -85,10 +88,11 @@ impl ProcessIo {
                 .open_receiver(&stdio.stdin)
                 .map_err(|e| Error::io(format!("opening stdin FIFO {}", stdio.stdin), e))?;
             let (tx, rx) = pipe::pipe().map_err(|e| Error::io("creating stdin pipe", e))?;
-            *child.stdin.lock().unwrap_or_else(|p| p.into_inner()) = Some(
-                rx.into_blocking_fd()
-                    .map_err(|e| Error::io("stdin pipe", e))?,
-            );
+            let end = rx
+                .into_blocking_fd()
+                .map_err(|e| Error::io("stdin pipe", e))?;
+            chown_end(&end, owner, "stdin")?;
+            *child.stdin.lock().unwrap_or_else(|p| p.into_inner()) = Some(end);
             io.stdin = Some(tokio::spawn(copy(fifo, tx, None)));
         }
         for (path, slot) in [
@@ -100,10 +104,11 @@ impl ProcessIo {
             }
             let fifo = open_output_fifo(path)?;
             let (tx, rx) = pipe::pipe().map_err(|e| Error::io("creating output pipe", e))?;
-            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(
-                tx.into_blocking_fd()
-                    .map_err(|e| Error::io("output pipe", e))?,
-            );
+            let end = tx
+                .into_blocking_fd()
+                .map_err(|e| Error::io("output pipe", e))?;
+            chown_end(&end, owner, path)?;
+            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(end);
             io.outputs
                 .push(tokio::spawn(copy(rx, fifo, Some(done_tx.clone()))));
         }
@@ -153,11 +158,12 @@ impl ProcessIo {
         }
     }
 
+    /// Set the terminal's size. A process without a terminal has nothing
+    /// to resize, and that is not an error (as in runc-v2, whose clients
+    /// resize whatever they attached to).
     pub fn resize(&self, width: u32, height: u32) -> Result<()> {
         let Some(master) = &self.console else {
-            return Err(Error::FailedPrecondition(
-                "process has no terminal to resize".into(),
-            ));
+            return Ok(());
         };
         let ws = libc::winsize {
             ws_row: height.min(u16::MAX as u32) as u16,
@@ -185,6 +191,24 @@ impl Drop for ProcessIo {
             t.abort();
         }
     }
+}
+
+/// Give the container's end of a pipe to `owner`.
+fn chown_end(end: &OwnedFd, owner: Option<(u32, u32)>, what: &str) -> Result<()> {
+    let Some((uid, gid)) = owner else {
+        return Ok(());
+    };
+    nix::unistd::fchown(
+        end,
+        Some(nix::unistd::Uid::from_raw(uid)),
+        Some(nix::unistd::Gid::from_raw(gid)),
+    )
+    .map_err(|e| {
+        Error::sys(
+            format!("giving the {what} pipe to {uid}:{gid} (IoUid/IoGid)"),
+            e,
+        )
+    })
 }
 
 fn open_output_fifo(path: &str) -> Result<pipe::Sender> {
@@ -295,7 +319,7 @@ mod tests {
             terminal: false,
         };
         let mut reader = pipe::OpenOptions::new().open_receiver(&o).unwrap();
-        let (child, mut io) = ProcessIo::pipes(&stdio).unwrap();
+        let (child, mut io) = ProcessIo::pipes(&stdio, None).unwrap();
         let mut writer = pipe::OpenOptions::new().open_sender(&i).unwrap();
         let child_in = take(&child.stdin).unwrap();
         let child_out = take(&child.stdout).unwrap();
@@ -324,11 +348,39 @@ mod tests {
     }
 
     #[test]
-    fn resize_without_terminal_is_a_precondition_error() {
+    fn resize_without_terminal_does_nothing_and_succeeds() {
+        // runc-v2 answers OK (TestTaskResize of containerd's suite).
         let io = ProcessIo::default();
-        assert!(matches!(
-            io.resize(80, 24),
-            Err(Error::FailedPrecondition(_))
-        ));
+        io.resize(80, 24).unwrap();
+    }
+
+    #[tokio::test]
+    async fn io_owner_gets_the_containers_ends_of_the_pipes() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (i, o) = (dir.path().join("in"), dir.path().join("out"));
+        for p in [&i, &o] {
+            nix::unistd::mkfifo(p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        }
+        let stdio = Stdio {
+            stdin: i.display().to_string(),
+            stdout: o.display().to_string(),
+            stderr: String::new(),
+            terminal: false,
+        };
+        let owner_of = |fd: &OwnedFd| {
+            let m = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+            (m.uid(), m.gid())
+        };
+        let (child, _io) = ProcessIo::pipes(&stdio, Some((1000, 2000))).unwrap();
+        for end in [take(&child.stdin).unwrap(), take(&child.stdout).unwrap()] {
+            assert_eq!(owner_of(&end), (1000, 2000));
+        }
+        let (child, _io) = ProcessIo::pipes(&stdio, None).unwrap();
+        let me = (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        );
+        assert_eq!(owner_of(&take(&child.stdout).unwrap()), me);
     }
 }

@@ -16,17 +16,18 @@ use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::types::task::ProcessInfo;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-use oci_spec::runtime::{LinuxResources, Process as ProcessSpec, Spec};
-use tokio::sync::Mutex;
+use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Process as ProcessSpec, Spec};
+use tokio::sync::{oneshot, Mutex};
 use tokio::task::JoinHandle;
 
 use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exec::Exec;
-use crate::exits::ExitRouter;
+use crate::exits::{Exit, ExitRouter};
 use crate::io::{ConsoleSocket, ProcessIo};
 use crate::mount::{mount_all, unmount};
+use crate::options::RuncOptions;
 use crate::process::Process;
 use crate::runc::{RuncClient, RuncStdio, INIT_PID_FILE};
 use crate::runtime::Runtime;
@@ -37,6 +38,8 @@ pub struct CreateRequest {
     pub bundle: String,
     pub rootfs: Vec<Mount>,
     pub stdio: Stdio,
+    /// runc settings from the task's options.
+    pub runc: RuncOptions,
 }
 
 /// How long Delete waits for a killed, never-started init to be reaped.
@@ -82,10 +85,55 @@ fn signal_of(n: u32) -> Result<Signal> {
     Signal::try_from(n as i32).map_err(|_| Error::InvalidArgument(format!("unknown signal {n}")))
 }
 
+/// Whether the container's processes outlive its init unless the shim
+/// kills them: with no PID namespace of its own (the host's, or one it
+/// joins by path), the kernel does not end them when init dies. runc-v2's
+/// `ShouldKillAllOnExit` reads the spec the same way.
+fn kills_all_on_exit(spec: &Spec) -> bool {
+    let own_pid_ns = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .is_some_and(|nss| {
+            nss.iter()
+                .any(|ns| ns.typ() == LinuxNamespaceType::Pid && ns.path().is_none())
+        });
+    !own_pid_ns
+}
+
+/// The init's exit, delivered only after every other process of the
+/// container was killed (`runc kill --all KILL`), as runc-v2 does before it
+/// publishes the exit: whoever waits for the exit then finds nothing left.
+fn kill_rest_before_exit(
+    client: RuncClient,
+    id: String,
+    exit: oneshot::Receiver<Exit>,
+) -> oneshot::Receiver<Exit> {
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let Ok(exit) = exit.await else {
+            return;
+        };
+        if let Err(e) = client.kill(&id, libc::SIGKILL as u32, true).await {
+            log::warn!("container {id}: killing what its init left: {e}");
+        }
+        let _ = tx.send(exit);
+    });
+    rx
+}
+
 impl PlainContainer {
     pub async fn create(rt: &Runtime, req: CreateRequest, spec: &Spec) -> Result<Arc<Self>> {
         let bundle = PathBuf::from(&req.bundle);
-        let client = RuncClient::new(&rt.config, &rt.namespace, &bundle, rt.router.clone())?;
+        let client = RuncClient::new(
+            &rt.config,
+            &rt.namespace,
+            &bundle,
+            rt.router.clone(),
+            &req.runc,
+        )?;
+        // For the `delete` action, which runs with no options.
+        req.runc.save(&bundle)?;
         let mut undo = CreateUndo {
             client: &client,
             id: &req.id,
@@ -156,7 +204,7 @@ impl PlainContainer {
         let stdio = match &console_path {
             Some(path) => RuncStdio::Console(path),
             None => {
-                let (child, pio) = ProcessIo::pipes(&req.stdio)?;
+                let (child, pio) = ProcessIo::pipes(&req.stdio, client.io_owner())?;
                 io = Some(pio);
                 RuncStdio::Fds(Arc::new(child))
             }
@@ -176,7 +224,12 @@ impl PlainContainer {
             st.pid = pid;
             st.io = io;
         }
-        init.watch_exit(rt.router.watch(pid as i32), rt.events.clone());
+        let exit = rt.router.watch(pid as i32);
+        let exit = match kills_all_on_exit(spec) {
+            true => kill_rest_before_exit(client.clone(), req.id.clone(), exit),
+            false => exit,
+        };
+        init.watch_exit(exit, rt.events.clone());
         Ok((init, pid))
     }
 
@@ -362,7 +415,8 @@ impl Container for PlainContainer {
         let st = proc.state.lock().await;
         match &st.io {
             Some(io) => io.resize(width, height),
-            None => Err(Error::FailedPrecondition("process has no terminal".into())),
+            // No stdio at all: nothing to resize (runc-v2 answers OK).
+            None => Ok(()),
         }
     }
 
@@ -424,5 +478,32 @@ impl Container for PlainContainer {
             )));
         }
         crate::stats::collect(&crate::stats::of_pid(pid)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec_with(namespaces: &str) -> Spec {
+        serde_json::from_str(&format!(
+            r#"{{"ociVersion":"1.0.2","root":{{"path":"rootfs"}},"linux":{{"namespaces":{namespaces}}}}}"#
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_a_container_with_its_own_pid_namespace_leaves_killing_to_the_kernel() {
+        assert!(!kills_all_on_exit(&spec_with(
+            r#"[{"type":"mount"},{"type":"pid"}]"#
+        )));
+        // The host's PID namespace (none in the spec), or a joined one.
+        assert!(kills_all_on_exit(&spec_with(r#"[{"type":"mount"}]"#)));
+        assert!(kills_all_on_exit(&spec_with(
+            r#"[{"type":"pid","path":"/proc/1/ns/pid"}]"#
+        )));
+        let no_linux: Spec =
+            serde_json::from_str(r#"{"ociVersion":"1.0.2","root":{"path":"rootfs"}}"#).unwrap();
+        assert!(kills_all_on_exit(&no_linux));
     }
 }

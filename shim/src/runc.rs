@@ -7,7 +7,7 @@
 //! would race it), runc's JSON log read back to give errors runc's own
 //! words, and the classification of those words into error codes.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -22,6 +22,7 @@ use tokio::io::AsyncReadExt;
 use crate::config::Config;
 use crate::error::{Error, Result, RuncFailure};
 use crate::exits::ExitRouter;
+use crate::options::RuncOptions;
 
 /// The pid file of a container's init (or an engine), in its bundle.
 pub const INIT_PID_FILE: &str = "init.pid";
@@ -100,36 +101,69 @@ pub struct RuncClient {
     /// knows the container.
     root: PathBuf,
     log: PathBuf,
+    /// `--no-pivot` and `--no-new-keyring` for create and run.
+    no_pivot: bool,
+    no_new_keyring: bool,
+    /// `IoUid`/`IoGid`: owner of the stdio pipes handed to the processes.
+    io_owner: Option<(u32, u32)>,
 }
 
 impl RuncClient {
+    /// The task's runc options (`options`) override the config's binary
+    /// and root, as runc-v2's do: `<root>/<namespace>` is the state root.
     pub fn new(
         config: &Config,
         namespace: &str,
         bundle: &Path,
         router: Arc<ExitRouter>,
+        options: &RuncOptions,
     ) -> Result<Self> {
         let log = bundle.join("log.json");
-        let root = config.runc_root(namespace);
+        let root = match &options.root {
+            Some(root) => root.join(namespace),
+            None => config.runc_root(namespace),
+        };
+        let (binary, source) = match &options.binary {
+            Some(b) => (b.as_str(), "the task's runtime options, BinaryName"),
+            None => (config.runc.binary.as_str(), "config runc.binary"),
+        };
         let mut opts = GlobalOpts::new()
-            .command(&config.runc.binary)
+            .command(binary)
             .root(&root)
             .log(&log)
-            .log_json();
+            .log_json()
+            .systemd_cgroup(options.systemd_cgroup);
         opts.custom_spawner(Arc::new(ReapedSpawner { router }));
         let runc = opts.build().map_err(|e| {
-            Error::FailedPrecondition(format!(
-                "runc binary {:?} (config runc.binary): {e}",
-                config.runc.binary
-            ))
+            Error::FailedPrecondition(format!("runc binary {binary:?} ({source}): {e}"))
         })?;
-        Ok(RuncClient { runc, root, log })
+        Ok(RuncClient {
+            runc,
+            root,
+            log,
+            no_pivot: options.no_pivot_root,
+            no_new_keyring: options.no_new_keyring,
+            io_owner: Some((options.io_uid, options.io_gid)).filter(|o| *o != (0, 0)),
+        })
+    }
+
+    /// Who must own the container's ends of its stdio pipes (`IoUid`,
+    /// `IoGid`), when the options name someone other than root.
+    pub fn io_owner(&self) -> Option<(u32, u32)> {
+        self.io_owner
+    }
+
+    fn create_opts(&self, pid_file: &Path) -> CreateOpts {
+        CreateOpts::new()
+            .pid_file(pid_file)
+            .no_pivot(self.no_pivot)
+            .no_new_keyring(self.no_new_keyring)
     }
 
     /// `runc create` of `bundle`; returns the init's pid.
     pub async fn create(&self, id: &str, bundle: &Path, stdio: RuncStdio<'_>) -> Result<u32> {
         let pid_file = bundle.join(INIT_PID_FILE);
-        let opts = with_stdio(CreateOpts::new().pid_file(&pid_file), stdio);
+        let opts = with_stdio(self.create_opts(&pid_file), stdio);
         let created = self.runc.create(id, bundle, Some(&opts)).await;
         drop(opts); // closes the container's stdio ends in the shim
         created.map_err(|e| self.error("create", id, e))?;
@@ -137,12 +171,35 @@ impl RuncClient {
     }
 
     /// `runc run --detach` of `bundle` (an engine: created and started in
-    /// one step); returns its pid.
-    pub async fn run_detached(&self, id: &str, bundle: &Path, stdio: RuncStdio<'_>) -> Result<u32> {
+    /// one step); returns its pid. `inherit` become the process's
+    /// descriptors 3, 4, … (`runc run --preserve-fds`).
+    pub async fn run_detached(
+        &self,
+        id: &str,
+        bundle: &Path,
+        stdio: RuncStdio<'_>,
+        inherit: &[BorrowedFd<'_>],
+    ) -> Result<u32> {
         let pid_file = bundle.join(INIT_PID_FILE);
         // A previous generation's pid must never be read as this one's.
         let _ = std::fs::remove_file(&pid_file);
-        let opts = with_stdio(CreateOpts::new().pid_file(&pid_file).detach(true), stdio);
+        let stdio = match stdio {
+            RuncStdio::Fds(io) if !inherit.is_empty() => {
+                let fds = inherit
+                    .iter()
+                    .map(|fd| fd.try_clone_to_owned())
+                    .collect::<std::io::Result<Vec<_>>>()
+                    .map_err(|e| Error::io(format!("duplicating the sockets {id} inherits"), e))?;
+                RuncStdio::Fds(Arc::new(PreservedFds { inner: io, fds }))
+            }
+            RuncStdio::Console(_) if !inherit.is_empty() => {
+                return Err(Error::InvalidArgument(format!(
+                    "{id}: inherited sockets with a terminal are not supported"
+                )))
+            }
+            stdio => stdio,
+        };
+        let opts = with_stdio(self.create_opts(&pid_file).detach(true), stdio);
         let ran = self.runc.run(id, bundle, Some(&opts)).await;
         drop(opts);
         ran.map_err(|e| self.error("run", id, e))?;
@@ -270,6 +327,93 @@ impl RuncClient {
             kind,
             message,
         }
+    }
+}
+
+/// A `runc run` whose process inherits `fds` as its descriptors 3.. The
+/// runc crate has no option for `--preserve-fds`, so this wraps the stdio
+/// (the one hook it gives into the command) and rebuilds the command with
+/// the flag after the subcommand. Holds its own duplicates, closed when runc
+/// has returned.
+#[derive(Debug)]
+struct PreservedFds {
+    inner: Arc<dyn runc::io::Io>,
+    fds: Vec<OwnedFd>,
+}
+
+/// `cmd` again with `--preserve-fds n` right after its `run` subcommand.
+fn with_preserve_fds(cmd: &std::process::Command, n: usize) -> std::io::Result<Command> {
+    use std::ffi::OsStr;
+    let mut args: Vec<&OsStr> = cmd.get_args().collect();
+    let at = args
+        .windows(2)
+        .position(|w| w[0] == "run" && w[1] == "--bundle")
+        .ok_or_else(|| {
+            std::io::Error::other("--preserve-fds: not a `runc run --bundle` command")
+        })?;
+    let n = n.to_string();
+    args.splice(
+        at + 1..at + 1,
+        [OsStr::new("--preserve-fds"), OsStr::new(&n)],
+    );
+    let mut out = std::process::Command::new(cmd.get_program());
+    out.args(args);
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => out.env(k, v),
+            None => out.env_remove(k),
+        };
+    }
+    if let Some(dir) = cmd.get_current_dir() {
+        out.current_dir(dir);
+    }
+    // The runc crate's defaults; the wrapped stdio sets its own next.
+    out.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    Ok(Command::from(out))
+}
+
+#[async_trait]
+impl runc::io::Io for PreservedFds {
+    async fn set(&self, cmd: &mut Command) -> std::io::Result<()> {
+        *cmd = with_preserve_fds(cmd.as_std(), self.fds.len())?;
+        self.inner.set(cmd).await?;
+        let from: Vec<RawFd> = self.fds.iter().map(AsRawFd::as_raw_fd).collect();
+        let mut moved: Vec<RawFd> = vec![-1; from.len()];
+        let first = shadow_contract::listen::FIRST_FD;
+        let above = first + from.len() as RawFd;
+        // SAFETY: the closure runs in the forked child before exec and
+        // calls only fcntl(2) and dup2(2), which are async-signal-safe; it
+        // allocates nothing (both vectors exist before the fork). Each
+        // descriptor is first copied above the target range (close-on-exec,
+        // so the copies vanish at exec), then onto 3+i: no target can
+        // overwrite a source not yet copied. dup2 clears close-on-exec on
+        // the target, so runc gets exactly 3..3+n. A target may replace
+        // std's close-on-exec error pipe; then an exec failure shows as runc
+        // exiting 127 instead of a spawn error, which the caller reports too.
+        unsafe {
+            cmd.pre_exec(move || {
+                for (i, &fd) in from.iter().enumerate() {
+                    let m = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, above);
+                    if m < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    moved[i] = m;
+                }
+                for (i, &m) in moved.iter().enumerate() {
+                    if libc::dup2(m, first + i as RawFd) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+
+    async fn close_after_start(&self) {
+        self.inner.close_after_start().await
     }
 }
 
@@ -438,7 +582,14 @@ mod tests {
         let mut config = Config::default();
         config.runc.binary = binary.into();
         config.runc.root = root.to_path_buf();
-        RuncClient::new(&config, "ns", bundle, Arc::new(ExitRouter::default())).unwrap()
+        RuncClient::new(
+            &config,
+            "ns",
+            bundle,
+            Arc::new(ExitRouter::default()),
+            &RuncOptions::default(),
+        )
+        .unwrap()
     }
 
     fn command_failed(stderr: &str) -> runc::error::Error {
@@ -497,8 +648,15 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let mut config = Config::default();
         config.runc.binary = "/nonexistent/runc".into();
-        let e =
-            RuncClient::new(&config, "ns", d.path(), Arc::new(ExitRouter::default())).unwrap_err();
+        let router = Arc::new(ExitRouter::default());
+        let e = RuncClient::new(
+            &config,
+            "ns",
+            d.path(),
+            router.clone(),
+            &RuncOptions::default(),
+        )
+        .unwrap_err();
         assert_eq!(
             e.code(),
             containerd_shim_protos::ttrpc::Code::FAILED_PRECONDITION
@@ -508,6 +666,43 @@ mod tests {
             msg.contains("/nonexistent/runc") && msg.contains("runc.binary"),
             "{msg}"
         );
+        // The task's options name their own binary: the error says so.
+        config.runc.binary = "runc".into();
+        let options = RuncOptions {
+            binary: Some("/nonexistent/no-runc".into()),
+            ..Default::default()
+        };
+        let e = RuncClient::new(&config, "ns", d.path(), router, &options).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("/nonexistent/no-runc") && msg.contains("BinaryName"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn the_tasks_runc_root_replaces_the_configs() {
+        let d = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.runc.binary = "/bin/true".into();
+        config.runc.root = d.path().join("config-root");
+        let options = RuncOptions {
+            root: Some(d.path().join("task-root")),
+            ..Default::default()
+        };
+        let client = RuncClient::new(
+            &config,
+            "ns",
+            d.path(),
+            Arc::new(ExitRouter::default()),
+            &options,
+        )
+        .unwrap();
+        assert_eq!(client.root, d.path().join("task-root/ns"));
+        std::fs::create_dir_all(d.path().join("config-root/ns/c1")).unwrap();
+        assert!(!client.knows("c1"));
+        std::fs::create_dir_all(d.path().join("task-root/ns/c1")).unwrap();
+        assert!(client.knows("c1"));
     }
 
     #[test]

@@ -31,6 +31,7 @@ use crate::annotations::{Pairing, ShadowAnnotations};
 use crate::container::{Container, ExitInfo, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
+use crate::options::{RuncOptions, RuntimeOptions};
 use crate::pair::{PairRequest, PairedContainer};
 use crate::plain::{CreateRequest, PlainContainer};
 use crate::runtime::Runtime;
@@ -91,6 +92,12 @@ impl TaskService {
             ));
         }
         let spec = read_spec(Path::new(&req.bundle))?;
+        // The task's options (containerd sends the container's runtime
+        // options when the task has none): runc's root, binary and flags.
+        let runc = match req.options.as_ref() {
+            Some(any) => RuntimeOptions::from_any(any)?.runc,
+            None => RuncOptions::default(),
+        };
         let annotations = spec.annotations().clone().unwrap_or_default();
         let shadow = ShadowAnnotations::parse(&annotations)?;
         let stdio = Stdio {
@@ -110,6 +117,8 @@ impl TaskService {
                     stdio,
                     gms: shadow.gms,
                     single: shadow.no_shadow,
+                    listen: shadow.listen.clone(),
+                    runc: runc.clone(),
                 },
             )
             .await?
@@ -121,6 +130,7 @@ impl TaskService {
                     bundle: req.bundle.clone(),
                     rootfs: req.rootfs.clone(),
                     stdio,
+                    runc: runc.clone(),
                 },
                 &spec,
             )
@@ -174,12 +184,17 @@ impl TaskService {
                 req.exec_id, req.id
             ))
         })?;
-        let spec: ProcessSpec = serde_json::from_slice(&spec_any.value).map_err(|e| {
+        let mut spec: ProcessSpec = serde_json::from_slice(&spec_any.value).map_err(|e| {
             Error::InvalidArgument(format!(
                 "exec {} in {}: process spec: {e}",
                 req.exec_id, req.id
             ))
         })?;
+        // The request decides whether the exec has a terminal, whatever the
+        // spec says (clients copy the init's process into it): runc-v2 sets
+        // the spec's `terminal` from the request, and runc refuses a console
+        // socket for a process whose spec says no terminal.
+        spec.set_terminal(Some(req.terminal));
         let stdio = Stdio {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),

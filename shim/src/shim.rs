@@ -16,6 +16,7 @@ use crate::bundle::BUNDLE_CONFIG;
 use crate::config::{Config, ConfigSource, Origin, ENV_CONFIG_ORIGIN};
 use crate::events::{spawn_forwarder, EventSink};
 use crate::exits::ExitRouter;
+use crate::options::RuncOptions;
 use crate::runc::RuncClient;
 use crate::runtime::Runtime;
 use crate::service::TaskService;
@@ -115,8 +116,19 @@ impl Shim for ShadowShim {
         let router = ExitRouter::start()
             .await
             .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
-        let client = RuncClient::new(&self.config, &self.namespace, &self.bundle, router.clone())
-            .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
+        // The runc root and binary the task was created with.
+        let options = RuncOptions::load(&self.bundle).unwrap_or_else(|e| {
+            log::warn!("delete {}: {e}; using the config's runc", self.id);
+            RuncOptions::default()
+        });
+        let client = RuncClient::new(
+            &self.config,
+            &self.namespace,
+            &self.bundle,
+            router.clone(),
+            &options,
+        )
+        .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
         if let Err(e) = client.delete_force(&self.id).await {
             log::warn!("delete {}: {e}", self.id);
         }
@@ -128,7 +140,7 @@ impl Shim for ShadowShim {
             namespace: &self.namespace,
             id: &self.id,
         };
-        crate::pair::leftovers::remove(&pair, &self.bundle, router).await;
+        crate::pair::leftovers::remove(&pair, &self.bundle, router, &options).await;
         remove_stale_socket(&self.address, &self.namespace, &self.bundle, &self.id);
         let rootfs = self.bundle.join("rootfs").display().to_string();
         if let Err(e) = containerd_shim::mount::umount_recursive(Some(&rootfs), libc::MNT_DETACH) {

@@ -7,7 +7,13 @@ Every process a test starts is registered and killed when the test ends,
 whatever happens; every wait has a deadline. The last line is
 "N passed, M failed"; the exit status is non-zero on any failure.
 
-  python3 tests/gpu/run.py [--bin-dir .device] [--only NAME] [--quick]
+  python3 tests/gpu/run.py [--bin-dir .device] [--only NAME] [--quick] [--own-port]
+
+The torch-engine failover test plays the runtime's part of
+`shadow.dev/listen`: it owns the listening socket and hands it to both
+engines (LISTEN_FDS), and asserts that no connection is refused through
+the SIGKILL; `--own-port` lets the engines bind the port themselves
+instead (the contrast: refusals and retries).
 """
 
 import http.client
@@ -30,6 +36,7 @@ ARGS = sys.argv[1:]
 BIN = os.path.abspath(ARGS[ARGS.index("--bin-dir") + 1] if "--bin-dir" in ARGS else os.path.join(ROOT, ".device"))
 ONLY = ARGS[ARGS.index("--only") + 1] if "--only" in ARGS else None
 QUICK = "--quick" in ARGS
+OWN_PORT = "--own-port" in ARGS
 WORKER = os.path.join(HERE, "worker.py")
 ENGINE = os.path.join(ROOT, "examples", "torch-engine", "engine.py")
 FIGURES = []
@@ -46,7 +53,7 @@ def figure(name, value, unit, target=None):
 class Proc:
     """A child with a line queue of its stdout; stderr goes to a log file."""
 
-    def __init__(self, name, cmd, env=None, stdin=True):
+    def __init__(self, name, cmd, env=None, stdin=True, pass_fds=()):
         self.name = name
         self.log_path = os.path.join(Session.dir, f"{name}.stderr")
         self.err = open(self.log_path, "w")
@@ -54,7 +61,7 @@ class Proc:
         full_env.update(env or {})
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.err,
                                   stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                  env=full_env, text=True, start_new_session=True)
+                                  env=full_env, text=True, start_new_session=True, pass_fds=pass_fds)
         self.lines = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         Session.procs.append(self)
@@ -367,8 +374,23 @@ def test_torch_engine_failover():
            "GMS_SOCKET_DIR": g.socket_dir, "ENGINE_PORT": str(port),
            "ENGINE_LAYERS": "2" if QUICK else "8", "ENGINE_KV_GIB": "2" if QUICK else "8"}
     engines = {}
+    listener = None
+    if not OWN_PORT:
+        # What the shim does for shadow.dev/listen: one socket for the pair,
+        # listening before any engine runs, descriptor 3 of every engine,
+        # LISTEN_PID the engine's own pid (the shell execs the engine).
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(4096)
     for slot in ("0", "1"):
-        e = Proc(f"engine{slot}", [sys.executable, ENGINE], env=dict(env, SHADOW_ENGINE_ID=slot), stdin=False)
+        cmd, fds = [sys.executable, ENGINE], ()
+        if listener is not None:
+            n = listener.fileno()
+            cmd = ["sh", "-c", f'exec 3<&{n} {n}<&-; LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=tcp-{port} exec "$@"',
+                   "sh"] + cmd
+            fds = (n,)
+        e = Proc(f"engine{slot}", cmd, env=dict(env, SHADOW_ENGINE_ID=slot), stdin=False, pass_fds=fds)
         engines[e.pid] = e
     weights, parked = {}, {}
     for pid, e in engines.items():
@@ -387,6 +409,7 @@ def test_torch_engine_failover():
     active = engines[int(ready["MAINPID"])]
     shadow = next(e for pid, e in engines.items() if e is not active)
     act_ev = active.event("active", 60)
+    assert act_ev.get("socket") == ("own" if OWN_PORT else "inherited"), act_ev
     first = request(port)
     assert first["pid"] == active.pid
     apps = app_mib()
@@ -396,7 +419,7 @@ def test_torch_engine_failover():
     figure("KV materialise of the first active engine", act_ev["kv_materialise_ms"], "ms")
 
     # Steady request stream; SIGKILL the active after it has served a while.
-    stop, results = threading.Event(), []
+    stop, results, kinds = threading.Event(), [], {"refused": 0, "reset_in_flight": 0, "timeouts": 0}
 
     def stream():
         while not stop.is_set():
@@ -404,7 +427,10 @@ def test_torch_engine_failover():
             try:
                 body = request(port, timeout=2.0)
                 results.append((t, time.time(), body["pid"], body["choices"][0]["tokens"]))
-            except (OSError, http.client.HTTPException, ValueError):
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                kind = ("refused" if isinstance(e, ConnectionRefusedError)
+                        else "timeouts" if isinstance(e, TimeoutError) else "reset_in_flight")
+                kinds[kind] += 1
                 results.append((t, time.time(), None, None))
                 time.sleep(0.001)
 
@@ -425,6 +451,11 @@ def test_torch_engine_failover():
     figure("shadow's KV materialise on wake", prom["kv_materialise_ms"], "ms")
     figure("shadow's wake -> port bound", prom["promote_ms"], "ms")
     figure("requests failed around the kill (retried)", lost, "")
+    socket_kind = "own port" if OWN_PORT else "inherited socket"
+    for kind, n in kinds.items():
+        figure(f"{kind} through the kill ({socket_kind})", n, "", "0" if kind == "refused" and not OWN_PORT else None)
+    if not OWN_PORT:
+        assert kinds["refused"] == 0, f"refused connections with the pair socket: {kinds}"
     old = [r[3] for r in results if r[2] == active.pid]
     new = [r[3] for r in results if r[2] == shadow.pid]
     assert old and new and old[-1] == new[0], f"promoted engine answers differently: {old[-1]} vs {new[0]}"
@@ -432,6 +463,8 @@ def test_torch_engine_failover():
     assert int(ready2["MAINPID"]) == shadow.pid
     shadow.kill()
     shadow.wait(30)
+    if listener is not None:
+        listener.close()
     g.kill(signal.SIGTERM)
     assert g.wait(60) == 0
 

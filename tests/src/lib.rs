@@ -20,6 +20,7 @@ mod containerd;
 pub mod cri;
 mod ctr;
 mod error;
+pub mod gpus;
 mod image;
 mod leftovers;
 pub mod pair;

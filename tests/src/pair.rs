@@ -70,6 +70,10 @@ pub struct Answer {
     pub loaded: bool,
     pub lock_us: u128,
     pub ready_us: u128,
+    /// Processes in the engine's group.
+    pub ranks: u32,
+    /// The GMS daemons' socket names the engine attached to, comma-separated.
+    pub gms: String,
 }
 
 /// Ask whoever serves on `port`; None if nobody answers now.
@@ -93,6 +97,8 @@ pub fn ask(port: u16) -> Option<Answer> {
         loaded: get("loaded").as_deref() == Some("true"),
         lock_us: get("lock_us").and_then(|v| v.parse().ok()).unwrap_or(0),
         ready_us: get("ready_us").and_then(|v| v.parse().ok()).unwrap_or(0),
+        ranks: get("ranks").and_then(|v| v.parse().ok()).unwrap_or(1),
+        gms: get("gms").unwrap_or_default(),
     })
 }
 

@@ -156,6 +156,76 @@ fn exec_has_its_own_exit_code(rt: Runtime) {
     cd.assert_no_leftovers();
 }
 
+/// Whether `pid` still runs (a zombie waiting for its reaper does not).
+fn runs(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command's closing parenthesis.
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X')),
+        Err(_) => false,
+    }
+}
+
+fn killing_init_in_the_host_pid_namespace_kills_the_rest(rt: Runtime) {
+    let cd = Containerd::start().expect("start containerd");
+    let ctr = cd.ctr();
+    // In the host's PID namespace the kernel does not end the container's
+    // other processes when its init dies: the shim must, before it reports
+    // the exit (runc-v2 runs `runc kill --all`; containerd's suite,
+    // TestContainerKillInitPidHost). Detached, so that nothing deletes the
+    // task (whose Delete kills everything anyway) before the check.
+    // The test's own PID namespace: the host's, or the one the suite runs in.
+    let pid_ns = format!("pid:/proc/{}/ns/pid", std::process::id());
+    cd.container(rt, "hostpid")
+        .flags(&["--detach", "--with-ns", &pid_ns])
+        .cmd(&[
+            "sh",
+            "-c",
+            "sleep 100000 & echo $! > /tmp/child.new; mv /tmp/child.new /tmp/child; exec sleep 100001",
+        ])
+        .run()
+        .expect("ctr run --detach")
+        .assert_success();
+    let child_file = cd.rootfs().join("tmp/child");
+    let deadline = std::time::Instant::now() + WAIT;
+    let child: u32 = loop {
+        if let Ok(text) = std::fs::read_to_string(&child_file) {
+            break text.trim().parse().expect("child pid");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the container never wrote its child's pid"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(runs(child), "the container's child {child} is not running");
+    kill9(&cd, "hostpid");
+    while ctr.task_status("hostpid").expect("task ls").as_deref() != Some("STOPPED") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "task never STOPPED after SIGKILL"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Reported stopped: whatever was left is dead, or being reaped.
+    let gone_by = std::time::Instant::now() + WAIT;
+    while runs(child) {
+        assert!(
+            std::time::Instant::now() < gone_by,
+            "the init's child {child} outlived the reported exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ctr.run(&["task", "delete", "hostpid"])
+        .expect("task delete")
+        .assert_success();
+    ctr.run(&["containers", "delete", "hostpid"])
+        .expect("container delete")
+        .assert_success();
+    cd.assert_no_leftovers();
+}
+
 fn task_ps_lists_processes(rt: Runtime) {
     let cd = Containerd::start().expect("start containerd");
     let run = start_idle(&cd, rt, "ps", "sleep 100000 & echo ready; wait");
@@ -360,6 +430,7 @@ shadow_tests::runtime_arms!(
     sigterm_reaches_a_trapping_process,
     stdin_through_cat,
     exec_has_its_own_exit_code,
+    killing_init_in_the_host_pid_namespace_kills_the_rest,
     task_ps_lists_processes,
     pause_and_resume,
     task_metrics,

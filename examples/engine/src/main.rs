@@ -7,9 +7,13 @@
 //!    tensor's SHA-256, commits; a reader maps the committed bytes instead.
 //!    Without GMS (e.g. under plain runc) it reads and verifies the file
 //!    into private memory. Either way it then derives its per-row scales;
-//! 2. reserves its KV range, binds its port (not listening), `STATUS=parked`;
+//! 2. reserves its KV range; takes the pair's listening socket when
+//!    `LISTEN_FDS` is set (`shadow.dev/listen`: already listening, held but
+//!    never accepted on while parked), else binds its port (not
+//!    listening); `STATUS=parked`;
 //! 3. `flock(LOCK_EX)` on `SHADOW_LOCK_PATH` (skipped when unset: alone);
-//! 4. materialises the KV range, listens, `READY=1`, serves HTTP:
+//! 4. materialises the KV range, listens (its own socket), `READY=1`,
+//!    accepts and serves HTTP:
 //!    `POST /v1/completions` (`{"prompt": "...", "max_tokens": n}`) and
 //!    `GET /health`.
 //!
@@ -186,7 +190,8 @@ struct Args {
     /// The safetensors file (through GMS when GMS_SOCKET_DIR has a host daemon).
     #[arg(long)]
     weights: PathBuf,
-    /// TCP port on 127.0.0.1 (SO_REUSEPORT: both engines of a pair bind it).
+    /// TCP port on 127.0.0.1 (SO_REUSEPORT: both engines of a pair bind
+    /// it); unused when the pair hands its socket down (LISTEN_FDS).
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// KV cache, in MiB: reserved while parked, materialised on wake.
@@ -225,21 +230,34 @@ fn serve(args: Args) -> Result<()> {
     let model = Model::build(source.bytes(), &args.weights)?;
     let init_ms = t0.elapsed().as_secs_f64() * 1e3;
 
-    // Bound now, listening only once active: the kernel sends connections
-    // to the listening socket of the active engine only.
-    let sock: OwnedFd = socket(
-        AddressFamily::Inet,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .map_err(|e| Error::Usage(format!("socket: {e}")))?;
+    // The pair's socket, handed down already listening: connections wait in
+    // its backlog (never refused) until this engine, once active, accepts.
+    // Else one bound now and listening only once active: the kernel sends
+    // connections to the listening socket of the active engine only.
     let port = args.port;
     let sockerr =
         |what: &str, e: nix::Error| Error::Usage(format!("{what} on 127.0.0.1:{port}: {e}"));
-    setsockopt(&sock, sockopt::ReusePort, &true).map_err(|e| sockerr("SO_REUSEPORT", e))?;
-    setsockopt(&sock, sockopt::ReuseAddr, &true).map_err(|e| sockerr("SO_REUSEADDR", e))?;
-    bind(sock.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port)).map_err(|e| sockerr("bind", e))?;
+    let (sock, address): (OwnedFd, String) = match shadow_contract::listen::inherited()
+        .into_iter()
+        .next()
+    {
+        Some(s) => (s.fd, format!("inherited socket {}", s.name)),
+        None => {
+            let sock = socket(
+                AddressFamily::Inet,
+                SockType::Stream,
+                SockFlag::SOCK_CLOEXEC,
+                None,
+            )
+            .map_err(|e| Error::Usage(format!("socket: {e}")))?;
+            setsockopt(&sock, sockopt::ReusePort, &true).map_err(|e| sockerr("SO_REUSEPORT", e))?;
+            setsockopt(&sock, sockopt::ReuseAddr, &true).map_err(|e| sockerr("SO_REUSEADDR", e))?;
+            bind(sock.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port))
+                .map_err(|e| sockerr("bind", e))?;
+            (sock, format!("127.0.0.1:{port}"))
+        }
+    };
+    let own = address.starts_with("127.");
     notify(sd_notify::NotifyState::Status("parked"));
 
     let _held = match std::env::var_os(env::LOCK_PATH) {
@@ -266,13 +284,15 @@ fn serve(args: Args) -> Result<()> {
             &mut private_kv
         }
     };
-    listen(&sock, Backlog::new(256).unwrap_or(Backlog::MAXCONN))
-        .map_err(|e| sockerr("listen", e))?;
+    if own {
+        listen(&sock, Backlog::new(256).unwrap_or(Backlog::MAXCONN))
+            .map_err(|e| sockerr("listen", e))?;
+    }
     let listener = TcpListener::from(sock);
     notify(sd_notify::NotifyState::Ready);
     let ready_us = now_us();
     println!(
-        "shadow-engine slot {slot} ready on 127.0.0.1:{port}: weights {} MiB from {}, load {load_ms:.1} ms, init {init_ms:.1} ms, lock→ready {} µs",
+        "shadow-engine slot {slot} ready on {address}: weights {} MiB from {}, load {load_ms:.1} ms, init {init_ms:.1} ms, lock→ready {} µs",
         model.file_len >> 20,
         source.name(),
         ready_us.saturating_sub(lock_us)

@@ -11,6 +11,18 @@
 //! connection is closed (for a writer that also discards its uncommitted
 //! work). Nothing a peer sends can panic the daemon: all input goes through
 //! `protocol::decode`, and the lock is taken poison-tolerant.
+//!
+//! Engines are untrusted (docs/security.md, "Leases and gmsd"), so no peer
+//! can hold the daemon: a connection must say `hello` (or `status`) within
+//! `hello` time, finish every frame it starts within `frame` time and read
+//! its answers as fast; an uncommitted `rw` lease idle past `writer_idle`
+//! is dropped with its allocations; one peer process holds at most
+//! `max_connections_per_peer` connections; an allocation is created and
+//! populated outside the global lock; a failing `accept` (EMFILE) backs off
+//! instead of spinning. The supervisor (gmsd's parent: the shim, or whoever
+//! started it) is told apart from engines by its pid (`SO_PEERCRED`) and is
+//! the only peer that may `reset`; no engine gets `rw` once a layout is
+//! committed.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -20,14 +32,15 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
-use gms::layout::{Allocation, Layout, MetadataLimits};
-use gms::protocol::{self, LeaseKind, Request, Response, MAX_REQUEST_BYTES};
+use gms::layout::{self as layout, Allocation, Layout, MetadataLimits};
+use gms::protocol::{self, LeaseKind, Request, Response, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES};
 use gms::status::{LayoutSummary, LeaseInfo, LimitsReport, StatusReport};
 use gms::{wire, Access, Error, Result};
 
@@ -41,6 +54,8 @@ pub struct Limits {
     pub max_metadata_entries: usize,
     pub max_metadata_bytes: usize,
     pub max_connections: usize,
+    /// Connections one peer process (by pid) may hold at once.
+    pub max_connections_per_peer: usize,
 }
 
 impl Default for Limits {
@@ -51,8 +66,74 @@ impl Default for Limits {
             max_metadata_entries: 65536,
             max_metadata_bytes: 8 << 20,
             max_connections: 256,
+            max_connections_per_peer: 16,
         }
     }
+}
+
+impl Limits {
+    /// A layout within these limits must reach a reader whole: its encoded
+    /// size is bounded by the metadata bytes (counted encoded) plus the
+    /// widest encoding of every allocation, and that must fit a response.
+    fn check(&self) -> Result<()> {
+        let layout_max = self
+            .max_metadata_bytes
+            .saturating_add(
+                self.max_allocations
+                    .saturating_mul(layout::max_encoded_allocation_len()),
+            )
+            .saturating_add(4096);
+        if layout_max > MAX_RESPONSE_BYTES {
+            return Err(Error::Config(format!(
+                "--max-metadata-bytes {} with --max-allocations {} allows a layout of up to \
+                 {layout_max} bytes encoded, more than a reader accepts ({MAX_RESPONSE_BYTES})",
+                self.max_metadata_bytes, self.max_allocations
+            )));
+        }
+        if self.max_connections_per_peer == 0 {
+            return Err(Error::Config(
+                "--max-connections-per-peer must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How long a peer may keep the daemon waiting.
+#[derive(Debug, Clone)]
+pub struct Timeouts {
+    /// From connect to the first message (`hello` or `status`), and
+    /// between messages of a connection that holds no lease.
+    pub hello: Duration,
+    /// To receive the rest of a frame once its first byte arrived, and to
+    /// send an answer.
+    pub frame: Duration,
+    /// Between two requests of an uncommitted `rw` lease; past it the lease
+    /// is dropped and its allocations discarded.
+    pub writer_idle: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            hello: Duration::from_secs(10),
+            frame: Duration::from_secs(10),
+            writer_idle: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Who may `reset` the daemon: the process that supervises it, never an
+/// engine. Engines cannot be told apart by uid (a root container is uid 0
+/// like the shim), so the supervisor is named by pid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Supervisor {
+    /// gmsd's parent process, checked at each connection (`getppid()`; not
+    /// pid 1, and no longer the old pid once the parent died: a reparented
+    /// gmsd has no supervisor).
+    Parent,
+    /// Nobody: a committed layout lives until the daemon stops.
+    Nobody,
 }
 
 #[derive(Debug, Clone)]
@@ -65,6 +146,8 @@ pub struct Config {
     pub allow_gids: Vec<u32>,
     /// Group owner of the socket; makes it mode 0660 instead of 0600.
     pub socket_group: Option<u32>,
+    pub timeouts: Timeouts,
+    pub supervisor: Supervisor,
 }
 
 /// Allocations with their memory, plus the layout that describes them.
@@ -72,6 +155,8 @@ pub struct Config {
 struct Store {
     layout: Layout,
     memory: BTreeMap<u64, Box<dyn Memory>>,
+    /// `layout.metadata_encoded_bytes()`, kept as entries come and go.
+    metadata_encoded: usize,
 }
 
 struct Connection {
@@ -81,6 +166,8 @@ struct Connection {
     client: String,
     lease: Option<LeaseId>,
     said_hello: bool,
+    /// The peer is gmsd's supervisor (see [`Supervisor`]).
+    supervisor: bool,
     /// A second handle on the socket, so shutdown can wake the thread.
     stream: UnixStream,
 }
@@ -188,6 +275,7 @@ pub fn serve(config: Config, backend: Box<dyn Backend>, ready: impl FnOnce(&Path
     let signals = SignalFd::with_flags(&stop, SfdFlags::SFD_CLOEXEC)
         .map_err(|e| Error::sys("signalfd for SIGTERM/SIGINT", e))?;
 
+    config.limits.check()?;
     prepare_dir(&config.socket_dir)?;
     let socket = config.socket_dir.join(backend.socket_name());
     let listener = bind(&socket, config.socket_group)?;
@@ -211,17 +299,28 @@ pub fn serve(config: Config, backend: Box<dyn Backend>, ready: impl FnOnce(&Path
     ready(&socket);
 
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
+    // After a failed accept (EMFILE, ENFILE, ENOMEM, ENOBUFS) the
+    // connection stays queued and the listener stays readable: polling it
+    // again at once would spin. Wait this long (signals only), doubling.
+    let mut backoff = Duration::ZERO;
     loop {
+        let listening = backoff.is_zero();
         let mut fds = [
-            PollFd::new(listener.as_fd(), PollFlags::POLLIN),
             PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+            PollFd::new(listener.as_fd(), PollFlags::POLLIN),
         ];
-        match poll(&mut fds, PollTimeout::NONE) {
+        let (watched, timeout) = if listening {
+            (&mut fds[..], PollTimeout::NONE)
+        } else {
+            let ms = u16::try_from(backoff.as_millis()).unwrap_or(u16::MAX);
+            (&mut fds[..1], PollTimeout::from(ms))
+        };
+        match poll(watched, timeout) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(Error::sys("poll on listener and signalfd", e)),
         }
-        let signalled = fds[1].revents().is_some_and(|r| !r.is_empty());
-        let incoming = fds[0].revents().is_some_and(|r| !r.is_empty());
+        let signalled = fds[0].revents().is_some_and(|r| !r.is_empty());
+        let incoming = !listening || fds[1].revents().is_some_and(|r| !r.is_empty());
         if signalled {
             if let Ok(Some(info)) = signals.read_signal() {
                 tracing::info!(signal = info.ssi_signo, "stopping");
@@ -231,12 +330,20 @@ pub fn serve(config: Config, backend: Box<dyn Backend>, ready: impl FnOnce(&Path
         if incoming {
             match listener.accept() {
                 Ok((stream, _)) => {
+                    backoff = Duration::ZERO;
                     if let Some(t) = daemon.admit(stream) {
                         threads.push(t);
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => tracing::warn!("accept on {}: {e}", socket.display()),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => backoff = Duration::ZERO,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    backoff = (backoff * 2).clamp(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX);
+                    tracing::warn!(
+                        "accept on {}: {e}; pausing accepts for {backoff:?}",
+                        socket.display()
+                    );
+                }
             }
             threads.retain(|t| !t.is_finished());
         }
@@ -255,6 +362,40 @@ pub fn serve(config: Config, backend: Box<dyn Backend>, ready: impl FnOnce(&Path
     st.committed = None;
     tracing::info!("gmsd stopped; all allocations freed");
     Ok(())
+}
+
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// What a connection thread waits for next.
+enum Wait {
+    /// At most this long for the next request.
+    Within(Duration, &'static str),
+    /// A reader: its connection is its lease and may stay silent for ever.
+    Forever,
+}
+
+/// Waits until `stream` is readable (or hung up); false on timeout.
+fn readable_within(stream: &UnixStream, wait: &Wait) -> Result<bool> {
+    let timeout = match wait {
+        Wait::Within(d, _) => PollTimeout::try_from(*d).unwrap_or(PollTimeout::MAX),
+        Wait::Forever => PollTimeout::NONE,
+    };
+    loop {
+        let mut fds = [PollFd::new(stream.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, timeout) {
+            Ok(0) => return Ok(false),
+            Ok(_) => return Ok(true),
+            // A signal restarts the whole wait: none is expected here (the
+            // stop signals are blocked in every thread).
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(Error::sys("poll on a connection", e)),
+        }
+    }
+}
+
+fn no_working() -> Error {
+    Error::NoLayout("no working layout: the rw lease has none".into())
 }
 
 fn refuse(stream: &UnixStream, err: &Error) {
@@ -277,7 +418,21 @@ impl Daemon {
         c.allow_uids.contains(&uid) || c.allow_gids.contains(&gid)
     }
 
-    /// Checks the peer and the connection limit; starts its thread.
+    /// Whether the peer with this pid is gmsd's supervisor. The pid comes
+    /// from `SO_PEERCRED` (the kernel's, in gmsd's pid namespace), so an
+    /// engine cannot claim it; the parent is read at each connection, so a
+    /// supervisor that died (and whose pid may be reused) is one no more.
+    fn is_supervisor(&self, pid: i32) -> bool {
+        match self.config.supervisor {
+            Supervisor::Nobody => false,
+            Supervisor::Parent => {
+                let parent = nix::unistd::getppid().as_raw();
+                parent > 1 && pid == parent
+            }
+        }
+    }
+
+    /// Checks the peer and the connection limits; starts its thread.
     fn admit(self: &Arc<Self>, stream: UnixStream) -> Option<JoinHandle<()>> {
         let cred = match getsockopt(&stream, PeerCredentials) {
             Ok(c) => c,
@@ -293,6 +448,13 @@ impl Daemon {
             refuse(&stream, &err);
             return None;
         }
+        let supervisor = self.is_supervisor(pid);
+        // Answers go out within the frame timeout or the connection ends: a
+        // peer that never reads cannot park a thread in sendmsg.
+        if let Err(e) = stream.set_write_timeout(Some(self.config.timeouts.frame)) {
+            tracing::warn!("SO_SNDTIMEO on connection from pid {pid}: {e}");
+            return None;
+        }
         let second = match stream.try_clone() {
             Ok(s) => s,
             Err(e) => {
@@ -302,12 +464,28 @@ impl Daemon {
         };
         let id = {
             let mut st = self.lock();
-            if st.connections.len() >= self.config.limits.max_connections {
-                drop(st);
-                let err = Error::LimitExceeded(format!(
+            let limits = &self.config.limits;
+            let from_peer = st.connections.values().filter(|c| c.pid == pid).count();
+            // The supervisor is not counted against the total, so engines
+            // that fill it cannot lock the shim out of status and reset.
+            let refusal = if from_peer >= limits.max_connections_per_peer {
+                Some(format!(
+                    "pid {pid} holds {from_peer} connections, limit per peer is {}",
+                    limits.max_connections_per_peer
+                ))
+            } else if !supervisor && st.connections.len() >= limits.max_connections {
+                Some(format!(
                     "{} connections open, limit is {}",
-                    self.config.limits.max_connections, self.config.limits.max_connections
-                ));
+                    st.connections.len(),
+                    limits.max_connections
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = refusal {
+                drop(st);
+                let err = Error::LimitExceeded(why);
+                tracing::warn!(pid, uid, "refused: {err}");
                 refuse(&stream, &err);
                 return None;
             }
@@ -322,6 +500,7 @@ impl Daemon {
                     client: String::new(),
                     lease: None,
                     said_hello: false,
+                    supervisor,
                     stream: second,
                 },
             );
@@ -345,18 +524,69 @@ impl Daemon {
     fn converse(&self, id: u64, stream: UnixStream) {
         let _session = Session { daemon: self, id };
         loop {
+            let wait = self.next_wait(id);
+            match readable_within(&stream, &wait) {
+                Ok(true) => {}
+                Ok(false) => {
+                    let Wait::Within(limit, what) = wait else {
+                        return;
+                    };
+                    let err = Error::Timeout(format!("{what} within {limit:?}"));
+                    tracing::warn!(connection = id, "closing: {err}");
+                    refuse(&stream, &err);
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(connection = id, "closing: {e}");
+                    return;
+                }
+            }
+            // The first byte is here; the rest of the frame must follow
+            // within the frame timeout (a slow peer cannot hold a thread).
+            if let Err(e) = stream.set_read_timeout(Some(self.config.timeouts.frame)) {
+                tracing::warn!(connection = id, "SO_RCVTIMEO: {e}");
+                return;
+            }
             let outcome = wire::recv(&stream, MAX_REQUEST_BYTES)
+                .map_err(|e| match e {
+                    Error::Sys {
+                        source: nix::errno::Errno::EAGAIN,
+                        ..
+                    } => Error::Timeout(format!(
+                        "a message started but not finished within {:?}",
+                        self.config.timeouts.frame
+                    )),
+                    other => other,
+                })
                 .and_then(|frame| protocol::decode(&frame.body, frame.fds.len()))
-                .and_then(|req| self.handle(id, req));
+                .and_then(|req| match req {
+                    Request::Allocate { tag, size, va } => self.allocate(id, tag, size, va),
+                    other => self.handle(id, other),
+                });
             match outcome {
                 Ok((resp, fds)) => {
                     let sent = protocol::encode_response(&resp).and_then(|body| {
+                        if body.len() > MAX_RESPONSE_BYTES {
+                            return Err(Error::LimitExceeded(format!(
+                                "the answer to this request would be {} bytes, more than a \
+                                 client accepts ({MAX_RESPONSE_BYTES})",
+                                body.len()
+                            )));
+                        }
                         let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
                         wire::send(stream.as_fd(), &body, &borrowed)
                     });
-                    if let Err(e) = sent {
-                        tracing::info!(connection = id, "reply not delivered: {e}");
-                        return;
+                    match sent {
+                        Ok(()) => {}
+                        Err(err @ Error::LimitExceeded(_)) => {
+                            tracing::warn!(connection = id, "closing: {err}");
+                            refuse(&stream, &err);
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::info!(connection = id, "reply not delivered: {e}");
+                            return;
+                        }
                     }
                 }
                 Err(Error::Closed) => return,
@@ -366,6 +596,127 @@ impl Daemon {
                     return;
                 }
             }
+        }
+    }
+
+    /// How long this connection may stay silent now.
+    fn next_wait(&self, id: u64) -> Wait {
+        let st = self.lock();
+        let t = &self.config.timeouts;
+        let Some(conn) = st.connections.get(&id) else {
+            return Wait::Within(Duration::ZERO, "connection vanished");
+        };
+        match conn.lease.and_then(|l| st.leases.kind(l)) {
+            Some(LeaseKind::Ro) => Wait::Forever,
+            Some(LeaseKind::Rw) => Wait::Within(
+                t.writer_idle,
+                "the uncommitted rw lease was idle too long (its allocations are discarded); \
+                 a writer sends a request",
+            ),
+            None => Wait::Within(t.hello, "a connection without a lease must send a request"),
+        }
+    }
+
+    /// `allocate`: limits checked and the address range recorded under the
+    /// lock; the memory created and populated (which may take seconds for
+    /// large sizes) without it, so status and other peers are not held.
+    fn allocate(
+        &self,
+        conn_id: u64,
+        tag: String,
+        size: u64,
+        va: u64,
+    ) -> Result<(Response, Vec<OwnedFd>)> {
+        let gran = self.backend.granularity();
+        let (id, size) = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            self.writer_lease(st, conn_id, "allocate")?;
+            let size = size
+                .checked_next_multiple_of(gran)
+                .ok_or_else(|| Error::Invalid(format!("size {size} overflows")))?;
+            if va % gran != 0 {
+                return Err(Error::Invalid(format!(
+                    "address {va:#x} is not a multiple of the granularity {gran}"
+                )));
+            }
+            let limits = &self.config.limits;
+            let stores = || [&st.working, &st.committed].into_iter().flatten();
+            let allocations: usize = stores().map(|s| s.layout.allocations.len()).sum();
+            if allocations >= limits.max_allocations {
+                return Err(Error::LimitExceeded(format!(
+                    "{allocations} allocations exist, limit is {}",
+                    limits.max_allocations
+                )));
+            }
+            // Recorded allocations count whether or not their memory exists
+            // yet, so two can never together pass the limit.
+            let used: u64 = stores().map(|s| s.layout.bytes()).sum();
+            if used.saturating_add(size) > limits.max_bytes {
+                return Err(Error::LimitExceeded(format!(
+                    "{size} more bytes on top of {used} exceeds the limit of {} bytes",
+                    limits.max_bytes
+                )));
+            }
+            let id = st.next_alloc + 1;
+            let store = st.working.as_mut().ok_or_else(no_working)?;
+            store.layout.insert(Allocation {
+                id,
+                tag: tag.clone(),
+                size,
+                va,
+            })?;
+            st.next_alloc = id;
+            (id, size)
+        };
+        let made = self
+            .backend
+            .allocate(size, &tag)
+            .and_then(|memory| memory.export(Access::ReadWrite).map(|fd| (memory, fd)));
+        let mut st = self.lock();
+        // Only this connection's thread changes its working store, but a
+        // stopping daemon may have dropped it meanwhile.
+        let still_ours =
+            self.writer_lease(&st, conn_id, "allocate").is_ok() && st.working.is_some();
+        let store = st.working.as_mut().filter(|_| still_ours);
+        match (made, store) {
+            (Ok((memory, fd)), Some(store)) => {
+                store.memory.insert(id, memory);
+                Ok((Response::Allocated { id, size }, vec![fd]))
+            }
+            (Ok(_), None) => Err(Error::NotPermitted {
+                op: "allocate".into(),
+                why: "the lease ended while the memory was being made".into(),
+            }),
+            (Err(e), store) => {
+                if let Some(store) = store {
+                    let _ = store.layout.remove(id);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The connection's lease id, if it is the writer.
+    fn writer_lease(&self, st: &State, conn_id: u64, op: &str) -> Result<LeaseId> {
+        let conn = st
+            .connections
+            .get(&conn_id)
+            .ok_or_else(|| Error::Backend(format!("connection {conn_id} vanished")))?;
+        let lease = conn.lease.ok_or_else(|| Error::NotPermitted {
+            op: op.into(),
+            why: "no lease: send hello first".into(),
+        })?;
+        match st.leases.kind(lease) {
+            Some(LeaseKind::Rw) => Ok(lease),
+            Some(kind) => Err(Error::NotPermitted {
+                op: op.into(),
+                why: format!("needs the rw lease; this lease is {kind}"),
+            }),
+            None => Err(Error::NotPermitted {
+                op: op.into(),
+                why: "lease has ended".into(),
+            }),
         }
     }
 
@@ -411,6 +762,32 @@ impl Daemon {
                 vec![],
             ));
         }
+        if let Request::Reset = req {
+            if !conn.supervisor {
+                return Err(Error::NotPermitted {
+                    op: op.into(),
+                    why: format!(
+                        "only gmsd's supervisor may reset; pid {} is not it",
+                        conn.pid
+                    ),
+                });
+            }
+            if conn.lease.is_some() {
+                return Err(Error::NotPermitted {
+                    op: op.into(),
+                    why: "reset is sent without a lease".into(),
+                });
+            }
+            st.leases.reset()?;
+            let dropped = st.committed.take();
+            let generation = dropped.as_ref().map_or(0, |s| s.layout.generation);
+            tracing::info!(
+                generation,
+                pid = conn.pid,
+                "reset by the supervisor: committed layout dropped"
+            );
+            return Ok((Response::ResetDone { generation }, vec![]));
+        }
         if let Request::Hello { mode, client } = req {
             if conn.said_hello {
                 return Err(Error::NotPermitted {
@@ -451,69 +828,7 @@ impl Daemon {
             why: format!("needs the rw lease; this lease is {kind}"),
         };
         let no_store = || Error::NoLayout(format!("nothing to read for '{op}'"));
-        let total_bytes = |st: &State| -> u64 {
-            [&st.working, &st.committed]
-                .iter()
-                .flat_map(|s| s.iter())
-                .map(|s| s.layout.bytes())
-                .sum()
-        };
-        let total_allocs = |st: &State| -> usize {
-            [&st.working, &st.committed]
-                .iter()
-                .flat_map(|s| s.iter())
-                .map(|s| s.layout.allocations.len())
-                .sum()
-        };
         match req {
-            Request::Allocate { tag, size, va } => {
-                if kind != LeaseKind::Rw {
-                    return Err(writer_only());
-                }
-                let gran = self.backend.granularity();
-                let size = size
-                    .checked_next_multiple_of(gran)
-                    .ok_or_else(|| Error::Invalid(format!("size {size} overflows")))?;
-                if va % gran != 0 {
-                    return Err(Error::Invalid(format!(
-                        "address {va:#x} is not a multiple of the granularity {gran}"
-                    )));
-                }
-                let limits = &self.config.limits;
-                if total_allocs(st) >= limits.max_allocations {
-                    return Err(Error::LimitExceeded(format!(
-                        "{} allocations exist, limit is {}",
-                        total_allocs(st),
-                        limits.max_allocations
-                    )));
-                }
-                let used = total_bytes(st);
-                if used.saturating_add(size) > limits.max_bytes {
-                    return Err(Error::LimitExceeded(format!(
-                        "{size} more bytes on top of {used} exceeds the limit of {} bytes",
-                        limits.max_bytes
-                    )));
-                }
-                let id = st.next_alloc + 1;
-                let store = st.working.as_mut().ok_or_else(no_store)?;
-                store.layout.insert(Allocation {
-                    id,
-                    tag: tag.clone(),
-                    size,
-                    va,
-                })?;
-                let memory = match self.backend.allocate(size, &tag) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        let _ = store.layout.remove(id);
-                        return Err(e);
-                    }
-                };
-                let fd = memory.export(Access::ReadWrite)?;
-                store.memory.insert(id, memory);
-                st.next_alloc = id;
-                Ok((Response::Allocated { id, size }, vec![fd]))
-            }
             Request::Free { id } => {
                 if kind != LeaseKind::Rw {
                     return Err(writer_only());
@@ -532,7 +847,9 @@ impl Daemon {
                     max_bytes: self.config.limits.max_metadata_bytes,
                 };
                 let store = st.working.as_mut().ok_or_else(no_store)?;
-                store.layout.put_meta(key.clone(), value, &limits)?;
+                store
+                    .layout
+                    .put_meta(key.clone(), value, &limits, &mut store.metadata_encoded)?;
                 Ok((Response::MetaStored { key }, vec![]))
             }
             Request::GetMeta { key } => {
@@ -567,6 +884,17 @@ impl Daemon {
                     return Err(writer_only());
                 }
                 let store = st.working.as_mut().ok_or_else(no_store)?;
+                if let Some(a) = store
+                    .layout
+                    .allocations
+                    .iter()
+                    .find(|a| !store.memory.contains_key(&a.id))
+                {
+                    return Err(Error::Backend(format!(
+                        "allocation {} has no memory yet; commit after every allocate answered",
+                        a.id
+                    )));
+                }
                 for (id, memory) in store.memory.iter_mut() {
                     memory.seal().map_err(|e| match e {
                         Error::NotPermitted { op, why } => Error::NotPermitted {
@@ -600,9 +928,11 @@ impl Daemon {
                     vec![],
                 ))
             }
-            Request::Hello { .. } | Request::Status => Err(Error::Backend(format!(
-                "'{op}' reached the lease dispatcher"
-            ))),
+            Request::Allocate { .. } | Request::Hello { .. } | Request::Status | Request::Reset => {
+                Err(Error::Backend(format!(
+                    "'{op}' reached the lease dispatcher"
+                )))
+            }
         }
     }
 

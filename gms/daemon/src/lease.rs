@@ -2,7 +2,11 @@
 //! lease, what commit does, what a lease's end discards. No sockets here, so
 //! every rule is unit-tested exhaustively; the daemon only calls it.
 //!
-//! - `rw` is exclusive: granted only with no writer and no reader attached.
+//! - `rw` is exclusive: granted only with no writer and no reader attached,
+//!   and only while nothing is committed: once a layout is committed, no
+//!   engine may replace it; only the pair's supervisor may `reset` the
+//!   daemon (which needs no lease attached), after which the next engine
+//!   loads again.
 //! - `ro` is shared and needs a committed layout and no writer.
 //! - `rw_or_ro` is `ro` when a layout is committed, else `rw`.
 //! - a writer that ends before commit has its work discarded; commit turns
@@ -65,6 +69,14 @@ impl Leases {
             Mode::RwOrRo if self.committed => LeaseKind::Ro,
             Mode::RwOrRo => LeaseKind::Rw,
         };
+        if kind == LeaseKind::Rw && self.committed {
+            return Err(Error::NotPermitted {
+                op: "hello".into(),
+                why: "a layout is committed and engines may not replace it; ask for \
+                      rw_or_ro or ro (only the pair's supervisor can reset the daemon)"
+                    .into(),
+            });
+        }
         if let Some(w) = self.writer {
             return Err(Error::LeaseBusy(format!(
                 "writer lease {w} is held; retry after it commits or ends"
@@ -106,6 +118,25 @@ impl Leases {
         self.writer = None;
         self.readers.insert(id);
         self.committed = true;
+        Ok(())
+    }
+
+    /// The supervisor's reset: forget the committed layout, so that the
+    /// next engine loads again. Only with no lease attached: a reader's
+    /// mapping must not change under it, and a writer is loading already.
+    pub fn reset(&mut self) -> Result<()> {
+        if let Some(w) = self.writer {
+            return Err(Error::LeaseBusy(format!(
+                "writer lease {w} is held; reset needs no lease attached"
+            )));
+        }
+        if !self.readers.is_empty() {
+            return Err(Error::LeaseBusy(format!(
+                "{} reader(s) attached; reset needs no lease attached",
+                self.readers.len()
+            )));
+        }
+        self.committed = false;
         Ok(())
     }
 
@@ -163,24 +194,42 @@ mod tests {
     }
 
     #[test]
-    fn rw_is_refused_while_readers_attached_and_granted_after() {
+    fn rw_is_refused_after_commit_until_a_reset_with_no_lease() {
         let mut l = Leases::default();
         let (w, _) = l.acquire(Mode::Rw).unwrap();
         l.commit(w).unwrap();
         let (r, _) = l.acquire(Mode::Ro).unwrap();
         assert_eq!(
             l.acquire(Mode::Rw).unwrap_err().code(),
-            ErrorCode::LeaseBusy
+            ErrorCode::NotPermitted
         );
         assert_eq!(l.release(w), Ended::Nothing);
+        assert_eq!(l.reset().unwrap_err().code(), ErrorCode::LeaseBusy);
+        assert_eq!(l.release(r), Ended::Nothing);
+        // Committed state survives zero readers, and no engine may replace
+        // it: only a reset (the supervisor's) opens rw again.
+        assert!(l.committed());
         assert_eq!(
             l.acquire(Mode::Rw).unwrap_err().code(),
-            ErrorCode::LeaseBusy
+            ErrorCode::NotPermitted
         );
-        assert_eq!(l.release(r), Ended::Nothing);
-        // Committed state survives zero readers, and a new writer may replace it.
-        assert!(l.committed());
+        l.reset().unwrap();
+        assert!(!l.committed());
         assert_eq!(l.acquire(Mode::Rw).unwrap().1, LeaseKind::Rw);
+    }
+
+    #[test]
+    fn rw_after_commit_is_refused_with_or_without_readers() {
+        let mut l = Leases::default();
+        let (w, _) = l.acquire(Mode::Rw).unwrap();
+        l.commit(w).unwrap();
+        let err = l.acquire(Mode::Rw).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::NotPermitted, "{err}");
+        assert_eq!(l.reset().unwrap_err().code(), ErrorCode::LeaseBusy);
+        assert_eq!(l.release(w), Ended::Nothing);
+        let err = l.acquire(Mode::Rw).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::NotPermitted, "{err}");
+        assert_eq!(l.acquire(Mode::RwOrRo).unwrap().1, LeaseKind::Ro);
     }
 
     #[test]
@@ -211,11 +260,13 @@ mod tests {
             Acquire(Mode),
             Commit(usize),
             Release(usize),
+            Reset,
         }
         let mut ops = vec![
             Op::Acquire(Mode::Rw),
             Op::Acquire(Mode::Ro),
             Op::Acquire(Mode::RwOrRo),
+            Op::Reset,
         ];
         for i in 0..3 {
             ops.push(Op::Commit(i));
@@ -238,13 +289,23 @@ mod tests {
                                 if kind == LeaseKind::Rw {
                                     assert_eq!(before.readers(), 0, "rw beside readers");
                                     assert!(mode != Mode::Ro);
-                                    assert!(mode == Mode::Rw || !before.committed);
+                                    assert!(!before.committed, "rw over a committed layout");
                                 } else {
                                     assert!(before.committed && mode != Mode::Rw);
                                 }
                                 held.push(id);
                             }
                             Err(_) => assert_eq!(next, before, "a refusal changes nothing"),
+                        }
+                    }
+                    Op::Reset => {
+                        let before = next.clone();
+                        match next.reset() {
+                            Ok(()) => {
+                                assert!(before.writer.is_none() && before.readers() == 0);
+                                assert!(!next.committed());
+                            }
+                            Err(_) => assert_eq!(next, before, "a refused reset changes nothing"),
                         }
                     }
                     Op::Commit(i) => {

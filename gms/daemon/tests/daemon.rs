@@ -46,6 +46,16 @@ struct Gmsd {
 
 impl Gmsd {
     fn start(extra: &[&str]) -> Self {
+        Self::start_with(extra, Stdio::inherit())
+    }
+
+    /// gmsd with its log (warnings and up) in `log`.
+    fn start_logged(extra: &[&str], log: &Path) -> Self {
+        let file = std::fs::File::create(log).unwrap();
+        Self::start_with(extra, Stdio::from(file))
+    }
+
+    fn start_with(extra: &[&str], stderr: Stdio) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let socket_dir = dir.path().join("gms");
         let mut child = Command::new(env!("CARGO_BIN_EXE_gmsd"))
@@ -54,6 +64,7 @@ impl Gmsd {
             .args(["--log-level", "warn"])
             .args(extra)
             .stdin(Stdio::null())
+            .stderr(stderr)
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -379,18 +390,253 @@ fn rw_is_refused_while_readers_are_attached_and_rw_or_ro_picks() {
         matches!(
             err,
             gms::Error::Remote {
-                code: ErrorCode::LeaseBusy,
+                code: ErrorCode::NotPermitted,
                 ..
             }
         ),
         "{err}"
     );
     drop((w, weights, second));
-    // No reader left: exclusive write is available again, and the old
-    // layout stays committed until the new writer commits.
-    let replacer = Client::connect_wait(&gmsd.socket, Mode::Rw, "replacer", DEADLINE).unwrap();
-    assert_eq!(replacer.lease(), LeaseKind::Rw);
-    assert_eq!(gmsd.status().state, "replacing");
+    // No reader left, and still no rw: the committed layout stays until
+    // the supervisor (this test, gmsd's parent) resets.
+    gmsd.wait_idle();
+    let err = Client::connect(&gmsd.socket, Mode::Rw, "replacer")
+        .err()
+        .unwrap();
+    assert!(
+        matches!(
+            err,
+            gms::Error::Remote {
+                code: ErrorCode::NotPermitted,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(gmsd.status().state, "committed");
+}
+
+/// The error a probe printed before it exited.
+fn probe_error(gmsd: &Gmsd, args: &[&str]) -> String {
+    let mut p = gmsd.probe(args);
+    let err = p.expect("error");
+    assert!(!p.wait().success());
+    err["code"].as_str().unwrap_or_default().to_owned()
+}
+
+/// A failover drops readers to zero: no engine may then replace the
+/// committed weights. Only gmsd's supervisor (its parent: this test, the
+/// shim in a pair) may reset, and then the next engine loads again.
+#[test]
+fn rw_after_commit_is_refused_for_an_engine_and_only_the_supervisor_resets() {
+    let gmsd = Gmsd::start(&[]);
+    let (mut w, written) = writer(&gmsd, 2, "1M", true);
+    w.sigkill();
+    let s = gmsd.wait_idle();
+    assert_eq!((s.state.as_str(), s.leases.len()), ("committed", 0));
+
+    // An engine asks rw with zero readers: refused, nothing changes.
+    assert_eq!(
+        probe_error(&gmsd, &["writer", "--mode", "rw", "--seed", "99"]),
+        "not_permitted"
+    );
+    // Nor may an engine reset.
+    assert_eq!(probe_error(&gmsd, &["reset"]), "not_permitted");
+    let s = gmsd.wait_idle();
+    assert_eq!(s.state, "committed");
+    let mut r = gmsd.probe(&["reader"]);
+    let read = r.expect("ready");
+    assert_eq!(read["checksum"], written["checksum"], "weights unchanged");
+
+    // The supervisor's reset is refused while a lease is attached...
+    let err = client::reset(&gmsd.socket).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            gms::Error::Remote {
+                code: ErrorCode::LeaseBusy,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(r);
+    gmsd.wait_idle();
+    // ...and done without one; then an engine loads again.
+    assert_eq!(client::reset(&gmsd.socket).unwrap(), 1);
+    assert_eq!(gmsd.status().state, "empty");
+    let (_w2, again) = writer(&gmsd, 1, "1M", true);
+    assert_eq!(again["generation"], 2);
+}
+
+/// A writer that goes silent before commit would block every engine of
+/// the pair for ever: past the idle deadline its lease is dropped and its
+/// allocations discarded. Readers, whose connection is their lease, may
+/// stay silent.
+#[test]
+fn an_idle_uncommitted_writer_is_dropped_and_readers_may_stay_silent() {
+    let gmsd = Gmsd::start(&["--writer-idle-timeout", "300ms"]);
+    let (mut stalled, _) = writer(&gmsd, 2, "1M", false);
+    assert_eq!(gmsd.status().state, "loading");
+    let s = wait_for("the idle writer to be dropped", || {
+        let s = gmsd.status();
+        (s.state == "empty").then_some(s)
+    });
+    assert_eq!((s.bytes, s.allocations, s.leases.len()), (0, 0, 0));
+    // Its commit now meets a closed lease.
+    stalled.tell("commit");
+    assert!(!stalled.wait().success());
+
+    let (_w, _) = writer(&gmsd, 1, "1M", true);
+    let mut r = gmsd.probe(&["reader"]);
+    r.expect("ready");
+    // Several idle deadlines later both leases are still there.
+    std::thread::sleep(Duration::from_millis(1200));
+    let s = gmsd.status();
+    assert_eq!((s.state.as_str(), s.leases.len()), ("committed", 2));
+    r.tell("check");
+    r.expect("checksum");
+}
+
+/// One process cannot take every connection: it is held to its own share,
+/// others still get in, and gmsd's supervisor is not counted in the total.
+#[test]
+fn a_peer_is_held_to_its_connection_limit() {
+    let gmsd = Gmsd::start(&["--max-connections-per-peer", "3", "--max-connections", "2"]);
+    // This test is gmsd's parent (its supervisor): three connections, then no more.
+    let held: Vec<UnixStream> = (0..3)
+        .map(|_| UnixStream::connect(&gmsd.socket).unwrap())
+        .collect();
+    let err = client::status(&gmsd.socket).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            gms::Error::Remote {
+                code: ErrorCode::LimitExceeded,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(held);
+    wait_for("the held connections to close", || {
+        client::status(&gmsd.socket).ok()
+    });
+    // Two engines fill the total of 2; a third is refused; the supervisor
+    // still gets its status.
+    let (_w, _) = writer(&gmsd, 1, "1M", true);
+    let mut r = gmsd.probe(&["reader"]);
+    r.expect("ready");
+    assert_eq!(probe_error(&gmsd, &["reader"]), "limit_exceeded");
+    assert_eq!(gmsd.status().leases.len(), 2);
+}
+
+/// A peer that connects and says nothing, or starts a message and stalls,
+/// is told it timed out and is closed; its thread and slot are freed.
+#[test]
+fn a_silent_or_slowloris_peer_times_out() {
+    let gmsd = Gmsd::start(&["--hello-timeout", "200ms", "--frame-timeout", "200ms"]);
+    let silent = UnixStream::connect(&gmsd.socket).unwrap();
+    let slow = UnixStream::connect(&gmsd.socket).unwrap();
+    // Two bytes of a four-byte header, then nothing.
+    (&slow).write_all(&[5, 0]).unwrap();
+    for s in [&silent, &slow] {
+        // Bounded, so that a daemon that never answers fails the test.
+        s.set_read_timeout(Some(DEADLINE)).unwrap();
+        let f = wire::recv(s, protocol::MAX_RESPONSE_BYTES).expect("an answer, not silence");
+        match protocol::decode_response(&f.body, f.fds.len()).unwrap() {
+            Response::Error { code, .. } => assert_eq!(code, ErrorCode::Timeout),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(matches!(
+            wire::recv(s, protocol::MAX_RESPONSE_BYTES),
+            Err(gms::Error::Closed)
+        ));
+    }
+    gmsd.wait_idle();
+    gmsd.assert_fds_back_to_idle();
+}
+
+/// Out of descriptors, `accept` fails while the connection stays queued:
+/// the daemon backs off instead of spinning on it, and serves the queued
+/// peer once descriptors are free again.
+#[test]
+fn accept_failing_with_emfile_does_not_spin() {
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("gmsd.log");
+    let gmsd = Gmsd::start_logged(&[], &log);
+    // Room for one connection (the accepted socket and its dup), no more:
+    // new descriptors take the lowest free numbers, so the limit is the
+    // lowest free one plus two (inherited ones above it stay valid).
+    let open: Vec<u32> = std::fs::read_dir(format!("/proc/{}/fd", gmsd.pid()))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    let lowest_free = (0..).find(|n| !open.contains(n)).unwrap();
+    let limit = libc::rlimit {
+        rlim_cur: (lowest_free + 2) as libc::rlim_t,
+        rlim_max: (lowest_free + 2) as libc::rlim_t,
+    };
+    // SAFETY: prlimit on our own child with a valid rlimit; no old value asked.
+    let rc = unsafe {
+        libc::prlimit(
+            gmsd.pid() as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &limit,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    let first = UnixStream::connect(&gmsd.socket).unwrap();
+    // The first takes the last descriptors; this one stays queued until
+    // the first is gone.
+    let socket = gmsd.socket.clone();
+    let queued = std::thread::spawn(move || client::status(&socket));
+    wait_for("accept to fail with EMFILE", || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("accept on").then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    drop(first);
+    let report = queued.join().unwrap().expect("the queued peer is served");
+    assert_eq!(report.state, "empty");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let failures = text.lines().filter(|l| l.contains("accept on")).count();
+    // Backing off from 10 ms, doubling: a handful in half a second. A spin
+    // logs thousands.
+    assert!(failures < 50, "{failures} accept failures logged: a spin");
+}
+
+/// Metadata is measured as it is encoded, not as claimed: control
+/// characters take six bytes each in a layout, and a layout must reach a
+/// reader under its response limit.
+#[test]
+fn metadata_is_limited_by_its_encoded_size() {
+    let gmsd = Gmsd::start(&["--max-metadata-bytes", "256K"]);
+    let mut w = Client::connect(&gmsd.socket, Mode::Rw, "w").unwrap();
+    let mut weights = vec![w.allocate("weights", 4096).unwrap()];
+    let sneaky = "\u{1}".repeat(8000);
+    let mut stored = 0usize;
+    let err = loop {
+        match w.put_meta(&format!("k{stored}"), &sneaky) {
+            Ok(()) => stored += 1,
+            Err(e) => break e,
+        }
+        assert!(stored < 64, "32 KiB claimed took more than 256 KiB encoded");
+    };
+    assert!(
+        matches!(
+            err,
+            gms::Error::Remote {
+                code: ErrorCode::LimitExceeded,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // 8000 control characters are 48000 bytes encoded: five fit.
+    assert_eq!(stored, 5);
+    drop(weights.pop());
 }
 
 #[test]

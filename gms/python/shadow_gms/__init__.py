@@ -11,11 +11,28 @@ Engine authors use three things from here:
   whose pages are materialised only on promotion.
 - ``FailoverLock`` and ``notify``: the engine contract of docs/engine-contract.md
   (flock on SHADOW_LOCK_PATH, STATUS=parked / READY=1 on NOTIFY_SOCKET).
+- ``listen_socket()``: the pair's listening socket when the runtime hands
+  one down (``shadow.dev/listen``: LISTEN_FDS), else None.
 
-Only torch and the standard library are needed.
+Only torch and the standard library are needed; the contract helpers
+(``FailoverLock``, ``notify``, ``listen_socket``) need no torch.
 """
 
-from .contract import FailoverLock, notify
-from .client import Gms, GmsError, KvCache, find_library
+from .contract import FailoverLock, listen_socket, listen_sockets, notify
 
-__all__ = ["FailoverLock", "Gms", "GmsError", "KvCache", "find_library", "notify"]
+_CLIENT = ("Gms", "GmsError", "KvCache", "find_library")
+
+
+def __getattr__(name):
+    # The GMS client needs torch; the contract helpers (lock, notify, the
+    # inherited socket) need only the standard library, so an engine without
+    # torch can use them.
+    if name in _CLIENT:
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'shadow_gms' has no attribute {name!r}")
+
+
+__all__ = ["FailoverLock", "Gms", "GmsError", "KvCache", "find_library", "listen_socket",
+           "listen_sockets", "notify"]

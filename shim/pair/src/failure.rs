@@ -62,6 +62,17 @@ impl XidClass {
     }
 }
 
+/// Why the pair last restarted cold (a device-invalidating failure).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "cause")]
+pub enum ColdRestartCause {
+    /// The GMS daemon of this device (a GPU UUID, or `host`) died: its
+    /// weights are gone.
+    GmsDied { device: String },
+    /// A device-invalidating XID on one of the pair's GPUs.
+    Xid { xid: u32 },
+}
+
 /// What the supervisor does about a failure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

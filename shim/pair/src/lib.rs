@@ -15,7 +15,7 @@ mod promotion;
 #[cfg(test)]
 mod races;
 
-pub use failure::{classify, Exit, FailureClass, XidClass};
+pub use failure::{classify, ColdRestartCause, Exit, FailureClass, XidClass};
 pub use locks::{parse_proc_lock_waiters, parse_proc_locks, FileId, FlockHolder};
 pub use notify::{parse_notify, Notification};
 pub use pair::{Action, EngineState, Event, LockWatch, Pair, Slot, SlotId, Snapshot};

@@ -5,6 +5,7 @@
 
 use std::{fmt::Write as _, io, path::Path};
 
+use crate::failure::ColdRestartCause;
 use crate::pair::{EngineState, Snapshot};
 
 /// What one GMS daemon of the pair holds, as its status reports it.
@@ -134,6 +135,33 @@ pub fn render(
                 &one(format!("{:.6}", total.as_secs_f64())),
             );
         }
+    }
+    if !snap.gms_deaths.is_empty() {
+        let deaths: Vec<_> = snap
+            .gms_deaths
+            .iter()
+            .map(|(d, n)| (format!(",device=\"{}\"", label(d)), n.to_string()))
+            .collect();
+        metric(
+            "shadow_gms_deaths_total",
+            "counter",
+            "Deaths of the pair's GMS daemon of each device (each one restarts the pair cold).",
+            &deaths,
+        );
+    }
+    if let Some(cause) = &snap.last_cold_restart {
+        let labels = match cause {
+            ColdRestartCause::GmsDied { device } => {
+                format!(",cause=\"gms_died\",device=\"{}\"", label(device))
+            }
+            ColdRestartCause::Xid { xid } => format!(",cause=\"xid\",xid=\"{xid}\""),
+        };
+        metric(
+            "shadow_pair_last_cold_restart_info",
+            "gauge",
+            "Why the pair last restarted cold: the GMS daemon of a device died, or an XID.",
+            &[(labels, "1".into())],
+        );
     }
     if !gms.is_empty() {
         let per = |f: &dyn Fn(&GmsFigures) -> String| {
@@ -285,6 +313,27 @@ mod tests {
             assert!(
                 text.contains(&format!("# TYPE {name} ")),
                 "{name} has no TYPE"
+            );
+        }
+    }
+
+    #[test]
+    fn a_gms_death_names_its_gpu() {
+        let mut snap = snapshot_after_one_failover();
+        let gpu = "GPU-00000000-0000-0000-0000-000000000002";
+        snap.gms_deaths.insert(gpu.into(), 1);
+        snap.last_cold_restart = Some(ColdRestartCause::GmsDied { device: gpu.into() });
+        let text = render("/run/c.sock", "default", "p", &snap, &[]);
+        let base = "containerd=\"/run/c.sock\",namespace=\"default\",pair=\"p\"";
+        for line in [
+            format!("shadow_gms_deaths_total{{{base},device=\"{gpu}\"}} 1"),
+            format!(
+                "shadow_pair_last_cold_restart_info{{{base},cause=\"gms_died\",device=\"{gpu}\"}} 1"
+            ),
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
             );
         }
     }

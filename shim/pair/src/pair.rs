@@ -12,12 +12,13 @@
 //! [`EngineState::Superseded`]; an engine that speaks before its spawn is
 //! reported is running, its pid to come.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Serialize;
 
 use crate::{
-    failure::{classify, Exit, FailureClass, XidClass},
+    failure::{classify, ColdRestartCause, Exit, FailureClass, XidClass},
     notify::Notification,
     policy::{RestartBudget, RestartPolicy, Verdict},
     promotion::{DeathSign, Handover, Promotion},
@@ -133,8 +134,8 @@ pub enum Event {
     LockClosed,
     /// The reaper collected the engine of `slot` (`now`: the reaper's time).
     Exited { slot: SlotId, exit: Exit },
-    /// A GMS daemon of the pair died.
-    GmsDied,
+    /// The GMS daemon of `device` (a GPU UUID, or `host`) died.
+    GmsDied { device: String },
     /// An XID was reported for one of the pair's GPUs.
     Xid(u32),
     /// A `SpawnAfter` delay for `slot` has elapsed.
@@ -199,6 +200,10 @@ pub struct Snapshot {
     pub failovers: u64,
     pub cold_restarts: u64,
     pub last_promotion: Option<Promotion>,
+    /// Why the pair last restarted cold (or began to).
+    pub last_cold_restart: Option<ColdRestartCause>,
+    /// Deaths of each GMS daemon (by device) since the pair was created.
+    pub gms_deaths: BTreeMap<String, u64>,
 }
 
 /// What a change of the pair is judged by ([`Pair::revision`]).
@@ -209,6 +214,7 @@ struct Observable {
     failovers: u64,
     cold_restarts: u64,
     last_promotion: Option<u64>,
+    last_cold_restart: Option<ColdRestartCause>,
 }
 
 /// The supervisor's decisions for one pair.
@@ -228,6 +234,8 @@ pub struct Pair {
     last_promotion: Option<Promotion>,
     failovers: u64,
     cold_restarts: u64,
+    last_cold_restart: Option<ColdRestartCause>,
+    gms_deaths: BTreeMap<String, u64>,
     /// Set while both engines are being stopped for a cold restart.
     cold_restart: bool,
     /// Slots in use: 2 for a pair, 1 for a single engine restarted in
@@ -253,6 +261,8 @@ impl Pair {
             last_promotion: None,
             failovers: 0,
             cold_restarts: 0,
+            last_cold_restart: None,
+            gms_deaths: BTreeMap::new(),
             cold_restart: false,
             slots_in_use: 2,
             ending: None,
@@ -373,6 +383,8 @@ impl Pair {
             failovers: self.failovers,
             cold_restarts: self.cold_restarts,
             last_promotion: self.last_promotion.clone(),
+            last_cold_restart: self.last_cold_restart.clone(),
+            gms_deaths: self.gms_deaths.clone(),
         }
     }
 
@@ -397,6 +409,7 @@ impl Pair {
             failovers: self.failovers,
             cold_restarts: self.cold_restarts,
             last_promotion: self.last_promotion.as_ref().map(|p| p.number),
+            last_cold_restart: self.last_cold_restart.clone(),
         }
     }
 
@@ -439,13 +452,16 @@ impl Pair {
                 );
                 self.on_death(slot, exit, useful, now)
             }
-            Event::GmsDied => {
+            Event::GmsDied { device } => {
                 self.gms_alive = false;
+                *self.gms_deaths.entry(device.clone()).or_default() += 1;
+                self.last_cold_restart = Some(ColdRestartCause::GmsDied { device });
                 self.begin_cold_restart()
             }
             Event::Xid(xid) => {
                 self.xids.push(xid);
                 if XidClass::of(xid) == XidClass::DeviceInvalidating {
+                    self.last_cold_restart = Some(ColdRestartCause::Xid { xid });
                     self.begin_cold_restart()
                 } else {
                     Vec::new()

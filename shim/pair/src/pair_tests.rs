@@ -439,7 +439,7 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
     );
     assert_eq!(p.slot(SlotId::ONE).state, EngineState::Stopped);
     // Cold restarts and stops involve slot 0 only.
-    assert_eq!(p.handle(Event::GmsDied, t(400)), vec![Action::KillAll]);
+    assert_eq!(p.handle(gms_died("host"), t(400)), vec![Action::KillAll]);
     let a = p.handle(
         Event::Exited {
             slot: SlotId::ZERO,
@@ -469,10 +469,17 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
     assert_eq!(a, vec![Action::Exit { status: 143 }]);
 }
 
+fn gms_died(device: &str) -> Event {
+    Event::GmsDied {
+        device: device.into(),
+    }
+}
+
 #[test]
 fn gms_death_restarts_the_pair_cold() {
     let mut p = running();
-    assert_eq!(p.handle(Event::GmsDied, t(10)), vec![Action::KillAll]);
+    let gpu = "GPU-00000000-0000-0000-0000-000000000002";
+    assert_eq!(p.handle(gms_died(gpu), t(10)), vec![Action::KillAll]);
     assert!(p
         .handle(
             Event::Exited {
@@ -500,6 +507,12 @@ fn gms_death_restarts_the_pair_cold() {
     let snap = p.snapshot();
     assert_eq!(snap.cold_restarts, 1);
     assert_eq!(snap.failovers, 0, "a cold restart is not a failover");
+    assert_eq!(
+        snap.last_cold_restart,
+        Some(ColdRestartCause::GmsDied { device: gpu.into() }),
+        "the cause names the GPU whose daemon died"
+    );
+    assert_eq!(snap.gms_deaths.get(gpu), Some(&1));
 }
 
 #[test]
@@ -522,6 +535,10 @@ fn invalidating_xid_restarts_cold_preserving_xid_does_not() {
         t(8),
     );
     assert_eq!(a.first(), Some(&Action::RestartGms));
+    assert_eq!(
+        p.snapshot().last_cold_restart,
+        Some(ColdRestartCause::Xid { xid: 79 })
+    );
 }
 
 #[test]

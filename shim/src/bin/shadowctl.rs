@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use shadow_contract::host::{containerd_key, is_containerd_key};
-use shadow_contract::state::{PairState, FILE_NAME};
+use shadow_contract::state::{ColdRestartCause, PairState, FILE_NAME};
 
 const DEFAULT_STATE_DIR: &str = "/run/shadow";
 
@@ -247,16 +247,32 @@ fn show(
         }
         None => println!("  no failover yet"),
     }
-    match &s.gms {
-        Some(g) => println!(
+    // Every daemon (one per GPU); a file of an older shim has `gms` only.
+    let daemons: Vec<_> = if s.gms_daemons.is_empty() {
+        s.gms.iter().collect()
+    } else {
+        s.gms_daemons.iter().collect()
+    };
+    if daemons.is_empty() {
+        println!("  gms: none");
+    }
+    for g in daemons {
+        println!(
             "  gms: device {} state {} bytes {} allocations {} leases {}",
             g.device,
             g.state,
             g.bytes,
             g.allocations,
             g.leases.len()
-        ),
-        None => println!("  gms: none"),
+        );
+    }
+    if let Some(c) = &s.pair.last_cold_restart {
+        match c {
+            ColdRestartCause::GmsDied { device } => {
+                println!("  last cold restart: the GMS daemon of {device} died")
+            }
+            ColdRestartCause::Xid { xid } => println!("  last cold restart: XID {xid}"),
+        }
     }
     if let Some(status) = s.exit_status {
         println!("  exited with status {status}");

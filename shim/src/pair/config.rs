@@ -34,6 +34,12 @@ pub struct PairConfig {
     pub gms_max_allocations: u64,
     /// How long a fresh gmsd may take to create its socket.
     pub gms_start_timeout_ms: u64,
+    /// The NVIDIA driver's per-GPU directory: maps the minor of each
+    /// `/dev/nvidiaN` the spec grants to the GPU's UUID and PCI bus.
+    pub nvidia_gpus_dir: PathBuf,
+    /// For tests on machines without GPUs: each GPU's gmsd keeps its memory
+    /// in host memfds, under the GPU's UUID (`gmsd --device host:GPU-…`).
+    pub gms_gpus_on_host: bool,
     /// After Kill's signal, how long before the engines get SIGKILL.
     pub stop_grace_ms: u64,
     /// `/proc/locks` poll period while a promotion is pending or nobody serves.
@@ -48,6 +54,10 @@ pub struct PairConfig {
     /// entry or a node dedicated to engines, and for orchestrators that
     /// cannot set annotations (Nomad's containerd driver).
     pub pair_by_default: bool,
+    /// Listening sockets every pair owns when its spec has no
+    /// `shadow.dev/listen` (same syntax, e.g. `"tcp:0.0.0.0:8000"`); empty:
+    /// none, engines bind their own ports.
+    pub listen: String,
 }
 
 impl Default for PairConfig {
@@ -57,10 +67,13 @@ impl Default for PairConfig {
             metrics_dir: PathBuf::from("/run/shadow/metrics"),
             gmsd: String::new(),
             pair_by_default: false,
+            listen: String::new(),
             gms: GmsMode::Auto,
             gms_max_bytes: 0,
             gms_max_allocations: 0,
             gms_start_timeout_ms: 5000,
+            nvidia_gpus_dir: PathBuf::from("/proc/driver/nvidia/gpus"),
+            gms_gpus_on_host: false,
             stop_grace_ms: 10_000,
             lock_poll_fast_ms: 1,
             lock_poll_idle_ms: 200,
@@ -84,6 +97,10 @@ impl PairConfig {
                 "pair.metrics_dir = {:?}: must be an absolute path",
                 self.metrics_dir
             ));
+        }
+        if !self.listen.is_empty() {
+            shadow_contract::listen::parse(&self.listen)
+                .map_err(|e| format!("pair.listen = {:?}: {}", self.listen, e.allowed))?;
         }
         if self.lock_poll_fast_ms == 0 || self.lock_poll_idle_ms == 0 {
             return Err("pair.lock_poll_fast_ms and pair.lock_poll_idle_ms must be ≥ 1".into());
@@ -158,5 +175,14 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("backoff_initial"), "{e}");
+        let e = Config::parse("[pair]\nlisten = \"sctp:1\"\n", Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pair.listen") && e.contains("sctp"), "{e}");
+        let c = Config::parse(
+            "[pair]\nlisten = \"tcp:0.0.0.0:8000\"\n",
+            Path::new("t.toml"),
+        );
+        assert_eq!(c.unwrap().pair.listen, "tcp:0.0.0.0:8000");
     }
 }

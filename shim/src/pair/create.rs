@@ -16,9 +16,11 @@ use super::cgroup::PairCgroup;
 use super::config::GmsMode;
 use super::dirs::{PairDirs, CUDA_SOCKETS, HOST_SOCKETS};
 use super::engine::{EngineSlot, SharedOutput};
-use super::gms::GmsDaemon;
+use super::gms::GmsDaemons;
+use super::gpus::{self, Gpu};
 use super::host::Machine;
 use super::leftovers::{self, PairName};
+use super::listen::{ListenSockets, Site};
 use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
 use super::publish::View;
@@ -36,7 +38,7 @@ pub(super) struct Made {
     pub(super) mounted_rootfs: Option<PathBuf>,
     pub(super) pins: Option<PinnedNamespaces>,
     pub(super) cgroup: Option<PairCgroup>,
-    pub(super) gms: Option<Arc<std::sync::Mutex<Option<GmsDaemon>>>>,
+    pub(super) gms: Option<Arc<std::sync::Mutex<Option<GmsDaemons>>>>,
     pub(super) metrics_file: Option<PathBuf>,
 }
 
@@ -109,6 +111,50 @@ fn output_pipe(fifo: &str) -> Result<(Option<std::os::fd::OwnedFd>, Option<JoinH
     Ok((Some(tx), Some(copier)))
 }
 
+/// The pair's GMS backend and its GPUs. The GPUs are those the spec's
+/// `linux.devices` grants (`gpus.rs`), never those its environment names;
+/// the backend is the annotation's, else the config's mode (`auto`: cuda
+/// when the devices grant a GPU). `gms=cuda` without a granted GPU is
+/// refused: there is no GPU of the pod's to allocate on.
+fn gms_plan(
+    cfg: &super::config::PairConfig,
+    req: &PairRequest,
+    spec: &Value,
+) -> Result<(GmsBackend, Vec<Gpu>)> {
+    let minors = gpus::granted_minors(spec);
+    let backend = match (req.gms, cfg.gms) {
+        (Some(b), _) => b,
+        (None, GmsMode::Off) => GmsBackend::Off,
+        (None, GmsMode::Host) => GmsBackend::Host,
+        (None, GmsMode::Auto) if minors.is_empty() => GmsBackend::Host,
+        (None, GmsMode::Auto) => GmsBackend::Cuda,
+    };
+    if backend == GmsBackend::Cuda && minors.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "container {}: {}=cuda, but the spec grants no NVIDIA GPU (no /dev/nvidiaN of major {} in linux.devices); \
+             a pair's GPUs are the devices its runtime grants (device plugin, CDI), never NVIDIA_VISIBLE_DEVICES",
+            req.id,
+            shadow_contract::annotations::GMS,
+            gpus::NVIDIA_MAJOR
+        )));
+    }
+    let gpus = match gpus::resolve(&cfg.nvidia_gpus_dir, &minors) {
+        Ok(g) => g,
+        Err(e) if backend == GmsBackend::Cuda => {
+            return Err(Error::FailedPrecondition(format!(
+                "container {}: {e} (config pair.nvidia_gpus_dir)",
+                req.id
+            )))
+        }
+        Err(e) => {
+            // No GMS on the GPUs: only their XIDs go unwatched.
+            log::warn!("pair {}: {e}: XIDs of its GPUs are not watched", req.id);
+            Vec::new()
+        }
+    };
+    Ok((backend, gpus))
+}
+
 impl PairedContainer {
     pub(super) async fn create_steps(
         rt: &Runtime,
@@ -125,9 +171,10 @@ impl PairedContainer {
         }
         let spec = read_spec_value(&bundle)?;
         let cgroup_path = spec::pair_cgroup(&spec, &rt.namespace, &req.id)?;
+        let (backend, gpus) = gms_plan(cfg, req, &spec)?;
 
         // A GPU pair's gmsd socket carries the GPU's UUID: leave room for it.
-        let longest_socket = if spec::nvidia_devices(&spec).is_empty() {
+        let longest_socket = if gpus.is_empty() {
             HOST_SOCKETS
         } else {
             CUDA_SOCKETS
@@ -148,7 +195,7 @@ impl PairedContainer {
                 req.id,
                 dirs.root.display()
             );
-            leftovers::remove(&name, &bundle, rt.router.clone()).await;
+            leftovers::remove(&name, &bundle, rt.router.clone(), &req.runc).await;
         }
         made.dirs = Some(dirs.clone());
         mkdir(&dirs.root, 0o711)?;
@@ -185,45 +232,47 @@ impl PairedContainer {
             None
         };
 
+        // Before gmsd and the cgroup: a socket that cannot be made (port in
+        // use, privileged) is the user's error, found cheaply.
+        let listen = match (&req.listen, cfg.listen.as_str()) {
+            (Some(list), _) => Some(list.clone()),
+            (None, "") => None,
+            (None, value) => Some(shadow_contract::listen::parse(value)?),
+        };
+        let listen = match listen {
+            Some(list) => {
+                spec::check_listen_pid(&spec, &req.id)?;
+                let netns = spec::network_namespace(&spec, pins.map(|p| p.net.as_path()))?;
+                Some(ListenSockets::open(
+                    &list,
+                    &Site {
+                        netns: netns.as_deref(),
+                        dir: &dirs.root.join("listen"),
+                        may_bind_privileged: super::listen::may_bind_privileged(&spec),
+                    },
+                )?)
+            }
+            None => None,
+        };
+
         made.cgroup = Some(PairCgroup::create(
             &cgroup_path,
             spec.pointer("/linux/resources"),
         )?);
 
-        // GMS: the annotation, else the config's mode; `auto` picks cuda
-        // when the spec has NVIDIA GPUs.
-        let gpus = spec::nvidia_devices(&spec);
-        let backend = match (req.gms, cfg.gms) {
-            (Some(b), _) => b,
-            (None, GmsMode::Off) => GmsBackend::Off,
-            (None, GmsMode::Host) => GmsBackend::Host,
-            (None, GmsMode::Auto) if gpus.is_empty() => GmsBackend::Host,
-            (None, GmsMode::Auto) => GmsBackend::Cuda,
-        };
         let mut gms = None;
         if backend != GmsBackend::Off {
-            let device = match backend {
-                GmsBackend::Cuda => {
-                    if gpus.len() > 1 {
-                        log::warn!(
-                            "pair {}: {} GPUs; GMS serves the first ({}) only",
-                            req.id,
-                            gpus.len(),
-                            gpus[0]
-                        );
-                    }
-                    gpus.first().cloned().unwrap_or_else(|| "0".into())
+            // One daemon per GPU the devices grant, or one `host` daemon.
+            let devices: Vec<String> = match backend {
+                GmsBackend::Cuda if cfg.gms_gpus_on_host => {
+                    gpus.iter().map(|g| format!("host:{}", g.uuid)).collect()
                 }
-                _ => "host".into(),
+                GmsBackend::Cuda => gpus.iter().map(|g| g.uuid.clone()).collect(),
+                _ => vec!["host".into()],
             };
             mkdir(&dirs.gms, 0o755)?;
-            let mut g = GmsDaemon::new(cfg, &dirs.gms, device);
-            if let Err(e) = g.start().await {
-                g.terminate().await;
-                return Err(e);
-            }
-            // Owned by the supervisor from here; Delete gets it back.
-            gms = Some(g);
+            // Owned by the supervisor from here; Delete gets them back.
+            gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices).await?);
         }
         let gms_dir = gms.as_ref().map(|_| dirs.gms.as_path());
 
@@ -236,6 +285,8 @@ impl PairedContainer {
                 gms_dir,
                 pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
                 cgroup_parent: &cgroup_path,
+                listen_names: listen.as_ref().map_or(&[], |l| l.names()),
+                listen_mounts: listen.as_ref().map_or(&[], |l| l.mounts()),
             };
             let engine = spec::engine_spec(&spec, &inputs)?;
             let dir = &dirs.slots[slot.index()];
@@ -248,7 +299,13 @@ impl PairedContainer {
             engines.push(EngineSlot {
                 runc_id: spec::engine_id(&req.id, slot),
                 bundle: dir.clone(),
-                client: RuncClient::new(&rt.config, &rt.namespace, dir, rt.router.clone())?,
+                client: RuncClient::new(
+                    &rt.config,
+                    &rt.namespace,
+                    dir,
+                    rt.router.clone(),
+                    &req.runc,
+                )?,
                 cgroup: spec::engine_cgroup(&cgroup_path, slot),
             });
         }
@@ -264,11 +321,13 @@ impl PairedContainer {
         let metrics_file = name.metrics_file();
         made.metrics_file = Some(metrics_file.clone());
         let output = Arc::new(SharedOutput::new(out, err));
+        let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
         let host = Machine::new(
             engines.clone(),
             output.clone(),
             rt.router.clone(),
             lock_file,
+            listen,
         );
         let sup = Supervisor::new(Parts {
             id: req.id.clone(),
@@ -287,14 +346,15 @@ impl PairedContainer {
             containerd: rt.containerd.clone(),
             metrics_file,
             gms,
-            gpus: gpus.clone(),
+            gpu_buses: gpus.iter().map(|g| g.bus.clone()).collect(),
             single: req.single,
         });
         log::info!(
-            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {})",
+            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {})",
             req.id,
             dirs.root.display(),
-            pins.is_some()
+            pins.is_some(),
+            listen_count
         );
         Ok((engines, sup, view_rx))
     }

@@ -7,6 +7,7 @@ use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use super::listen::ListenSockets;
 use crate::error::Result;
 use crate::runc::{RuncClient, RuncStdio};
 use async_trait::async_trait;
@@ -63,13 +64,20 @@ impl runc::io::Io for SharedOutput {
     }
 }
 
-/// Start one engine: `runc run --detach` of the slot's bundle. A previous
-/// generation's stopped container of the same id is removed first.
-pub async fn run_engine(e: &EngineSlot, output: Arc<SharedOutput>, fresh: bool) -> Result<u32> {
+/// Start one engine: `runc run --detach` of the slot's bundle, with the
+/// pair's listening sockets as its descriptors 3.. A previous generation's
+/// stopped container of the same id is removed first.
+pub async fn run_engine(
+    e: &EngineSlot,
+    output: Arc<SharedOutput>,
+    fresh: bool,
+    listen: Option<&ListenSockets>,
+) -> Result<u32> {
     if !fresh {
         let _ = e.client.delete_force(&e.runc_id).await;
     }
+    let inherit = listen.map(ListenSockets::fds).unwrap_or_default();
     e.client
-        .run_detached(&e.runc_id, &e.bundle, RuncStdio::Fds(output))
+        .run_detached(&e.runc_id, &e.bundle, RuncStdio::Fds(output), &inherit)
         .await
 }

@@ -1,7 +1,9 @@
-//! The pair's GMS daemon: one `gmsd` per device, started before the engines
-//! in the pair-private socket directory, with every capability dropped,
-//! supervised like an engine (its reaped exit is `Event::GmsDied`), and
-//! replaced by a fresh one (empty state) when the pair restarts cold.
+//! The pair's GMS daemons: one `gmsd` per device (each GPU the spec's devices
+//! grant, or one `host` daemon), started before the engines in the
+//! pair-private socket directory, with every capability dropped, supervised
+//! like an engine (a reaped exit is `Event::GmsDied` naming that device),
+//! and all replaced by fresh ones (empty state) when the pair restarts cold:
+//! one GPU's weights lost means the whole group reloads.
 //!
 //! Launching is `shadow_contract::gmsd`, shared with the OCI hook: gmsd
 //! announces readiness on a pipe, and the launcher runs on a blocking
@@ -30,8 +32,10 @@ const STATUS_PERIOD: Duration = Duration::from_secs(1);
 pub struct GmsDaemon {
     binary: PathBuf,
     dir: PathBuf,
-    /// `host`, or the CUDA device (`0`, `cuda:0`, `GPU-…`).
+    /// gmsd's `--device`: `host`, a GPU UUID (`GPU-…`), or `host:GPU-…`.
     device: String,
+    /// What reports name it by: `host` or the GPU's UUID.
+    name: String,
     max_bytes: u64,
     max_allocations: u64,
     start_timeout: Duration,
@@ -44,9 +48,11 @@ pub struct GmsDaemon {
 
 impl GmsDaemon {
     pub fn new(config: &super::config::PairConfig, dir: &Path, device: String) -> GmsDaemon {
+        let name = device.strip_prefix("host:").unwrap_or(&device).to_string();
         GmsDaemon {
             binary: config.gmsd_binary(),
             dir: dir.to_path_buf(),
+            name,
             device,
             max_bytes: config.gms_max_bytes,
             max_allocations: config.gms_max_allocations,
@@ -60,6 +66,11 @@ impl GmsDaemon {
 
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// `host` or the GPU's UUID.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     fn pid(&self) -> u32 {
@@ -116,13 +127,14 @@ impl GmsDaemon {
         }));
     }
 
-    /// Report this daemon's death to the supervisor.
-    pub fn watch(&self, router: Arc<ExitRouter>, tx: mpsc::UnboundedSender<Input>) {
+    /// Report this daemon's death to the supervisor; `index` is its place
+    /// in the pair's [`GmsDaemons`].
+    pub fn watch(&self, index: usize, router: Arc<ExitRouter>, tx: mpsc::UnboundedSender<Input>) {
         let generation = self.generation;
         let exit = router.watch(self.pid() as i32);
         tokio::spawn(async move {
             if exit.await.is_ok() {
-                let _ = tx.send(Input::GmsDied { generation });
+                let _ = tx.send(Input::GmsDied { index, generation });
             }
         });
     }
@@ -149,30 +161,87 @@ impl GmsDaemon {
         let _ = std::fs::remove_file(daemon.socket());
     }
 
-    /// A fresh daemon with empty state (cold restart).
-    pub async fn restart(&mut self) -> Result<()> {
-        self.terminate().await;
-        self.start().await
-    }
-
     pub fn cached_status(&self) -> Option<serde_json::Value> {
         let s = self.status.lock().unwrap_or_else(|p| p.into_inner());
         s.as_ref().and_then(|r| serde_json::to_value(r).ok())
     }
 
-    pub fn figures(&self) -> Vec<GmsFigures> {
+    pub fn figures(&self) -> Option<GmsFigures> {
         let s = self.status.lock().unwrap_or_else(|p| p.into_inner());
-        s.as_ref()
-            .map(|r| {
-                vec![GmsFigures {
-                    device: r.device.clone(),
-                    bytes: r.bytes,
-                    allocations: r.allocations as u64,
-                    leases: r.leases.len() as u64,
-                    committed: r.committed.is_some(),
-                }]
-            })
-            .unwrap_or_default()
+        s.as_ref().map(|r| GmsFigures {
+            device: r.device.clone(),
+            bytes: r.bytes,
+            allocations: r.allocations as u64,
+            leases: r.leases.len() as u64,
+            committed: r.committed.is_some(),
+        })
+    }
+}
+
+/// Every GMS daemon of a pair, in the order of the spec's devices.
+pub struct GmsDaemons {
+    daemons: Vec<GmsDaemon>,
+}
+
+impl GmsDaemons {
+    /// Starts one daemon per device (gmsd `--device` values); on any
+    /// failure those already started are stopped again.
+    pub async fn start(
+        config: &super::config::PairConfig,
+        dir: &Path,
+        devices: Vec<String>,
+    ) -> Result<GmsDaemons> {
+        let mut set = GmsDaemons {
+            daemons: Vec::new(),
+        };
+        for device in devices {
+            let mut g = GmsDaemon::new(config, dir, device);
+            let started = g.start().await;
+            set.daemons.push(g);
+            if let Err(e) = started {
+                set.terminate().await;
+                return Err(e);
+            }
+        }
+        Ok(set)
+    }
+
+    pub fn daemon(&self, index: usize) -> Option<&GmsDaemon> {
+        self.daemons.get(index)
+    }
+
+    pub fn watch(&self, router: &Arc<ExitRouter>, tx: &mpsc::UnboundedSender<Input>) {
+        for (i, g) in self.daemons.iter().enumerate() {
+            g.watch(i, router.clone(), tx.clone());
+        }
+    }
+
+    pub async fn terminate(&mut self) {
+        for g in &mut self.daemons {
+            g.terminate().await;
+        }
+    }
+
+    /// Fresh daemons with empty state (cold restart): every GPU's, since the
+    /// whole group reloads its weights.
+    pub async fn restart(&mut self) -> Result<()> {
+        self.terminate().await;
+        for g in &mut self.daemons {
+            g.start().await?;
+        }
+        Ok(())
+    }
+
+    /// Each daemon's last report, in device order (those that answered).
+    pub fn cached_statuses(&self) -> Vec<serde_json::Value> {
+        self.daemons
+            .iter()
+            .filter_map(GmsDaemon::cached_status)
+            .collect()
+    }
+
+    pub fn figures(&self) -> Vec<GmsFigures> {
+        self.daemons.iter().filter_map(GmsDaemon::figures).collect()
     }
 }
 

@@ -13,6 +13,7 @@ use shadow_pair::{FileId, SlotId};
 use tokio::sync::oneshot;
 
 use super::engine::{run_engine, EngineSlot, SharedOutput};
+use super::listen::ListenSockets;
 use super::lock::{self, LockLook};
 use crate::error::Result;
 use crate::exits::{Exit, ExitRouter};
@@ -39,6 +40,9 @@ pub struct Machine {
     pub output: Arc<SharedOutput>,
     pub router: Arc<ExitRouter>,
     pub lock_file: FileId,
+    /// The pair's listening sockets, handed to every engine; closed when
+    /// the pair (its supervisor) ends.
+    pub listen: Option<ListenSockets>,
     cgroups: [String; 2],
 }
 
@@ -48,6 +52,7 @@ impl Machine {
         output: Arc<SharedOutput>,
         router: Arc<ExitRouter>,
         lock_file: FileId,
+        listen: Option<ListenSockets>,
     ) -> Self {
         let cgroups = [engines[0].cgroup.clone(), engines[1].cgroup.clone()];
         Machine {
@@ -55,6 +60,7 @@ impl Machine {
             output,
             router,
             lock_file,
+            listen,
             cgroups,
         }
     }
@@ -63,7 +69,13 @@ impl Machine {
 #[async_trait]
 impl Host for Machine {
     async fn spawn(&self, slot: SlotId, fresh: bool) -> Result<u32> {
-        run_engine(&self.engines[slot.index()], self.output.clone(), fresh).await
+        run_engine(
+            &self.engines[slot.index()],
+            self.output.clone(),
+            fresh,
+            self.listen.as_ref(),
+        )
+        .await
     }
 
     fn reaped(&self, pid: u32) -> oneshot::Receiver<Exit> {

@@ -23,6 +23,7 @@ use super::dirs::PairDirs;
 use super::spec;
 use crate::config::Config;
 use crate::exits::ExitRouter;
+use crate::options::RuncOptions;
 use crate::runc::RuncClient;
 
 /// How long a killed gmsd gets to be gone.
@@ -71,10 +72,16 @@ impl PairName<'_> {
 /// Remove everything of the pair `name` that is left: both engines (`runc
 /// delete --force`), its gmsd, the namespace pins and any other mount below
 /// the pair directory, the pair cgroup, the directory and the metrics file.
-/// `runc_log_dir`: where runc may write its log (a bundle). Failures are
-/// logged: a cleanup has nobody better to give them to, and goes on.
-pub async fn remove(name: &PairName<'_>, runc_log_dir: &Path, router: Arc<ExitRouter>) {
-    match RuncClient::new(name.config, name.namespace, runc_log_dir, router) {
+/// `runc_log_dir`: where runc may write its log (a bundle); `runc`: the
+/// runc root and binary the task was created with. Failures are logged: a
+/// cleanup has nobody better to give them to, and goes on.
+pub async fn remove(
+    name: &PairName<'_>,
+    runc_log_dir: &Path,
+    router: Arc<ExitRouter>,
+    runc: &RuncOptions,
+) {
+    match RuncClient::new(name.config, name.namespace, runc_log_dir, router, runc) {
         Ok(runc) => {
             for slot in SlotId::BOTH {
                 let engine = spec::engine_id(name.id, slot);

@@ -12,8 +12,10 @@ mod create;
 pub mod dirs;
 pub mod engine;
 pub mod gms;
+pub mod gpus;
 pub mod host;
 pub mod leftovers;
+pub mod listen;
 pub mod lock;
 pub mod netns;
 pub mod notify;
@@ -62,6 +64,10 @@ pub struct PairRequest {
     pub gms: Option<GmsBackend>,
     /// One engine and no shadow (`shadow.dev/shadow=false`).
     pub single: bool,
+    /// `shadow.dev/listen`: the sockets the pair owns (else the config's).
+    pub listen: Option<Vec<shadow_contract::listen::Listen>>,
+    /// runc settings from the task's options, for both engines.
+    pub runc: crate::options::RuncOptions,
 }
 
 pub struct PairedContainer {
@@ -342,16 +348,16 @@ impl Container for PairedContainer {
     }
 
     async fn resize_pty(&self, exec: ExecId<'_>, width: u32, height: u32) -> Result<()> {
+        // An engine pair has no terminal: nothing to resize, which runc-v2
+        // answers with OK for any process without one.
         let Some(exec_id) = exec else {
-            return Err(Error::FailedPrecondition(
-                "an engine pair has no terminal".into(),
-            ));
+            return Ok(());
         };
         let proc = self.process(exec_id).await?;
         let st = proc.state.lock().await;
         match &st.io {
             Some(io) => io.resize(width, height),
-            None => Err(Error::FailedPrecondition("process has no terminal".into())),
+            None => Ok(()),
         }
     }
 

@@ -139,12 +139,12 @@ pub fn exit(host: &dyn Host, slot: SlotId, pid: u32, tx: UnboundedSender<Input>)
     });
 }
 
-/// Watch the kernel log for XIDs of the pair's GPUs until `stop`.
-pub fn xids(id: &str, gpus: &[String], stop: Arc<AtomicBool>, tx: UnboundedSender<Input>) {
-    if gpus.is_empty() {
+/// Watch the kernel log for XIDs of the pair's GPUs (by PCI bus) until `stop`.
+pub fn xids(id: &str, buses: &[String], stop: Arc<AtomicBool>, tx: UnboundedSender<Input>) {
+    if buses.is_empty() {
         return;
     }
-    let buses = super::xid::gpu_buses(std::path::Path::new("/proc/driver/nvidia/gpus"), gpus);
+    let buses = buses.to_vec();
     log::info!("pair {id}: watching XIDs of GPUs {buses:?}");
     super::xid::watch(buses, stop, move |xid| {
         let _ = tx.send(Input::Xid(xid));

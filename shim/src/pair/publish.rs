@@ -41,9 +41,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// The gmsd status as last polled, when the pair has a daemon.
+/// The gmsd statuses as last polled (one per daemon that answered), when
+/// the pair has GMS.
 pub struct GmsStatus {
-    pub report: Option<serde_json::Value>,
+    pub reports: Vec<serde_json::Value>,
     pub figures: Vec<GmsFigures>,
 }
 
@@ -63,7 +64,7 @@ pub struct Publisher {
     last_pid: u32,
     /// What the files were last written from: the pair's revision, the
     /// number of promotions recorded, the gmsd report.
-    written: Option<(u64, u64, Option<serde_json::Value>)>,
+    written: Option<(u64, u64, Vec<serde_json::Value>)>,
     recorded: u64,
     exit_status: Option<u32>,
 }
@@ -161,8 +162,8 @@ impl Publisher {
             v.started = true;
             changed
         });
-        let (report, figures) = gms.map(|g| (g.report, g.figures)).unwrap_or_default();
-        let key = (pair.revision(), self.recorded, report);
+        let (reports, figures) = gms.map(|g| (g.reports, g.figures)).unwrap_or_default();
+        let key = (pair.revision(), self.recorded, reports);
         if !force && self.written.as_ref() == Some(&key) {
             return;
         }
@@ -176,7 +177,8 @@ impl Publisher {
             runc_ids: self.runc_ids.clone(),
             pair: state_file::snapshot(&snap),
             promotions: self.promotions.iter().cloned().collect(),
-            gms: key.2.clone().and_then(state_file::gms),
+            gms: key.2.first().cloned().and_then(state_file::gms),
+            gms_daemons: key.2.iter().cloned().filter_map(state_file::gms).collect(),
             exit_status: self.exit_status,
             updated_unix_us: unix_us(SystemTime::now()),
         };

@@ -171,7 +171,7 @@ impl Rig {
             containerd: "/run/containerd/containerd.sock".into(),
             metrics_file: dir.path().join("pair.prom"),
             gms: None,
-            gpus: Vec::new(),
+            gpu_buses: Vec::new(),
             single: false,
         });
         let input = sup.input();

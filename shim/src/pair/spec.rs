@@ -32,6 +32,10 @@ pub struct EngineInputs<'a> {
     pub pinned: Option<(&'a Path, &'a Path)>,
     /// The pair's cgroup (the spec's `cgroupsPath`): engines go below it.
     pub cgroup_parent: &'a str,
+    /// The pair's listening sockets' `LISTEN_FDNAMES` (empty: none).
+    pub listen_names: &'a [String],
+    /// Unix listening sockets: (host path, path in the container).
+    pub listen_mounts: &'a [(PathBuf, PathBuf)],
 }
 
 /// The runc container id of a slot's engine.
@@ -75,47 +79,53 @@ pub fn needs_pinned_namespaces(spec: &Value) -> bool {
     })
 }
 
+/// The network namespace the pair's listening sockets belong in: the
+/// spec's (a sandbox's path), the pinned one (`pinned`, for a namespace
+/// asked for without a path), or None for a spec without one (the host's).
+pub fn network_namespace(spec: &Value, pinned: Option<&Path>) -> Result<Option<PathBuf>> {
+    let Some(ns) = namespaces(spec)
+        .into_iter()
+        .find(|ns| ns.get("type").and_then(Value::as_str) == Some("network"))
+    else {
+        return Ok(None);
+    };
+    match ns
+        .get("path")
+        .and_then(Value::as_str)
+        .filter(|p| !p.is_empty())
+    {
+        Some(p) => Ok(Some(PathBuf::from(p))),
+        None => pinned.map(|p| Some(p.to_path_buf())).ok_or_else(|| {
+            Error::FailedPrecondition("a new network namespace without a pinned one".into())
+        }),
+    }
+}
+
+/// `LISTEN_PID=1` must be true: each engine is the init of a pid namespace
+/// of its own, so the spec must ask for a new one (not join a path).
+pub fn check_listen_pid(spec: &Value, id: &str) -> Result<()> {
+    let own = namespaces(spec).iter().any(|ns| {
+        ns.get("type").and_then(Value::as_str) == Some("pid")
+            && ns
+                .get("path")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+    });
+    if own {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "container {id}: {} needs each engine in a pid namespace of its own (the sockets are handed down with LISTEN_PID=1); the spec shares the host's or another container's",
+            shadow_contract::annotations::LISTEN
+        )))
+    }
+}
+
 fn namespaces(spec: &Value) -> Vec<Value> {
     spec.pointer("/linux/namespaces")
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default()
-}
-
-/// Whether the spec gives the container NVIDIA GPUs (then GMS runs `cuda`).
-pub fn nvidia_devices(spec: &Value) -> Vec<String> {
-    let mut out = Vec::new();
-    for e in spec
-        .pointer("/process/env")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-    {
-        if let Some(v) = e.strip_prefix("NVIDIA_VISIBLE_DEVICES=") {
-            if !v.is_empty() && v != "void" && v != "none" {
-                out.extend(v.split(',').map(|s| s.trim().to_string()));
-            }
-        }
-    }
-    for d in spec
-        .pointer("/linux/devices")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        if let Some(p) = d.get("path").and_then(Value::as_str) {
-            if let Some(n) = p.strip_prefix("/dev/nvidia") {
-                if !n.is_empty()
-                    && n.chars().all(|c| c.is_ascii_digit())
-                    && !out.iter().any(|x| x == n)
-                {
-                    out.push(n.to_string());
-                }
-            }
-        }
-    }
-    out
 }
 
 /// The absolute rootfs of a bundle's spec.
@@ -192,6 +202,9 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     if e.gms_dir.is_some() {
         ours.push(env::entry(env::GMS_SOCKET_DIR, paths::GMS_DIR));
     }
+    if !e.listen_names.is_empty() {
+        ours.extend(shadow_contract::listen::env_entries(e.listen_names));
+    }
     let process = obj
         .get_mut("process")
         .and_then(Value::as_object_mut)
@@ -219,13 +232,21 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     let mounts = mounts
         .as_array_mut()
         .ok_or_else(|| Error::InvalidArgument("OCI spec mounts is not a list".into()))?;
+    let sockets: Vec<String> = e
+        .listen_mounts
+        .iter()
+        .map(|(_, inside)| inside.display().to_string())
+        .collect();
     mounts.retain(|m| {
         let d = m.get("destination").and_then(Value::as_str).unwrap_or("");
-        d != paths::PAIR_DIR && d != paths::GMS_DIR
+        d != paths::PAIR_DIR && d != paths::GMS_DIR && !sockets.iter().any(|s| s == d)
     });
     mounts.push(bind(e.pair_dir, paths::PAIR_DIR));
     if let Some(g) = e.gms_dir {
         mounts.push(bind(g, paths::GMS_DIR));
+    }
+    for ((host, _), inside) in e.listen_mounts.iter().zip(&sockets) {
+        mounts.push(bind(host, inside));
     }
 
     let linux = obj
@@ -293,6 +314,8 @@ mod tests {
             gms_dir: Some(Path::new("/run/shadow/ns1/c1/gms")),
             pinned,
             cgroup_parent: "/ns1/c1",
+            listen_names: &[],
+            listen_mounts: &[],
         }
     }
 
@@ -368,6 +391,78 @@ mod tests {
     }
 
     #[test]
+    fn listening_sockets_give_the_socket_env_and_mounts() {
+        let names = ["tcp-8000".to_string(), "unix-e.sock".to_string()];
+        let mounts = [(
+            PathBuf::from("/run/shadow/ns1/c1/listen/1.sock"),
+            PathBuf::from("/run/e.sock"),
+        )];
+        let mut i = inputs(SlotId::ZERO, None);
+        i.listen_names = &names;
+        i.listen_mounts = &mounts;
+        let mut s = spec();
+        s["process"]["env"] = json!(["LISTEN_FDS=9", "PATH=/bin"]);
+        s["mounts"] = json!([{"destination": "/run/e.sock", "type": "bind", "source": "/x"}]);
+        let e = engine_spec(&s, &i).unwrap();
+        let env: Vec<&str> = e["process"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .filter(|v| v.starts_with("LISTEN_"))
+            .collect();
+        assert_eq!(
+            env,
+            [
+                "LISTEN_FDS=2",
+                "LISTEN_PID=1",
+                "LISTEN_FDNAMES=tcp-8000:unix-e.sock"
+            ]
+        );
+        let sock: Vec<&Value> = e["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["destination"] == "/run/e.sock")
+            .collect();
+        assert_eq!(sock.len(), 1);
+        assert_eq!(sock[0]["source"], "/run/shadow/ns1/c1/listen/1.sock");
+        // Without sockets: no variables.
+        let e = engine_spec(&spec(), &inputs(SlotId::ZERO, None)).unwrap();
+        assert!(!e.to_string().contains("LISTEN_FDS"));
+    }
+
+    #[test]
+    fn listening_needs_an_own_pid_namespace_and_finds_the_network_one() {
+        let s = spec();
+        assert!(check_listen_pid(&s, "c1").is_ok());
+        let mut shared = spec();
+        shared["linux"]["namespaces"][0]["path"] = "/proc/7/ns/pid".into();
+        let e = check_listen_pid(&shared, "c1").unwrap_err().to_string();
+        assert!(e.contains("LISTEN_PID=1"), "{e}");
+        let mut host = spec();
+        host["linux"]["namespaces"] = json!([{"type": "network"}]);
+        assert!(check_listen_pid(&host, "c1").is_err());
+
+        let pin = Path::new("/p/ns/net");
+        assert_eq!(
+            network_namespace(&s, Some(pin)).unwrap().as_deref(),
+            Some(pin)
+        );
+        let mut sandboxed = spec();
+        sandboxed["linux"]["namespaces"][1]["path"] = "/var/run/netns/cni-1".into();
+        assert_eq!(
+            network_namespace(&sandboxed, None).unwrap(),
+            Some(PathBuf::from("/var/run/netns/cni-1"))
+        );
+        assert_eq!(network_namespace(&host_net(), None).unwrap(), None);
+    }
+
+    fn host_net() -> Value {
+        json!({"linux": {"namespaces": [{"type": "pid"}]}})
+    }
+
+    #[test]
     fn cgroup_paths_and_ids() {
         assert_eq!(pair_cgroup(&spec(), "ns1", "c1").unwrap(), "/ns1/c1");
         assert_eq!(
@@ -379,20 +474,6 @@ mod tests {
         assert!(e.contains("systemd"), "{e}");
         assert_eq!(engine_id("c1", SlotId::ONE), "c1-s1");
         assert_eq!(engine_cgroup("/ns1/c1/", SlotId::ZERO), "/ns1/c1/s0");
-    }
-
-    #[test]
-    fn nvidia_gpus_from_env_or_devices() {
-        assert!(nvidia_devices(&spec()).is_empty());
-        let mut s = spec();
-        s["process"]["env"] = json!(["NVIDIA_VISIBLE_DEVICES=0,1"]);
-        assert_eq!(nvidia_devices(&s), ["0", "1"]);
-        let mut s = spec();
-        s["linux"]["devices"] = json!([{"path": "/dev/nvidia2"}, {"path": "/dev/nvidiactl"}]);
-        assert_eq!(nvidia_devices(&s), ["2"]);
-        let mut s = spec();
-        s["process"]["env"] = json!(["NVIDIA_VISIBLE_DEVICES=void"]);
-        assert!(nvidia_devices(&s).is_empty());
     }
     #[test]
     fn exec_env_gets_the_engines_contract_variables() {

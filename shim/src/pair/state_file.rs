@@ -5,7 +5,9 @@
 //! its internals without changing what tools read.
 
 use shadow_contract::state as file;
-use shadow_pair::{DeathSign, EngineState, Exit, FailureClass, Promotion, Slot, SlotId, Snapshot};
+use shadow_pair::{
+    ColdRestartCause, DeathSign, EngineState, Exit, FailureClass, Promotion, Slot, SlotId, Snapshot,
+};
 
 fn slot_id(s: SlotId) -> u8 {
     // A slot is 0 or 1 by construction.
@@ -82,6 +84,13 @@ pub fn snapshot(s: &Snapshot) -> file::PairSnapshot {
         failovers: s.failovers,
         cold_restarts: s.cold_restarts,
         last_promotion: s.last_promotion.as_ref().map(promotion),
+        last_cold_restart: s.last_cold_restart.as_ref().map(|c| match c {
+            ColdRestartCause::GmsDied { device } => file::ColdRestartCause::GmsDied {
+                device: device.clone(),
+            },
+            ColdRestartCause::Xid { xid } => file::ColdRestartCause::Xid { xid: *xid },
+        }),
+        gms_deaths: s.gms_deaths.clone(),
     }
 }
 

@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 
 use super::config::PairConfig;
 use super::engine::SharedOutput;
-use super::gms::GmsDaemon;
+use super::gms::GmsDaemons;
 use super::host::Host;
 use super::lock::LockSeen;
 use super::notify::{Datagram, NotifySocket};
@@ -63,7 +63,9 @@ pub enum Input {
         signal: u32,
     },
     Escalate,
+    /// The GMS daemon at `index` of the pair's daemons died.
     GmsDied {
+        index: usize,
         generation: u64,
     },
     /// An XID on one of the pair's GPUs (kernel log).
@@ -89,9 +91,9 @@ pub struct Parts {
     /// containerd's address, recorded in `state.json`.
     pub containerd: String,
     pub metrics_file: PathBuf,
-    pub gms: Option<GmsDaemon>,
-    /// The spec's NVIDIA GPUs (UUIDs or indices): their XIDs are watched.
-    pub gpus: Vec<String>,
+    pub gms: Option<GmsDaemons>,
+    /// PCI buses of the GPUs the spec's devices grant: their XIDs are watched.
+    pub gpu_buses: Vec<String>,
     /// One engine, restarted in place, no shadow.
     pub single: bool,
 }
@@ -107,8 +109,8 @@ pub struct Supervisor {
     events: EventSink,
     notify: Option<NotifySocket>,
     lock_path: Option<PathBuf>,
-    gms: Option<GmsDaemon>,
-    gpus: Vec<String>,
+    gms: Option<GmsDaemons>,
+    gpu_buses: Vec<String>,
     /// Ends the XID watcher thread with the pair.
     xid_stop: Arc<AtomicBool>,
     tx: mpsc::UnboundedSender<Input>,
@@ -153,7 +155,7 @@ impl Supervisor {
             notify: p.notify,
             lock_path: p.lock_path,
             gms: p.gms,
-            gpus: p.gpus,
+            gpu_buses: p.gpu_buses,
             xid_stop: Arc::new(AtomicBool::new(false)),
             tx,
             rx,
@@ -171,7 +173,7 @@ impl Supervisor {
 
     /// A pair that will not run (Start failed, or Delete before Start):
     /// close the output and hand back the GMS daemon.
-    pub fn abandon(mut self) -> Option<GmsDaemon> {
+    pub fn abandon(mut self) -> Option<GmsDaemons> {
         self.output.close();
         self.gms.take()
     }
@@ -205,7 +207,7 @@ impl Supervisor {
     }
 
     /// Run until the pair is gone; hands back the GMS daemon for Delete.
-    pub async fn run_to_end(mut self) -> Option<GmsDaemon> {
+    pub async fn run_to_end(mut self) -> Option<GmsDaemons> {
         self.run().await;
         self.xid_stop.store(true, Ordering::Relaxed);
         self.gms.take()
@@ -222,9 +224,14 @@ impl Supervisor {
             }
         }
         if let Some(g) = &self.gms {
-            g.watch(self.router.clone(), self.tx.clone());
+            g.watch(&self.router, &self.tx);
         }
-        observe::xids(&self.id, &self.gpus, self.xid_stop.clone(), self.tx.clone());
+        observe::xids(
+            &self.id,
+            &self.gpu_buses,
+            self.xid_stop.clone(),
+            self.tx.clone(),
+        );
         loop {
             let wake = self.next_wake();
             let input = tokio::select! {
@@ -395,13 +402,22 @@ impl Supervisor {
                 let now = self.clock.now();
                 self.pair.handle(PairEvent::Xid(xid), now)
             }
-            Input::GmsDied { generation } => {
-                if self.gms.as_ref().map(GmsDaemon::generation) != Some(generation) {
+            Input::GmsDied { index, generation } => {
+                let Some(g) = self
+                    .gms
+                    .as_ref()
+                    .and_then(|g| g.daemon(index))
+                    .filter(|g| g.generation() == generation)
+                else {
                     return Vec::new();
-                }
-                log::warn!("pair {}: gmsd died: cold restart of the pair", self.id);
+                };
+                let device = g.name().to_string();
+                log::warn!(
+                    "pair {}: gmsd of {device} died: cold restart of the pair",
+                    self.id
+                );
                 let now = self.clock.now();
-                self.pair.handle(PairEvent::GmsDied, now)
+                self.pair.handle(PairEvent::GmsDied { device }, now)
             }
         }
     }
@@ -452,7 +468,7 @@ impl Supervisor {
                 Action::RestartGms => {
                     if let Some(g) = self.gms.as_mut() {
                         match g.restart().await {
-                            Ok(()) => g.watch(self.router.clone(), self.tx.clone()),
+                            Ok(()) => g.watch(&self.router, &self.tx),
                             Err(e) => {
                                 // The engines will find no socket and fail
                                 // early: the restart budget ends the pair.
@@ -517,7 +533,7 @@ impl Supervisor {
 
     fn gms_status(&self) -> Option<GmsStatus> {
         self.gms.as_ref().map(|g| GmsStatus {
-            report: g.cached_status(),
+            reports: g.cached_statuses(),
             figures: g.figures(),
         })
     }

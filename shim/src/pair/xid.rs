@@ -4,12 +4,11 @@
 //! the kernel ring buffer. Whether a fault leaves GMS memory valid decides
 //! between a failover and a cold restart of the pair (`shadow_pair::XidClass`),
 //! so the shim follows `/dev/kmsg` for as long as a pair with GPUs lives and
-//! reports the XIDs of that pair's GPUs only. A GPU named by UUID or index in
-//! the spec is mapped to its PCI bus id through the driver's
-//! `/proc/driver/nvidia/gpus/<bus>/information`, so no NVML is needed.
+//! reports the XIDs of that pair's GPUs only: those the spec's devices grant,
+//! with their PCI bus ids from the driver's proc directory (`gpus.rs`), so no
+//! NVML is needed.
 
 use std::os::fd::AsFd;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -32,41 +31,12 @@ pub fn parse_xid(record: &str) -> Option<(String, u32)> {
 }
 
 /// `0000:3B:00.0` and `0000:3b:00` name the same GPU.
-fn normalise_bus(bus: &str) -> String {
+pub(super) fn normalise_bus(bus: &str) -> String {
     let lower = bus.to_ascii_lowercase();
     match lower.rsplit_once('.') {
         Some((head, func)) if func.chars().all(|c| c.is_ascii_digit()) => head.to_string(),
         _ => lower,
     }
-}
-
-/// PCI bus ids of the GPUs the spec names (`NVIDIA_VISIBLE_DEVICES` values or
-/// `/dev/nvidiaN` minors), from the driver's proc directory. `all` names
-/// every GPU. Unknown names are skipped: the driver may not be loaded.
-pub fn gpu_buses(proc_gpus: &Path, wanted: &[String]) -> Vec<String> {
-    let Ok(dir) = std::fs::read_dir(proc_gpus) else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for entry in dir.flatten() {
-        let bus = entry.file_name().to_string_lossy().into_owned();
-        let info = std::fs::read_to_string(entry.path().join("information")).unwrap_or_default();
-        let field = |key: &str| {
-            info.lines()
-                .find_map(|l| l.strip_prefix(key))
-                .map(|v| v.trim().to_string())
-        };
-        let uuid = field("GPU UUID:");
-        let minor = field("Device Minor:");
-        let named = wanted
-            .iter()
-            .any(|w| w == "all" || Some(w) == uuid.as_ref() || Some(w) == minor.as_ref());
-        if named {
-            out.push(normalise_bus(&bus));
-        }
-    }
-    out.sort();
-    out
 }
 
 /// Follows `/dev/kmsg` on a thread until `stop` is set, calling `report` for
@@ -152,39 +122,5 @@ mod tests {
         );
         assert_eq!(parse_xid("NVRM: Xid (PCI:0000:3b:00): , garbage"), None);
         assert_eq!(parse_xid("usb 1-1: new high-speed USB device"), None);
-    }
-
-    #[test]
-    fn maps_uuids_and_minors_to_buses() {
-        let dir = tempfile::tempdir().unwrap();
-        for (bus, uuid, minor) in [
-            (
-                "0000:3b:00.0",
-                "GPU-11111111-2222-3333-4444-555555555555",
-                "0",
-            ),
-            (
-                "0000:C1:00.0",
-                "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee",
-                "1",
-            ),
-        ] {
-            let d = dir.path().join(bus);
-            std::fs::create_dir(&d).unwrap();
-            std::fs::write(
-                d.join("information"),
-                format!("Model: \t\t NVIDIA H200\nIRQ:   \t\t 42\nGPU UUID: \t {uuid}\nDevice Minor: \t {minor}\n"),
-            )
-            .unwrap();
-        }
-        let p = dir.path();
-        assert_eq!(
-            gpu_buses(p, &["GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee".into()]),
-            ["0000:c1:00"]
-        );
-        assert_eq!(gpu_buses(p, &["0".into()]), ["0000:3b:00"]);
-        assert_eq!(gpu_buses(p, &["all".into()]), ["0000:3b:00", "0000:c1:00"]);
-        assert!(gpu_buses(p, &["7".into()]).is_empty());
-        assert!(gpu_buses(&p.join("absent"), &["0".into()]).is_empty());
     }
 }

@@ -3,13 +3,24 @@
 //! it: it runs in a container under runc, takes the kernel lock, speaks
 //! sd_notify and GMS for real.
 //!
-//! 1. with `GMS_SOCKET_DIR/gms-host.sock`: `rw_or_ro`; the writer fills
-//!    `--weights-mib` MiB from `--seed`, commits, and appends a line to
-//!    `/run/shadow/pair/loads.log`; a reader imports and checks the sum;
-//! 2. binds `127.0.0.1:<port>` with SO_REUSEPORT (not listening yet), sends
+//! 0. with `--ranks N` (N > 1): starts N-1 rank processes (itself with
+//!    `--rank I`), as a tensor-parallel engine does, and follows them: a
+//!    rank's death ends the engine (the ranks are killed, exit 1), the group
+//!    contract of docs/engine-contract.md;
+//! 1. for each daemon socket in `GMS_SOCKET_DIR` (`gms-host.sock`, or one
+//!    `gms-<GPU-UUID>.sock` per GPU): `rw_or_ro`; the writer fills
+//!    `--weights-mib` MiB from `--seed` (+ the device's place), commits, and
+//!    appends a line to `/run/shadow/pair/loads.log`; a reader imports and
+//!    checks the sum;
+//! 2. takes the pair's inherited listening socket when `LISTEN_FDS` is set
+//!    (`shadow.dev/listen`; `--port` is then unused), else binds
+//!    `127.0.0.1:<port>` with SO_REUSEPORT (not listening yet); sends
 //!    `STATUS=parked`, blocks in `flock(LOCK_EX)` on `SHADOW_LOCK_PATH`;
-//! 3. listens, sends `READY=1`, and answers each connection with one line:
-//!    `slot=<n> boot=<start µs> weights=<sum> loaded=<bool> lock_us=<t> ready_us=<t>`.
+//!    a parked engine never accepts;
+//! 3. listens (its own socket), sends `READY=1`, and answers each
+//!    connection with one line: `slot=<n> boot=<start µs> weights=<sum>
+//!    loaded=<bool> lock_us=<t> ready_us=<t> ranks=<n> gms=<socket names,
+//!    comma-separated> listen=inherited|own`.
 //!
 //! Flags: `--port N`, `--no-notify` (lock only), `--crash CODE` (exit with
 //! CODE right after start), `--weights-mib N`, `--seed N` (`--help`).
@@ -55,6 +66,12 @@ struct Cli {
     /// Seed of the weights' values.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Processes in the engine's group (the main process and N-1 ranks).
+    #[arg(long, default_value_t = 1)]
+    ranks: u32,
+    /// Run as rank I of a group (started by the main process).
+    #[arg(long, hide = true)]
+    rank: Option<u32>,
 }
 
 fn notify(state: sd_notify::NotifyState<'_>) {
@@ -88,19 +105,70 @@ fn checksum(buf: &[u8]) -> u64 {
 struct Weights {
     sum: u64,
     loaded: bool,
+    /// The daemons' socket names, comma-separated.
+    names: String,
     // Held for the engine's life: the lease and the mappings.
     _keep: Box<dyn std::any::Any>,
 }
 
+/// The daemons' sockets in the GMS directory: the host daemon's, else one
+/// per GPU, by name.
+fn gms_sockets(dir: &Path) -> Vec<std::path::PathBuf> {
+    let host = gms::client::host_socket(dir);
+    if host.exists() {
+        return vec![host];
+    }
+    let mut out: Vec<_> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(paths::is_gms_socket_name)
+        })
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    out
+}
+
+/// Weights on every daemon of the pair (one shard per GPU); the sum folds
+/// every shard's, so an answer depends on all of them.
 fn attach_gms(dir: &Path, slot: &str, mib: u64, seed: u64) -> Option<Weights> {
-    use gms::client::{host_socket, Client};
-    use gms::protocol::{LeaseKind, Mode};
-    let socket = host_socket(dir);
-    if !socket.exists() {
+    let sockets = gms_sockets(dir);
+    if sockets.is_empty() {
         return None;
     }
+    let mut sum = 0u64;
+    let mut loaded = false;
+    let mut keep: Vec<Box<dyn std::any::Any>> = Vec::new();
+    let mut names = Vec::new();
+    for (i, socket) in sockets.iter().enumerate() {
+        let shard = attach_one(socket, slot, mib, seed + i as u64);
+        sum = sum.rotate_left(17) ^ shard.sum;
+        loaded |= shard.loaded;
+        keep.push(shard._keep);
+        names.push(
+            socket
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        );
+    }
+    Some(Weights {
+        sum,
+        loaded,
+        names: names.join(","),
+        _keep: Box::new(keep),
+    })
+}
+
+fn attach_one(socket: &Path, slot: &str, mib: u64, seed: u64) -> Weights {
+    use gms::client::Client;
+    use gms::protocol::{LeaseKind, Mode};
     let mut c = Client::connect_wait(
-        &socket,
+        socket,
         Mode::RwOrRo,
         &format!("engine-{slot}"),
         Duration::from_secs(10),
@@ -124,13 +192,19 @@ fn attach_gms(dir: &Path, slot: &str, mib: u64, seed: u64) -> Option<Weights> {
             .append(true)
             .open(log)
         {
-            let _ = writeln!(f, "slot={slot} pid={}", std::process::id());
+            let _ = writeln!(
+                f,
+                "slot={slot} pid={} socket={}",
+                std::process::id(),
+                socket.display()
+            );
         }
-        Some(Weights {
+        Weights {
             sum,
             loaded: true,
+            names: String::new(),
             _keep: Box::new((c, w)),
-        })
+        }
     } else {
         let imported = c.import().unwrap_or_else(|e| fail("importing weights", e));
         let n = (mib << 20) as usize;
@@ -145,11 +219,56 @@ fn attach_gms(dir: &Path, slot: &str, mib: u64, seed: u64) -> Option<Weights> {
         if sum != checksum(&expect) {
             fail("imported weights", "checksum mismatch");
         }
-        Some(Weights {
+        Weights {
             sum,
             loaded: false,
+            names: String::new(),
             _keep: Box::new((c, imported)),
-        })
+        }
+    }
+}
+
+/// A rank: dies with the main process (as NCCL ranks do when their group
+/// is gone) and otherwise waits.
+fn run_rank(rank: u32) -> ! {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and touches no memory.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    eprintln!("test-engine rank {rank} pid {}", std::process::id());
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Starts ranks 1..n and follows them: the death of any ends the engine
+/// (the others are killed, the main process exits 1), so the runtime, which
+/// sees only the main process, never keeps a half group serving.
+fn start_ranks(slot: &str, n: u32) {
+    let exe = std::env::current_exe().unwrap_or_else(|e| fail("current_exe", e));
+    let mut children = Vec::new();
+    for rank in 1..n {
+        let child = std::process::Command::new(&exe)
+            .arg("--rank")
+            .arg(rank.to_string())
+            .spawn()
+            .unwrap_or_else(|e| fail("starting a rank", e));
+        children.push(child);
+    }
+    let pids: Vec<i32> = children.iter().map(|c| c.id() as i32).collect();
+    for (i, mut child) in children.into_iter().enumerate() {
+        let pids = pids.clone();
+        let slot = slot.to_string();
+        std::thread::spawn(move || {
+            let status = child.wait();
+            eprintln!(
+                "test-engine slot {slot}: rank {} ended ({status:?}): ending the engine",
+                i + 1
+            );
+            for p in pids {
+                // SAFETY: kill(2) of our own rank processes.
+                unsafe { libc::kill(p, libc::SIGKILL) };
+            }
+            std::process::exit(1);
+        });
     }
 }
 
@@ -160,7 +279,12 @@ fn main() {
         crash,
         weights_mib: mib,
         seed,
+        ranks,
+        rank,
     } = Cli::parse();
+    if let Some(r) = rank {
+        run_rank(r);
+    }
     let speak = !no_notify;
     // As pid 1 of its container, SIGTERM would be ignored without a handler:
     // block it here and let one thread exit as a shell would (143).
@@ -179,53 +303,82 @@ fn main() {
         eprintln!("test-engine slot {slot}: crashing with {code}");
         std::process::exit(code);
     }
+    if ranks > 1 {
+        start_ranks(&slot, ranks);
+    }
     let weights = std::env::var_os(env::GMS_SOCKET_DIR)
         .and_then(|d| attach_gms(Path::new(&d), &slot, mib, seed));
 
-    // Bound now, listening only once active: connections reach the active.
-    let sock: OwnedFd = socket(
-        AddressFamily::Inet,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .unwrap_or_else(|e| fail("socket", e));
-    setsockopt(&sock, sockopt::ReusePort, &true).unwrap_or_else(|e| fail("SO_REUSEPORT", e));
-    setsockopt(&sock, sockopt::ReuseAddr, &true).unwrap_or_else(|e| fail("SO_REUSEADDR", e));
-    bind(
-        std::os::fd::AsRawFd::as_raw_fd(&sock),
-        &SockaddrIn::new(127, 0, 0, 1, port),
-    )
-    .unwrap_or_else(|e| fail("bind", e));
+    // The pair's socket (already listening: connections wait in its backlog
+    // until an active engine accepts), else one bound now and listening
+    // only once active, so that connections reach the active.
+    let inherited = shadow_contract::listen::inherited().into_iter().next();
+    let listen_kind = if inherited.is_some() {
+        "inherited"
+    } else {
+        "own"
+    };
+    let sock: OwnedFd = match inherited {
+        Some(s) => s.fd,
+        None => {
+            let sock = socket(
+                AddressFamily::Inet,
+                SockType::Stream,
+                SockFlag::SOCK_CLOEXEC,
+                None,
+            )
+            .unwrap_or_else(|e| fail("socket", e));
+            setsockopt(&sock, sockopt::ReusePort, &true)
+                .unwrap_or_else(|e| fail("SO_REUSEPORT", e));
+            setsockopt(&sock, sockopt::ReuseAddr, &true)
+                .unwrap_or_else(|e| fail("SO_REUSEADDR", e));
+            bind(
+                std::os::fd::AsRawFd::as_raw_fd(&sock),
+                &SockaddrIn::new(127, 0, 0, 1, port),
+            )
+            .unwrap_or_else(|e| fail("bind", e));
+            sock
+        }
+    };
 
     if speak {
         notify(sd_notify::NotifyState::Status("parked"));
     }
-    let lock_path = std::env::var(env::LOCK_PATH).unwrap_or_else(|_| paths::LOCK_PATH.into());
-    let lock = std::fs::File::open(&lock_path).unwrap_or_else(|e| fail(&lock_path, e));
-    let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
-        .unwrap_or_else(|(_, e)| fail("flock", e));
+    // Alone (no variable, no pair directory: plain runc) it takes no lock.
+    let lock_path = std::env::var(env::LOCK_PATH).ok().or_else(|| {
+        Path::new(paths::LOCK_PATH)
+            .exists()
+            .then(|| paths::LOCK_PATH.to_string())
+    });
+    let _held = lock_path.map(|lock_path| {
+        let lock = std::fs::File::open(&lock_path).unwrap_or_else(|e| fail(&lock_path, e));
+        nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .unwrap_or_else(|(_, e)| fail("flock", e))
+    });
     let lock_us = now_us();
-    listen(&sock, Backlog::new(128).unwrap_or(Backlog::MAXCONN))
-        .unwrap_or_else(|e| fail("listen", e));
+    if listen_kind == "own" {
+        listen(&sock, Backlog::new(128).unwrap_or(Backlog::MAXCONN))
+            .unwrap_or_else(|e| fail("listen", e));
+    }
     let listener = TcpListener::from(sock);
     if speak {
         notify(sd_notify::NotifyState::Ready);
     }
     let ready_us = now_us();
     println!(
-        "test-engine slot {slot} pid {} serving on {port}",
-        std::process::id()
+        "test-engine slot {slot} pid {} serving on {} socket",
+        std::process::id(),
+        listen_kind
     );
-    let (sum, loaded) = weights
+    let (sum, loaded, names) = weights
         .as_ref()
-        .map(|w| (w.sum, w.loaded))
-        .unwrap_or((0, false));
+        .map(|w| (w.sum, w.loaded, w.names.as_str()))
+        .unwrap_or((0, false, ""));
     for conn in listener.incoming() {
         let Ok(mut c) = conn else { continue };
         let _ = writeln!(
             c,
-            "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us}"
+            "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us} ranks={ranks} gms={names} listen={listen_kind}"
         );
     }
 }

@@ -4,3 +4,5 @@
 //! item of docs/security.md.
 
 mod control;
+mod gms;
+mod gpus;

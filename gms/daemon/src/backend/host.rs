@@ -29,6 +29,9 @@ use super::{Backend, Memory};
 
 pub struct HostBackend {
     page: u64,
+    /// The GPU this backend stands in for (`gmsd --device host:GPU-…`), or
+    /// none for plain `host`.
+    stands_for: Option<String>,
 }
 
 impl HostBackend {
@@ -36,7 +39,30 @@ impl HostBackend {
         let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
             .map_err(|e| Error::sys("sysconf(_SC_PAGESIZE)", e))?
             .ok_or_else(|| Error::Backend("the kernel reports no page size".into()))?;
-        Ok(HostBackend { page: page as u64 })
+        Ok(HostBackend {
+            page: page as u64,
+            stands_for: None,
+        })
+    }
+
+    /// Host memory served under a GPU's name: the socket is that GPU's
+    /// (`gms-<GPU-UUID>.sock`) and the status names it. For tests of
+    /// multi-GPU pairs on machines without GPUs.
+    pub fn standing_for(uuid: &str) -> Result<Self> {
+        let valid = uuid.starts_with("GPU-")
+            && uuid.len() <= 64
+            && uuid[4..]
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-');
+        if !valid {
+            return Err(Error::Backend(format!(
+                "host:{uuid}: not a GPU UUID (GPU-<hex and dashes>)"
+            )));
+        }
+        Ok(HostBackend {
+            stands_for: Some(uuid.to_string()),
+            ..HostBackend::new()?
+        })
     }
 }
 
@@ -46,11 +72,14 @@ impl Backend for HostBackend {
     }
 
     fn device(&self) -> String {
-        "host".into()
+        self.stands_for.clone().unwrap_or_else(|| "host".into())
     }
 
     fn socket_name(&self) -> String {
-        shadow_contract::paths::GMS_HOST_SOCKET.into()
+        match &self.stands_for {
+            Some(uuid) => shadow_contract::paths::gms_socket_name(uuid),
+            None => shadow_contract::paths::GMS_HOST_SOCKET.into(),
+        }
     }
 
     fn granularity(&self) -> u64 {

@@ -9,6 +9,9 @@
 //! - `reader-write`: import, try to make the mapping writable, then write
 //!   to it: expected to die of SIGSEGV.
 //! - `import`: time one import and print it (the benchmark's reader).
+//! - `reset`: ask for the supervisor's reset (refused: a probe is an engine).
+//!
+//! Any failure prints `error {"code": …, "message": …}` and exits 1.
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -50,6 +53,7 @@ enum Command {
     },
     ReaderWrite,
     Import,
+    Reset,
 }
 
 fn parse_mode(s: &str) -> Result<Mode, String> {
@@ -195,6 +199,11 @@ fn run(cli: Cli) -> gms::Result<()> {
             say("wrote", json!({"addr": addr}));
             Ok(())
         }
+        Command::Reset => {
+            let generation = gms::client::reset(&socket)?;
+            say("reset", json!({ "generation": generation }));
+            Ok(())
+        }
         Command::Import => {
             let started = Instant::now();
             let client = Client::connect(&socket, Mode::Ro, "gms-probe import")?;
@@ -221,6 +230,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gms-probe: {e}");
+            say(
+                "error",
+                json!({ "code": e.code().to_string(), "message": e.to_string() }),
+            );
             ExitCode::FAILURE
         }
     }

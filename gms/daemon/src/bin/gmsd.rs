@@ -10,7 +10,7 @@ use gms_cuda::parse_device;
 use gmsd::backend::cuda::CudaBackend;
 use gmsd::backend::host::HostBackend;
 use gmsd::backend::Backend;
-use gmsd::daemon::{self, Config, Limits};
+use gmsd::daemon::{self, Config, Limits, Supervisor, Timeouts};
 
 #[derive(Parser)]
 #[command(
@@ -32,7 +32,8 @@ enum Command {
         socket_dir: PathBuf,
         /// `host`, or a CUDA device: an index (`0`), `cuda:0`, or a GPU UUID
         /// (`GPU-…`, as `nvidia-smi -L` prints it). The socket is then
-        /// `gms-<GPU-UUID>.sock`.
+        /// `gms-<GPU-UUID>.sock`. `host:GPU-<uuid>`: host memory served as
+        /// that GPU's daemon (for tests of multi-GPU pairs without GPUs).
         #[arg(long, default_value = "host")]
         device: String,
         /// Most bytes allocated at once (K/M/G/T suffixes).
@@ -44,8 +45,26 @@ enum Command {
         max_metadata_entries: usize,
         #[arg(long, default_value = "8M", value_parser = gmsd::parse_bytes)]
         max_metadata_bytes: u64,
+        /// Open connections in all (gmsd's supervisor is not counted).
         #[arg(long, default_value_t = 256)]
         max_connections: usize,
+        /// Open connections of one peer process (by pid).
+        #[arg(long, default_value_t = 16)]
+        max_connections_per_peer: usize,
+        /// A connection without a lease must send a request within this.
+        #[arg(long, default_value = "10s", value_parser = gmsd::parse_duration)]
+        hello_timeout: std::time::Duration,
+        /// A started message must arrive whole, and an answer be read, within this.
+        #[arg(long, default_value = "10s", value_parser = gmsd::parse_duration)]
+        frame_timeout: std::time::Duration,
+        /// An uncommitted rw lease silent this long is dropped and its
+        /// allocations discarded.
+        #[arg(long, default_value = "300s", value_parser = gmsd::parse_duration)]
+        writer_idle_timeout: std::time::Duration,
+        /// Who may `reset` (drop the committed layout): `parent` (the
+        /// process that started gmsd, e.g. the shim) or `none`.
+        #[arg(long, default_value = "parent", value_parser = parse_supervisor)]
+        supervisor: Supervisor,
         /// Peer uid allowed to connect (repeatable). Default: gmsd's own uid.
         #[arg(long = "allow-uid")]
         allow_uids: Vec<u32>,
@@ -60,9 +79,14 @@ enum Command {
         log_level: String,
     },
     /// Print a running daemon's state, leases, allocations and bytes.
+    /// (`--dir`: every daemon whose socket is in a GMS socket directory,
+    /// one per GPU of a pair.)
     Status {
+        #[arg(long, conflicts_with = "dir")]
+        socket: Option<PathBuf>,
+        /// A GMS socket directory: report every `gms-*.sock` in it.
         #[arg(long)]
-        socket: PathBuf,
+        dir: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -79,6 +103,11 @@ fn main() -> ExitCode {
             max_metadata_entries,
             max_metadata_bytes,
             max_connections,
+            max_connections_per_peer,
+            hello_timeout,
+            frame_timeout,
+            writer_idle_timeout,
+            supervisor,
             allow_uids,
             allow_gids,
             socket_group,
@@ -108,6 +137,15 @@ fn main() -> ExitCode {
                         return ExitCode::FAILURE;
                     }
                 },
+                stand_in if stand_in.starts_with("host:") => {
+                    match HostBackend::standing_for(&stand_in["host:".len()..]) {
+                        Ok(b) => Box::new(b),
+                        Err(e) => {
+                            eprintln!("gmsd: host backend: {e}");
+                            return ExitCode::FAILURE;
+                        }
+                    }
+                }
                 other => match parse_device(other).and_then(|sel| CudaBackend::open(&sel)) {
                     Ok(b) => {
                         tracing::info!(
@@ -133,10 +171,17 @@ fn main() -> ExitCode {
                     max_metadata_entries,
                     max_metadata_bytes: max_metadata_bytes as usize,
                     max_connections,
+                    max_connections_per_peer,
                 },
                 allow_uids,
                 allow_gids,
                 socket_group,
+                timeouts: Timeouts {
+                    hello: hello_timeout,
+                    frame: frame_timeout,
+                    writer_idle: writer_idle_timeout,
+                },
+                supervisor,
             };
             let served = daemon::serve(config, backend, |socket| {
                 // Readiness line for supervisors and tests.
@@ -152,30 +197,95 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Status { socket, json } => match gms::client::status(&socket) {
-            Ok(report) => {
-                if json {
-                    match serde_json::to_string_pretty(&report) {
-                        Ok(text) => println!("{text}"),
-                        Err(e) => {
-                            eprintln!("gmsd status: {e}");
-                            return ExitCode::FAILURE;
-                        }
+        Command::Status { socket, dir, json } => {
+            let sockets = match (socket, dir) {
+                (Some(s), _) => vec![s],
+                (None, Some(d)) => match daemon_sockets(&d) {
+                    Ok(list) if !list.is_empty() => list,
+                    Ok(_) => {
+                        eprintln!("gmsd status: no gms-*.sock in {}", d.display());
+                        return ExitCode::FAILURE;
                     }
-                } else {
-                    print!("{}", report.render());
-                    if report.backend == "cuda" {
-                        println!("{}", cuda_line(&report));
+                    Err(e) => {
+                        eprintln!("gmsd status: reading {}: {e}", d.display());
+                        return ExitCode::FAILURE;
+                    }
+                },
+                (None, None) => {
+                    eprintln!("gmsd status: give --socket or --dir");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let many = sockets.len() > 1;
+            let mut failed = false;
+            let mut reports = Vec::new();
+            for s in &sockets {
+                match gms::client::status(s) {
+                    Ok(r) => reports.push(r),
+                    Err(e) => {
+                        eprintln!("gmsd status: {}: {e}", s.display());
+                        failed = true;
                     }
                 }
+            }
+            if json {
+                let text = if many {
+                    serde_json::to_string_pretty(&reports)
+                } else {
+                    match reports.first() {
+                        Some(r) => serde_json::to_string_pretty(r),
+                        None => Ok(String::new()),
+                    }
+                };
+                match text {
+                    Ok(t) if !t.is_empty() => println!("{t}"),
+                    Ok(_) => {}
+                    Err(e) => {
+                        eprintln!("gmsd status: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            } else {
+                for (i, report) in reports.iter().enumerate() {
+                    if i > 0 {
+                        println!();
+                    }
+                    print!("{}", report.render());
+                    if report.backend == "cuda" {
+                        println!("{}", cuda_line(report));
+                    }
+                }
+            }
+            if failed {
+                ExitCode::FAILURE
+            } else {
                 ExitCode::SUCCESS
             }
-            Err(e) => {
-                eprintln!("gmsd status: {e}");
-                ExitCode::FAILURE
-            }
-        },
+        }
     }
+}
+
+fn parse_supervisor(s: &str) -> Result<Supervisor, String> {
+    match s {
+        "parent" => Ok(Supervisor::Parent),
+        "none" => Ok(Supervisor::Nobody),
+        _ => Err(format!("supervisor '{s}': parent or none")),
+    }
+}
+
+/// The daemons' sockets in a GMS socket directory (one per device), by name.
+fn daemon_sockets(dir: &std::path::Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(shadow_contract::paths::is_gms_socket_name)
+        })
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    Ok(out)
 }
 
 /// The CUDA device behind a report, named as a person looks for it: the

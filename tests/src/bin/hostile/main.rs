@@ -13,6 +13,8 @@
 //! so a test can wait for the moment it cares about.
 
 mod common;
+mod gms;
+mod gpus;
 
 use std::process::ExitCode;
 
@@ -26,12 +28,24 @@ struct Attack {
 
 /// Every attack this binary knows. Add one by writing a module with a
 /// `run(&[String]) -> Result<(), String>` and listing it here.
-const ATTACKS: &[Attack] = &[Attack {
-    name: "park",
-    about:
-        "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
-    run: common::park_forever,
-}];
+const ATTACKS: &[Attack] = &[
+    Attack {
+        name: "park",
+        about:
+            "behave as a well-formed parked shadow (STATUS=parked, block on the lock), the control arm",
+        run: common::park_forever,
+    },
+    Attack {
+        name: "gpus",
+        about: "name another tenant's GPU in NVIDIA_VISIBLE_DEVICES and look for its GMS daemon",
+        run: gpus::run,
+    },
+    Attack {
+        name: "gms-rw-after-commit",
+        about: "slot 1 asks gmsd for rw in a loop to replace the committed weights when readers drop to zero (a failover)",
+        run: gms::rw_after_commit,
+    },
+];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

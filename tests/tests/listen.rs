@@ -1,0 +1,354 @@
+//! `shadow.dev/listen`: the pair owns the listening socket and hands it to
+//! every engine (`LISTEN_FDS`), so a client that connects while nobody is
+//! active waits in the backlog instead of being refused. A client opens a
+//! new connection every millisecond through SIGKILLs of the active engine;
+//! the same client against a pair whose engines bind their own port, and
+//! against a runc-v2 container restarted after its SIGKILL, shows what the
+//! socket removes.
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use shadow_contract::annotations::LISTEN;
+use shadow_contract::state::PairState;
+use shadow_tests::pair::{ask, free_port, task_pid, until, PairEnv};
+use shadow_tests::{Containerd, Runtime, Spawned};
+
+const ENGINE: &str = env!("CARGO_BIN_EXE_test-engine");
+const LONG: Duration = Duration::from_secs(30);
+const STEP: Duration = Duration::from_millis(2);
+
+fn kill(pid: u32) {
+    // SAFETY: kill(2) with a pid read from the pair's state a moment ago.
+    let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    assert_eq!(rc, 0, "kill {pid}: {}", std::io::Error::last_os_error());
+}
+
+fn gmsd() -> String {
+    let p = Path::new(ENGINE).with_file_name("gmsd");
+    assert!(p.is_file(), "{} missing: cargo build -p gmsd", p.display());
+    p.display().to_string()
+}
+
+/// What the client saw, by kind.
+#[derive(Debug, Default)]
+struct Tally {
+    ok: usize,
+    /// connect(2) refused: nobody listened.
+    refused: usize,
+    /// Connected, then reset or closed without an answer: lost in flight.
+    reset_in_flight: usize,
+    timeouts: usize,
+    /// Answers that are not what an engine of this pair must say (the
+    /// first few, and how many).
+    wrong: Vec<String>,
+    wrong_count: usize,
+}
+
+enum Outcome {
+    Answer(String),
+    Refused,
+    Reset,
+    Timeout,
+}
+
+fn attempt(port: u16) -> Outcome {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return Outcome::Refused,
+        Err(_) => return Outcome::Timeout,
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let mut text = String::new();
+    match s.read_to_string(&mut text) {
+        // Closed before the whole line: the engine died while answering.
+        Ok(_) if !text.ends_with('\n') => Outcome::Reset,
+        Ok(_) => Outcome::Answer(text),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Outcome::Timeout
+        }
+        Err(_) => Outcome::Reset,
+    }
+}
+
+/// A new connection every millisecond (open loop: each on its own thread)
+/// until `stop`; `good` judges each answer.
+fn client(port: u16, stop: &AtomicBool, good: &(dyn Fn(&str) -> bool + Sync)) -> Tally {
+    let (tx, rx) = mpsc::channel();
+    std::thread::scope(|s| {
+        let start = Instant::now();
+        let mut i = 0u32;
+        while !stop.load(Ordering::Acquire) {
+            let due = start + Duration::from_millis(u64::from(i));
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            let tx = tx.clone();
+            s.spawn(move || {
+                let _ = tx.send(attempt(port));
+            });
+            i += 1;
+        }
+    });
+    drop(tx);
+    let mut t = Tally::default();
+    for o in rx {
+        match o {
+            Outcome::Answer(a) if good(&a) => t.ok += 1,
+            Outcome::Answer(a) => {
+                t.wrong_count += 1;
+                if t.wrong.len() < 3 {
+                    t.wrong.push(a);
+                }
+            }
+            Outcome::Refused => t.refused += 1,
+            Outcome::Reset => t.reset_in_flight += 1,
+            Outcome::Timeout => t.timeouts += 1,
+        }
+    }
+    t
+}
+
+/// Runs `client` while `drive` does its work, and returns what it saw.
+fn under_load(port: u16, good: &(dyn Fn(&str) -> bool + Sync), drive: impl FnOnce()) -> Tally {
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let c = s.spawn(|| client(port, &stop, good));
+        std::thread::sleep(Duration::from_millis(50));
+        drive();
+        std::thread::sleep(Duration::from_millis(50));
+        stop.store(true, Ordering::Release);
+        c.join().expect("client thread")
+    })
+}
+
+fn active(st: &PairState) -> Option<(usize, u32)> {
+    let slot = st.pair.active?;
+    Some((usize::from(slot), st.pid_of(slot)?))
+}
+
+/// SIGKILL the active engine `rounds` times, each time once the pair is
+/// protected again (a new active, a parked shadow).
+fn kill_active(env: &PairEnv, cd: &Containerd, id: &str, rounds: usize) {
+    for _ in 0..rounds {
+        let st = env.wait_protected(cd, id, LONG);
+        let (slot, pid) = active(&st).expect("an active engine");
+        kill(pid);
+        until(
+            "the other engine active, a shadow parked",
+            LONG,
+            STEP,
+            || {
+                env.state(cd, id)
+                    .filter(|s| s.pair.protected && active(s).is_some_and(|(a, _)| a != slot))
+            },
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+struct Pair {
+    env: PairEnv,
+    ctr: Spawned,
+}
+
+fn start_pair(cd: &Containerd, id: &str, port: u16, listen: bool) -> Pair {
+    let env = PairEnv::new(cd, &format!("gmsd = \"{}\"\ngms = \"host\"", gmsd())).expect("config");
+    let value = format!("tcp:127.0.0.1:{port}");
+    let annotations: Vec<(&str, &str)> = if listen {
+        vec![(LISTEN, value.as_str())]
+    } else {
+        vec![]
+    };
+    let port_s = port.to_string();
+    let ctr = env
+        .run(
+            cd,
+            id,
+            &annotations,
+            &["--rm", "--net-host"],
+            &["/bin/test-engine", "--port", &port_s],
+        )
+        .expect("ctr run");
+    Pair { env, ctr }
+}
+
+impl Pair {
+    fn stop(self, cd: &Containerd, id: &str) {
+        cd.ctr()
+            .run(&["task", "kill", "-s", "SIGKILL", id])
+            .expect("ctr task kill")
+            .assert_success();
+        self.ctr.wait(LONG).expect("ctr run ends");
+        cd.assert_no_leftovers();
+        assert!(!self.env.pair_dir(cd, id).exists(), "pair dir left");
+    }
+}
+
+/// An answer of an engine of this pair: its slots, its weights, the
+/// socket kind.
+fn judge(
+    slots: &'static [&'static str],
+    weights: String,
+    kind: &'static str,
+) -> impl Fn(&str) -> bool + Sync {
+    move |a: &str| {
+        a.contains(&format!("weights={weights} "))
+            && a.trim_end().ends_with(&format!("listen={kind}"))
+            && slots.iter().any(|s| a.starts_with(&format!("slot={s} ")))
+    }
+}
+
+const PAIR_SLOTS: &[&str] = &["0", "1"];
+
+#[test]
+fn with_the_pairs_socket_no_connection_is_refused_through_sigkills() {
+    let cd = Containerd::start().expect("containerd");
+    PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
+
+    // The pair owns the socket: zero refused, every answer right.
+    let (id, port) = ("listen", free_port());
+    let p = start_pair(&cd, id, port, true);
+    p.env.wait_protected(&cd, id, LONG);
+    let first = until("an answer", LONG, STEP, || ask(port));
+    let good = judge(PAIR_SLOTS, first.weights.clone(), "inherited");
+    let with = under_load(port, &good, || kill_active(&p.env, &cd, id, 4));
+    p.stop(&cd, id);
+    // The socket is gone with the pair.
+    assert!(matches!(attempt(port), Outcome::Refused));
+
+    // Engines that bind their own port: the same kills.
+    let (id, port) = ("ownport", free_port());
+    let p = start_pair(&cd, id, port, false);
+    p.env.wait_protected(&cd, id, LONG);
+    let first = until("an answer", LONG, STEP, || ask(port));
+    let good = judge(PAIR_SLOTS, first.weights.clone(), "own");
+    let own = under_load(port, &good, || kill_active(&p.env, &cd, id, 4));
+    p.stop(&cd, id);
+
+    // runc-v2, the task run again the moment it ends.
+    let (id, port) = ("runcv2", free_port());
+    let port_s = port.to_string();
+    let run = || {
+        cd.container(Runtime::RuncV2, id)
+            .flags(&["--net-host"])
+            .rm()
+            .cmd(&["/bin/test-engine", "--port", &port_s])
+            .spawn(false)
+            .expect("ctr run")
+    };
+    let first_run = run();
+    until("runc-v2 engine answers", LONG, STEP, || ask(port));
+    let good = judge(&["?"], "0000000000000000".into(), "own");
+    let mut again = None;
+    let runc = under_load(port, &good, || {
+        kill(task_pid(&cd, id).expect("runc-v2 task pid"));
+        first_run.wait(LONG).expect("ctr run ends");
+        again = Some(run());
+        until("runc-v2 engine answers again", LONG, STEP, || ask(port));
+    });
+    cd.ctr()
+        .run(&["task", "kill", "-s", "SIGKILL", id])
+        .expect("ctr task kill");
+    again.expect("second run").wait(LONG).expect("ctr run ends");
+    cd.assert_no_leftovers();
+
+    eprintln!("shadow.dev/listen: {with:?}\nown port: {own:?}\nrunc-v2: {runc:?}");
+    assert_eq!(with.refused, 0, "refused with the pair's socket: {with:?}");
+    assert_eq!(with.timeouts, 0, "{with:?}");
+    assert_eq!(with.wrong_count, 0, "{with:?}");
+    assert!(with.ok > 100, "{with:?}");
+    assert_eq!(own.wrong_count + runc.wrong_count, 0, "{own:?} {runc:?}");
+    // The contrast proves the client sees refusals when they happen.
+    assert!(runc.refused > 0, "{runc:?}");
+}
+
+#[test]
+fn the_pairs_socket_survives_a_cold_restart() {
+    let cd = Containerd::start().expect("containerd");
+    PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
+    let (id, port) = ("listencold", free_port());
+    let p = start_pair(&cd, id, port, true);
+    p.env.wait_protected(&cd, id, LONG);
+    let first = until("an answer", LONG, STEP, || ask(port));
+    let good = judge(PAIR_SLOTS, first.weights.clone(), "inherited");
+    let gms_pid = until("gmsd status in state.json", LONG, STEP, || {
+        p.env.state(&cd, id).and_then(|v| v.gms.map(|g| g.pid))
+    });
+    let seen = under_load(port, &good, || {
+        kill(gms_pid);
+        until("cold restart done", LONG, STEP, || {
+            p.env
+                .state(&cd, id)
+                .filter(|v| v.pair.cold_restarts == 1 && v.pair.protected)
+        });
+    });
+    // Both engines were replaced; the socket was not.
+    let after = until("an answer", LONG, STEP, || ask(port));
+    assert_ne!(after.boot, first.boot);
+    assert_eq!(seen.refused, 0, "{seen:?}");
+    assert!(seen.wrong_count == 0 && seen.timeouts == 0, "{seen:?}");
+    p.stop(&cd, id);
+}
+
+#[test]
+fn bad_listen_values_are_refused_at_create_leaving_nothing() {
+    let cd = Containerd::start().expect("containerd");
+    PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let busy = format!("tcp:127.0.0.1:{}", taken.local_addr().expect("addr").port());
+    for (id, value, flags, says) in [
+        (
+            "scheme",
+            "udp:0.0.0.0:53",
+            &[][..],
+            "unknown scheme \"udp\"",
+        ),
+        (
+            "inuse",
+            busy.as_str(),
+            &["--net-host"][..],
+            "already in use",
+        ),
+        (
+            "privport",
+            "tcp:127.0.0.1:80",
+            &["--net-host", "--cap-drop", "CAP_NET_BIND_SERVICE"][..],
+            "CAP_NET_BIND_SERVICE",
+        ),
+        (
+            "outside",
+            "unix:/run/../../etc/engine.sock",
+            &[][..],
+            "not a path inside the container",
+        ),
+    ] {
+        let out = cd
+            .container(Runtime::Shadow, id)
+            .rm()
+            .flags(&["--runtime-config-path", &env.config.display().to_string()])
+            .flags(flags)
+            .annotation(shadow_contract::annotations::PAIR, "true")
+            .annotation(LISTEN, value)
+            .cmd(&["/bin/test-engine"])
+            .run()
+            .expect("ctr run");
+        assert_ne!(out.code(), 0, "{id}: {out}");
+        assert!(
+            out.stderr.contains(LISTEN) && out.stderr.contains(says),
+            "{id}: {out}"
+        );
+        cd.assert_no_leftovers();
+        assert!(!env.pair_dir(&cd, id).exists(), "{id}: pair dir left");
+    }
+    drop(taken);
+}
