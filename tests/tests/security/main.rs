@@ -6,3 +6,4 @@
 mod control;
 mod gms;
 mod gpus;
+mod shim_death;
