@@ -7,7 +7,7 @@
 //! mapping stays valid and is unmapped exactly once, whatever happens to the
 //! connection.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -228,9 +228,43 @@ fn unexpected(req: &Request, resp: &Response) -> Error {
     }
 }
 
-/// One inspection round trip; takes no lease.
+/// One inspection round trip; takes no lease. Waits as long as the daemon
+/// takes: see [`status_within`].
 pub fn status(socket: &Path) -> Result<StatusReport> {
-    let sock = open(socket)?;
+    status_on(open(socket)?)
+}
+
+/// [`status`], each send and receive bounded by `timeout`: for a caller
+/// that must not hang on whatever listens at `socket` (the shim's poller).
+pub fn status_within(socket: &Path, timeout: Duration) -> Result<StatusReport> {
+    status_on(open_within(socket, timeout)?)
+}
+
+/// A connection whose connect, sends and receives each give up after
+/// `timeout` (a listener that never accepts blocks a plain connect once
+/// its backlog is full).
+fn open_within(socket: &Path, timeout: Duration) -> Result<UnixStream> {
+    use nix::sys::socket::{self, sockopt, AddressFamily, SockFlag, SockType, UnixAddr};
+    let what = || format!("connecting to gmsd at {}", socket.display());
+    let fd = socket::socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| Error::sys(what(), e))?;
+    let tv = nix::sys::time::TimeVal::new(
+        timeout.as_secs().try_into().unwrap_or(i64::MAX),
+        timeout.subsec_micros().into(),
+    );
+    socket::setsockopt(&fd, sockopt::SendTimeout, &tv).map_err(|e| Error::sys(what(), e))?;
+    socket::setsockopt(&fd, sockopt::ReceiveTimeout, &tv).map_err(|e| Error::sys(what(), e))?;
+    let addr = UnixAddr::new(socket).map_err(|e| Error::sys(what(), e))?;
+    socket::connect(fd.as_raw_fd(), &addr).map_err(|e| Error::sys(what(), e))?;
+    Ok(UnixStream::from(fd))
+}
+
+fn status_on(sock: UnixStream) -> Result<StatusReport> {
     let req = Request::Status;
     match call_on(&sock, &req)? {
         (Response::Status { status }, _) => Ok(*status),
@@ -515,5 +549,28 @@ mod tests {
         drop(daemon);
         let err = call_on(&client, &Request::Status).expect_err("closed");
         assert!(peer_closed(&err), "{err}");
+    }
+
+    /// Whatever listens where gmsd should (a server that accepts and never
+    /// answers, one that never accepts) costs a status caller its timeout,
+    /// not its thread.
+    #[test]
+    fn status_within_gives_up_on_a_silent_listener() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("gms-host.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        let t = Duration::from_millis(50);
+        let err = status_within(&path, t).expect_err("no answer");
+        assert!(
+            matches!(
+                err,
+                Error::Sys {
+                    source: nix::errno::Errno::EAGAIN,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        drop(listener);
     }
 }

@@ -136,6 +136,11 @@ pub enum Event {
     Exited { slot: SlotId, exit: Exit },
     /// The GMS daemon of `device` (a GPU UUID, or `host`) died.
     GmsDied { device: String },
+    /// A GMS daemon could not be started again after `RestartGms`: the
+    /// cold restart failed early, like an engine that died starting.
+    GmsStartFailed,
+    /// A `RestartGmsAfter` delay has elapsed.
+    ColdRestartDue,
     /// An XID was reported for one of the pair's GPUs.
     Xid(u32),
     /// A `SpawnAfter` delay for `slot` has elapsed.
@@ -159,6 +164,9 @@ pub enum Action {
     Kill { slot: SlotId },
     /// Drop GMS state and start the daemons afresh before the next spawns.
     RestartGms,
+    /// Deliver `Event::ColdRestartDue` after `delay`: a cold restart waits
+    /// out its backoff like a respawn.
+    RestartGmsAfter { delay: Duration },
     /// A promotion finished: record it.
     Promoted(Promotion),
     /// The pair is down for good: the task exits with `status`.
@@ -236,8 +244,15 @@ pub struct Pair {
     cold_restarts: u64,
     last_cold_restart: Option<ColdRestartCause>,
     gms_deaths: BTreeMap<String, u64>,
-    /// Set while both engines are being stopped for a cold restart.
+    /// Set while both engines are being stopped for a cold restart, and
+    /// while it waits out its backoff.
     cold_restart: bool,
+    /// Whether an engine had become useful (parked or active) when the
+    /// cold restart began: the restart budget judges it as it would that
+    /// engine's death.
+    cold_useful: bool,
+    /// Down, waiting for `ColdRestartDue`.
+    cold_waiting: bool,
     /// Slots in use: 2 for a pair, 1 for a single engine restarted in
     /// place (no shadow; GMS still keeps the weights across restarts).
     slots_in_use: usize,
@@ -264,6 +279,8 @@ impl Pair {
             last_cold_restart: None,
             gms_deaths: BTreeMap::new(),
             cold_restart: false,
+            cold_useful: false,
+            cold_waiting: false,
             slots_in_use: 2,
             ending: None,
             final_status: None,
@@ -456,13 +473,24 @@ impl Pair {
                 self.gms_alive = false;
                 *self.gms_deaths.entry(device.clone()).or_default() += 1;
                 self.last_cold_restart = Some(ColdRestartCause::GmsDied { device });
-                self.begin_cold_restart()
+                self.begin_cold_restart(true, now)
+            }
+            Event::GmsStartFailed => {
+                self.gms_alive = false;
+                self.begin_cold_restart(false, now)
+            }
+            Event::ColdRestartDue => {
+                if self.ending.is_some() || !self.cold_waiting {
+                    return Vec::new();
+                }
+                self.cold_waiting = false;
+                self.restart_cold()
             }
             Event::Xid(xid) => {
                 self.xids.push(xid);
                 if XidClass::of(xid) == XidClass::DeviceInvalidating {
                     self.last_cold_restart = Some(ColdRestartCause::Xid { xid });
-                    self.begin_cold_restart()
+                    self.begin_cold_restart(true, now)
                 } else {
                     Vec::new()
                 }
@@ -482,7 +510,7 @@ impl Pair {
                     return Vec::new();
                 }
                 self.ending = Some(Ending::Stopping);
-                self.end_or_kill()
+                self.end_or_kill(now)
             }
         }
     }
@@ -679,7 +707,7 @@ impl Pair {
             if self.ending.is_some() && (was_active || self.final_status.is_none()) {
                 self.final_status = Some(exit.status());
             }
-            actions.extend(self.end_or_kill());
+            actions.extend(self.end_or_kill(now));
             return actions;
         }
 
@@ -692,7 +720,7 @@ impl Pair {
             self.handover = Some(h);
         }
         if class == FailureClass::DeviceInvalidating {
-            actions.extend(self.begin_cold_restart());
+            actions.extend(self.begin_cold_restart(true, now));
             return actions;
         }
         if exit == Exit::Code(0) {
@@ -706,7 +734,7 @@ impl Pair {
             if !left {
                 self.ending = Some(Ending::Finished);
                 self.final_status = Some(0);
-                actions.extend(self.end_or_kill());
+                actions.extend(self.end_or_kill(now));
             }
             return actions;
         }
@@ -731,17 +759,26 @@ impl Pair {
             Verdict::WindowFull(_) | Verdict::CrashLoop => {
                 self.ending = Some(Ending::CrashLoop);
                 self.final_status = Some(exit.status());
-                actions.extend(self.end_or_kill());
+                actions.extend(self.end_or_kill(now));
             }
         }
         actions
     }
 
-    fn begin_cold_restart(&mut self) -> Vec<Action> {
+    /// `may_be_useful`: false when the pair's GMS would not even start, so
+    /// whatever the engines reached counts for nothing.
+    fn begin_cold_restart(&mut self, may_be_useful: bool, now: Duration) -> Vec<Action> {
         if self.ending.is_some() || self.cold_restart {
             return Vec::new();
         }
         self.cold_restart = true;
+        self.cold_useful = may_be_useful
+            && self.slots.iter().any(|s| {
+                matches!(
+                    s.state,
+                    EngineState::Parked | EngineState::Active | EngineState::Superseded
+                )
+            });
         self.active = None;
         for s in &mut self.slots {
             if s.state == EngineState::Backoff {
@@ -749,18 +786,39 @@ impl Pair {
             }
         }
         let mut actions = vec![Action::KillAll];
-        actions.extend(self.finish_cold_restart_if_down());
+        actions.extend(self.finish_cold_restart_if_down(now));
         actions
     }
 
-    fn finish_cold_restart_if_down(&mut self) -> Vec<Action> {
-        if self
-            .slots
-            .iter()
-            .any(|s| s.alive() || s.state == EngineState::Spawning)
+    /// Once both engines are down, the restart budget decides, as for an
+    /// engine's death: at once, after a backoff, or never (crash loop).
+    fn finish_cold_restart_if_down(&mut self, now: Duration) -> Vec<Action> {
+        if self.cold_waiting
+            || self
+                .slots
+                .iter()
+                .any(|s| s.alive() || s.state == EngineState::Spawning)
         {
             return Vec::new();
         }
+        match self.budget.on_death(self.cold_useful, now) {
+            Verdict::Respawn(delay) if delay.is_zero() => self.restart_cold(),
+            Verdict::Respawn(delay) | Verdict::WindowFull(delay) => {
+                self.cold_waiting = true;
+                vec![Action::RestartGmsAfter { delay }]
+            }
+            Verdict::CrashLoop => {
+                self.cold_restart = false;
+                self.ending = Some(Ending::CrashLoop);
+                // The engines were killed by the shim: their statuses say
+                // nothing. A pair whose GMS cannot be kept up ends with 255.
+                self.final_status = Some(255);
+                self.end_or_kill(now)
+            }
+        }
+    }
+
+    fn restart_cold(&mut self) -> Vec<Action> {
         self.cold_restart = false;
         self.cold_restarts += 1;
         self.xids.clear();
@@ -772,7 +830,7 @@ impl Pair {
 
     /// While ending or cold-restarting: kill what lives; once nothing does,
     /// exit (ending) or start again (cold restart).
-    fn end_or_kill(&mut self) -> Vec<Action> {
+    fn end_or_kill(&mut self, now: Duration) -> Vec<Action> {
         let anything_alive = self
             .slots
             .iter()
@@ -790,7 +848,7 @@ impl Pair {
             return vec![Action::Exit { status }];
         }
         if self.cold_restart {
-            return self.finish_cold_restart_if_down();
+            return self.finish_cold_restart_if_down(now);
         }
         Vec::new()
     }

@@ -596,3 +596,99 @@ fn spawn_failure_counts_as_an_early_death() {
     );
     assert_eq!(a, vec![Action::Exit { status: 255 }]);
 }
+
+/// Both engines reaped after a `KillAll` of a cold restart.
+fn reap_both(p: &mut Pair, at: u64) -> Vec<Action> {
+    let mut a = Vec::new();
+    for slot in SlotId::BOTH {
+        a = p.handle(Event::Exited { slot, exit: KILL }, t(at));
+    }
+    a
+}
+
+/// The spawns of a cold restart reported, so that the next failure has
+/// engines to stop.
+fn spawned_both(p: &mut Pair, at: u64) {
+    for (slot, pid) in [(SlotId::ZERO, 70), (SlotId::ONE, 71)] {
+        p.handle(Event::Spawned { slot, pid }, t(at));
+    }
+}
+
+/// A GMS daemon that will not start again (its socket path taken, its
+/// binary gone) must not make the pair restart cold in a tight loop: each
+/// failed start counts as an early death, so restarts back off and the
+/// pair ends as a crash loop once the budget is spent.
+#[test]
+fn a_gmsd_that_will_not_start_backs_off_then_ends_the_pair() {
+    let policy = RestartPolicy::default();
+    let mut p = Pair::new(policy.clone());
+    // Engines up, then gmsd dies: the first cold restart is at once.
+    let mut p2 = running();
+    assert_eq!(
+        p2.handle(
+            Event::GmsDied {
+                device: "host".into()
+            },
+            t(10)
+        ),
+        vec![Action::KillAll]
+    );
+    assert_eq!(reap_both(&mut p2, 11)[0], Action::RestartGms);
+    // From here on every restart of gmsd fails.
+    let mut now = 100;
+    p.start();
+    spawned_both(&mut p, now);
+    let mut delays = Vec::new();
+    for _ in 0..=policy.max_consecutive_failures {
+        now += 1;
+        assert_eq!(
+            p.handle(Event::GmsStartFailed, t(now)),
+            vec![Action::KillAll]
+        );
+        now += 1;
+        let a = reap_both(&mut p, now);
+        match a.as_slice() {
+            [Action::RestartGms, Action::Spawn { .. }, Action::Spawn { .. }] => delays.push(0),
+            [Action::RestartGmsAfter { delay }] => {
+                delays.push(delay.as_millis() as u64);
+                // Nothing happens before the delay is over.
+                assert!(p
+                    .handle(Event::BackoffElapsed { slot: SlotId::ZERO }, t(now))
+                    .is_empty());
+                now += delay.as_millis() as u64;
+                let a = p.handle(Event::ColdRestartDue, t(now));
+                assert_eq!(a[0], Action::RestartGms, "{a:?}");
+            }
+            [Action::Exit { status }] => {
+                assert_eq!(*status, 255);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+        spawned_both(&mut p, now);
+    }
+    assert_eq!(delays, [0, 200, 400, 800, 1600], "backoff doubles");
+    assert!(p.is_ending());
+}
+
+/// A cold restart that waits out its backoff ends at once on Stop.
+#[test]
+fn stop_during_a_cold_restart_backoff_ends_the_pair() {
+    let mut p = Pair::new(RestartPolicy::default());
+    p.start();
+    spawned_both(&mut p, 1);
+    p.handle(Event::GmsStartFailed, t(2));
+    reap_both(&mut p, 3);
+    spawned_both(&mut p, 4);
+    p.handle(Event::GmsStartFailed, t(5));
+    let a = reap_both(&mut p, 6);
+    assert!(
+        matches!(a.as_slice(), [Action::RestartGmsAfter { .. }]),
+        "{a:?}"
+    );
+    assert_eq!(
+        p.handle(Event::Stop, t(7)),
+        vec![Action::Exit { status: 0 }]
+    );
+    assert!(p.handle(Event::ColdRestartDue, t(300)).is_empty());
+}

@@ -198,8 +198,10 @@ impl PairedContainer {
             leftovers::remove(&name, &bundle, rt.router.clone(), &req.runc).await;
         }
         made.dirs = Some(dirs.clone());
+        // Root's alone: engines get the lock and the sockets bound one by
+        // one (spec.rs), never a directory of the host to write in.
         mkdir(&dirs.root, 0o711)?;
-        mkdir(&dirs.pair, 0o777)?;
+        mkdir(&dirs.pair, 0o700)?;
         // For a cleanup after this shim's death (the spec may be gone).
         std::fs::write(&dirs.cgroup_record, &cgroup_path)
             .map_err(|e| Error::io(format!("writing {}", dirs.cgroup_record.display()), e))?;
@@ -270,11 +272,11 @@ impl PairedContainer {
                 GmsBackend::Cuda => gpus.iter().map(|g| g.uuid.clone()).collect(),
                 _ => vec!["host".into()],
             };
-            mkdir(&dirs.gms, 0o755)?;
+            mkdir(&dirs.gms, 0o700)?;
             // Owned by the supervisor from here; Delete gets them back.
             gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices).await?);
         }
-        let gms_dir = gms.as_ref().map(|_| dirs.gms.as_path());
+        let gms_sockets = gms.as_ref().map(GmsDaemons::sockets).unwrap_or_default();
 
         let mut engines = Vec::new();
         for slot in SlotId::BOTH {
@@ -282,7 +284,7 @@ impl PairedContainer {
                 slot,
                 rootfs: &rootfs,
                 pair_dir: &dirs.pair,
-                gms_dir,
+                gms_sockets: &gms_sockets,
                 pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
                 cgroup_parent: &cgroup_path,
                 listen_names: listen.as_ref().map_or(&[], |l| l.names()),

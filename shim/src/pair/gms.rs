@@ -28,6 +28,9 @@ use crate::exits::ExitRouter;
 const STOP_GRACE: Duration = Duration::from_secs(3);
 /// How often the status (bytes, leases) is refreshed for metrics.
 const STATUS_PERIOD: Duration = Duration::from_secs(1);
+/// How long one status call may take (connect, send, each receive): a
+/// daemon that does not answer costs the poller this, never a thread.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub struct GmsDaemon {
     binary: PathBuf,
@@ -71,6 +74,12 @@ impl GmsDaemon {
     /// `host` or the GPU's UUID.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The socket of the running daemon (its path stays the same across
+    /// restarts: the device's socket name in the pair's GMS directory).
+    pub fn socket(&self) -> Option<&Path> {
+        self.daemon.as_ref().map(Gmsd::socket)
     }
 
     fn pid(&self) -> u32 {
@@ -117,10 +126,12 @@ impl GmsDaemon {
         self.poller = Some(tokio::spawn(async move {
             loop {
                 let s = socket.clone();
-                let report = tokio::task::spawn_blocking(move || gms::client::status(&s).ok())
-                    .await
-                    .ok()
-                    .flatten();
+                let report = tokio::task::spawn_blocking(move || {
+                    gms::client::status_within(&s, STATUS_TIMEOUT).ok()
+                })
+                .await
+                .ok()
+                .flatten();
                 *status.lock().unwrap_or_else(|p| p.into_inner()) = report;
                 tokio::time::sleep(STATUS_PERIOD).await;
             }
@@ -204,6 +215,15 @@ impl GmsDaemons {
             }
         }
         Ok(set)
+    }
+
+    /// The daemons' sockets, in device order (each bound alone into the
+    /// engines; the paths stay the same across cold restarts).
+    pub fn sockets(&self) -> Vec<PathBuf> {
+        self.daemons
+            .iter()
+            .filter_map(|g| g.socket().map(Path::to_path_buf))
+            .collect()
     }
 
     pub fn daemon(&self, index: usize) -> Option<&GmsDaemon> {

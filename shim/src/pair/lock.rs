@@ -10,8 +10,9 @@ use shadow_pair::{parse_proc_lock_waiters, parse_proc_locks, FileId, SlotId};
 
 use crate::error::{Error, Result};
 
-/// Create the lock file (engines open it; nobody writes to it) and return
-/// its identity as `/proc/locks` prints it.
+/// Create the lock file (engines open it read-only, through a read-only
+/// bind; nobody writes to it) and return its identity as `/proc/locks`
+/// prints it.
 pub fn create_lock_file(path: &Path) -> Result<FileId> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::OpenOptions::new()
@@ -20,7 +21,7 @@ pub fn create_lock_file(path: &Path) -> Result<FileId> {
         .write(true)
         .open(path)
         .map_err(|e| Error::io(format!("creating lock file {}", path.display()), e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644))
         .map_err(|e| Error::io(format!("chmod lock file {}", path.display()), e))?;
     let md = std::fs::metadata(path)
         .map_err(|e| Error::io(format!("stat lock file {}", path.display()), e))?;

@@ -23,10 +23,13 @@ pub struct EngineInputs<'a> {
     pub slot: SlotId,
     /// Absolute rootfs of the original bundle.
     pub rootfs: &'a Path,
-    /// Host dir mounted at [`paths::PAIR_DIR`].
+    /// The pair's host directory holding the election lock
+    /// ([`paths::LOCK_FILE`]) and the notify socket ([`paths::NOTIFY_FILE`]):
+    /// each is bound alone, read-only, at its place in [`paths::PAIR_DIR`].
     pub pair_dir: &'a Path,
-    /// Host dir mounted at [`paths::GMS_DIR`], when the pair has GMS.
-    pub gms_dir: Option<&'a Path>,
+    /// The GMS daemons' sockets on the host, when the pair has GMS: each is
+    /// bound alone, read-only, under its own name in [`paths::GMS_DIR`].
+    pub gms_sockets: &'a [PathBuf],
     /// Pinned network and IPC namespace files, used for namespaces the spec
     /// asks for without a path (no sandbox to share).
     pub pinned: Option<(&'a Path, &'a Path)>,
@@ -142,13 +145,27 @@ pub fn rootfs_of(spec: &Value, bundle: &Path) -> PathBuf {
     }
 }
 
-fn bind(source: &Path, destination: &str) -> Value {
+/// One file (the lock) or socket bound alone and read-only: the engine can
+/// take the lock (flock needs no write access) and send to or connect to
+/// a socket (the kernel does not check the mount for that), but neither
+/// write nor create anything in the host directory it came from, which it
+/// never sees.
+fn bind_file(source: &Path, destination: String) -> Value {
     json!({
         "destination": destination,
         "type": "bind",
         "source": source.display().to_string(),
-        "options": ["rbind", "rw", "nosuid", "nodev"],
+        "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
     })
+}
+
+/// Whether a mount's destination is one of the contract's places (or
+/// below one): the spec's own mounts there give way to ours.
+fn in_contract_dirs(destination: &str) -> bool {
+    let d = destination.trim_end_matches('/');
+    [paths::PAIR_DIR, paths::GMS_DIR]
+        .iter()
+        .any(|dir| d == *dir || d.strip_prefix(dir).is_some_and(|r| r.starts_with('/')))
 }
 
 /// `env` with the engine-contract entries of the engine bundle at `bundle`
@@ -199,7 +216,7 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         env::entry(env::LOCK_PATH, paths::LOCK_PATH),
         env::entry(env::NOTIFY_SOCKET, paths::NOTIFY_SOCKET),
     ];
-    if e.gms_dir.is_some() {
+    if !e.gms_sockets.is_empty() {
         ours.push(env::entry(env::GMS_SOCKET_DIR, paths::GMS_DIR));
     }
     if !e.listen_names.is_empty() {
@@ -239,14 +256,24 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         .collect();
     mounts.retain(|m| {
         let d = m.get("destination").and_then(Value::as_str).unwrap_or("");
-        d != paths::PAIR_DIR && d != paths::GMS_DIR && !sockets.iter().any(|s| s == d)
+        !in_contract_dirs(d) && !sockets.iter().any(|s| s == d)
     });
-    mounts.push(bind(e.pair_dir, paths::PAIR_DIR));
-    if let Some(g) = e.gms_dir {
-        mounts.push(bind(g, paths::GMS_DIR));
+    mounts.push(bind_file(
+        &e.pair_dir.join(paths::LOCK_FILE),
+        paths::LOCK_PATH.to_string(),
+    ));
+    mounts.push(bind_file(
+        &e.pair_dir.join(paths::NOTIFY_FILE),
+        paths::NOTIFY_SOCKET.to_string(),
+    ));
+    for socket in e.gms_sockets {
+        let name = socket.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+            Error::InvalidArgument(format!("GMS socket {} has no name", socket.display()))
+        })?;
+        mounts.push(bind_file(socket, format!("{}/{name}", paths::GMS_DIR)));
     }
     for ((host, _), inside) in e.listen_mounts.iter().zip(&sockets) {
-        mounts.push(bind(host, inside));
+        mounts.push(bind_file(host, inside.clone()));
     }
 
     let linux = obj
@@ -306,12 +333,15 @@ mod tests {
         })
     }
 
+    static GMS_SOCKETS: std::sync::LazyLock<[PathBuf; 1]> =
+        std::sync::LazyLock::new(|| [PathBuf::from("/run/shadow/ns1/c1/gms/gms-host.sock")]);
+
     fn inputs<'a>(slot: SlotId, pinned: Option<(&'a Path, &'a Path)>) -> EngineInputs<'a> {
         EngineInputs {
             slot,
             rootfs: Path::new("/b/rootfs"),
             pair_dir: Path::new("/run/shadow/ns1/c1/pair"),
-            gms_dir: Some(Path::new("/run/shadow/ns1/c1/gms")),
+            gms_sockets: &*GMS_SOCKETS,
             pinned,
             cgroup_parent: "/ns1/c1",
             listen_names: &[],
@@ -348,8 +378,31 @@ mod tests {
             .iter()
             .map(|m| m["destination"].as_str().unwrap())
             .collect();
-        assert_eq!(dests, ["/proc", "/run/shadow/pair", "/run/shadow/gms"]);
-        assert_eq!(e["mounts"][1]["source"], "/run/shadow/ns1/c1/pair");
+        assert_eq!(
+            dests,
+            [
+                "/proc",
+                "/run/shadow/pair/engine.lock",
+                "/run/shadow/pair/notify.sock",
+                "/run/shadow/gms/gms-host.sock"
+            ]
+        );
+        assert_eq!(
+            e["mounts"][1]["source"],
+            "/run/shadow/ns1/c1/pair/engine.lock"
+        );
+        assert_eq!(
+            e["mounts"][3]["source"],
+            "/run/shadow/ns1/c1/gms/gms-host.sock"
+        );
+        // Each alone and read-only: nothing of the host directories is
+        // writable from the engine.
+        for m in &e["mounts"].as_array().unwrap()[1..] {
+            assert_eq!(
+                m["options"],
+                json!(["bind", "ro", "nosuid", "nodev", "noexec"])
+            );
+        }
         assert_eq!(e["linux"]["cgroupsPath"], "/ns1/c1/s1");
         assert_eq!(
             e["linux"]["resources"],
@@ -383,7 +436,7 @@ mod tests {
     #[test]
     fn gms_off_means_no_gms_mount_or_variable() {
         let mut i = inputs(SlotId::ZERO, None);
-        i.gms_dir = None;
+        i.gms_sockets = &[];
         let e = engine_spec(&spec(), &i).unwrap();
         let text = e.to_string();
         assert!(!text.contains("GMS_SOCKET_DIR") && !text.contains("/run/shadow/gms"));
@@ -475,6 +528,34 @@ mod tests {
         assert_eq!(engine_id("c1", SlotId::ONE), "c1-s1");
         assert_eq!(engine_cgroup("/ns1/c1/", SlotId::ZERO), "/ns1/c1/s0");
     }
+
+    #[test]
+    fn the_specs_own_mounts_at_the_contract_places_give_way() {
+        let mut s = spec();
+        s["mounts"] = json!([
+            {"destination": "/run/shadow/pair", "type": "bind", "source": "/tmp/x"},
+            {"destination": "/run/shadow/gms/", "type": "bind", "source": "/tmp/y"},
+            {"destination": "/run/shadow/pair/engine.lock", "type": "bind", "source": "/tmp/z"},
+            {"destination": "/run/shadow/pairs", "type": "bind", "source": "/tmp/kept"}
+        ]);
+        let e = engine_spec(&s, &inputs(SlotId::ZERO, None)).unwrap();
+        let sources: Vec<&str> = e["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["source"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            sources,
+            [
+                "/tmp/kept",
+                "/run/shadow/ns1/c1/pair/engine.lock",
+                "/run/shadow/ns1/c1/pair/notify.sock",
+                "/run/shadow/ns1/c1/gms/gms-host.sock"
+            ]
+        );
+    }
+
     #[test]
     fn exec_env_gets_the_engines_contract_variables() {
         let dir = tempfile::tempdir().unwrap();

@@ -68,6 +68,8 @@ pub enum Input {
         index: usize,
         generation: u64,
     },
+    /// A cold restart's backoff is over.
+    ColdRestartDue,
     /// An XID on one of the pair's GPUs (kernel log).
     Xid(u32),
 }
@@ -402,6 +404,10 @@ impl Supervisor {
                 let now = self.clock.now();
                 self.pair.handle(PairEvent::Xid(xid), now)
             }
+            Input::ColdRestartDue => {
+                let now = self.clock.now();
+                self.pair.handle(PairEvent::ColdRestartDue, now)
+            }
             Input::GmsDied { index, generation } => {
                 let Some(g) = self
                     .gms
@@ -470,12 +476,28 @@ impl Supervisor {
                         match g.restart().await {
                             Ok(()) => g.watch(&self.router, &self.tx),
                             Err(e) => {
-                                // The engines will find no socket and fail
-                                // early: the restart budget ends the pair.
+                                // A failed cold restart, judged by the
+                                // restart budget: backoff, then a crash
+                                // loop. The spawns queued behind this are
+                                // killed as they land.
                                 log::error!("pair {}: restarting gmsd: {e}", self.id);
+                                let now = self.clock.now();
+                                queue.extend(self.pair.handle(PairEvent::GmsStartFailed, now));
                             }
                         }
                     }
+                }
+                Action::RestartGmsAfter { delay } => {
+                    log::warn!(
+                        "pair {}: cold restart in {} ms (restart backoff)",
+                        self.id,
+                        delay.as_millis()
+                    );
+                    let tx = self.tx.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        let _ = tx.send(Input::ColdRestartDue);
+                    });
                 }
                 Action::Promoted(p) => self.publisher.record(p),
                 Action::Exit { status } => {

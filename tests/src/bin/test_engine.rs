@@ -10,8 +10,9 @@
 //! 1. for each daemon socket in `GMS_SOCKET_DIR` (`gms-host.sock`, or one
 //!    `gms-<GPU-UUID>.sock` per GPU): `rw_or_ro`; the writer fills
 //!    `--weights-mib` MiB from `--seed` (+ the device's place), commits, and
-//!    appends a line to `/run/shadow/pair/loads.log`; a reader imports and
-//!    checks the sum;
+//!    appends a line to `/loads.log` (in the rootfs both engines share:
+//!    `/run` is each container's own tmpfs, and the runtime's files there
+//!    are bound read-only); a reader imports and checks the sum;
 //! 2. takes the pair's inherited listening socket when `LISTEN_FDS` is set
 //!    (`shadow.dev/listen`; `--port` is then unused), else binds
 //!    `127.0.0.1:<port>` with SO_REUSEPORT (not listening yet); sends
@@ -186,7 +187,7 @@ fn attach_one(socket: &Path, slot: &str, mib: u64, seed: u64) -> Weights {
         let sum = checksum(&bytes[..n]);
         c.commit(std::slice::from_mut(&mut w))
             .unwrap_or_else(|e| fail("committing weights", e));
-        let log = Path::new(paths::PAIR_DIR).join("loads.log");
+        let log = Path::new("/loads.log");
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

@@ -4,6 +4,7 @@
 //! item of docs/security.md.
 
 mod control;
+mod dirs;
 mod gms;
 mod gpus;
 mod shim_death;

@@ -32,13 +32,8 @@ pub fn notify(payload: &[u8]) -> Result<(), String> {
 pub fn take_lock() -> Result<nix::fcntl::Flock<std::fs::File>, String> {
     let path =
         std::env::var(env::LOCK_PATH).map_err(|_| format!("{} is not set", env::LOCK_PATH))?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| format!("open {path}: {e}"))?;
+    // Read-only, as the contract says: the lock is bound read-only.
+    let file = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
     nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
         .map_err(|(_, e)| format!("flock {path}: {e}"))
 }

@@ -13,6 +13,7 @@
 //! so a test can wait for the moment it cares about.
 
 mod common;
+mod dirs;
 mod gms;
 mod gpus;
 
@@ -39,6 +40,11 @@ const ATTACKS: &[Attack] = &[
         name: "gpus",
         about: "name another tenant's GPU in NVIDIA_VISIBLE_DEVICES and look for its GMS daemon",
         run: gpus::run,
+    },
+    Attack {
+        name: "dirs",
+        about: "write, fill, mkdir in every runtime-provided directory, squat the sockets, then park",
+        run: dirs::run,
     },
     Attack {
         name: "gms-rw-after-commit",
