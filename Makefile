@@ -162,13 +162,24 @@ GPU_BIN_DIR ?= .device
 # Extra arguments for tests/gpu/run.py (e.g. --quick, --only failover).
 GPU_TEST_ARGS ?=
 # Release gmsd, gms-cuda-bench, gms-cuda-probe and libgms.so into
-# $(GPU_BIN_DIR), for a GPU machine (x86-64, glibc >= Debian 12's).
+# $(GPU_BIN_DIR), for a GPU machine (x86-64, glibc >= Debian 12's), and
+# runtime.tar.xz: containerd, ctr, runc, containerd-shim-runc-v2 and
+# libseccomp from this machine's Debian packages, with the release shim,
+# shadowctl and gmsd, so that test-gpu runs pairs through containerd there.
+GPU_RUNTIME_TOOLS = containerd ctr runc containerd-shim-runc-v2
 gpu-bundle: check-cargo
-	$(CARGO) build --release -p gmsd -p gms-capi
+	$(CARGO) build --release -p gmsd -p gms-capi -p shadow-shim
 	@mkdir -p $(GPU_BIN_DIR)
 	cp target/release/gmsd target/release/gms-cuda-bench target/release/gms-cuda-probe \
 	   target/release/libgms.so $(GPU_BIN_DIR)/
-	@ls -l $(GPU_BIN_DIR)
+	@rm -rf $(GPU_BIN_DIR)/runtime && mkdir -p $(GPU_BIN_DIR)/runtime/bin $(GPU_BIN_DIR)/runtime/lib
+	for t in $(GPU_RUNTIME_TOOLS); do cp "$$(command -v $$t)" $(GPU_BIN_DIR)/runtime/bin/ || exit 1; done
+	cp -L "$$(ldd "$$(command -v runc)" | awk '/libseccomp/ {print $$3}')" $(GPU_BIN_DIR)/runtime/lib/
+	cp target/release/containerd-shim-shadow-v1 target/release/shadowctl target/release/gmsd \
+	   $(GPU_BIN_DIR)/runtime/bin/
+	tar -C $(GPU_BIN_DIR) -cf - runtime | xz -T0 -6 > $(GPU_BIN_DIR)/runtime.tar.xz
+	@rm -rf $(GPU_BIN_DIR)/runtime
+	@ls -l $(GPU_BIN_DIR); du -sh $(GPU_BIN_DIR)
 
 # GPU tests and figures on a CUDA machine: no cargo, no downloads; python3
 # with torch, nvidia-smi, and the binaries from `make gpu-bundle`.

@@ -18,10 +18,11 @@
 //! Every capability is dropped in the child before exec: gmsd serves a
 //! socket in a directory its uid owns and needs none.
 
-use std::ffi::OsString;
+use std::ffi::{CString, OsString};
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -55,6 +56,9 @@ pub struct GmsdCommand {
     args: Vec<OsString>,
     stderr: Option<File>,
     reaper: Reaper,
+    /// `cgroup.procs` files gmsd moves itself into before exec.
+    cgroup_procs: Vec<PathBuf>,
+    oom_score_adj: Option<i32>,
 }
 
 /// Whether `binary` (a path, or a name looked up on `PATH`) names a
@@ -148,7 +152,27 @@ impl GmsdCommand {
             args: Vec::new(),
             stderr: None,
             reaper: Reaper::Launcher,
+            cgroup_procs: Vec::new(),
+            oom_score_adj: None,
         }
+    }
+
+    /// Run gmsd in a cgroup: it writes its pid (`0`, itself) into each of
+    /// these `cgroup.procs` files (one per hierarchy on cgroup v1) before
+    /// exec, so every byte it allocates is charged there from the first.
+    /// Failing to join fails the start: a gmsd must never run outside
+    /// the cgroup meant to pay for it.
+    pub fn cgroup(mut self, procs_files: Vec<PathBuf>) -> GmsdCommand {
+        self.cgroup_procs = procs_files;
+        self
+    }
+
+    /// gmsd's `oom_score_adj` (-1000..=1000), set before exec: the OOM
+    /// killer weighs it as any process of its pod, not as part of the
+    /// runtime that started it.
+    pub fn oom_score_adj(mut self, adj: i32) -> GmsdCommand {
+        self.oom_score_adj = Some(adj);
+        self
     }
 
     /// `--max-bytes N`, unless 0 (gmsd's default).
@@ -204,6 +228,39 @@ impl GmsdCommand {
             .arg("--device")
             .arg(&self.device)
             .args(&self.args);
+        // Paths and bytes prepared here, before the fork.
+        let joins: Vec<(CString, Vec<u8>)> = self
+            .cgroup_procs
+            .iter()
+            .filter_map(|p| CString::new(p.as_os_str().as_bytes()).ok())
+            .map(|p| (p, b"0".to_vec()))
+            .chain(self.oom_score_adj.map(|adj| {
+                let text = adj.clamp(-1000, 1000).to_string().into_bytes();
+                (c"/proc/self/oom_score_adj".to_owned(), text)
+            }))
+            .collect();
+        if !joins.is_empty() {
+            // SAFETY: the closure runs between fork and exec and makes raw
+            // open/write/close/_exit syscalls on paths and bytes prepared
+            // before the fork: no allocation, no locks.
+            unsafe {
+                cmd.pre_exec(move || {
+                    for (path, text) in &joins {
+                        if !write_file(path, text) {
+                            // Not an Err: std would then wait for this
+                            // child itself, which a subreaper's reaper may
+                            // have taken. An early exit is what the
+                            // launcher reports, with this on gmsd's log.
+                            say(b"gmsd launcher: cannot write ");
+                            say(path.as_bytes());
+                            say(b" (joining gmsd's cgroup, or its OOM score)\n");
+                            libc::_exit(JOIN_FAILED);
+                        }
+                    }
+                    Ok(())
+                });
+            }
+        }
         // SAFETY: the closure runs between fork and exec (or just before
         // exec) and makes raw prctl/capset syscalls only: no allocation,
         // no locks.
@@ -586,6 +643,31 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// gmsd's exit status when it could not join its cgroup (or set its OOM
+/// score) before exec.
+pub const JOIN_FAILED: i32 = 126;
+
+/// Writes `text` into the existing file `path` with raw syscalls (safe
+/// between fork and exec). False if it could not.
+fn write_file(path: &CString, text: &[u8]) -> bool {
+    // SAFETY: open with a NUL-terminated path we own; the fd is closed below.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: write from a live byte slice into the fd just opened.
+    let n = unsafe { libc::write(fd, text.as_ptr().cast(), text.len()) };
+    // SAFETY: closing the fd this function opened, once.
+    unsafe { libc::close(fd) };
+    n == text.len() as isize
+}
+
+/// Best effort, on stderr, between fork and exec.
+fn say(bytes: &[u8]) {
+    // SAFETY: write from a live byte slice to fd 2.
+    unsafe { libc::write(2, bytes.as_ptr().cast(), bytes.len()) };
+}
+
 /// Drops every capability, between fork and exec. Raw syscalls only (no
 /// allocation after fork): the bounding set first (needs CAP_SETPCAP, which
 /// we still have), then ambient, then the three sets.
@@ -687,6 +769,39 @@ mod tests {
         assert_eq!(
             g.wait(Duration::from_secs(5)),
             Some(Exit::Signal(libc::SIGTERM))
+        );
+    }
+
+    /// The OOM score is set, and a cgroup that cannot be joined fails the
+    /// start (here: a path that is no cgroup file).
+    #[test]
+    fn oom_score_is_set_and_an_unjoinable_cgroup_fails_the_start() {
+        let _one = SPAWNS.lock().unwrap_or_else(|p| p.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let gmsd = fake(
+            dir.path(),
+            r#"echo "ready $3/gms-$5.sock $(cat /proc/self/oom_score_adj)""#,
+        );
+        let out = GmsdCommand::new(&gmsd, dir.path(), "host")
+            .oom_score_adj(500)
+            .command()
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.trim_end().ends_with(" 500"), "{said}");
+        let e = GmsdCommand::new(&gmsd, dir.path(), "host")
+            .cgroup(vec![dir.path().join("absent/cgroup.procs")])
+            .spawn(Duration::from_secs(10))
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                LaunchError::Exited {
+                    exit: Some(Exit::Code(JOIN_FAILED)),
+                    ..
+                }
+            ),
+            "{e}"
         );
     }
 

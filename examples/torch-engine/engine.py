@@ -23,7 +23,8 @@ in its backlog instead of being refused. Without it, it binds ENGINE_PORT.
 Environment: SHADOW_ENGINE_ID, SHADOW_LOCK_PATH, NOTIFY_SOCKET,
 GMS_SOCKET_DIR, LISTEN_FDS/LISTEN_PID/LISTEN_FDNAMES (as the shim sets
 them); ENGINE_PORT (default 8000),
-ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB, GMS_LIB.
+ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB (per GPU), GMS_LIB,
+ENGINE_TP (default 1: N > 1 runs N ranks, one per GPU, tp.py).
 Prints one JSON line per phase on stdout.
 """
 
@@ -131,11 +132,35 @@ def main():
     layers = int(os.environ.get("ENGINE_LAYERS", "8"))
     hidden = int(os.environ.get("ENGINE_HIDDEN", "4096"))
     kv_bytes = int(float(os.environ.get("ENGINE_KV_GIB", "8")) * (1 << 30))
+    tp = int(os.environ.get("ENGINE_TP", "1"))
+    if tp > 1 or "ENGINE_RANK" in os.environ:
+        import tp as tensor_parallel  # noqa: E402 (needs torch.distributed: only when asked for)
+        if "ENGINE_RANK" in os.environ:
+            return tensor_parallel.run_rank(os.path.abspath(__file__))
     t_start = time.perf_counter()
     # The pair's socket, if handed down: held from now on, accepted on only
     # once active.
     inherited = listen_socket()
 
+    if tp > 1:
+        # 1. initialise the group: ranks, shards through each GPU's GMS, NCCL.
+        group = tensor_parallel.Group(tp, os.path.abspath(__file__), engine_id, layers, hidden, seed,
+                                      kv_bytes, log)
+        kv = group.kv
+        log(event="weights", engine=engine_id, lease=group.own.gms.lease, tp=tp,
+            source="generated+committed" if group.own.gms.lease == "rw" else "mapped read-only",
+            addr=hex(group.own.model.embed.data_ptr()))
+        log(event="parked", engine=engine_id, pid=os.getpid(), tp=tp, kv_addr=hex(kv.addr),
+            kv_bytes=kv.nbytes, init_s=round(time.perf_counter() - t_start, 3))
+        wake, generate = group.wake, group.generate
+    else:
+        kv, wake, generate = one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start)
+    serve(engine_id, port, inherited, kv, wake, generate)
+
+
+def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
+    """TP=1: the model, its weights through GMS and its KV cache reserved;
+    returns (kv, wake, generate)."""
     # 1. initialise: weights through GMS (rw_or_ro).
     gms = Gms(mode="rw_or_ro", client=f"torch-engine-{engine_id}", timeout_s=300)
     t0 = time.perf_counter()
@@ -163,17 +188,29 @@ def main():
     del scratch
     log(event="parked", engine=engine_id, pid=os.getpid(), kv_addr=hex(kv.addr), kv_bytes=kv.nbytes,
         init_s=round(time.perf_counter() - t_start, 3))
+    caches = []
 
+    def wake():
+        kv.materialise()
+        caches.extend(kv_views(kv.tensor(DTYPE), layers, hidden, max_seq))
+
+    def generate(tokens, max_tokens):
+        return model.generate(tokens, max_tokens, caches)
+
+    return kv, wake, generate
+
+
+def serve(engine_id, port, inherited, kv, wake, generate):
+    """Steps 2-5 of the contract, the same for one process and a group."""
     # 2-3. park on the election lock.
     notify(f"STATUS=parked engine {engine_id}", f"MAINPID={os.getpid()}")
     lock = FailoverLock().acquire()
     t_wake = time.perf_counter()
     woke_at = time.time()
 
-    # 4. wake: KV at its reserved address, then the port.
-    kv.materialise()
+    # 4. wake: KV at its reserved address (every rank's), then the port.
+    wake()
     kv_ms = (time.perf_counter() - t_wake) * 1e3
-    caches = kv_views(kv.tensor(DTYPE), layers, hidden, max_seq)
     serve_lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -207,7 +244,7 @@ def main():
                 return self.reply(400, {"error": f"bad request: {e}"})
             tokens = [b % VOCAB for b in prompt.encode()] or [0]
             with serve_lock:
-                out = model.generate(tokens, max_tokens, caches)
+                out = generate(tokens, max_tokens)
             text = "".join(chr(32 + t % 95) for t in out)
             self.reply(200, {"object": "text_completion", "engine": engine_id, "pid": os.getpid(),
                              "choices": [{"index": 0, "text": text, "tokens": out}],

@@ -13,13 +13,18 @@
 //! outside is refused with EINVAL: the source mount must belong to the
 //! caller's namespace; `open_tree`/`move_mount` would lift that, later.)
 
+use crate::admission::{admit, uid_of, Candidate};
 use crate::error::{Error, Result};
 use crate::layout::PairLayout;
+use nix::errno::Errno;
+use nix::fcntl::{open, openat, OFlag};
 use nix::mount::{mount, MsFlags};
 use nix::sched::{setns, CloneFlags};
+use nix::sys::stat::{fstat, mkdirat, Mode, SFlag};
 use serde::Deserialize;
 use shadow_contract::annotations::Annotations;
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 
 /// The OCI state a runtime writes on a hook's stdin (the fields used here).
@@ -47,17 +52,37 @@ impl State {
         let annotations = Annotations::parse(&self.annotations)?;
         Ok(annotations.pair_name.map(|n| PairLayout::of(root, &n)))
     }
+
+    /// Whether this container may join `layout`'s pair (its annotations,
+    /// and its uid from the bundle's config.json, the runtime's file).
+    pub fn admitted(&self, layout: &PairLayout) -> Result<()> {
+        let uid = bundle_spec(&self.bundle).ok().as_ref().and_then(uid_of);
+        admit(
+            layout,
+            &Candidate {
+                id: Some(&self.id),
+                uid,
+                annotations: &self.annotations,
+            },
+        )
+    }
+}
+
+/// The bundle's config.json, written by the runtime.
+fn bundle_spec(bundle: &Path) -> Result<serde_json::Value> {
+    let cfg = bundle.join("config.json");
+    let text = std::fs::read_to_string(&cfg).map_err(|e| Error::io("reading", &cfg, e))?;
+    serde_json::from_str(&text).map_err(|source| Error::Json {
+        what: "bundle config.json",
+        source,
+    })
 }
 
 /// The rootfs path from the bundle's config.json (`root.path`, relative
 /// to the bundle unless absolute).
 fn rootfs_of(bundle: &Path) -> Result<PathBuf> {
     let cfg = bundle.join("config.json");
-    let text = std::fs::read_to_string(&cfg).map_err(|e| Error::io("reading", &cfg, e))?;
-    let spec: serde_json::Value = serde_json::from_str(&text).map_err(|source| Error::Json {
-        what: "bundle config.json",
-        source,
-    })?;
+    let spec = bundle_spec(bundle)?;
     let root = spec
         .get("root")
         .and_then(|r| r.get("path"))
@@ -69,27 +94,53 @@ fn rootfs_of(bundle: &Path) -> Result<PathBuf> {
     Ok(bundle.join(root))
 }
 
-/// Makes `rel` under `rootfs`, refusing symlinks on the way: the image
-/// controls the rootfs, and a link must not aim the bind somewhere else.
-fn make_target(rootfs: &Path, rel: &str, pid: i32) -> Result<PathBuf> {
-    let mut at = rootfs.to_path_buf();
+/// Opens (making what is missing) `rel` under `rootfs` as an `O_PATH`
+/// directory descriptor, one component at a time under the previous
+/// one's descriptor with `O_NOFOLLOW`: the image and earlier runs of the
+/// container control the rootfs, and neither a symlink (aiming the bind
+/// elsewhere, e.g. at the host's /etc) nor a FIFO (`O_PATH` never opens
+/// it for I/O, so it cannot block) nor a swap between check and use can
+/// redirect it. The bind then targets `/proc/self/fd/<fd>`, exactly the
+/// directory opened.
+fn open_target(rootfs: &Path, rel: &str, pid: i32) -> Result<OwnedFd> {
+    let dir_flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut at = open(
+        rootfs,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| Error::io("opening the container rootfs", rootfs, e.into()))?;
+    let mut shown = rootfs.to_path_buf();
     for c in Path::new(rel).components() {
         let Component::Normal(part) = c else { continue };
-        at.push(part);
-        match std::fs::symlink_metadata(&at) {
-            Ok(m) if m.file_type().is_symlink() => {
-                return Err(Error::Shape {
-                    what: "container rootfs",
-                    why: format!(
-                        "{} is a symlink (pid {pid}); refusing to bind through it",
-                        at.display()
-                    ),
-                })
+        shown.push(part);
+        let refuse = |why: &str| Error::Shape {
+            what: "container rootfs",
+            why: format!(
+                "{} {why} (pid {pid}); refusing to bind through it",
+                shown.display()
+            ),
+        };
+        let next = match openat(&at, part, dir_flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) => {
+                mkdirat(&at, part, Mode::from_bits_truncate(0o755)).map_err(|e| {
+                    Error::io("creating mount point in the rootfs", &shown, e.into())
+                })?;
+                openat(&at, part, dir_flags, Mode::empty())
+                    .map_err(|e| Error::io("opening new mount point", &shown, e.into()))?
             }
-            Ok(_) => {}
-            Err(_) => std::fs::create_dir(&at)
-                .map_err(|e| Error::io("creating mount point in the rootfs", &at, e))?,
+            Err(Errno::ENOTDIR | Errno::ELOOP) => {
+                return Err(refuse("is a symlink or not a directory"))
+            }
+            Err(e) => return Err(Error::io("opening", &shown, e.into())),
+        };
+        // O_PATH|O_NOFOLLOW opens a symlink itself; make sure it is a directory.
+        let st = fstat(&next).map_err(|e| Error::io("fstat of", &shown, e.into()))?;
+        if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFDIR {
+            return Err(refuse("is not a directory"));
         }
+        at = next;
     }
     Ok(at)
 }
@@ -106,6 +157,7 @@ pub fn bind_into_container(state: &State, root: &Path) -> Result<bool> {
             why: format!("container {} has no pid at createRuntime", state.id),
         });
     }
+    state.admitted(&layout)?;
     layout.prepare()?;
     let rootfs = rootfs_of(&state.bundle)?;
     let pid = state.pid;
@@ -119,16 +171,19 @@ pub fn bind_into_container(state: &State, root: &Path) -> Result<bool> {
         source,
     })?;
     for (src, dst) in layout.binds() {
-        let target = make_target(&rootfs, dst, pid)?;
+        let target = open_target(&rootfs, dst, pid)?;
+        // The magic link names exactly the directory opened above.
+        let by_fd = PathBuf::from(format!("/proc/self/fd/{}", target.as_raw_fd()));
+        let shown = rootfs.join(dst.trim_start_matches('/'));
         mount(
             Some(&src),
-            &target,
+            &by_fd,
             None::<&str>,
             MsFlags::MS_BIND | MsFlags::MS_REC,
             None::<&str>,
         )
         .map_err(|source| Error::Namespace {
-            what: format!("binding {} at {}", src.display(), target.display()),
+            what: format!("binding {} at {}", src.display(), shown.display()),
             pid,
             source,
         })?;
@@ -154,14 +209,31 @@ mod tests {
     }
 
     #[test]
-    fn targets_refuse_symlinks_in_the_rootfs() {
+    fn targets_refuse_symlinks_and_fifos_in_the_rootfs() {
         let t = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
         std::fs::create_dir(t.path().join("run")).unwrap();
-        std::os::unix::fs::symlink("/etc", t.path().join("run/shadow")).unwrap();
-        assert!(make_target(t.path(), "/run/shadow/pair", 1).is_err());
+        std::os::unix::fs::symlink(elsewhere.path(), t.path().join("run/shadow")).unwrap();
+        let e = open_target(t.path(), "/run/shadow/pair", 1).unwrap_err();
+        assert!(e.to_string().contains("symlink"), "{e}");
+        assert!(
+            !elsewhere.path().join("pair").exists(),
+            "a directory was made through the link"
+        );
+        // A FIFO where a directory should be: refused, and nothing blocks.
+        std::fs::remove_file(t.path().join("run/shadow")).unwrap();
+        nix::unistd::mkfifo(
+            &t.path().join("run/shadow"),
+            Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        assert!(open_target(t.path(), "/run/shadow/pair", 1).is_err());
+
         let ok = tempfile::tempdir().unwrap();
-        let p = make_target(ok.path(), "/run/shadow/pair", 1).unwrap();
-        assert!(p.is_dir());
+        let fd = open_target(ok.path(), "/run/shadow/pair", 1).unwrap();
+        assert!(ok.path().join("run/shadow/pair").is_dir());
+        let by_fd = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+        assert_eq!(by_fd, ok.path().join("run/shadow/pair"));
     }
 
     #[test]

@@ -40,6 +40,9 @@ pub enum Error {
     },
     #[error("gmsd for pair {pair}: {why}")]
     Gmsd { pair: String, why: String },
+    /// A container that names a pair it was not admitted to.
+    #[error("may not join pair {pair}: {why}")]
+    NotAdmitted { pair: String, why: String },
 }
 
 impl Error {

@@ -9,6 +9,7 @@
 //! readiness comes through a pipe (gmsd's `ready <socket>` line), an early
 //! death is reported with its exit status, and capabilities are dropped.
 
+use crate::admission::Admission;
 use crate::error::{Error, Result};
 use crate::layout::PairLayout;
 use shadow_contract::gmsd::{GmsdCommand, Reaper};
@@ -22,6 +23,8 @@ pub struct GmsdLaunch {
     pub gmsd: PathBuf,
     pub device: String,
     pub extra: Vec<String>,
+    /// Who may join the pair; recorded before gmsd starts.
+    pub admission: Admission,
 }
 
 impl GmsdLaunch {
@@ -46,6 +49,7 @@ pub fn default_gmsd() -> PathBuf {
 /// which then supervises gmsd itself and reads readiness its own way).
 pub fn run(layout: &PairLayout, launch: &GmsdLaunch) -> Result<()> {
     layout.prepare()?;
+    launch.admission.save(layout)?;
     let e = launch.command(layout).command().exec();
     Err(Error::io("executing gmsd", &launch.gmsd, e))
 }
@@ -61,6 +65,7 @@ pub fn start(layout: &PairLayout, launch: &GmsdLaunch, wait: Duration) -> Result
         return Err(gmsd_err(format!("already running as pid {pid}")));
     }
     layout.prepare()?;
+    launch.admission.save(layout)?;
     let log_path = layout.gmsd_log();
     let log = std::fs::File::create(&log_path).map_err(|e| Error::io("creating", &log_path, e))?;
     let gmsd = launch

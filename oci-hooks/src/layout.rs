@@ -10,9 +10,12 @@
 //! `shadow_contract`'s, the same the shim uses.
 
 use crate::error::{Error, Result};
+use nix::fcntl::{open, openat, OFlag};
+use nix::sys::stat::Mode;
 use shadow_contract::annotations::PairName;
 use shadow_contract::{env, paths};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
 use std::path::{Path, PathBuf};
 
 /// Default root of the per-pair host directories.
@@ -64,6 +67,65 @@ impl PairLayout {
         self.dir.join("gmsd.log")
     }
 
+    /// Who may join (written by `gms start`/`gms run`; see `admission`).
+    pub fn admission_file(&self) -> PathBuf {
+        self.dir.join("admission.json")
+    }
+
+    /// Opens the election lock inside `pair/`, a directory every container
+    /// of the pair can write (it is bound into them): so never through a
+    /// symlink (`O_NOFOLLOW` under a directory fd), never blocking on a
+    /// FIFO (`O_NONBLOCK`), and only a regular file. `None`: no lock file
+    /// and `create` was false.
+    fn open_lock(&self, create: bool) -> Result<Option<File>> {
+        let dir_path = self.pair_dir();
+        let dir = open(
+            &dir_path,
+            OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| Error::io("opening pair directory", &dir_path, e.into()))?;
+        let mut flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
+        if create {
+            flags |= OFlag::O_CREAT;
+        }
+        let lock = self.lock_file();
+        let fd = match openat(
+            &dir,
+            paths::LOCK_FILE,
+            flags,
+            Mode::from_bits_truncate(0o600),
+        ) {
+            Ok(fd) => fd,
+            Err(nix::errno::Errno::ENOENT) if !create => return Ok(None),
+            Err(nix::errno::Errno::ELOOP) => {
+                return Err(Error::Shape {
+                    what: "pair lock",
+                    why: format!(
+                        "{} is a symlink (planted by a container?); refusing to follow it",
+                        lock.display()
+                    ),
+                })
+            }
+            Err(e) => return Err(Error::io("opening lock file", &lock, e.into())),
+        };
+        let file = File::from(fd);
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io("fstat of lock file", &lock, e))?;
+        if !meta.file_type().is_file() {
+            return Err(Error::Shape {
+                what: "pair lock",
+                why: format!(
+                    "{} is not a regular file ({:?}); refusing to use it",
+                    lock.display(),
+                    meta.file_type()
+                ),
+            });
+        }
+        Ok(Some(file))
+    }
+
     /// Creates the directories (0700: only root's engines and gmsd use
     /// them) and the lock file, which engines open read-only to flock.
     /// Idempotent, so every hook invocation may call it.
@@ -75,20 +137,14 @@ impl PairLayout {
                 .create(&d)
                 .map_err(|e| Error::io("creating pair directory", &d, e))?;
         }
-        let lock = self.lock_file();
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .open(&lock)
-            .map_err(|e| Error::io("creating lock file", &lock, e))?;
+        self.open_lock(true)?;
         Ok(())
     }
 
     /// Whether some engine holds the election lock now (a non-blocking
     /// flock attempt that is released at once).
     pub fn lock_held(&self) -> bool {
-        let Ok(f) = std::fs::File::open(self.lock_file()) else {
+        let Ok(Some(f)) = self.open_lock(false) else {
             return false;
         };
         match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
@@ -108,7 +164,11 @@ impl PairLayout {
         if let Some(s) = slot {
             vars.push((env::ENGINE_ID.to_owned(), s.to_string()));
         }
-        if self.notify_socket().exists() {
+        // lstat: a link planted in the container-writable pair dir is not
+        // a socket.
+        let is_socket = std::fs::symlink_metadata(self.notify_socket())
+            .is_ok_and(|m| m.file_type().is_socket());
+        if is_socket {
             vars.push((
                 env::NOTIFY_SOCKET.to_owned(),
                 paths::NOTIFY_SOCKET.to_owned(),
@@ -155,6 +215,30 @@ mod tests {
         let held = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive).unwrap();
         assert!(l.lock_held());
         drop(held);
+        assert!(!l.lock_held());
+    }
+
+    /// `pair/` is writable by the pair's containers: a symlink planted as
+    /// the lock is not followed (nothing is created where it points), and
+    /// a FIFO does not block the hook.
+    #[test]
+    fn a_planted_symlink_or_fifo_lock_is_refused_without_blocking() {
+        let t = tempfile::tempdir().unwrap();
+        let l = PairLayout::new(t.path(), "p").unwrap();
+        l.prepare().unwrap();
+        std::fs::remove_file(l.lock_file()).unwrap();
+        let target = t.path().join("root-owned-file-elsewhere");
+        std::os::unix::fs::symlink(&target, l.lock_file()).unwrap();
+        let e = l.prepare().unwrap_err();
+        assert!(e.to_string().contains("symlink"), "{e}");
+        assert!(!target.exists(), "the hook followed the link");
+        assert!(!l.lock_held());
+
+        std::fs::remove_file(l.lock_file()).unwrap();
+        nix::unistd::mkfifo(&l.lock_file(), Mode::from_bits_truncate(0o600)).unwrap();
+        // A blocking open of a FIFO would hang here for ever.
+        let e = l.prepare().unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
         assert!(!l.lock_held());
     }
 

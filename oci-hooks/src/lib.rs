@@ -5,6 +5,7 @@
 //! (`precreate` for podman/CRI-O, `createRuntime` + `poststop` for any OCI
 //! runtime), CDI specs, and a gmsd launcher per pair.
 
+pub mod admission;
 pub mod cdi;
 pub mod create_runtime;
 pub mod error;

@@ -4,6 +4,7 @@
 //! a non-zero exit, which runtimes report as the hook's failure.
 
 use clap::{Parser, Subcommand};
+use shadow_oci_hook::admission::Admission;
 use shadow_oci_hook::create_runtime::{self, State};
 use shadow_oci_hook::gms_daemon::{self, GmsdLaunch};
 use shadow_oci_hook::layout::DEFAULT_ROOT;
@@ -74,6 +75,15 @@ struct LaunchArgs {
     /// The gmsd binary (default: next to this one, else on PATH).
     #[arg(long)]
     gmsd: Option<PathBuf>,
+    /// Containers whose process runs as this uid may join (repeatable).
+    #[arg(long = "allow-uid")]
+    allow_uids: Vec<u32>,
+    /// Containers with this annotation may join (KEY=VALUE, repeatable; all
+    /// must match), e.g. `io.kubernetes.pod.namespace=team-a` under CRI-O.
+    /// At least one --allow-uid or --allow-annotation is required: the hook
+    /// refuses every other container that names the pair.
+    #[arg(long = "allow-annotation")]
+    allow_annotations: Vec<String>,
     /// More gmsd serve flags (after `--`), e.g. `-- --max-bytes 80G`.
     #[arg(last = true)]
     extra: Vec<String>,
@@ -117,6 +127,7 @@ fn launch_of(root: &Path, a: LaunchArgs) -> Result<(PairLayout, GmsdLaunch)> {
         gmsd: a.gmsd.unwrap_or_else(gms_daemon::default_gmsd),
         device: a.device,
         extra: a.extra,
+        admission: Admission::from_flags(&a.allow_uids, &a.allow_annotations)?,
     };
     Ok((layout, launch))
 }
@@ -145,8 +156,12 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Poststop => {
             let state = State::parse(&stdin_text("OCI state")?)?;
+            // A container that was never admitted never joined: its end
+            // must not clean up a pair it only named.
             if let Some(layout) = state.pair(root)? {
-                gms_daemon::release(&layout)?;
+                if state.admitted(&layout).is_ok() {
+                    gms_daemon::release(&layout)?;
+                }
             }
         }
         Command::Cdi { action } => match action {

@@ -6,10 +6,12 @@
 //! before any namespace exists. The spec is edited as plain JSON so that
 //! fields this crate does not model survive untouched.
 
+use crate::admission::{admit, uid_of, Candidate};
 use crate::error::{Error, Result};
 use crate::layout::PairLayout;
 use serde_json::{json, Value};
 use shadow_contract::annotations::Annotations;
+use std::collections::HashMap;
 use std::path::Path;
 
 /// The spec's `shadow.dev/` annotations, validated as the shim validates
@@ -26,6 +28,8 @@ pub fn annotations_of(spec: &Value) -> Result<Annotations> {
 
 /// Returns the edited spec, or the spec unchanged when its annotations do
 /// not name a pair (a hooks.d `when` clause should already have filtered).
+/// A container that names a pair it was not admitted to (see `admission`)
+/// is refused: an error, so the runtime does not create it.
 pub fn edit_spec(mut spec: Value, root: &Path) -> Result<Value> {
     let annotations = annotations_of(&spec)?;
     let Some(name) = annotations.pair_name else {
@@ -33,6 +37,21 @@ pub fn edit_spec(mut spec: Value, root: &Path) -> Result<Value> {
     };
     let layout = PairLayout::of(root, &name);
     let slot = annotations.slot;
+    let all: HashMap<String, String> = spec
+        .get("annotations")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
+        .collect();
+    admit(
+        &layout,
+        &Candidate {
+            id: None,
+            uid: uid_of(&spec),
+            annotations: &all,
+        },
+    )?;
     layout.prepare()?;
 
     let obj = spec.as_object_mut().ok_or_else(|| Error::Shape {
@@ -92,12 +111,20 @@ pub fn edit_spec(mut spec: Value, root: &Path) -> Result<Value> {
 mod tests {
     use super::*;
 
+    use crate::admission::Admission;
     use shadow_contract::annotations::{GMS, PAIR, PAIR_NAME, SHADOW, SLOT};
+
+    /// What `gms start --pair <name> --allow-uid 0` records.
+    fn started(root: &Path, name: &str) {
+        let l = PairLayout::new(root, name).unwrap();
+        l.prepare().unwrap();
+        Admission::from_flags(&[0], &[]).unwrap().save(&l).unwrap();
+    }
 
     fn spec(annotations: Value) -> Value {
         json!({
             "ociVersion": "1.0.2-dev",
-            "process": {"env": ["PATH=/bin", "GMS_SOCKET_DIR=/elsewhere"], "args": ["sh"]},
+            "process": {"user": {"uid": 0, "gid": 0}, "env": ["PATH=/bin", "GMS_SOCKET_DIR=/elsewhere"], "args": ["sh"]},
             "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
             "annotations": annotations,
             "x-unknown-field": {"kept": true},
@@ -115,6 +142,7 @@ mod tests {
     #[test]
     fn the_annotation_adds_binds_and_env_and_keeps_the_rest() {
         let t = tempfile::tempdir().unwrap();
+        started(t.path(), "p1");
         let s = spec(json!({PAIR_NAME: "p1", SLOT: "1"}));
         let out = edit_spec(s, t.path()).unwrap();
         assert_eq!(out["x-unknown-field"]["kept"], true);
@@ -140,6 +168,7 @@ mod tests {
     #[test]
     fn bad_names_and_slots_are_errors_not_edits() {
         let t = tempfile::tempdir().unwrap();
+        started(t.path(), "p");
         assert!(edit_spec(spec(json!({PAIR_NAME: "../etc"})), t.path()).is_err());
         let e = edit_spec(spec(json!({PAIR_NAME: "p", SLOT: "2"})), t.path()).unwrap_err();
         assert!(e.to_string().contains(SLOT), "{e}");
@@ -148,12 +177,36 @@ mod tests {
         assert!(e.to_string().contains("cuda|host|off"), "{e}");
     }
 
+    /// Naming a pair is not enough to join it: the operator must have
+    /// started it, and the container must match its rules.
+    #[test]
+    fn a_container_not_admitted_to_the_pair_it_names_is_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let e = edit_spec(spec(json!({PAIR_NAME: "victim"})), t.path()).unwrap_err();
+        assert!(e.to_string().contains("not created by the operator"), "{e}");
+        assert!(!t.path().join("victim").exists(), "the hook made the pair");
+
+        let l = PairLayout::new(t.path(), "victim").unwrap();
+        l.prepare().unwrap();
+        Admission::from_flags(&[], &["io.kubernetes.pod.namespace=team-a".into()])
+            .unwrap()
+            .save(&l)
+            .unwrap();
+        let intruder = spec(json!({PAIR_NAME: "victim", "io.kubernetes.pod.namespace": "team-b"}));
+        let e = edit_spec(intruder, t.path()).unwrap_err();
+        assert!(e.to_string().contains("may not join pair victim"), "{e}");
+        let member = spec(json!({PAIR_NAME: "victim", "io.kubernetes.pod.namespace": "team-a"}));
+        let out = edit_spec(member, t.path()).unwrap();
+        assert_eq!(out["mounts"].as_array().unwrap().len(), 3);
+    }
+
     /// One spec serves both paths: the shim's keys do not stop the hook.
     #[test]
     fn the_shims_annotations_are_tolerated() {
         let t = tempfile::tempdir().unwrap();
         let shim_only = spec(json!({PAIR: "true", GMS: "host", SHADOW: "true"}));
         assert_eq!(edit_spec(shim_only.clone(), t.path()).unwrap(), shim_only);
+        started(t.path(), "p2");
         let both = spec(json!({PAIR: "true", GMS: "host", PAIR_NAME: "p2", SLOT: "0"}));
         let out = edit_spec(both, t.path()).unwrap();
         assert!(out["process"]["env"]

@@ -66,6 +66,10 @@ fn unit_exec_start_runs_gmsd_in_place_and_stops_on_sigterm() {
         .lines()
         .find_map(|l| l.strip_prefix("Environment=GMS_DEVICE="))
         .expect("default GMS_DEVICE");
+    let admit = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Environment=GMS_ADMIT="))
+        .expect("default GMS_ADMIT");
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("hooks");
     let words: Vec<String> = exec
@@ -75,6 +79,7 @@ fn unit_exec_start_runs_gmsd_in_place_and_stops_on_sigterm() {
             "/usr/local/bin/gmsd" => gmsd().display().to_string(),
             "%i" => "unit-pair".to_owned(),
             "${GMS_DEVICE}" => device.to_owned(),
+            "$GMS_ADMIT" => admit.to_owned(),
             other => other.to_owned(),
         })
         .collect();
@@ -94,6 +99,7 @@ fn unit_exec_start_runs_gmsd_in_place_and_stops_on_sigterm() {
         "ExecStart must exec gmsd in place"
     );
     assert!(root.join("unit-pair/pair/engine.lock").is_file());
+    assert!(root.join("unit-pair/admission.json").is_file());
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.0.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
@@ -119,7 +125,11 @@ fn gms_start_stop_and_poststop_keep_a_used_pair() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("hooks");
     let g = gmsd().display().to_string();
-    let out = hook(&root, &["gms", "start", "--pair", "p", "--gmsd", &g]);
+    let admit = ["--allow-annotation", "test.shadow.dev/tenant=t1"];
+    let out = hook(
+        &root,
+        &[&["gms", "start", "--pair", "p", "--gmsd", &g][..], &admit].concat(),
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -128,13 +138,18 @@ fn gms_start_stop_and_poststop_keep_a_used_pair() {
     let pid: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
     assert_eq!(status_pid(&root.join("p/gms/gms-host.sock")), Some(pid));
     // A second gmsd for the same pair is refused, naming the first.
-    let again = hook(&root, &["gms", "start", "--pair", "p", "--gmsd", &g]);
+    let again = hook(
+        &root,
+        &[&["gms", "start", "--pair", "p", "--gmsd", &g][..], &admit].concat(),
+    );
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains(&pid.to_string()));
 
     // poststop with gmsd running, then with the lock held: the dir stays.
-    let state = r#"{"ociVersion":"1.0.2","id":"c","status":"stopped","pid":0,"bundle":"/nonexistent","annotations":{"shadow.dev/pair-name":"p"}}"#;
-    let poststop = || {
+    let state = r#"{"ociVersion":"1.0.2","id":"c","status":"stopped","pid":0,"bundle":"/nonexistent","annotations":{"shadow.dev/pair-name":"p","test.shadow.dev/tenant":"t1"}}"#;
+    // A container that only named the pair does not clean it up.
+    let stranger = r#"{"ociVersion":"1.0.2","id":"x","status":"stopped","pid":0,"bundle":"/nonexistent","annotations":{"shadow.dev/pair-name":"p"}}"#;
+    let poststop_as = |state: &str| {
         let mut c = Command::new(HOOK)
             .arg("--root")
             .arg(&root)
@@ -146,6 +161,7 @@ fn gms_start_stop_and_poststop_keep_a_used_pair() {
         c.stdin.take().unwrap().write_all(state.as_bytes()).unwrap();
         assert!(c.wait().unwrap().success());
     };
+    let poststop = || poststop_as(state);
     poststop();
     assert!(root.join("p").is_dir());
     let lock = std::fs::File::open(root.join("p/pair/engine.lock")).unwrap();
@@ -166,6 +182,11 @@ fn gms_start_stop_and_poststop_keep_a_used_pair() {
     poststop();
     assert!(root.join("p").is_dir(), "removed while the lock is held");
     drop(held);
+    poststop_as(stranger);
+    assert!(
+        root.join("p").is_dir(),
+        "removed by a container not admitted"
+    );
     poststop();
     assert!(!root.join("p").exists(), "unused pair dir kept");
 }

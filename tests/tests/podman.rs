@@ -114,12 +114,20 @@ impl PairWorld {
         c
     }
 
+    /// The annotation this test's pair admits its containers by.
+    fn tenant(&self) -> (String, String) {
+        ("test.shadow.dev/tenant".into(), self.pair.clone())
+    }
+
     fn start_gmsd(&mut self) {
         let gmsd = sibling("gmsd");
+        let (k, v) = self.tenant();
         run(self
             .hook_cmd()
             .args(["gms", "start", "--pair", &self.pair, "--gmsd"])
-            .arg(gmsd));
+            .arg(gmsd)
+            .arg("--allow-annotation")
+            .arg(format!("{k}={v}")));
         self.gmsd_started = true;
     }
 
@@ -351,15 +359,36 @@ fn podman_precreate_hook_pair_shares_weights_and_fails_over() {
     let mut p = Podman::new("hook");
     p.install_hooks();
     let pair = p.world.pair.clone();
+    let (k, v) = p.world.tenant();
     let args = |slot: &str| {
         vec![
             "--annotation".to_owned(),
             format!("shadow.dev/pair-name={pair}"),
             "--annotation".to_owned(),
             format!("shadow.dev/slot={slot}"),
+            "--annotation".to_owned(),
+            format!("{k}={v}"),
         ]
     };
     pair_fails_over(&mut p, [args("0"), args("1")]);
+    // A container that names the pair without being admitted is refused
+    // by the hook: podman does not run it, and it gets nothing.
+    let intruder = p
+        .cmd()
+        .args(["run", "--rm", "--network", "host"])
+        .args(ULIMITS)
+        .args(["--annotation", &format!("shadow.dev/pair-name={pair}")])
+        .arg(&p.image)
+        .args(["sh", "-c", "echo GMS=${GMS_SOCKET_DIR:-none}"])
+        .output()
+        .expect("podman run");
+    assert!(
+        !intruder.status.success(),
+        "a container not admitted joined the pair: {}",
+        String::from_utf8_lossy(&intruder.stdout)
+    );
+    let why = String::from_utf8_lossy(&intruder.stderr);
+    assert!(why.contains("precreate") || why.contains("hook"), "{why}");
     // A container without the annotation is left alone by the hook.
     let out = run(p
         .cmd()
@@ -448,7 +477,9 @@ impl Runc {
         if let Some(ns) = spec["linux"]["namespaces"].as_array_mut() {
             ns.retain(|n| n["type"] != "network");
         }
+        let (tenant_key, tenant) = self.world.tenant();
         spec["annotations"] = json!({
+            tenant_key: tenant,
             "shadow.dev/pair-name": self.world.pair,
             "shadow.dev/slot": slot.to_string(),
         });

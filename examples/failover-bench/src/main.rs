@@ -6,15 +6,20 @@
 //!   instant `ctr run` returns (the best a restart policy can do). The
 //!   restarted engine reads and verifies the file and rebuilds its state;
 //! - `shadow`: this shim with a pair (`shadow.dev/pair=true`, GMS host
-//!   backend): the parked shadow takes the lock and serves.
+//!   backend, and by default `shadow.dev/listen`: the pair owns the
+//!   listening socket, so no connection is refused): the parked shadow
+//!   takes the lock and serves.
 //!
 //! - `gms`: this shim with one engine and no shadow
 //!   (`shadow.dev/shadow=false`, GMS host backend): the shim restarts the
 //!   engine in place and the restart maps the weights GMS kept.
 //!
-//! Writes `<out>/report.json` (one object per arm), `<out>/timeline.svg`, and
-//! prints a table; the last line states each arm's failover time and the
-//! cold ÷ shadow ratio. No figure is asserted.
+//! Failed requests are counted by kind: `refused` (nobody listened),
+//! `reset_in_flight` (queued on or accepted by the engine that died),
+//! `timeouts`, `wrong`. Writes `<out>/report.json` (one object per arm),
+//! `<out>/timeline.svg` (each kind its own marker), and prints a table; the
+//! last line states each arm's failover time and the cold ÷ shadow ratio.
+//! No figure is asserted.
 
 mod load;
 mod report;
@@ -86,6 +91,16 @@ struct Opts {
         value_parser = ["cold", "gms", "shadow"]
     )]
     arms: Vec<String>,
+    /// Shim arms whose pair owns the listening socket
+    /// (`shadow.dev/listen`); the others' engines bind the port themselves.
+    /// `none` for none.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "shadow",
+        value_parser = ["gms", "shadow", "none"]
+    )]
+    listen_arms: Vec<String>,
     /// Directory of report.json and timeline.svg.
     #[arg(long, default_value = "target/shadow-bench")]
     out: PathBuf,
@@ -270,12 +285,15 @@ fn shim_arm(
     let id = id.as_str();
     let env = PairEnv::new(cd, "gms = \"host\"")?;
     let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
-    let annotations: &[(&str, &str)] = if single {
-        &[("shadow.dev/shadow", "false")]
-    } else {
-        &[]
-    };
-    let ctr = env.run(cd, id, annotations, &["--rm", "--net-host"], &cmd)?;
+    let socket = format!("tcp:127.0.0.1:{}", w.port);
+    let mut annotations: Vec<(&str, &str)> = vec![];
+    if single {
+        annotations.push((shadow_contract::annotations::SHADOW, "false"));
+    }
+    if o.listen_arms.iter().any(|a| a == arm) {
+        annotations.push((shadow_contract::annotations::LISTEN, &socket));
+    }
+    let ctr = env.run(cd, id, &annotations, &["--rm", "--net-host"], &cmd)?;
     let ready = wait_healthy(w.port, Duration::from_secs(600));
     // A pair is ready for the kill once its shadow is parked; a single
     // engine once it serves.
@@ -426,8 +444,13 @@ fn run() -> Result<()> {
         ]
         .map(String::from)
         .to_vec();
+        let socket = if o.listen_arms.contains(arm) {
+            ", the pair's listening socket"
+        } else {
+            ""
+        };
         println!(
-            "arm {arm}: {} MiB of weights, {} req/s, {} kill(s)",
+            "arm {arm}: {} MiB of weights, {} req/s, {} kill(s){socket}",
             o.mib, o.rate, o.kills
         );
         let run = match arm.as_str() {

@@ -7,7 +7,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde_json::{json, Value};
 
-use crate::load::Sample;
+use crate::load::{Failure, Sample};
 use crate::Error;
 
 /// One arm's run: its samples and when its kills happened.
@@ -99,6 +99,7 @@ impl ArmRun {
             let kind = e.split(':').next().unwrap_or_default().to_owned();
             *errors.entry(kind).or_default() += 1;
         }
+        let count = |f: Failure| self.samples.iter().filter(|s| s.failure == Some(f)).count();
         json!({
             "arm": self.arm,
             "weights_mib": weights_mib,
@@ -112,6 +113,10 @@ impl ArmRun {
             "requests": self.samples.len(),
             "failed_requests": self.samples.iter().filter(|s| !s.ok).count(),
             "failed_after_recovery": after.iter().filter(|s| !s.ok).count(),
+            "refused": count(Failure::Refused),
+            "reset_in_flight": count(Failure::ResetInFlight),
+            "timeouts": count(Failure::Timeout),
+            "wrong": count(Failure::Wrong),
             "errors": errors,
             "p50_ms": round(pct(&ok, 0.5)),
             "p99_ms": round(pct(&ok, 0.99)),
@@ -133,12 +138,15 @@ fn cell(v: &Value) -> String {
 /// The side-by-side table.
 pub fn table(rows: &[Value]) -> String {
     let mut out = format!(
-        "{:<8} {:>7} {:>6} {:>14} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10}\n",
+        "{:<8} {:>7} {:>6} {:>14} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10}\n",
         "arm",
         "weights",
         "kills",
         "unavail ms",
         "failed",
+        "refused",
+        "reset",
+        "timeout",
         "requests",
         "p50 ms",
         "p99 ms",
@@ -147,7 +155,7 @@ pub fn table(rows: &[Value]) -> String {
     );
     for r in rows {
         out += &format!(
-            "{:<8} {:>5}Mi {:>6} {:>14} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10}\n",
+            "{:<8} {:>5}Mi {:>6} {:>14} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10}\n",
             r["arm"].as_str().unwrap_or("?"),
             r["weights_mib"].to_string(),
             r["kills"].to_string(),
@@ -161,6 +169,9 @@ pub fn table(rows: &[Value]) -> String {
                 cell(&r["unavailable_ms"])
             },
             r["failed_requests"].to_string(),
+            r["refused"].to_string(),
+            r["reset_in_flight"].to_string(),
+            r["timeouts"].to_string(),
             r["requests"].to_string(),
             cell(&r["p50_ms"]),
             cell(&r["p99_ms"]),
@@ -173,7 +184,8 @@ pub fn table(rows: &[Value]) -> String {
 
 /// Latency of every request around the kill(s), all arms on one chart:
 /// x = send time relative to the first kill, y = latency (log scale);
-/// failed requests are drawn as crosses along the top.
+/// failed requests are drawn along the top, one band per arm, the marker
+/// naming the kind: × refused, ▲ reset in flight, ■ timeout, ○ wrong.
 pub fn chart(runs: &[ArmRun], path: &Path, title: &str) -> Result<(), Error> {
     let draw = |e: &dyn std::fmt::Display| Error::Chart {
         path: path.to_owned(),
@@ -225,15 +237,48 @@ pub fn chart(runs: &[ArmRun], path: &Path, title: &str) -> Result<(), Error> {
         .label(format!("{} (ok)", r.arm))
         .legend(move |(x, y)| Circle::new((x, y), 3, col.filled()));
         let top = y_max / 1.5 / (1.0 + i as f64 * 0.4);
-        c.draw_series(
+        let at = |kind: Failure| {
             r.samples
                 .iter()
-                .filter(|s| !s.ok)
-                .map(|s| Cross::new((s.sent_ms - k0, top), 3, col.stroke_width(1))),
-        )
-        .map_err(|e| draw(&e))?
-        .label(format!("{} (failed)", r.arm))
-        .legend(move |(x, y)| Cross::new((x, y), 3, col.stroke_width(1)));
+                .filter(move |s| s.failure == Some(kind))
+                .map(move |s| (s.sent_ms - k0, top))
+        };
+        // The legend names each kind once, in black: the colour is the arm's.
+        let first = i == 0;
+        let name = |kind: Failure| format!("failed: {}", kind.key().replace('_', " "));
+        let a = c
+            .draw_series(at(Failure::Refused).map(|p| Cross::new(p, 4, col.stroke_width(2))))
+            .map_err(|e| draw(&e))?;
+        if first {
+            a.label(name(Failure::Refused))
+                .legend(|p| Cross::new(p, 4, BLACK.stroke_width(2)));
+        }
+        let a = c
+            .draw_series(
+                at(Failure::ResetInFlight).map(|p| TriangleMarker::new(p, 4, col.filled())),
+            )
+            .map_err(|e| draw(&e))?;
+        if first {
+            a.label(name(Failure::ResetInFlight))
+                .legend(|p| TriangleMarker::new(p, 4, BLACK.filled()));
+        }
+        let square =
+            |p, style: ShapeStyle| EmptyElement::at(p) + Rectangle::new([(-3, -3), (3, 3)], style);
+        let a = c
+            .draw_series(at(Failure::Timeout).map(|p| square(p, col.filled())))
+            .map_err(|e| draw(&e))?;
+        if first {
+            a.label(name(Failure::Timeout)).legend(move |p| {
+                EmptyElement::at(p) + Rectangle::new([(-3, -3), (3, 3)], BLACK.filled())
+            });
+        }
+        let a = c
+            .draw_series(at(Failure::Wrong).map(|p| Circle::new(p, 4, col.stroke_width(1))))
+            .map_err(|e| draw(&e))?;
+        if first {
+            a.label(name(Failure::Wrong))
+                .legend(|p| Circle::new(p, 4, BLACK.stroke_width(1)));
+        }
         for &k in &r.kills_ms {
             c.draw_series(LineSeries::new(
                 [(k - k0, 0.05), (k - k0, y_max)],
@@ -262,6 +307,7 @@ mod tests {
             latency_ms,
             ok,
             error: (!ok).then(|| "connect: refused".to_owned()),
+            failure: (!ok).then_some(Failure::Refused),
         }
     }
 
@@ -289,6 +335,51 @@ mod tests {
         assert_eq!(v["during"]["requests"], 3);
         assert_eq!(v["after"]["requests"], 1);
         assert_eq!(v["errors"]["connect"], 2);
+        assert_eq!(v["refused"], 2);
+        assert_eq!(v["reset_in_flight"], 0);
+        assert_eq!(v["timeouts"], 0);
+    }
+
+    #[test]
+    fn the_table_and_the_chart_show_each_kind_of_failure() {
+        let mut reset = s(112.0, 1.0, false);
+        reset.failure = Some(Failure::ResetInFlight);
+        let mut timeout = s(114.0, 2000.0, false);
+        timeout.failure = Some(Failure::Timeout);
+        let run = ArmRun {
+            arm: "x".into(),
+            samples: vec![
+                s(90.0, 2.0, true),
+                s(105.0, 1.0, false),
+                reset,
+                timeout,
+                s(120.0, 5.0, true),
+            ],
+            kills_ms: vec![100.0],
+            promotion_ready_ms: vec![],
+        };
+        let v = run.summary(1, 100.0);
+        assert_eq!(
+            (&v["refused"], &v["reset_in_flight"], &v["timeouts"]),
+            (&json!(1), &json!(1), &json!(1))
+        );
+        let t = table(&[v]);
+        assert!(
+            t.contains("refused") && t.contains("reset") && t.contains("timeout"),
+            "{t}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let svg = dir.path().join("t.svg");
+        chart(&[run], &svg, "t").unwrap();
+        let text = std::fs::read_to_string(&svg).unwrap();
+        for label in [
+            "failed: refused",
+            "failed: reset in flight",
+            "failed: timeouts",
+            "failed: wrong",
+        ] {
+            assert!(text.contains(label), "{label} missing from the chart");
+        }
     }
 
     #[test]

@@ -118,7 +118,7 @@ impl Default for Timeouts {
         Timeouts {
             hello: Duration::from_secs(10),
             frame: Duration::from_secs(10),
-            writer_idle: Duration::from_secs(300),
+            writer_idle: Duration::from_secs(900),
         }
     }
 }

@@ -8,7 +8,7 @@
 //! (which writes shares as a v2 weight and `-1` pids as a number), so a
 //! refused value fails with the setting's name.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use cgroups_rs::fs::cpu::CpuController;
@@ -26,6 +26,10 @@ use crate::error::{Error, Result};
 const REMOVE_WAIT: Duration = Duration::from_secs(2);
 /// cgroup v1 hosts in hybrid mode also mount cgroup2 here.
 const HYBRID_UNIFIED: &str = "/sys/fs/cgroup/unified";
+
+/// The leaf gmsd runs in, beside the engines' `s0` and `s1`: its memory
+/// (the weights) is charged to the pair, under the pod's limit.
+pub const GMS_LEAF: &str = "gms";
 
 /// The pair's parent cgroup, as created.
 #[derive(Debug)]
@@ -87,6 +91,24 @@ impl PairCgroup {
         Ok(())
     }
 
+    /// Create the pair's gmsd leaf ([`GMS_LEAF`]) and return the
+    /// `cgroup.procs` files a process writes itself into to join it (one
+    /// per hierarchy on cgroup v1, one on v2).
+    pub fn gms_leaf(&self) -> Result<Vec<PathBuf>> {
+        let path = format!("{}/{GMS_LEAF}", self.path);
+        let leaf = crate::stats::at(&path);
+        leaf.create()
+            .map_err(|e| failed(format!("creating gmsd's cgroup {path}"), e))?;
+        let mut files: Vec<PathBuf> = leaf
+            .subsystems()
+            .iter()
+            .map(|s| s.to_controller().path().join("cgroup.procs"))
+            .collect();
+        files.sort();
+        files.dedup();
+        Ok(files)
+    }
+
     /// The pair's metrics: its cgroup holds both engines.
     pub fn stats(&self) -> Result<Any> {
         crate::stats::collect(&self.cgroup)
@@ -101,7 +123,8 @@ impl PairCgroup {
 
     fn remove_blocking(&self, wait: Duration) {
         let deadline = Instant::now() + wait;
-        let children = ["s0", "s1"].map(|s| crate::stats::at(&format!("{}/{s}", self.path)));
+        let children =
+            ["s0", "s1", GMS_LEAF].map(|s| crate::stats::at(&format!("{}/{s}", self.path)));
         // A hybrid host's cgroup2 mount, where runc puts the engines too:
         // not one of cgroups-rs's v1 hierarchies.
         let hybrid = Path::new(HYBRID_UNIFIED).join(self.path.trim_start_matches('/'));

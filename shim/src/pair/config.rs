@@ -28,7 +28,8 @@ pub struct PairConfig {
     /// The `gmsd` binary; empty: next to the shim binary, else on PATH.
     pub gmsd: String,
     pub gms: GmsMode,
-    /// `gmsd --max-bytes` (0: gmsd's own default).
+    /// `gmsd --max-bytes` (0: the pod's memory limit for a host-memory
+    /// gmsd, else gmsd's own default).
     pub gms_max_bytes: u64,
     /// `gmsd --max-allocations` (0: gmsd's own default).
     pub gms_max_allocations: u64,

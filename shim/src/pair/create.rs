@@ -16,7 +16,7 @@ use super::cgroup::PairCgroup;
 use super::config::GmsMode;
 use super::dirs::{PairDirs, CUDA_SOCKETS, HOST_SOCKETS};
 use super::engine::{EngineSlot, SharedOutput};
-use super::gms::GmsDaemons;
+use super::gms::{GmsDaemons, InPod};
 use super::gpus::{self, Gpu};
 use super::host::Machine;
 use super::leftovers::{self, PairName};
@@ -114,7 +114,8 @@ fn output_pipe(fifo: &str) -> Result<(Option<std::os::fd::OwnedFd>, Option<JoinH
 /// The pair's GMS backend and its GPUs. The GPUs are those the spec's
 /// `linux.devices` grants (`gpus.rs`), never those its environment names;
 /// the backend is the annotation's, else the config's mode (`auto`: cuda
-/// when the devices grant a GPU). `gms=cuda` without a granted GPU is
+/// when the devices grant a GPU), except that a node whose config says
+/// `gms = "off"` runs no gmsd whatever a pod asks for. `gms=cuda` without a granted GPU is
 /// refused: there is no GPU of the pod's to allocate on.
 fn gms_plan(
     cfg: &super::config::PairConfig,
@@ -122,13 +123,14 @@ fn gms_plan(
     spec: &Value,
 ) -> Result<(GmsBackend, Vec<Gpu>)> {
     let minors = gpus::granted_minors(spec);
-    let backend = match (req.gms, cfg.gms) {
-        (Some(b), _) => b,
-        (None, GmsMode::Off) => GmsBackend::Off,
-        (None, GmsMode::Host) => GmsBackend::Host,
-        (None, GmsMode::Auto) if minors.is_empty() => GmsBackend::Host,
-        (None, GmsMode::Auto) => GmsBackend::Cuda,
-    };
+    let backend = gms_backend(req.gms, cfg.gms, !minors.is_empty());
+    if req.gms.is_some_and(|b| b != backend) {
+        log::warn!(
+            "pair {}: annotation asks for GMS {:?}; the node's config says gms = \"off\"",
+            req.id,
+            req.gms
+        );
+    }
     if backend == GmsBackend::Cuda && minors.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "container {}: {}=cuda, but the spec grants no NVIDIA GPU (no /dev/nvidiaN of major {} in linux.devices); \
@@ -153,6 +155,19 @@ fn gms_plan(
         }
     };
     Ok((backend, gpus))
+}
+
+/// The pair's GMS backend: the annotation, else the config's mode (`auto`:
+/// cuda when the spec has NVIDIA GPUs, else host). A node whose config says
+/// `gms = "off"` runs no gmsd whatever a pod asks for.
+fn gms_backend(annotation: Option<GmsBackend>, mode: GmsMode, gpus: bool) -> GmsBackend {
+    match (annotation, mode) {
+        (_, GmsMode::Off) => GmsBackend::Off,
+        (Some(b), _) => b,
+        (None, GmsMode::Host) => GmsBackend::Host,
+        (None, GmsMode::Auto) if gpus => GmsBackend::Cuda,
+        (None, GmsMode::Auto) => GmsBackend::Host,
+    }
 }
 
 impl PairedContainer {
@@ -273,8 +288,22 @@ impl PairedContainer {
                 _ => vec!["host".into()],
             };
             mkdir(&dirs.gms, 0o700)?;
+            let leaf = match made.cgroup.as_ref() {
+                Some(c) => c.gms_leaf()?,
+                None => Vec::new(),
+            };
+            // Host memory is the pod's memory: gmsd may hold no more than
+            // the pod's limit. GPU memory is not, so CUDA keeps gmsd's own.
+            let pod = InPod {
+                cgroup: leaf,
+                oom_score_adj: spec::oom_score_adj(&spec),
+                max_bytes: match backend {
+                    GmsBackend::Host => spec::memory_limit(&spec).unwrap_or(0),
+                    _ => 0,
+                },
+            };
             // Owned by the supervisor from here; Delete gets them back.
-            gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices).await?);
+            gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices, &pod).await?);
         }
         let gms_sockets = gms.as_ref().map(GmsDaemons::sockets).unwrap_or_default();
 
@@ -359,5 +388,21 @@ impl PairedContainer {
             listen_count
         );
         Ok((engines, sup, view_rx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pod_annotation_never_overrides_a_node_that_says_off() {
+        for b in [GmsBackend::Cuda, GmsBackend::Host, GmsBackend::Off] {
+            assert_eq!(gms_backend(Some(b), GmsMode::Off, true), GmsBackend::Off);
+            assert_eq!(gms_backend(Some(b), GmsMode::Auto, false), b);
+        }
+        assert_eq!(gms_backend(None, GmsMode::Auto, true), GmsBackend::Cuda);
+        assert_eq!(gms_backend(None, GmsMode::Auto, false), GmsBackend::Host);
+        assert_eq!(gms_backend(None, GmsMode::Host, true), GmsBackend::Host);
     }
 }

@@ -42,6 +42,9 @@ pub struct GmsDaemon {
     max_bytes: u64,
     max_allocations: u64,
     start_timeout: Duration,
+    /// The pair's gmsd cgroup (`cgroup.procs` files), joined before exec.
+    cgroup: Vec<PathBuf>,
+    oom_score_adj: i32,
     /// The running daemon, once it announced its socket.
     daemon: Option<Gmsd>,
     generation: u64,
@@ -60,11 +63,30 @@ impl GmsDaemon {
             max_bytes: config.gms_max_bytes,
             max_allocations: config.gms_max_allocations,
             start_timeout: config.gms_start_timeout(),
+            cgroup: Vec::new(),
+            oom_score_adj: 0,
             daemon: None,
             generation: 0,
             status: Arc::new(Mutex::new(None)),
             poller: None,
         }
+    }
+
+    /// Run in the pair's cgroup (its gmsd leaf), with the pod's OOM score,
+    /// and, when the config leaves `gms_max_bytes` at 0, at most
+    /// `default_max_bytes` (the pod's memory limit; 0: gmsd's default).
+    pub fn in_pod(
+        mut self,
+        cgroup: Vec<PathBuf>,
+        oom_score_adj: i32,
+        default_max_bytes: u64,
+    ) -> Self {
+        self.cgroup = cgroup;
+        self.oom_score_adj = oom_score_adj;
+        if self.max_bytes == 0 {
+            self.max_bytes = default_max_bytes;
+        }
+        self
     }
 
     pub fn generation(&self) -> u64 {
@@ -93,6 +115,8 @@ impl GmsDaemon {
         let command = GmsdCommand::new(&self.binary, &self.dir, &self.device)
             .max_bytes(self.max_bytes)
             .max_allocations(self.max_allocations)
+            .cgroup(self.cgroup.clone())
+            .oom_score_adj(self.oom_score_adj)
             .reaper(Reaper::Elsewhere);
         let timeout = self.start_timeout;
         let launched = tokio::task::spawn_blocking(move || command.spawn(timeout))
@@ -189,6 +213,17 @@ impl GmsDaemon {
     }
 }
 
+/// Where a pair's daemons run: the pod's cgroup (the `cgroup.procs` files
+/// of the pair's gmsd leaf), its OOM score, and the most memory a daemon
+/// may hold when the config leaves `gms_max_bytes` at 0 (0: gmsd's own
+/// default).
+#[derive(Debug, Clone, Default)]
+pub struct InPod {
+    pub cgroup: Vec<PathBuf>,
+    pub oom_score_adj: i32,
+    pub max_bytes: u64,
+}
+
 /// Every GMS daemon of a pair, in the order of the spec's devices.
 pub struct GmsDaemons {
     daemons: Vec<GmsDaemon>,
@@ -201,12 +236,17 @@ impl GmsDaemons {
         config: &super::config::PairConfig,
         dir: &Path,
         devices: Vec<String>,
+        pod: &InPod,
     ) -> Result<GmsDaemons> {
         let mut set = GmsDaemons {
             daemons: Vec::new(),
         };
         for device in devices {
-            let mut g = GmsDaemon::new(config, dir, device);
+            let mut g = GmsDaemon::new(config, dir, device).in_pod(
+                pod.cgroup.clone(),
+                pod.oom_score_adj,
+                pod.max_bytes,
+            );
             let started = g.start().await;
             set.daemons.push(g);
             if let Err(e) = started {

@@ -131,6 +131,22 @@ fn namespaces(spec: &Value) -> Vec<Value> {
         .unwrap_or_default()
 }
 
+/// The spec's memory limit in bytes (`linux.resources.memory.limit`), when
+/// it sets one.
+pub fn memory_limit(spec: &Value) -> Option<u64> {
+    spec.pointer("/linux/resources/memory/limit")
+        .and_then(Value::as_i64)
+        .filter(|l| *l > 0)
+        .map(|l| l as u64)
+}
+
+/// The OOM score the spec gives its process (CRI sets the pod's), else 0.
+pub fn oom_score_adj(spec: &Value) -> i32 {
+    spec.pointer("/process/oomScoreAdj")
+        .and_then(Value::as_i64)
+        .map_or(0, |a| a.clamp(-1000, 1000) as i32)
+}
+
 /// The absolute rootfs of a bundle's spec.
 pub fn rootfs_of(spec: &Value, bundle: &Path) -> PathBuf {
     let root = spec
@@ -584,5 +600,19 @@ mod tests {
             ]
         );
         assert!(with_contract_env(&[], &dir.path().join("absent")).is_err());
+    }
+
+    #[test]
+    fn memory_limit_and_oom_score_of_the_spec() {
+        assert_eq!(memory_limit(&spec()), Some(1048576));
+        assert_eq!(
+            memory_limit(&json!({"linux": {"resources": {"memory": {"limit": -1}}}})),
+            None
+        );
+        assert_eq!(oom_score_adj(&spec()), 0);
+        assert_eq!(
+            oom_score_adj(&json!({"process": {"oomScoreAdj": 999}})),
+            999
+        );
     }
 }

@@ -7,4 +7,5 @@ mod control;
 mod dirs;
 mod gms;
 mod gpus;
+mod memory;
 mod shim_death;

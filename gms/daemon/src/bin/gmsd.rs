@@ -59,7 +59,7 @@ enum Command {
         frame_timeout: std::time::Duration,
         /// An uncommitted rw lease silent this long is dropped and its
         /// allocations discarded.
-        #[arg(long, default_value = "300s", value_parser = gmsd::parse_duration)]
+        #[arg(long, default_value = "15m", value_parser = gmsd::parse_duration)]
         writer_idle_timeout: std::time::Duration,
         /// Who may `reset` (drop the committed layout): `parent` (the
         /// process that started gmsd, e.g. the shim) or `none`.

@@ -16,6 +16,7 @@ mod common;
 mod dirs;
 mod gms;
 mod gpus;
+mod weights;
 
 use std::process::ExitCode;
 
@@ -50,6 +51,11 @@ const ATTACKS: &[Attack] = &[
         name: "gms-rw-after-commit",
         about: "slot 1 asks gmsd for rw in a loop to replace the committed weights when readers drop to zero (a failover)",
         run: gms::rw_after_commit,
+    },
+    Attack {
+        name: "weights",
+        about: "ask gmsd for more than the pod's memory limit, then load (or map) weights and park",
+        run: weights::run,
     },
 ];
 
