@@ -607,6 +607,35 @@ fn accept_failing_with_emfile_does_not_spin() {
     assert!(failures < 50, "{failures} accept failures logged: a spin");
 }
 
+/// Creating and populating memory (seconds for large sizes) happens
+/// outside the daemon's lock: status is answered meanwhile, and shows the
+/// allocation recorded but not yet resident. (With the lock held throughout,
+/// every status would wait and then see it fully resident.)
+#[test]
+fn status_is_answered_while_an_allocation_is_populated() {
+    let gmsd = Gmsd::start(&[]);
+    let socket = gmsd.socket.clone();
+    let size = 1024 * MIB;
+    let writer = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket, Mode::Rw, "big").unwrap();
+        let w = c.allocate("weights", size).unwrap();
+        (c, w)
+    });
+    let mut seen_populating = false;
+    while !writer.is_finished() {
+        let s = gmsd.status();
+        seen_populating |= s.bytes == size && s.resident_bytes < size;
+    }
+    let (c, w) = writer.join().unwrap();
+    assert!(
+        seen_populating,
+        "no status was answered while the allocation was being populated"
+    );
+    let s = gmsd.status();
+    assert_eq!((s.bytes, s.resident_bytes), (size, size));
+    drop((w, c));
+}
+
 /// Metadata is measured as it is encoded, not as claimed: control
 /// characters take six bytes each in a layout, and a layout must reach a
 /// reader under its response limit.

@@ -69,6 +69,9 @@ impl Machine {
 #[async_trait]
 impl Host for Machine {
     async fn spawn(&self, slot: SlotId, fresh: bool) -> Result<u32> {
+        if let Some(l) = &self.listen {
+            l.repair();
+        }
         run_engine(
             &self.engines[slot.index()],
             self.output.clone(),

@@ -18,8 +18,8 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use nix::sys::socket::{
-    bind, listen, setsockopt, socket, sockopt, AddressFamily, Backlog, SockFlag, SockType,
-    SockaddrIn, SockaddrIn6, UnixAddr,
+    bind, getsockopt, listen, setsockopt, socket, sockopt, AddressFamily, Backlog, SockFlag,
+    SockType, SockaddrIn, SockaddrIn6, UnixAddr,
 };
 use shadow_contract::annotations::LISTEN;
 use shadow_contract::listen::Listen;
@@ -36,6 +36,8 @@ const BIND_CAP: &str = "CAP_NET_BIND_SERVICE";
 #[derive(Debug)]
 pub struct ListenSockets {
     fds: Vec<OwnedFd>,
+    /// Which of `fds` are TCP (the ones [`ListenSockets::repair`] can mend).
+    tcp: Vec<bool>,
     names: Vec<String>,
     /// Unix sockets: (host path, path in the container).
     mounts: Vec<(PathBuf, PathBuf)>,
@@ -61,6 +63,7 @@ impl ListenSockets {
                 .map_err(|e| Error::io(format!("creating {}", site.dir.display()), e))?;
         }
         let names = list.iter().map(Listen::fd_name).collect();
+        let is_tcp = list.iter().map(|l| matches!(l, Listen::Tcp(_))).collect();
         let mounts = list
             .iter()
             .enumerate()
@@ -101,9 +104,35 @@ impl ListenSockets {
         .map_err(|_| Error::FailedPrecondition("listening-socket thread panicked".into()))??;
         Ok(ListenSockets {
             fds: made,
+            tcp: is_tcp,
             names,
             mounts,
         })
+    }
+
+    /// Listen again on every TCP socket that stopped listening: any engine
+    /// holds the socket itself, and `shutdown(2)` on it stops it for the
+    /// whole pair (the socket stays bound to its port, so `listen` mends
+    /// it). Called before each engine start, so a broken socket lives no
+    /// longer than the engine that broke it. Returns how many were mended.
+    pub fn repair(&self) -> usize {
+        let mut mended = 0;
+        for (i, fd) in self.fds.iter().enumerate() {
+            if !self.tcp[i] || getsockopt(fd, sockopt::AcceptConn).unwrap_or(true) {
+                continue;
+            }
+            match listen(fd, Backlog::new(BACKLOG).unwrap_or(Backlog::MAXCONN)) {
+                Ok(()) => {
+                    log::warn!(
+                        "{LISTEN}: socket {} had stopped listening (an engine shut it down): listening again",
+                        self.names[i]
+                    );
+                    mended += 1;
+                }
+                Err(e) => log::warn!("{LISTEN}: socket {} stopped listening: {e}", self.names[i]),
+            }
+        }
+        mended
     }
 
     /// The descriptors, in `LISTEN_FDS` order, for one engine's start.
@@ -251,6 +280,25 @@ mod tests {
                 && again.to_string().contains("already in use"),
             "{again}"
         );
+    }
+
+    #[test]
+    fn a_socket_an_engine_shut_down_is_mended_before_the_next_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let list = shadow_contract::listen::parse(&format!("tcp:127.0.0.1:{port}")).unwrap();
+        let s = ListenSockets::open(&list, &site(dir.path(), false)).unwrap();
+        assert_eq!(s.repair(), 0, "a listening socket is left alone");
+        // What a hostile engine can do with its copy.
+        let copy = s.fds()[0].try_clone_to_owned().unwrap();
+        nix::sys::socket::shutdown(copy.as_raw_fd(), nix::sys::socket::Shutdown::Both).unwrap();
+        let refused = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(s.repair(), 1);
+        std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     }
 
     #[test]
