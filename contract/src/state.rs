@@ -97,6 +97,10 @@ pub struct PairSnapshot {
     pub protected: bool,
     pub failovers: u64,
     pub cold_restarts: u64,
+    /// Engine deaths in which the OOM killer killed a process of the
+    /// engine (absent from files written before it existed: 0).
+    #[serde(default)]
+    pub oom_kills: u64,
     pub last_promotion: Option<Promotion>,
     /// Why the pair last restarted cold (or began to).
     #[serde(default)]
@@ -181,6 +185,8 @@ impl std::fmt::Display for Exit {
 pub enum FailureClass {
     DevicePreserving,
     DeviceInvalidating,
+    /// Device-preserving, and the OOM killer killed a process of the engine.
+    OutOfMemory,
     CrashLoop,
 }
 
@@ -190,6 +196,7 @@ impl FailureClass {
         match self {
             FailureClass::DevicePreserving => "device_preserving",
             FailureClass::DeviceInvalidating => "device_invalidating",
+            FailureClass::OutOfMemory => "out_of_memory",
             FailureClass::CrashLoop => "crash_loop",
         }
     }
@@ -344,6 +351,7 @@ mod tests {
                 protected: true,
                 failovers: 1,
                 cold_restarts: 0,
+                oom_kills: 0,
                 last_promotion: Some(promotion.clone()),
                 last_cold_restart: None,
                 gms_deaths: Default::default(),
@@ -404,7 +412,11 @@ mod tests {
             assert_eq!(serde_json::to_value(d).unwrap(), d.as_str());
         }
         assert_eq!(p["death_seen"], "reap");
-        for c in [FailureClass::DeviceInvalidating, FailureClass::CrashLoop] {
+        for c in [
+            FailureClass::DeviceInvalidating,
+            FailureClass::OutOfMemory,
+            FailureClass::CrashLoop,
+        ] {
             assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
         }
         assert_eq!(p["number"], 1, "the promotion is flattened into the record");

@@ -123,7 +123,9 @@ fn recv_some(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Re
                         let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
                         // SAFETY: the kernel just installed this descriptor for
                         // us; nothing else refers to it.
-                        fds.push(OwnedFd::from_raw_fd(fd));
+                        let fd = OwnedFd::from_raw_fd(fd);
+                        never_linger(&fd);
+                        fds.push(fd);
                     }
                 }
                 cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
@@ -136,6 +138,59 @@ fn recv_some(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Re
         }
         return Ok(n as usize);
     }
+}
+
+/// A received descriptor that is a socket is told to linger for 0 s, so
+/// that dropping it (a frame refused, a reply with descriptors nobody asked
+/// for) resets it at once: the last close of a socket with `SO_LINGER` set
+/// by its sender would otherwise block the closing thread for as long as
+/// the sender chose. The protocol passes only memory (memfds, exported
+/// device memory), never sockets.
+fn never_linger(fd: &OwnedFd) {
+    let is_socket = nix::sys::stat::fstat(fd)
+        .map(|st| st.st_mode & libc::S_IFMT == libc::S_IFSOCK)
+        .unwrap_or(false);
+    if is_socket {
+        let abort = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // A socket that does not linger (EOPNOTSUPP and the like) is fine.
+        let _ = nix::sys::socket::setsockopt(fd, nix::sys::socket::sockopt::Linger, &abort);
+    }
+}
+
+/// Turns off `SO_PASSRIGHTS` (Linux >= 6.16) on a socket that expects no
+/// descriptors: a peer that sends some gets `EPERM` and nothing reaches us.
+/// On older kernels (`ENOPROTOOPT`) it does nothing, and what arrives is
+/// owned and made non-lingering by [`recv`].
+pub fn refuse_rights(sock: BorrowedFd<'_>) {
+    // asm-generic's value; mips, parisc, sparc and alpha number it otherwise.
+    #[cfg(any(
+        target_arch = "x86_64",
+        target_arch = "aarch64",
+        target_arch = "riscv64"
+    ))]
+    {
+        const SO_PASSRIGHTS: libc::c_int = 83;
+        let off: libc::c_int = 0;
+        // SAFETY: a valid socket fd and a c_int option of the stated size.
+        unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PASSRIGHTS,
+                (&off as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+    #[cfg(not(any(
+        target_arch = "x86_64",
+        target_arch = "aarch64",
+        target_arch = "riscv64"
+    )))]
+    let _ = sock;
 }
 
 fn recv_exact(
@@ -188,6 +243,31 @@ pub fn recv(sock: impl AsFd, limit: usize) -> Result<Frame> {
 mod tests {
     use super::*;
     use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn a_received_socket_that_lingers_is_dropped_without_blocking() {
+        use std::io::Write;
+        // A TCP socket whose last close would wait 30 s: SO_LINGER set, its
+        // send buffer full, its peer never reading.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tcp = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (_peer, _) = l.accept().unwrap();
+        tcp.set_nonblocking(true).unwrap();
+        while (&tcp).write(&[0u8; 65536]).is_ok() {}
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 30,
+        };
+        nix::sys::socket::setsockopt(&tcp, nix::sys::socket::sockopt::Linger, &linger).unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        send(a.as_fd(), b"{}", &[tcp.as_fd()]).unwrap();
+        drop(tcp);
+        let frame = recv(&b, 1024).unwrap();
+        assert_eq!(frame.fds.len(), 1);
+        let started = std::time::Instant::now();
+        drop(frame);
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    }
 
     /// Descriptors of this process that refer to the memfd called `name`
     /// (tests run in parallel threads, so a plain count would be racy).

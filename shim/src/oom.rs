@@ -17,6 +17,22 @@ use tokio::task::JoinHandle;
 use crate::error::{Error, Result};
 use crate::stats::{keyed, memory_dir};
 
+/// How many processes of `cg` the OOM killer has killed (`oom_kill` of
+/// v2's `memory.events`, which counts the subtree's victims, or of v1's
+/// `memory.oom_control`, the cgroup's own); 0 when the cgroup or the
+/// counter is not there.
+pub fn kills(cg: &Cgroup) -> u64 {
+    let Some(dir) = memory_dir(cg) else {
+        return 0;
+    };
+    let file = if cg.v2() {
+        "memory.events"
+    } else {
+        "memory.oom_control"
+    };
+    keyed(&dir, file).remove("oom_kill").unwrap_or(0)
+}
+
 /// Start watching the memory cgroup of `cg`; `on_oom` runs for each OOM.
 pub fn watch(cg: &Cgroup, on_oom: impl Fn() + Send + 'static) -> Result<Option<JoinHandle<()>>> {
     let Some(dir) = memory_dir(cg) else {

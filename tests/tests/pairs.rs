@@ -845,4 +845,232 @@ fn two_containerds_keep_pairs_of_the_same_name_apart() {
         0,
         "metrics files left"
     );
+
+#[test]
+fn an_oom_killed_engine_is_task_oom_its_own_failure_class_and_respawned() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "oompair";
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let mut events = cd.ctr().spawn(&["events"], false).expect("ctr events");
+    // Both engines wait for the trigger file; the one whose `rm` takes it
+    // reads 256 MiB into one buffer under the pair's 64 MiB limit, and the
+    // OOM killer ends it.
+    let script = "while :; do if rm /tmp/oom-now 2>/dev/null; then exec dd if=/dev/zero of=/dev/null bs=256M count=1; fi; sleep 0.05; done";
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--memory-limit", &(64u64 << 20).to_string()],
+            &["sh", "-c", script],
+        )
+        .expect("ctr run");
+    let st = until("both engines running", LONG, STEP, || {
+        env.state(&cd, id)
+            .filter(|s| s.pids[0].is_some() && s.pids[1].is_some())
+    });
+    let generations: Vec<u32> = st.pair.slots.iter().map(|s| s.generation).collect();
+    std::fs::write(cd.rootfs().join("tmp/oom-now"), b"").expect("trigger");
+    // The pair counts it, in state.json and in its metrics.
+    until("the OOM kill counted", LONG, STEP, || {
+        env.state(&cd, id).filter(|s| s.pair.oom_kills == 1)
+    });
+    let metrics = env.metrics_file(&cd, id);
+    until("the OOM metric", LONG, STEP, || {
+        std::fs::read_to_string(&metrics).ok().filter(|m| {
+            m.lines()
+                .any(|l| l.starts_with("shadow_pair_oom_kills_total{") && l.ends_with(" 1"))
+        })
+    });
+    // containerd got /tasks/oom for the task, as for a plain container.
+    until("a /tasks/oom event", LONG, STEP, || {
+        let seen = events.stdout_so_far();
+        seen.lines()
+            .any(|l| l.contains("/tasks/oom") && l.contains(id))
+            .then_some(())
+    });
+    // The killed slot came back; the task never stopped.
+    let st = until("the OOM-killed slot respawned", LONG, STEP, || {
+        let now = env.state(&cd, id)?;
+        let respawned =
+            (0..2).any(|s| now.pair.slots[s].generation > generations[s] && now.pids[s].is_some());
+        respawned.then_some(now)
+    });
+    assert_eq!(st.pair.oom_kills, 1, "{st:?}");
+    assert_eq!(
+        cd.ctr().task_status(id).expect("ls").as_deref(),
+        Some("RUNNING")
+    );
+    cd.ctr()
+        .run(&["task", "kill", "--signal", "SIGKILL", id])
+        .expect("kill")
+        .assert_success();
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    assert_eq!(out.code(), 137, "{out}");
+    cd.ctr()
+        .run(&["c", "rm", id])
+        .expect("c rm")
+        .assert_success();
+    events.kill();
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
+}
+
+/// The freezer state of a cgroup path (v1 `freezer.state`, v2 `cgroup.freeze`).
+fn frozen(cgroup: &str) -> Option<bool> {
+    let v1 = format!("/sys/fs/cgroup/freezer/{cgroup}/freezer.state");
+    if let Ok(s) = std::fs::read_to_string(v1) {
+        return Some(s.trim() == "FROZEN");
+    }
+    let v2 = format!("/sys/fs/cgroup/{cgroup}/cgroup.freeze");
+    std::fs::read_to_string(v2).ok().map(|s| s.trim() == "1")
+}
+
+#[test]
+fn pause_freezes_both_engines_and_resume_thaws_them_with_the_shadow_still_parked() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "pausepair";
+    let r = start(&cd, id, "gms = \"off\"", &[], &[]);
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let (slot, pid) = active_of(&st);
+    let shadow = st.pids[1 - slot].expect("shadow pid");
+    let ctr = cd.ctr();
+    ctr.run(&["task", "pause", id])
+        .expect("pause")
+        .assert_success();
+    assert_eq!(ctr.task_status(id).expect("ls").as_deref(), Some("PAUSED"));
+    // ctr's default cgroupsPath is /<namespace>/<id>: the pair's cgroup,
+    // with the engines' below it (and gmsd's, which keeps running).
+    let pair_cg = format!("{}/{id}", cd.namespace());
+    let engines = [format!("{pair_cg}/s0"), format!("{pair_cg}/s1")];
+    for cg in &engines {
+        assert_eq!(frozen(cg), Some(true), "{cg} not frozen after pause");
+    }
+    // Exec into a paused pair is refused, as runc refuses it.
+    let out = cd.exec(id, "in-pause", &["true"]).expect("ctr task exec");
+    assert_ne!(out.code(), 0, "{out}");
+    ctr.run(&["task", "resume", id])
+        .expect("resume")
+        .assert_success();
+    assert_eq!(ctr.task_status(id).expect("ls").as_deref(), Some("RUNNING"));
+    for cg in &engines {
+        assert_eq!(frozen(cg), Some(false), "{cg} still frozen after resume");
+    }
+    // The same engines, in the same roles: nothing died, nothing respawned.
+    let after = r.env.wait_protected(&cd, id, LONG);
+    assert_eq!(active_of(&after), (slot, pid));
+    assert_eq!(after.pids[1 - slot], Some(shadow));
+    assert_eq!(after.pair.failovers, 0);
+    for s in 0..2 {
+        assert_eq!(after.pair.slots[s].generation, st.pair.slots[s].generation);
+    }
+    assert_eq!(
+        until("the active serves again", LONG, STEP, || ask(r.port)).slot,
+        slot.to_string()
+    );
+    // Kill of a paused pair thaws it, so that the engines can end.
+    ctr.run(&["task", "pause", id])
+        .expect("pause again")
+        .assert_success();
+    r.stop(&cd, id, "SIGKILL");
+}
+
+#[test]
+fn exec_with_a_terminal_runs_in_the_active_engine() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "ttyexec";
+    let r = start(&cd, id, "gms = \"off\"", &[], &[]);
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let (slot, _) = active_of(&st);
+    // `ctr task exec -t` needs a terminal of its own: script(1) gives it one.
+    let mut exec = cd
+        .ctr()
+        .spawn_tty(&[
+            "task",
+            "exec",
+            "-t",
+            "--exec-id",
+            "tty1",
+            id,
+            "sh",
+            "-c",
+            "tty; [ -t 0 ] && [ -t 1 ] && echo both-ttys; echo slot=$SHADOW_ENGINE_ID; read x; exit 3",
+        ])
+        .expect("ctr task exec -t");
+    let tty = exec
+        .wait_line(LONG, |l| l.starts_with("/dev/"))
+        .expect("the exec prints its terminal");
+    assert!(tty.starts_with("/dev/pts/"), "not a pty: {tty:?}");
+    exec.wait_line(LONG, |l| l == "both-ttys")
+        .expect("stdin and stdout are ttys");
+    exec.wait_line(LONG, |l| l == format!("slot={slot}"))
+        .expect("the exec runs in the active engine");
+    exec.write_stdin(b"bye\n").expect("type a line");
+    let out = exec.wait(LONG).expect("ctr task exec -t ends");
+    assert_eq!(out.code(), 3, "{out}");
+    r.stop(&cd, id, "SIGKILL");
+}
+
+/// Whether `pid` still runs (a zombie waiting for its reaper does not).
+fn runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
+    })
+}
+
+#[test]
+fn in_the_host_pid_namespace_what_an_engine_leaves_dies_before_the_exit() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "hostpidpair";
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    // The test's own PID namespace: the host's, or the one the suite runs in.
+    let pid_ns = format!("pid:/proc/{}/ns/pid", std::process::id());
+    let script = "sleep 100000 & echo $! > /tmp/child-$SHADOW_ENGINE_ID.new; mv /tmp/child-$SHADOW_ENGINE_ID.new /tmp/child-$SHADOW_ENGINE_ID; exec sleep 100001";
+    // Detached: nothing deletes the task (whose Delete kills everything
+    // anyway) before the check.
+    let out = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--detach", "--with-ns", &pid_ns],
+            &["sh", "-c", script],
+        )
+        .expect("ctr run --detach")
+        .wait(LONG)
+        .expect("ctr run --detach returns");
+    out.assert_success();
+    let children: Vec<u32> = (0..2)
+        .map(|s| {
+            let f = cd.rootfs().join(format!("tmp/child-{s}"));
+            until(&format!("slot {s}'s child"), LONG, STEP, || {
+                std::fs::read_to_string(&f).ok()?.trim().parse().ok()
+            })
+        })
+        .collect();
+    for c in &children {
+        assert!(runs(*c), "child {c} is not running");
+    }
+    cd.ctr()
+        .run(&["task", "kill", "--signal", "SIGKILL", id])
+        .expect("kill")
+        .assert_success();
+    until("task STOPPED", LONG, STEP, || {
+        (cd.ctr().task_status(id).ok()?.as_deref() == Some("STOPPED")).then_some(())
+    });
+    // Reported stopped: whatever the engines left is dead, or being reaped.
+    until("the engines' children gone", LONG, STEP, || {
+        children.iter().all(|c| !runs(*c)).then_some(())
+    });
+    cd.ctr()
+        .run(&["task", "delete", id])
+        .expect("task delete")
+        .assert_success();
+    cd.ctr()
+        .run(&["c", "rm", id])
+        .expect("c rm")
+        .assert_success();
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
 }

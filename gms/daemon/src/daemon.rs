@@ -331,6 +331,8 @@ pub fn serve(config: Config, backend: Box<dyn Backend>, ready: impl FnOnce(&Path
             match listener.accept() {
                 Ok((stream, _)) => {
                     backoff = Duration::ZERO;
+                    // No request carries descriptors.
+                    wire::refuse_rights(stream.as_fd());
                     if let Some(t) = daemon.admit(stream) {
                         threads.push(t);
                     }

@@ -81,6 +81,11 @@ pub enum FailureClass {
     DevicePreserving,
     /// Stop both engines, drop GMS state, restart the pair cold.
     DeviceInvalidating,
+    /// The kernel's OOM killer killed a process of the engine (its cgroup
+    /// counted an `oom_kill`) on a healthy device: handled as
+    /// device-preserving (promote, respawn, keep GMS), and counted apart so
+    /// that an operator sees memory limits, not crashes.
+    OutOfMemory,
     /// The restart budget is spent: stop and report the exit.
     CrashLoop,
 }

@@ -74,6 +74,12 @@ pub fn render(
         &one(snap.cold_restarts.to_string()),
     );
     metric(
+        "shadow_pair_oom_kills_total",
+        "counter",
+        "Engine deaths in which the kernel's OOM killer killed a process of the engine.",
+        &one(snap.oom_kills.to_string()),
+    );
+    metric(
         "shadow_pair_protected",
         "gauge",
         "1 when an active engine has a parked shadow behind it.",

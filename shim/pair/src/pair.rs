@@ -143,6 +143,10 @@ pub enum Event {
     ColdRestartDue,
     /// An XID was reported for one of the pair's GPUs.
     Xid(u32),
+    /// The OOM killer killed a process of the engine of `slot` (its
+    /// cgroup's `oom_kill` count), seen at its reap and sent just before
+    /// its `Exited`: the death is then of class `OutOfMemory`.
+    OomKilled { slot: SlotId },
     /// A `SpawnAfter` delay for `slot` has elapsed.
     BackoffElapsed { slot: SlotId },
     /// containerd asked the task to stop (Kill): no more respawns.
@@ -207,6 +211,8 @@ pub struct Snapshot {
     /// Completed promotions (successor serving, old active reaped).
     pub failovers: u64,
     pub cold_restarts: u64,
+    /// Engine deaths in which the OOM killer had a hand.
+    pub oom_kills: u64,
     pub last_promotion: Option<Promotion>,
     /// Why the pair last restarted cold (or began to).
     pub last_cold_restart: Option<ColdRestartCause>,
@@ -221,6 +227,7 @@ struct Observable {
     active: Option<SlotId>,
     failovers: u64,
     cold_restarts: u64,
+    oom_kills: u64,
     last_promotion: Option<u64>,
     last_cold_restart: Option<ColdRestartCause>,
 }
@@ -244,6 +251,10 @@ pub struct Pair {
     cold_restarts: u64,
     last_cold_restart: Option<ColdRestartCause>,
     gms_deaths: BTreeMap<String, u64>,
+    /// Engine deaths the OOM killer had a hand in.
+    oom_kills: u64,
+    /// The current engine of each slot was OOM-killed (until its reap).
+    oom_killed: [bool; 2],
     /// Set while both engines are being stopped for a cold restart, and
     /// while it waits out its backoff.
     cold_restart: bool,
@@ -278,6 +289,8 @@ impl Pair {
             cold_restarts: 0,
             last_cold_restart: None,
             gms_deaths: BTreeMap::new(),
+            oom_kills: 0,
+            oom_killed: [false, false],
             cold_restart: false,
             cold_useful: false,
             cold_waiting: false,
@@ -399,6 +412,7 @@ impl Pair {
             protected: self.protected(),
             failovers: self.failovers,
             cold_restarts: self.cold_restarts,
+            oom_kills: self.oom_kills,
             last_promotion: self.last_promotion.clone(),
             last_cold_restart: self.last_cold_restart.clone(),
             gms_deaths: self.gms_deaths.clone(),
@@ -425,6 +439,7 @@ impl Pair {
             active: self.active,
             failovers: self.failovers,
             cold_restarts: self.cold_restarts,
+            oom_kills: self.oom_kills,
             last_promotion: self.last_promotion.as_ref().map(|p| p.number),
             last_cold_restart: self.last_cold_restart.clone(),
         }
@@ -436,6 +451,7 @@ impl Pair {
         s.pid = None;
         s.speaks_notify = false;
         s.generation += 1;
+        self.oom_killed[slot.index()] = false;
         Action::Spawn { slot }
     }
 
@@ -468,6 +484,12 @@ impl Pair {
                     EngineState::Parked | EngineState::Active | EngineState::Superseded
                 );
                 self.on_death(slot, exit, useful, now)
+            }
+            Event::OomKilled { slot } => {
+                if self.slot(slot).alive() {
+                    self.oom_killed[slot.index()] = true;
+                }
+                Vec::new()
             }
             Event::GmsDied { device } => {
                 self.gms_alive = false;
@@ -690,7 +712,14 @@ impl Pair {
             // Another engine's end: a lock-file close just before was its.
             self.closed_at = None;
         }
-        let class = classify(exit, &self.xids, self.gms_alive);
+        let mut class = classify(exit, &self.xids, self.gms_alive);
+        if std::mem::take(&mut self.oom_killed[slot.index()]) {
+            self.oom_kills += 1;
+            // A bad device still decides what happens next.
+            if class == FailureClass::DevicePreserving {
+                class = FailureClass::OutOfMemory;
+            }
+        }
         let mut actions = Vec::new();
         if superseded {
             // The reap that a handover begun by the lock or READY=1 awaited.

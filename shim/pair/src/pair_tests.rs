@@ -597,6 +597,97 @@ fn spawn_failure_counts_as_an_early_death() {
     assert_eq!(a, vec![Action::Exit { status: 255 }]);
 }
 
+#[test]
+fn an_oom_killed_active_fails_over_as_out_of_memory_and_is_counted() {
+    let mut p = running();
+    p.handle(Event::OomKilled { slot: SlotId::ZERO }, t(999));
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(1000),
+    );
+    // Handled as device-preserving: the slot respawns at once.
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+    assert_eq!(p.snapshot().oom_kills, 1);
+    p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
+    let a = p.handle(
+        Event::Notified {
+            slot: SlotId::ONE,
+            notification: Notification::Ready,
+        },
+        t(1010),
+    );
+    let [Action::Promoted(pr)] = a.as_slice() else {
+        panic!("{a:?}")
+    };
+    assert_eq!(pr.class, FailureClass::OutOfMemory);
+    // The mark went with that engine: the next death of the slot is not OOM.
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 200,
+        },
+        t(1020),
+    );
+    p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(1030),
+    );
+    assert_eq!(p.snapshot().oom_kills, 1);
+}
+
+#[test]
+fn an_oom_mark_for_a_dead_slot_or_a_bad_device_changes_nothing_else() {
+    let mut p = running();
+    // A mark for an engine that is not running is dropped.
+    p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(10),
+    );
+    p.handle(Event::OomKilled { slot: SlotId::ONE }, t(11));
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ONE,
+            pid: 300,
+        },
+        t(12),
+    );
+    p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: KILL,
+        },
+        t(13),
+    );
+    assert_eq!(p.snapshot().oom_kills, 0);
+    // With GMS gone the pair still restarts cold; the OOM is counted.
+    let mut p = running();
+    p.handle(Event::OomKilled { slot: SlotId::ZERO }, t(20));
+    let a = p.handle(
+        Event::GmsDied {
+            device: "host".into(),
+        },
+        t(21),
+    );
+    assert_eq!(a, vec![Action::KillAll]);
+    p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(22),
+    );
+    assert_eq!(p.snapshot().oom_kills, 1);
+}
+
 /// Both engines reaped after a `KillAll` of a cold restart.
 fn reap_both(p: &mut Pair, at: u64) -> Vec<Action> {
     let mut a = Vec::new();

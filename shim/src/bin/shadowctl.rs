@@ -203,12 +203,13 @@ fn show(
     }
     println!("pair {ns}/{id}");
     println!(
-        "  task pid {}  active slot {}  protected {}  failovers {}  cold restarts {}",
+        "  task pid {}  active slot {}  protected {}  failovers {}  cold restarts {}  oom kills {}",
         s.pid,
         or_dash(s.pair.active),
         s.pair.protected,
         s.pair.failovers,
-        s.pair.cold_restarts
+        s.pair.cold_restarts,
+        s.pair.oom_kills
     );
     for slot in &s.pair.slots {
         println!(

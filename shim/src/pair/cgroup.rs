@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use cgroups_rs::fs::cpu::CpuController;
 use cgroups_rs::fs::cpuset::CpuSetController;
+use cgroups_rs::fs::freezer::FreezerController;
 use cgroups_rs::fs::memory::MemController;
 use cgroups_rs::fs::pid::PidController;
 use cgroups_rs::fs::{Cgroup, Controller, MaxValue};
@@ -21,9 +22,12 @@ use oci_spec::runtime::{LinuxCpu, LinuxMemory, LinuxResources};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use shadow_pair::SlotId;
 
 /// How long removal retries while the last engine processes leave.
 const REMOVE_WAIT: Duration = Duration::from_secs(2);
+/// How long Pause waits for every engine process to be frozen.
+const FREEZE_WAIT: Duration = Duration::from_secs(5);
 /// cgroup v1 hosts in hybrid mode also mount cgroup2 here.
 const HYBRID_UNIFIED: &str = "/sys/fs/cgroup/unified";
 
@@ -37,6 +41,8 @@ pub struct PairCgroup {
     /// `cgroupsPath` of the pair (`/ns/id`).
     pub path: String,
     cgroup: Cgroup,
+    /// The engines' cgroups below it (`s0`, `s1`), as runc makes them.
+    engines: [(String, Cgroup); 2],
 }
 
 impl PairCgroup {
@@ -45,6 +51,11 @@ impl PairCgroup {
         let cg = PairCgroup {
             path: path.to_string(),
             cgroup: crate::stats::at(path),
+            engines: SlotId::BOTH.map(|slot| {
+                let p = super::spec::engine_cgroup(path, slot);
+                let cg = crate::stats::at(&p);
+                (p, cg)
+            }),
         };
         let resources = resources
             .map(|r| serde_json::from_value::<LinuxResources>(r.clone()))
@@ -89,6 +100,86 @@ impl PairCgroup {
             set_cpu(cg, c).map_err(|(s, e)| failed(what(s), e))?;
         }
         Ok(())
+    }
+
+    /// Watch the pair for OOM events (both engines are below it, and the
+    /// spec's memory limit is on it); `on_oom` runs for each.
+    pub fn watch_oom(
+        &self,
+        on_oom: impl Fn() + Send + 'static,
+    ) -> Result<Option<tokio::task::JoinHandle<()>>> {
+        crate::oom::watch(&self.cgroup, on_oom)
+    }
+
+    /// Freeze both engines (Pause): the cgroups of the engines (`s0`,
+    /// `s1`), not the pair's own, whose gmsd leaf keeps serving (the
+    /// supervisor polls its status). The freezer is hierarchical, so every
+    /// process of an engine freezes. Returns once all are frozen; a freeze
+    /// that does not complete is undone.
+    pub async fn freeze(&self) -> Result<()> {
+        let engines = self.engine_freezers()?;
+        for (path, fc) in &engines {
+            if let Err(e) = fc.freeze() {
+                self.thaw_all(&engines);
+                return Err(failed(format!("freezing engine cgroup {path}"), e));
+            }
+        }
+        let deadline = Instant::now() + FREEZE_WAIT;
+        while !engines.iter().all(|(_, fc)| self.frozen(fc)) {
+            if Instant::now() >= deadline {
+                self.thaw_all(&engines);
+                return Err(Error::Internal {
+                    what: format!("freezing the engines of pair cgroup {}", self.path),
+                    reason: format!("not frozen after {FREEZE_WAIT:?}; thawed again"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        Ok(())
+    }
+
+    /// Thaw both engines (Resume, or Kill of a paused pair).
+    pub fn thaw(&self) -> Result<()> {
+        for (path, fc) in self.engine_freezers()? {
+            fc.thaw()
+                .map_err(|e| failed(format!("thawing engine cgroup {path}"), e))?;
+        }
+        Ok(())
+    }
+
+    fn thaw_all(&self, engines: &[(String, &FreezerController)]) {
+        for (path, fc) in engines {
+            if let Err(e) = fc.thaw() {
+                log::warn!("thawing engine cgroup {path}: {e}");
+            }
+        }
+    }
+
+    /// The freezers of the engines' cgroups that exist now (a slot between
+    /// two engines has none).
+    fn engine_freezers(&self) -> Result<Vec<(String, &FreezerController)>> {
+        let mut out = Vec::new();
+        for (path, cg) in &self.engines {
+            let fc = cg.controller_of::<FreezerController>().ok_or_else(|| {
+                Error::FailedPrecondition(format!(
+                    "engine cgroup {path}: no freezer controller to pause the pair with"
+                ))
+            })?;
+            if fc.path().is_dir() {
+                out.push((path.clone(), fc));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether the freeze has completed: v1 says FROZEN (not FREEZING);
+    /// v2's `cgroup.events` says `frozen 1`.
+    fn frozen(&self, fc: &FreezerController) -> bool {
+        if self.cgroup.v2() {
+            crate::stats::keyed(fc.path(), "cgroup.events").get("frozen") == Some(&1)
+        } else {
+            matches!(fc.state(), Ok(cgroups_rs::FreezerState::Frozen))
+        }
     }
 
     /// Create the pair's gmsd leaf ([`GMS_LEAF`]) and return the

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use containerd_shim_protos::events::task::TaskOOM;
 use serde_json::Value;
 use shadow_pair::SlotId;
 use tokio::net::unix::pipe;
@@ -28,6 +29,7 @@ use super::supervisor::{Parts, Supervisor};
 use super::{lock, spec, PairRequest, PairedContainer};
 use crate::annotations::GmsBackend;
 use crate::error::{Error, Result};
+use crate::events::Event;
 use crate::runc::RuncClient;
 use crate::runtime::Runtime;
 
@@ -40,10 +42,15 @@ pub(super) struct Made {
     pub(super) cgroup: Option<PairCgroup>,
     pub(super) gms: Option<Arc<std::sync::Mutex<Option<GmsDaemons>>>>,
     pub(super) metrics_file: Option<PathBuf>,
+    /// The OOM watcher of the pair's cgroup (publishes `/tasks/oom`).
+    pub(super) oom: Option<JoinHandle<()>>,
 }
 
 impl Made {
     pub(super) async fn undo(&mut self) {
+        if let Some(w) = self.oom.take() {
+            w.abort();
+        }
         if let Some(g) = self.gms.take() {
             let taken = g.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(mut g) = taken {
@@ -276,6 +283,21 @@ impl PairedContainer {
             &cgroup_path,
             spec.pointer("/linux/resources"),
         )?);
+        if let Some(cg) = &made.cgroup {
+            // As runc-v2 does for a container: every OOM in the pair (an
+            // engine's victim, whichever slot) is the task's `/tasks/oom`.
+            let events = rt.events.clone();
+            let id = req.id.clone();
+            match cg.watch_oom(move || {
+                events.send(Event::Oom(TaskOOM {
+                    container_id: id.clone(),
+                    ..Default::default()
+                }))
+            }) {
+                Ok(w) => made.oom = w,
+                Err(e) => log::warn!("pair {}: no OOM events: {e}", req.id),
+            }
+        }
 
         let mut gms = None;
         if backend != GmsBackend::Off {
@@ -338,6 +360,7 @@ impl PairedContainer {
                     &req.runc,
                 )?,
                 cgroup: spec::engine_cgroup(&cgroup_path, slot),
+                kills_rest_on_exit: spec::kills_rest_on_exit(&engine),
             });
         }
         let engines: Arc<[EngineSlot; 2]> = Arc::new(

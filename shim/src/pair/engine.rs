@@ -20,6 +20,9 @@ pub struct EngineSlot {
     pub client: RuncClient,
     /// The engine's cgroup path (`<pair cgroup>/s<slot>`).
     pub cgroup: String,
+    /// The engine has no PID namespace of its own: when its main process
+    /// dies, the rest of it must be killed by the shim (`runc kill --all`).
+    pub kills_rest_on_exit: bool,
 }
 
 /// The write ends of the task's stdout/stderr pipes, handed to every engine

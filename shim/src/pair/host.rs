@@ -31,6 +31,12 @@ pub trait Host: Send + Sync + 'static {
     fn slot_of_pid(&self, pid: u32) -> Option<SlotId>;
     /// Who holds the election lock now, and who waits for it.
     fn lock(&self) -> LockLook;
+    /// Processes of the current engine of `slot` that the OOM killer
+    /// killed, as its cgroup counts them (a respawn makes a new cgroup).
+    fn oom_kills(&self, slot: SlotId) -> u64;
+    /// After the main process of `slot`'s engine died: kill what is left
+    /// of it when no PID namespace of its own did that already.
+    async fn kill_rest(&self, slot: SlotId);
 }
 
 /// The real machine: runc for the engines, the shim's exit router, kill(2)
@@ -99,5 +105,19 @@ impl Host for Machine {
 
     fn lock(&self) -> LockLook {
         lock::observe(self.lock_file, &self.cgroups)
+    }
+
+    async fn kill_rest(&self, slot: SlotId) {
+        let e = &self.engines[slot.index()];
+        if !e.kills_rest_on_exit {
+            return;
+        }
+        if let Err(err) = e.client.kill(&e.runc_id, libc::SIGKILL as u32, true).await {
+            log::warn!("{}: killing what its main process left: {err}", e.runc_id);
+        }
+    }
+
+    fn oom_kills(&self, slot: SlotId) -> u64 {
+        crate::oom::kills(&crate::stats::at(&self.cgroups[slot.index()]))
     }
 }

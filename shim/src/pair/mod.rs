@@ -29,6 +29,7 @@ pub mod supervisor;
 pub mod xid;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -85,6 +86,8 @@ pub struct PairedContainer {
     made: Mutex<Made>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
     deleted: Mutex<bool>,
+    /// Paused: the pair's cgroup is frozen (both engines).
+    paused: AtomicBool,
 }
 
 impl PairedContainer {
@@ -104,6 +107,7 @@ impl PairedContainer {
                 made: Mutex::new(made),
                 execs: Mutex::new(HashMap::new()),
                 deleted: Mutex::new(false),
+                paused: AtomicBool::new(false),
             })),
             Err(e) => {
                 made.undo().await;
@@ -116,6 +120,8 @@ impl PairedContainer {
         let v = self.view.borrow();
         if v.exit.is_some() {
             Status::Stopped
+        } else if self.paused.load(Ordering::Acquire) {
+            Status::Paused
         } else if v.started {
             Status::Running
         } else {
@@ -188,6 +194,12 @@ impl Container for PairedContainer {
             return self.start_exec(&proc, exec_id).await;
         }
         let mut waiting = self.waiting.lock().await;
+        if self.view.borrow().exit.is_some() {
+            return Err(Error::FailedPrecondition(format!(
+                "pair {} was killed before it started",
+                self.id
+            )));
+        }
         let Some(mut sup) = waiting.take() else {
             return Err(Error::FailedPrecondition(format!(
                 "container {} is not in the created state",
@@ -259,14 +271,37 @@ impl Container for PairedContainer {
         }
         Signal::try_from(signal as i32)
             .map_err(|_| Error::InvalidArgument(format!("unknown signal {signal}")))?;
-        match self.input.lock().await.as_ref() {
-            Some(tx) => {
-                let _ = tx.send(Input::Kill { signal });
-                Ok(())
-            }
-            // Not started: nothing runs; Delete removes the pair.
-            None => Ok(()),
+        if self.paused.load(Ordering::Acquire) {
+            // A frozen engine acts on no signal (on cgroup v1 not even
+            // SIGKILL): a pair being stopped is thawed, so that the
+            // engines end and the escalation to SIGKILL can end them.
+            self.resume().await?;
         }
+        // The input lock is not held while `waiting` is taken: Start takes
+        // them in the other order.
+        let started = self.input.lock().await.clone();
+        let tx = match started {
+            Some(tx) => tx,
+            None => {
+                let mut waiting = self.waiting.lock().await;
+                match waiting.as_mut() {
+                    // Not started: nothing runs, and the task ends now with
+                    // the signal's status; Delete removes the pair.
+                    Some(sup) => {
+                        sup.end_unstarted(128 + signal);
+                        return Ok(());
+                    }
+                    // Start ran meanwhile (it holds `waiting` until its
+                    // sender is in place).
+                    None => match self.input.lock().await.clone() {
+                        Some(tx) => tx,
+                        None => return Ok(()),
+                    },
+                }
+            }
+        };
+        let _ = tx.send(Input::Kill { signal });
+        Ok(())
     }
 
     async fn wait(&self, exec: ExecId<'_>) -> Result<ExitInfo> {
@@ -302,7 +337,7 @@ impl Container for PairedContainer {
             self.execs.lock().await.remove(exec_id);
             return Ok(exit);
         }
-        if self.status() == Status::Running {
+        if matches!(self.status(), Status::Running | Status::Paused) {
             return Err(Error::FailedPrecondition(format!(
                 "cannot delete {}: the engine pair is still running",
                 self.id
@@ -372,15 +407,39 @@ impl Container for PairedContainer {
     }
 
     async fn pause(&self) -> Result<()> {
-        Err(Error::Unimplemented(
-            "pausing an engine pair is not supported".into(),
-        ))
+        // `made` is held throughout: one Pause/Resume/Delete at a time.
+        let made = self.made.lock().await;
+        if self.status() != Status::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "pair {} is not running",
+                self.id
+            )));
+        }
+        let cg = made.cgroup.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition(format!("pair {} has no cgroup (deleted)", self.id))
+        })?;
+        // Both engines stop where they are: the active mid-request, the
+        // shadow still parked on the lock. Nothing dies, so the supervisor
+        // has nothing to do until Resume.
+        cg.freeze().await?;
+        self.paused.store(true, Ordering::Release);
+        Ok(())
     }
 
     async fn resume(&self) -> Result<()> {
-        Err(Error::Unimplemented(
-            "resuming an engine pair is not supported".into(),
-        ))
+        let made = self.made.lock().await;
+        if self.status() != Status::Paused {
+            return Err(Error::FailedPrecondition(format!(
+                "pair {} is not paused",
+                self.id
+            )));
+        }
+        let cg = made.cgroup.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition(format!("pair {} has no cgroup (deleted)", self.id))
+        })?;
+        cg.thaw()?;
+        self.paused.store(false, Ordering::Release);
+        Ok(())
     }
 
     async fn pids(&self) -> Result<Vec<ProcessInfo>> {
@@ -413,12 +472,8 @@ impl Container for PairedContainer {
     }
 
     async fn stats(&self) -> Result<Any> {
-        if self.pid() == 0 {
-            return Err(Error::FailedPrecondition(format!(
-                "pair {} has no process",
-                self.id
-            )));
-        }
+        // The pair's cgroup exists from Create: before Start it reads as
+        // empty, as a created runc container's does.
         match &self.made.lock().await.cgroup {
             Some(cg) => cg.stats(),
             None => Err(Error::FailedPrecondition(format!(

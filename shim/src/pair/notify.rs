@@ -3,21 +3,130 @@
 //! comes from the message text: `SO_PASSCRED` makes the kernel attach the
 //! sender's pid (translated into the shim's pid namespace), and the
 //! supervisor maps that pid to a slot through its cgroup.
+//!
+//! Engines are untrusted, and this socket is read on the shim's one runtime
+//! thread, so nothing a sender does may block or grow the shim:
+//!
+//! - **File descriptors.** A datagram may carry fds (`SCM_RIGHTS`). Where the
+//!   kernel allows it (Linux >= 6.16, `SO_PASSRIGHTS` off) such a datagram
+//!   is refused at the sender. Elsewhere every fd is received (room for the
+//!   kernel's maximum, `MSG_CMSG_CLOEXEC`) and handed to one closer thread:
+//!   the last close of a socket with `SO_LINGER` can block for as long as
+//!   the sender set, and must never do so on the runtime. Had the fds not
+//!   fit, the kernel would close the rest on the receiving thread itself.
+//!   Fds waiting for the closer are bounded: while the closer is behind, the
+//!   socket is not read (the kernel queue pushes back on senders).
+//! - **Size, truncation, credentials.** A datagram larger than
+//!   [`MAX_DATAGRAM`], one whose control data was truncated, one with fds
+//!   and one without credentials are dropped whole, never half read.
+//! - **Floods.** [`Gate`] decides which datagrams reach the supervisor: a
+//!   datagram identical to one of the same sender still waiting is
+//!   coalesced, each engine has a token bucket (one token per notification
+//!   in a datagram), and at most
+//!   [`QUEUE_MAX`] datagrams wait for the supervisor at any time. What it
+//!   drops is counted and logged at most every [`LOG_EVERY`].
 
-use std::os::fd::AsRawFd;
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
-use nix::sys::socket::{recvmsg, setsockopt, sockopt, ControlMessageOwned, MsgFlags, UnixAddr};
+use nix::sys::socket::{setsockopt, sockopt};
+use shadow_pair::{SlotId, MAX_DATAGRAM};
 use tokio::io::Interest;
 use tokio::net::UnixDatagram;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{Error, Result};
+
+/// The most fds one datagram can carry (the kernel's `SCM_MAX_FD`).
+const SCM_MAX_FD: usize = 253;
+/// Room for the control data, in u64 words: the credentials and
+/// `SCM_MAX_FD` fds, each with its header (checked by a test).
+const CONTROL_WORDS: usize = 136;
+/// Received fds waiting for the closer thread, at most (all pairs of the
+/// shim together). Past it the socket is not read until the closer catches up.
+const CLOSER_BACKLOG: usize = 1024;
+/// Datagrams forwarded to the supervisor and not yet taken, at most.
+pub const QUEUE_MAX: u64 = 64;
+/// Each engine's token bucket: sustained notifications (`KEY=VALUE` lines
+/// the shim acts on; a datagram costs at least one) per second, and burst.
+pub const RATE_PER_SEC: u32 = 50;
+pub const BURST: u32 = 200;
+/// Datagrams dropped in one second past which the reader pauses for the
+/// rest of that second, leaving the flood in the kernel's queue (which
+/// then blocks or refuses the flooder) instead of spending the shim's CPU.
+const DROPS_PER_SEC_MAX: u64 = 1000;
+/// How often, at most, a pair logs what its notify socket dropped.
+pub const LOG_EVERY: Duration = Duration::from_secs(10);
+/// How long a pid's slot, once looked up, is taken as known.
+const SLOT_TTL: Duration = Duration::from_secs(1);
+/// Pids remembered at once (slot lookups, last datagrams); the maps are
+/// cleared when full.
+const PIDS_MAX: usize = 256;
 
 /// One datagram and who sent it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Datagram {
     pub pid: u32,
     pub bytes: Vec<u8>,
+}
+
+/// Why a datagram did not reach the supervisor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dropped {
+    /// No `SCM_CREDENTIALS` (or pid 0): nobody to attribute it to.
+    NoCredentials,
+    /// Longer than [`MAX_DATAGRAM`].
+    Oversized,
+    /// The control data did not fit (`MSG_CTRUNC`).
+    Truncated,
+    /// It carried file descriptors (closed off the runtime thread).
+    Fds,
+    /// From a pid in neither engine's cgroup.
+    NotAnEngine,
+    /// The same text as a datagram of the same sender still waiting.
+    Coalesced,
+    /// Its engine's token bucket was empty.
+    RateLimited,
+    /// [`QUEUE_MAX`] datagrams were already waiting.
+    QueueFull,
+}
+
+impl Dropped {
+    const ALL: [Dropped; 8] = [
+        Dropped::NoCredentials,
+        Dropped::Oversized,
+        Dropped::Truncated,
+        Dropped::Fds,
+        Dropped::NotAnEngine,
+        Dropped::Coalesced,
+        Dropped::RateLimited,
+        Dropped::QueueFull,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Dropped::NoCredentials => "no credentials",
+            Dropped::Oversized => "oversized",
+            Dropped::Truncated => "control data truncated",
+            Dropped::Fds => "carried fds",
+            Dropped::NotAnEngine => "not an engine",
+            Dropped::Coalesced => "coalesced",
+            Dropped::RateLimited => "rate limited",
+            Dropped::QueueFull => "queue full",
+        }
+    }
+}
+
+/// What one read of the socket gave.
+#[derive(Debug)]
+pub enum Received {
+    Datagram(Datagram),
+    Dropped(Dropped),
 }
 
 pub struct NotifySocket {
@@ -41,56 +150,421 @@ impl NotifySocket {
                 e,
             )
         })?;
+        refuse_rights(&sock, path);
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
             .map_err(|e| Error::io(format!("chmod notify socket {}", path.display()), e))?;
         Ok(NotifySocket { sock })
     }
 
-    /// The next datagram that carries credentials; others are dropped.
-    pub async fn recv(&self) -> Result<Datagram> {
-        loop {
-            let got = self
-                .sock
-                .async_io(Interest::READABLE, || {
-                    let mut buf = vec![0u8; shadow_pair_max()];
-                    let mut cmsg = nix::cmsg_space!(nix::sys::socket::UnixCredentials);
-                    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-                    let msg = recvmsg::<UnixAddr>(
-                        self.sock.as_raw_fd(),
-                        &mut iov,
-                        Some(&mut cmsg),
-                        MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_TRUNC,
-                    )
-                    .map_err(std::io::Error::from)?;
-                    let mut pid = None;
-                    if let Ok(cmsgs) = msg.cmsgs() {
-                        for c in cmsgs {
-                            if let ControlMessageOwned::ScmCredentials(cred) = c {
-                                pid = Some(cred.pid());
-                            }
-                        }
-                    }
-                    let len = msg.bytes.min(buf.len());
-                    buf.truncate(len);
-                    Ok((pid, buf))
-                })
-                .await
-                .map_err(|e| Error::io("reading the notify socket", e))?;
-            if let (Some(pid), bytes) = got {
-                if pid > 0 {
-                    return Ok(Datagram {
-                        pid: pid as u32,
-                        bytes,
-                    });
-                }
-            }
+    /// Read the next datagram: one the supervisor may look at, or why it
+    /// was dropped. Waits (without reading) while the closer is behind.
+    pub async fn recv(&self) -> Result<Received> {
+        let got = self
+            .sock
+            .async_io(Interest::READABLE, || recv_raw(self.sock.as_raw_fd()))
+            .await
+            .map_err(|e| Error::io("reading the notify socket", e))?;
+        let dropped = if got.truncated {
+            Some(Dropped::Truncated)
+        } else if !got.fds.is_empty() {
+            Some(Dropped::Fds)
+        } else if got.len > MAX_DATAGRAM {
+            Some(Dropped::Oversized)
+        } else {
+            None
+        };
+        if !got.fds.is_empty() {
+            discard(got.fds).await;
+        }
+        if let Some(why) = dropped {
+            return Ok(Received::Dropped(why));
+        }
+        match got.pid {
+            Some(pid) if pid > 0 => Ok(Received::Datagram(Datagram {
+                pid: pid as u32,
+                bytes: got.bytes,
+            })),
+            _ => Ok(Received::Dropped(Dropped::NoCredentials)),
         }
     }
 }
 
-fn shadow_pair_max() -> usize {
-    4096
+/// `SO_PASSRIGHTS` off (Linux >= 6.16): a sender passing fds gets `EPERM`
+/// and nothing reaches us. Older kernels do not know it; the closer thread
+/// covers them.
+fn refuse_rights(sock: &UnixDatagram, path: &Path) {
+    // asm-generic's value; the architectures with their own socket.h
+    // numbering (mips, parisc, sparc, alpha) are left to the closer.
+    #[cfg(any(
+        target_arch = "x86_64",
+        target_arch = "aarch64",
+        target_arch = "riscv64"
+    ))]
+    {
+        const SO_PASSRIGHTS: libc::c_int = 83;
+        let off: libc::c_int = 0;
+        // SAFETY: a valid socket fd, a c_int option value of the right size.
+        let rc = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PASSRIGHTS,
+                (&off as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            log::debug!(
+                "notify socket {}: SO_PASSRIGHTS not available ({}); passed fds are closed off the runtime",
+                path.display(),
+                io::Error::last_os_error()
+            );
+        }
+    }
+    #[cfg(not(any(
+        target_arch = "x86_64",
+        target_arch = "aarch64",
+        target_arch = "riscv64"
+    )))]
+    let _ = (sock, path);
+}
+
+/// One datagram as the kernel gave it.
+struct Raw {
+    /// Its full length (`MSG_TRUNC`), even where longer than the buffer.
+    len: usize,
+    bytes: Vec<u8>,
+    pid: Option<i32>,
+    fds: Vec<OwnedFd>,
+    truncated: bool,
+}
+
+/// `recvmsg` with room for the credentials and for every fd a datagram can
+/// carry, so that the kernel never closes an fd on this thread; each fd
+/// received is owned (and closed on close-on-exec terms) from here on.
+fn recv_raw(fd: RawFd) -> io::Result<Raw> {
+    let mut buf = [0u8; MAX_DATAGRAM];
+    let ucred = std::mem::size_of::<libc::ucred>();
+    let rights = SCM_MAX_FD * std::mem::size_of::<libc::c_int>();
+    // SAFETY: CMSG_SPACE only computes a length.
+    let space = unsafe {
+        libc::CMSG_SPACE(ucred as libc::c_uint) as usize
+            + libc::CMSG_SPACE(rights as libc::c_uint) as usize
+    };
+    // u64 words: the control buffer must be aligned for `cmsghdr`.
+    let mut control = [0u64; CONTROL_WORDS];
+    let space = space.min(CONTROL_WORDS * 8);
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+    hdr.msg_iov = &mut iov;
+    hdr.msg_iovlen = 1;
+    hdr.msg_control = control.as_mut_ptr().cast();
+    hdr.msg_controllen = space as _;
+    // SAFETY: hdr points at live buffers of the lengths it states.
+    let n = unsafe {
+        libc::recvmsg(
+            fd,
+            &mut hdr,
+            libc::MSG_DONTWAIT | libc::MSG_TRUNC | libc::MSG_CMSG_CLOEXEC,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let len = n as usize;
+    let mut raw = Raw {
+        len,
+        bytes: buf[..len.min(MAX_DATAGRAM)].to_vec(),
+        pid: None,
+        fds: Vec::new(),
+        truncated: hdr.msg_flags & libc::MSG_CTRUNC != 0,
+    };
+    let start = control.as_ptr() as usize;
+    let end = start + (hdr.msg_controllen as usize).min(space);
+    // SAFETY: hdr describes `control`, which the kernel filled with
+    // `msg_controllen` bytes of cmsgs; CMSG_FIRSTHDR/NXTHDR stay within it.
+    let mut c = unsafe { libc::CMSG_FIRSTHDR(&hdr) };
+    while !c.is_null() {
+        // SAFETY: a header inside `control` (CMSG_FIRSTHDR/NXTHDR checked).
+        let (level, kind, clen) = unsafe { ((*c).cmsg_level, (*c).cmsg_type, (*c).cmsg_len) };
+        // SAFETY: CMSG_DATA of a valid header: the bytes after it.
+        let data = unsafe { libc::CMSG_DATA(c) };
+        let data_at = data as usize;
+        // cmsg_len is a size_t on glibc, a socklen_t on musl.
+        #[allow(clippy::unnecessary_cast)]
+        let clen = clen as usize;
+        let data_len = (c as usize + clen).min(end).saturating_sub(data_at);
+        if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
+            for i in 0..data_len / std::mem::size_of::<libc::c_int>() {
+                // SAFETY: within the cmsg's data, read unaligned.
+                let raw_fd = unsafe { data.cast::<libc::c_int>().add(i).read_unaligned() };
+                if raw_fd >= 0 {
+                    // SAFETY: recvmsg just installed this fd in our table
+                    // for us; nothing else knows it, so this is its one owner.
+                    raw.fds.push(unsafe { OwnedFd::from_raw_fd(raw_fd) });
+                }
+            }
+        } else if level == libc::SOL_SOCKET && kind == libc::SCM_CREDENTIALS && data_len >= ucred {
+            // SAFETY: a whole ucred lies within the cmsg's data.
+            let cred = unsafe { data.cast::<libc::ucred>().read_unaligned() };
+            raw.pid = Some(cred.pid);
+        }
+        // SAFETY: hdr and c as above.
+        c = unsafe { libc::CMSG_NXTHDR(&hdr, c) };
+    }
+    Ok(raw)
+}
+
+/// The thread that closes fds engines passed, and the bound on how many
+/// may wait for it.
+struct Closer {
+    tx: std::sync::mpsc::Sender<(Vec<OwnedFd>, OwnedSemaphorePermit)>,
+    room: Arc<Semaphore>,
+}
+
+fn closer() -> Option<&'static Closer> {
+    static CLOSER: OnceLock<Option<Closer>> = OnceLock::new();
+    CLOSER
+        .get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel::<(Vec<OwnedFd>, OwnedSemaphorePermit)>();
+            let spawned = std::thread::Builder::new()
+                .name("notify-fd-closer".into())
+                .spawn(move || {
+                    for (fds, permit) in rx {
+                        for fd in fds {
+                            close_quickly(fd);
+                        }
+                        drop(permit);
+                    }
+                });
+            match spawned {
+                Ok(_) => Some(Closer {
+                    tx,
+                    room: Arc::new(Semaphore::new(CLOSER_BACKLOG)),
+                }),
+                Err(e) => {
+                    log::error!("starting the notify fd closer thread: {e}");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// Close fds an engine passed us, off the runtime thread. Waits (the
+/// socket unread) while [`CLOSER_BACKLOG`] fds already wait.
+async fn discard(fds: Vec<OwnedFd>) {
+    let Some(c) = closer() else {
+        // No thread: the least blocking close we can do, here.
+        fds.into_iter().for_each(close_quickly);
+        return;
+    };
+    let n = fds.len().min(CLOSER_BACKLOG) as u32;
+    let Ok(permit) = c.room.clone().acquire_many_owned(n).await else {
+        fds.into_iter().for_each(close_quickly);
+        return;
+    };
+    if let Err(back) = c.tx.send((fds, permit)) {
+        let (fds, _permit) = back.0;
+        fds.into_iter().for_each(close_quickly);
+    }
+}
+
+/// Close `fd`; a socket is first told to linger for 0 s, so that its last
+/// close resets the connection instead of waiting for unsent data.
+fn close_quickly(fd: OwnedFd) {
+    let is_socket = nix::sys::stat::fstat(&fd)
+        .map(|st| st.st_mode & libc::S_IFMT == libc::S_IFSOCK)
+        .unwrap_or(false);
+    if is_socket {
+        let abort = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // Not every socket lingers (EOPNOTSUPP and the like): fine.
+        let _ = setsockopt(&fd, sockopt::Linger, &abort);
+    }
+    drop(fd);
+}
+
+/// The reader's and the supervisor's shared count of forwarded datagrams.
+#[derive(Default)]
+pub struct Queue {
+    forwarded: AtomicU64,
+    taken: AtomicU64,
+}
+
+impl Queue {
+    /// The supervisor took one forwarded datagram.
+    pub fn taken(&self) {
+        self.taken.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn waiting(&self) -> u64 {
+        let taken = self.taken.load(Ordering::Relaxed);
+        self.forwarded.load(Ordering::Relaxed).saturating_sub(taken)
+    }
+}
+
+/// A token bucket.
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(now: Instant) -> Bucket {
+        Bucket {
+            tokens: f64::from(BURST),
+            at: now,
+        }
+    }
+
+    /// The tokens there are at `now`.
+    fn refill(&mut self, now: Instant) -> f64 {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.at = now;
+        self.tokens = (self.tokens + dt * f64::from(RATE_PER_SEC)).min(f64::from(BURST));
+        self.tokens
+    }
+
+    /// Takes `n` tokens if there are as many.
+    fn take(&mut self, n: u32, now: Instant) -> bool {
+        if self.refill(now) >= f64::from(n) {
+            self.tokens -= f64::from(n);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// What a datagram costs: one token per `KEY=VALUE` line (what the
+/// supervisor may act on), at least one; counted without parsing.
+fn cost(bytes: &[u8]) -> u32 {
+    let lines = bytes
+        .split(|b| *b == b'\n')
+        .filter(|l| l.contains(&b'='))
+        .count();
+    lines.clamp(1, BURST as usize + 1) as u32
+}
+
+/// Decides which datagrams reach the supervisor; see the module doc.
+pub struct Gate {
+    id: String,
+    queue: Arc<Queue>,
+    buckets: [Bucket; 2],
+    /// pid -> (slot, when looked up).
+    slots: HashMap<u32, (Option<SlotId>, Instant)>,
+    /// pid -> (its last forwarded text, that datagram's sequence number).
+    last: HashMap<u32, (Vec<u8>, u64)>,
+    counts: [u64; Dropped::ALL.len()],
+    logged_at: Instant,
+    second: Instant,
+    dropped_this_second: u64,
+}
+
+impl Gate {
+    pub fn new(id: &str, queue: Arc<Queue>, now: Instant) -> Gate {
+        Gate {
+            id: id.to_owned(),
+            queue,
+            buckets: [Bucket::full(now), Bucket::full(now)],
+            slots: HashMap::new(),
+            last: HashMap::new(),
+            counts: [0; Dropped::ALL.len()],
+            logged_at: now,
+            second: now,
+            dropped_this_second: 0,
+        }
+    }
+
+    /// Whether `d` goes to the supervisor (then counted as waiting) or why
+    /// not. `slot_of` looks a pid's slot up (`/proc`), at most once per
+    /// pid per [`SLOT_TTL`].
+    pub fn admit(
+        &mut self,
+        d: &Datagram,
+        now: Instant,
+        slot_of: impl FnOnce(u32) -> Option<SlotId>,
+    ) -> std::result::Result<(), Dropped> {
+        let done = self.queue.taken.load(Ordering::Relaxed);
+        if let Some((text, seq)) = self.last.get(&d.pid) {
+            if *seq > done && *text == d.bytes {
+                return Err(Dropped::Coalesced);
+            }
+        }
+        let slot = match self.slots.get(&d.pid) {
+            Some((slot, at)) if now.saturating_duration_since(*at) < SLOT_TTL => *slot,
+            _ => {
+                if self.slots.len() >= PIDS_MAX {
+                    self.slots.clear();
+                }
+                let slot = slot_of(d.pid);
+                self.slots.insert(d.pid, (slot, now));
+                slot
+            }
+        };
+        let Some(slot) = slot else {
+            return Err(Dropped::NotAnEngine);
+        };
+        // An empty bucket refuses before the datagram is even looked at.
+        let bucket = &mut self.buckets[slot.index()];
+        if bucket.refill(now) < 1.0 || !bucket.take(cost(&d.bytes), now) {
+            return Err(Dropped::RateLimited);
+        }
+        if self.queue.waiting() >= QUEUE_MAX {
+            return Err(Dropped::QueueFull);
+        }
+        let seq = self.queue.forwarded.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.last.len() >= PIDS_MAX {
+            self.last.clear();
+        }
+        self.last.insert(d.pid, (d.bytes.clone(), seq));
+        Ok(())
+    }
+
+    /// Count a drop; log the counts if [`LOG_EVERY`] has passed. Returns
+    /// how long the reader should pause: past [`DROPS_PER_SEC_MAX`] drops
+    /// in a second, until that second ends.
+    pub fn dropped(&mut self, why: Dropped, now: Instant) -> Option<Duration> {
+        self.counts[why as usize] += 1;
+        self.log(now);
+        if now.saturating_duration_since(self.second) >= Duration::from_secs(1) {
+            self.second = now;
+            self.dropped_this_second = 0;
+        }
+        self.dropped_this_second += 1;
+        (self.dropped_this_second > DROPS_PER_SEC_MAX)
+            .then(|| (self.second + Duration::from_secs(1)).saturating_duration_since(now))
+    }
+
+    /// Datagrams dropped so far, by reason.
+    pub fn counts(&self) -> impl Iterator<Item = (Dropped, u64)> + '_ {
+        Dropped::ALL.iter().map(|d| (*d, self.counts[*d as usize]))
+    }
+
+    fn log(&mut self, now: Instant) {
+        if now.saturating_duration_since(self.logged_at) < LOG_EVERY {
+            return;
+        }
+        self.logged_at = now;
+        let parts: Vec<String> = self
+            .counts()
+            .filter(|(_, n)| *n > 0)
+            .map(|(d, n)| format!("{}: {n}", d.name()))
+            .collect();
+        log::warn!(
+            "pair {}: notify socket dropped datagrams (totals: {}); an engine sends more than the contract allows ({RATE_PER_SEC}/s, burst {BURST}, {MAX_DATAGRAM} bytes, no fds)",
+            self.id,
+            parts.join(", ")
+        );
+    }
 }
 
 #[cfg(test)]
@@ -114,15 +588,253 @@ mod tests {
             // No python3: send from this process instead.
             let c = std::os::unix::net::UnixDatagram::unbound().unwrap();
             c.send_to(b"READY=1", &p).unwrap();
-            let d = s.recv().await.unwrap();
+            let Received::Datagram(d) = s.recv().await.unwrap() else {
+                panic!("dropped");
+            };
             assert_eq!(d.pid, std::process::id());
             assert_eq!(d.bytes, b"READY=1");
             return;
         };
         let pid = child.id();
-        let d = s.recv().await.unwrap();
+        let got = s.recv().await.unwrap();
         assert!(child.wait().unwrap().success());
+        let Received::Datagram(d) = got else {
+            panic!("dropped: {got:?}");
+        };
         assert_eq!(d.pid, pid);
         assert_eq!(d.bytes, b"READY=1");
+    }
+
+    #[tokio::test]
+    async fn oversized_datagrams_are_dropped_whole() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("notify.sock");
+        let s = NotifySocket::bind(&p).unwrap();
+        let c = std::os::unix::net::UnixDatagram::unbound().unwrap();
+        let mut big = b"READY=1\n".to_vec();
+        big.resize(MAX_DATAGRAM + 1, b'x');
+        c.send_to(&big, &p).unwrap();
+        c.send_to(b"STATUS=parked", &p).unwrap();
+        assert!(matches!(
+            s.recv().await.unwrap(),
+            Received::Dropped(Dropped::Oversized)
+        ));
+        assert!(
+            matches!(s.recv().await.unwrap(), Received::Datagram(d) if d.bytes == b"STATUS=parked")
+        );
+    }
+
+    /// A TCP socket whose last close blocks for `linger` seconds: its peer
+    /// never reads, its send buffer is full. Returns it and the peer.
+    fn lingering_socket(linger: i32) -> (std::net::TcpStream, std::net::TcpStream) {
+        use std::io::Write;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (peer, _) = l.accept().unwrap();
+        s.set_nonblocking(true).unwrap();
+        let chunk = [0u8; 65536];
+        while s.try_clone().unwrap().write(&chunk).is_ok() {}
+        setsockopt(
+            &s,
+            sockopt::Linger,
+            &libc::linger {
+                l_onoff: 1,
+                l_linger: linger,
+            },
+        )
+        .unwrap();
+        s.set_nonblocking(false).unwrap();
+        (s, peer)
+    }
+
+    #[tokio::test]
+    async fn passed_fds_are_closed_off_the_runtime_without_blocking() {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("notify.sock");
+        // Bound without SO_PASSRIGHTS off, as on a kernel without it.
+        let sock = UnixDatagram::bind(&p).unwrap();
+        setsockopt(&sock, sockopt::PassCred, &true).unwrap();
+        let s = NotifySocket { sock };
+        let (tcp, _peer) = lingering_socket(30);
+        let c = std::os::unix::net::UnixDatagram::unbound().unwrap();
+        let fds = [tcp.as_raw_fd()];
+        let iov = [std::io::IoSlice::new(b"READY=1")];
+        sendmsg(
+            c.as_raw_fd(),
+            &iov,
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            Some(&UnixAddr::new(&p).unwrap()),
+        )
+        .unwrap();
+        drop(tcp);
+        c.send_to(b"STATUS=parked", &p).unwrap();
+        let started = Instant::now();
+        let first = s.recv().await.unwrap();
+        let second = s.recv().await.unwrap();
+        // Closing the socket here would take 30 s (its linger).
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(
+            matches!(first, Received::Dropped(Dropped::Fds)),
+            "{first:?}"
+        );
+        assert!(matches!(second, Received::Datagram(d) if d.bytes == b"STATUS=parked"));
+    }
+
+    fn gate() -> (Gate, Arc<Queue>, Instant) {
+        let q = Arc::new(Queue::default());
+        let now = Instant::now();
+        (Gate::new("t", q.clone(), now), q, now)
+    }
+
+    fn dg(pid: u32, text: &[u8]) -> Datagram {
+        Datagram {
+            pid,
+            bytes: text.to_vec(),
+        }
+    }
+
+    #[test]
+    fn repeats_still_waiting_are_coalesced_and_later_ones_pass() {
+        let (mut g, q, now) = gate();
+        let s0 = |_| Some(SlotId::ZERO);
+        assert_eq!(g.admit(&dg(7, b"READY=1"), now, s0), Ok(()));
+        assert_eq!(
+            g.admit(&dg(7, b"READY=1"), now, s0),
+            Err(Dropped::Coalesced)
+        );
+        // Another text, or another sender, is not a repeat.
+        assert_eq!(g.admit(&dg(7, b"STATUS=x"), now, s0), Ok(()));
+        assert_eq!(g.admit(&dg(8, b"READY=1"), now, s0), Ok(()));
+        q.taken();
+        q.taken();
+        q.taken();
+        assert_eq!(g.admit(&dg(7, b"STATUS=x"), now, s0), Ok(()));
+    }
+
+    #[test]
+    fn a_flooding_engine_is_limited_and_the_other_is_not() {
+        let (mut g, q, now) = gate();
+        let mut passed = 0;
+        for i in 0..10_000u32 {
+            let text = format!("STATUS={i}");
+            if g.admit(&dg(7, text.as_bytes()), now, |_| Some(SlotId::ZERO)) == Ok(()) {
+                passed += 1;
+                q.taken();
+            }
+        }
+        assert_eq!(passed, BURST);
+        // One second later, RATE_PER_SEC more.
+        let later = now + Duration::from_secs(1);
+        let more = (0..1000)
+            .filter(|i| {
+                let text = format!("STATUS=later {i}");
+                let ok = g.admit(&dg(7, text.as_bytes()), later, |_| Some(SlotId::ZERO)) == Ok(());
+                if ok {
+                    q.taken();
+                }
+                ok
+            })
+            .count();
+        assert_eq!(more, RATE_PER_SEC as usize);
+        assert_eq!(
+            g.admit(&dg(9, b"READY=1"), later, |_| Some(SlotId::ONE)),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn the_control_buffer_holds_credentials_and_every_fd() {
+        // SAFETY: CMSG_SPACE only computes a length.
+        let need = unsafe {
+            libc::CMSG_SPACE(std::mem::size_of::<libc::ucred>() as libc::c_uint)
+                + libc::CMSG_SPACE(
+                    (SCM_MAX_FD * std::mem::size_of::<libc::c_int>()) as libc::c_uint,
+                )
+        } as usize;
+        assert!(CONTROL_WORDS * 8 >= need, "{need} bytes needed");
+    }
+
+    #[test]
+    fn a_datagram_costs_one_token_per_notification() {
+        let (mut g, q, now) = gate();
+        let s0 = |_| Some(SlotId::ZERO);
+        let lines = "STATUS=x\n".repeat(BURST as usize + 1);
+        assert_eq!(
+            g.admit(&dg(7, lines.as_bytes()), now, s0),
+            Err(Dropped::RateLimited)
+        );
+        let half = "STATUS=y\n".repeat(BURST as usize / 2);
+        assert_eq!(g.admit(&dg(7, half.as_bytes()), now, s0), Ok(()));
+        q.taken();
+        assert_eq!(g.admit(&dg(7, half.as_bytes()), now, s0), Ok(()));
+        q.taken();
+        assert_eq!(
+            g.admit(&dg(7, b"READY=1"), now, s0),
+            Err(Dropped::RateLimited)
+        );
+        // Garbage holds no notification and costs one token.
+        let later = now + Duration::from_secs(1);
+        assert_eq!(g.admit(&dg(7, b"\xff\xfe"), later, s0), Ok(()));
+    }
+
+    #[test]
+    fn the_queue_is_bounded_and_pids_of_no_engine_are_dropped() {
+        let (mut g, q, now) = gate();
+        for i in 0..QUEUE_MAX {
+            let text = format!("STATUS={i}");
+            assert_eq!(
+                g.admit(&dg(7, text.as_bytes()), now, |_| Some(SlotId::ZERO)),
+                Ok(())
+            );
+        }
+        assert_eq!(
+            g.admit(&dg(9, b"READY=1"), now, |_| Some(SlotId::ONE)),
+            Err(Dropped::QueueFull)
+        );
+        q.taken();
+        assert_eq!(
+            g.admit(&dg(9, b"READY=1"), now, |_| Some(SlotId::ONE)),
+            Ok(())
+        );
+        assert_eq!(
+            g.admit(&dg(10, b"READY=1"), now, |_| None),
+            Err(Dropped::NotAnEngine)
+        );
+    }
+
+    #[test]
+    fn a_slot_is_looked_up_once_per_pid_and_second() {
+        let (mut g, q, now) = gate();
+        let mut lookups = 0;
+        for i in 0..100 {
+            let text = format!("STATUS={i}");
+            let _ = g.admit(&dg(7, text.as_bytes()), now, |_| {
+                lookups += 1;
+                Some(SlotId::ZERO)
+            });
+            q.taken();
+        }
+        assert_eq!(lookups, 1);
+        let _ = g.admit(&dg(7, b"x"), now + SLOT_TTL, |_| {
+            lookups += 1;
+            Some(SlotId::ZERO)
+        });
+        assert_eq!(lookups, 2);
+    }
+
+    #[test]
+    fn a_flood_of_drops_pauses_the_reader() {
+        let (mut g, _q, now) = gate();
+        for _ in 0..DROPS_PER_SEC_MAX {
+            assert_eq!(g.dropped(Dropped::RateLimited, now), None);
+        }
+        let pause = g.dropped(Dropped::RateLimited, now + Duration::from_millis(300));
+        assert_eq!(pause, Some(Duration::from_millis(700)));
+        assert_eq!(
+            g.counts().find(|(d, _)| *d == Dropped::RateLimited),
+            Some((Dropped::RateLimited, DROPS_PER_SEC_MAX + 1))
+        );
     }
 }

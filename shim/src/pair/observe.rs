@@ -18,7 +18,7 @@ use tokio::io::Interest;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::host::Host;
-use super::notify::NotifySocket;
+use super::notify::{Gate, NotifySocket, Queue, Received};
 use super::supervisor::Input;
 
 /// The pair's monotonic clock: `Duration` since the supervisor started.
@@ -58,19 +58,46 @@ pub fn exit_of(status: i32) -> Exit {
     }
 }
 
-/// Forward every datagram of the pair's notify socket, with its receipt time.
-pub fn notify(sock: NotifySocket, tx: UnboundedSender<Input>) {
+/// Forward the datagrams of the pair's notify socket that its [`Gate`]
+/// admits, with their receipt time; count and drop the rest. Never blocks
+/// on the supervisor: a full queue drops, it does not wait.
+pub fn notify(
+    id: &str,
+    sock: NotifySocket,
+    host: Arc<dyn Host>,
+    queue: Arc<Queue>,
+    tx: UnboundedSender<Input>,
+) {
+    let mut gate = Gate::new(id, queue, Instant::now());
+    let id = id.to_owned();
     tokio::spawn(async move {
         loop {
-            match sock.recv().await {
-                Ok(d) => {
-                    if tx.send(Input::Notify(d, Instant::now())).is_err() {
-                        return;
-                    }
-                }
+            let got = match sock.recv().await {
+                Ok(got) => got,
                 Err(e) => {
-                    log::warn!("notify socket: {e}");
+                    log::warn!("pair {id}: notify socket: {e}");
                     return;
+                }
+            };
+            let at = Instant::now();
+            // A flood keeps the socket readable: yield to State, Kill and
+            // the supervisor as any other task does.
+            tokio::task::consume_budget().await;
+            let verdict = match got {
+                Received::Datagram(d) => match gate.admit(&d, at, |pid| host.slot_of_pid(pid)) {
+                    Ok(()) => {
+                        if tx.send(Input::Notify(d, at)).is_err() {
+                            return;
+                        }
+                        Ok(())
+                    }
+                    Err(why) => Err(why),
+                },
+                Received::Dropped(why) => Err(why),
+            };
+            if let Err(why) = verdict {
+                if let Some(pause) = gate.dropped(why, at) {
+                    tokio::time::sleep(pause).await;
                 }
             }
         }

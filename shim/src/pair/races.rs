@@ -126,6 +126,12 @@ impl Host for FakeHost {
         rx
     }
 
+    fn oom_kills(&self, _slot: SlotId) -> u64 {
+        0
+    }
+
+    async fn kill_rest(&self, _slot: SlotId) {}
+
     fn signal(&self, pid: u32, signal: Signal) {
         self.state().signals.push((pid, signal));
     }

@@ -41,6 +41,26 @@ pub struct EngineInputs<'a> {
     pub listen_mounts: &'a [(PathBuf, PathBuf)],
 }
 
+/// Whether an engine of this spec has no PID namespace of its own (the
+/// host's, or one joined by path), so that the kernel leaves its other
+/// processes running when its main process dies: the shim kills them, as
+/// it does for a plain container (runc-v2's `ShouldKillAllOnExit`).
+pub fn kills_rest_on_exit(spec: &Value) -> bool {
+    let own_pid_ns = spec
+        .pointer("/linux/namespaces")
+        .and_then(Value::as_array)
+        .is_some_and(|nss| {
+            nss.iter().any(|ns| {
+                ns.get("type").and_then(Value::as_str) == Some("pid")
+                    && ns
+                        .get("path")
+                        .and_then(Value::as_str)
+                        .is_none_or(str::is_empty)
+            })
+        });
+    !own_pid_ns
+}
+
 /// The runc container id of a slot's engine.
 pub fn engine_id(id: &str, slot: SlotId) -> String {
     format!("{id}-s{slot}")
@@ -614,5 +634,26 @@ mod tests {
             oom_score_adj(&json!({"process": {"oomScoreAdj": 999}})),
             999
         );
+    }
+}
+
+#[cfg(test)]
+mod kill_rest_tests {
+    use super::*;
+
+    #[test]
+    fn only_engines_with_their_own_pid_namespace_leave_killing_to_the_kernel() {
+        let with = |nss: &str| -> Value {
+            serde_json::from_str(&format!(r#"{{"linux":{{"namespaces":{nss}}}}}"#)).unwrap()
+        };
+        assert!(!kills_rest_on_exit(&with(
+            r#"[{"type":"mount"},{"type":"pid"}]"#
+        )));
+        assert!(!kills_rest_on_exit(&with(r#"[{"type":"pid","path":""}]"#)));
+        assert!(kills_rest_on_exit(&with(r#"[{"type":"mount"}]"#)));
+        assert!(kills_rest_on_exit(&with(
+            r#"[{"type":"pid","path":"/proc/1/ns/pid"}]"#
+        )));
+        assert!(kills_rest_on_exit(&serde_json::json!({})));
     }
 }

@@ -25,6 +25,7 @@ fn class(c: FailureClass) -> file::FailureClass {
     match c {
         FailureClass::DevicePreserving => file::FailureClass::DevicePreserving,
         FailureClass::DeviceInvalidating => file::FailureClass::DeviceInvalidating,
+        FailureClass::OutOfMemory => file::FailureClass::OutOfMemory,
         FailureClass::CrashLoop => file::FailureClass::CrashLoop,
     }
 }
@@ -83,6 +84,7 @@ pub fn snapshot(s: &Snapshot) -> file::PairSnapshot {
         protected: s.protected,
         failovers: s.failovers,
         cold_restarts: s.cold_restarts,
+        oom_kills: s.oom_kills,
         last_promotion: s.last_promotion.as_ref().map(promotion),
         last_cold_restart: s.last_cold_restart.as_ref().map(|c| match c {
             ColdRestartCause::GmsDied { device } => file::ColdRestartCause::GmsDied {

@@ -24,7 +24,7 @@ use super::engine::SharedOutput;
 use super::gms::GmsDaemons;
 use super::host::Host;
 use super::lock::LockSeen;
-use super::notify::{Datagram, NotifySocket};
+use super::notify::{Datagram, NotifySocket, Queue};
 use super::observe::{self, Clock};
 use super::publish::{GmsStatus, Outlets, Publisher, View};
 use crate::container::ExitInfo;
@@ -110,6 +110,8 @@ pub struct Supervisor {
     router: Arc<ExitRouter>,
     events: EventSink,
     notify: Option<NotifySocket>,
+    /// Datagrams the notify reader forwarded and this task has not taken.
+    notify_queue: Arc<Queue>,
     lock_path: Option<PathBuf>,
     gms: Option<GmsDaemons>,
     gpu_buses: Vec<String>,
@@ -155,6 +157,7 @@ impl Supervisor {
             router: p.router,
             events: p.events,
             notify: p.notify,
+            notify_queue: Arc::new(Queue::default()),
             lock_path: p.lock_path,
             gms: p.gms,
             gpu_buses: p.gpu_buses,
@@ -178,6 +181,33 @@ impl Supervisor {
     pub fn abandon(mut self) -> Option<GmsDaemons> {
         self.output.close();
         self.gms.take()
+    }
+
+    /// Kill of a pair that was created and never started: nothing runs,
+    /// yet the task ends, with `status`, as a created runc container killed
+    /// before its start does (its init dies of the signal). Without this
+    /// exit, Wait and Delete(WithProcessKill) would wait forever; CRI does
+    /// exactly this when a start fails.
+    pub fn end_unstarted(&mut self, status: u32) {
+        self.output.close();
+        let info = ExitInfo {
+            pid: 0,
+            status,
+            at: SystemTime::now(),
+        };
+        log::info!(
+            "pair {}: killed before it started, exit status {status}",
+            self.id
+        );
+        self.events.send(Event::Exit(TaskExit {
+            container_id: self.id.clone(),
+            id: self.id.clone(),
+            pid: info.pid,
+            exit_status: info.status,
+            exited_at: Some(timestamp(info.at)).into(),
+            ..Default::default()
+        }));
+        self.publisher.exited(&self.pair, None, info);
     }
 
     /// Start both engines inline (Start waits for them), so that a spec
@@ -217,7 +247,13 @@ impl Supervisor {
 
     async fn run(&mut self) {
         if let Some(sock) = self.notify.take() {
-            observe::notify(sock, self.tx.clone());
+            observe::notify(
+                &self.id,
+                sock,
+                self.host.clone(),
+                self.notify_queue.clone(),
+                self.tx.clone(),
+            );
         }
         if let Some(path) = self.lock_path.take() {
             if let Err(e) = observe::lock_closes(&path, self.tx.clone()) {
@@ -342,10 +378,28 @@ impl Supervisor {
                 }
                 let exit = observe::exit_of(status);
                 log::info!("pair {}: slot {slot} pid {pid} exited ({exit:?})", self.id);
+                // In the host's PID namespace the engine's other processes
+                // outlive it: they go before its death is decided on (and
+                // before the task's exit, if this was the last engine).
+                self.host.kill_rest(slot).await;
                 let reaped = self.clock.of_wall(at);
-                self.pair.handle(PairEvent::Exited { slot, exit }, reaped)
+                let mut actions = Vec::new();
+                // The kernel counts the kill before it sends SIGKILL, so the
+                // count is there at the reap (and until runc deletes the
+                // engine's cgroup, which the respawn does after this).
+                let oom_kills = self.host.oom_kills(slot);
+                if oom_kills > 0 {
+                    log::warn!(
+                        "pair {}: slot {slot} pid {pid}: the OOM killer killed {oom_kills} of its processes",
+                        self.id
+                    );
+                    actions.extend(self.pair.handle(PairEvent::OomKilled { slot }, reaped));
+                }
+                actions.extend(self.pair.handle(PairEvent::Exited { slot, exit }, reaped));
+                actions
             }
             Input::Notify(d, at) => {
+                self.notify_queue.taken();
                 let Some(slot) = self.host.slot_of_pid(d.pid) else {
                     log::debug!("pair {}: notify from pid {} of no engine", self.id, d.pid);
                     return Vec::new();

@@ -8,4 +8,5 @@ mod dirs;
 mod gms;
 mod gpus;
 mod memory;
+mod notify;
 mod shim_death;

@@ -16,6 +16,7 @@ mod common;
 mod dirs;
 mod gms;
 mod gpus;
+mod notify;
 mod weights;
 
 use std::process::ExitCode;
@@ -51,6 +52,21 @@ const ATTACKS: &[Attack] = &[
         name: "gms-rw-after-commit",
         about: "slot 1 asks gmsd for rw in a loop to replace the committed weights when readers drop to zero (a failover)",
         run: gms::rw_after_commit,
+    },
+    Attack {
+        name: "notify-linger-fd",
+        about: "as the parked shadow, pass the shim a TCP socket whose last close lingers (SCM_RIGHTS)",
+        run: notify::linger_fd,
+    },
+    Attack {
+        name: "notify-flood",
+        about: "as the parked shadow, flood the notify socket with READY=1 and STATUS for N seconds",
+        run: notify::flood,
+    },
+    Attack {
+        name: "notify-garbage",
+        about: "as the parked shadow, send oversized, malformed, lying and fd-laden datagrams for N seconds",
+        run: notify::garbage,
     },
     Attack {
         name: "weights",
