@@ -845,6 +845,7 @@ fn two_containerds_keep_pairs_of_the_same_name_apart() {
         0,
         "metrics files left"
     );
+}
 
 #[test]
 fn an_oom_killed_engine_is_task_oom_its_own_failure_class_and_respawned() {
