@@ -203,6 +203,8 @@ impl PairedContainer {
         };
         let key = shadow_contract::host::containerd_key(&rt.containerd);
         let dirs = PairDirs::new(&cfg.state_dir, &key, &rt.namespace, &req.id, longest_socket);
+        dirs.fits(longest_socket)
+            .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", req.id)))?;
         let name = PairName {
             config: &rt.config,
             containerd: &rt.containerd,

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use shadow_contract::host::pair_root;
+use shadow_contract::host::{pair_root, SUN_PATH_MAX};
 pub use shadow_contract::host::{CUDA_SOCKETS, HOST_SOCKETS};
 
 /// The host-side files of one pair: `<state_dir>/<key>/<namespace>/<name>/`,
@@ -49,6 +49,22 @@ impl PairDirs {
             cgroup_record: root.join("cgroup"),
             root,
         }
+    }
+
+    /// Whether every socket below the pair directory fits `sun_path`: the
+    /// id and the namespace are shortened to fit, down to 8-digit digests,
+    /// but a long `state_dir` alone may leave too little room for the
+    /// sockets of a GPU pair (`gms-GPU-<uuid>.sock`).
+    pub fn fits(&self, longest_socket: usize) -> Result<(), String> {
+        let longest = self.root.as_os_str().len() + longest_socket;
+        if longest <= SUN_PATH_MAX {
+            return Ok(());
+        }
+        Err(format!(
+            "its Unix sockets under {} would be {longest} bytes long, more than a Unix socket path \
+             may be ({SUN_PATH_MAX}); use a shorter pair.state_dir (shim config) or namespace",
+            self.root.display()
+        ))
     }
 
     /// Where a pair of `id` may be, with or without GPUs (the socket room
@@ -133,5 +149,18 @@ mod tests {
             PairDirs::candidates(Path::new("/run/shadow"), KEY, "default", "llm").len(),
             1
         );
+    }
+
+    #[test]
+    fn a_state_dir_too_long_for_gpu_sockets_is_said_so() {
+        let long = Path::new("/run/").join("s".repeat(40));
+        let d = PairDirs::new(&long, KEY, "default", "llm", CUDA_SOCKETS);
+        let e = d.fits(CUDA_SOCKETS).unwrap_err();
+        assert!(e.contains("pair.state_dir") && e.contains("107"), "{e}");
+        let d = PairDirs::new(&long, KEY, "default", "llm", HOST_SOCKETS);
+        assert!(d.fits(HOST_SOCKETS).is_ok());
+        assert!(dirs(&"n".repeat(76), "llm", CUDA_SOCKETS)
+            .fits(CUDA_SOCKETS)
+            .is_ok());
     }
 }
