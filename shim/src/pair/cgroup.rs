@@ -48,15 +48,7 @@ pub struct PairCgroup {
 impl PairCgroup {
     /// Create the parent and write the spec's limits into it.
     pub fn create(path: &str, resources: Option<&Value>) -> Result<Self> {
-        let cg = PairCgroup {
-            path: path.to_string(),
-            cgroup: crate::stats::at(path),
-            engines: SlotId::BOTH.map(|slot| {
-                let p = super::spec::engine_cgroup(path, slot);
-                let cg = crate::stats::at(&p);
-                (p, cg)
-            }),
-        };
+        let cg = PairCgroup::open(path);
         let resources = resources
             .map(|r| serde_json::from_value::<LinuxResources>(r.clone()))
             .transpose()
@@ -78,6 +70,11 @@ impl PairCgroup {
         PairCgroup {
             path: path.to_string(),
             cgroup: crate::stats::at(path),
+            engines: SlotId::BOTH.map(|slot| {
+                let p = super::spec::engine_cgroup(path, slot);
+                let cg = crate::stats::at(&p);
+                (p, cg)
+            }),
         }
     }
 
