@@ -140,6 +140,15 @@ fn survive(id: &str, attack: &str, args: &[&str], lies_ready: bool) {
             ctr.stdout_so_far()
         );
     }
+    if attack == "notify-flood" {
+        // What was dropped is said, once per 10 s at most.
+        let log = std::fs::read_to_string(cd.log()).unwrap_or_default();
+        assert!(
+            log.contains("notify socket dropped datagrams"),
+            "no drop was logged:\n{}",
+            cd.log_tail(20)
+        );
+    }
     fail_over_and_end(&cd, &env, id, ctr, holder);
 }
 
