@@ -201,6 +201,8 @@ impl PairedContainer {
             CUDA_SOCKETS
         };
         let dirs = PairDirs::new(&cfg.state_dir, &rt.namespace, &req.id, longest_socket);
+        dirs.fits(longest_socket)
+            .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", req.id)))?;
         if dirs.root.exists() {
             return Err(Error::AlreadyExists(format!(
                 "pair directory {} (a pair {} of namespace {} exists or was not cleaned up)",

@@ -37,6 +37,21 @@ impl PairDirs {
             root,
         }
     }
+
+    /// Whether every socket below the pair directory fits `sun_path`: the
+    /// id is shortened to fit, but `<state_dir>/<namespace>/` alone may be
+    /// too long for the sockets of a GPU pair (`gms-GPU-<uuid>.sock`).
+    pub fn fits(&self, longest_socket: usize) -> Result<(), String> {
+        let longest = self.root.as_os_str().len() + longest_socket;
+        if longest <= SUN_PATH_MAX {
+            return Ok(());
+        }
+        Err(format!(
+            "its Unix sockets under {} would be {longest} bytes long, more than a Unix socket path \
+             may be ({SUN_PATH_MAX}); use a shorter pair.state_dir (shim config) or namespace",
+            self.root.display()
+        ))
+    }
 }
 
 /// Longest Unix socket path (`sun_path` is 108 bytes with its NUL).
@@ -92,5 +107,15 @@ mod tests {
         assert!(d.gms.join("gms-host.sock").as_os_str().len() <= 107);
         let d = dirs("default", "llm", CUDA_SOCKETS);
         assert_eq!(d.root, Path::new("/run/shadow/default/llm"));
+        assert!(d.fits(CUDA_SOCKETS).is_ok());
+    }
+
+    #[test]
+    fn a_namespace_too_long_for_gpu_sockets_is_said_so() {
+        let ns = "n".repeat(40);
+        let d = dirs(&ns, "llm", CUDA_SOCKETS);
+        let e = d.fits(CUDA_SOCKETS).unwrap_err();
+        assert!(e.contains("pair.state_dir") && e.contains("107"), "{e}");
+        assert!(dirs(&ns, "llm", HOST_SOCKETS).fits(HOST_SOCKETS).is_ok());
     }
 }
