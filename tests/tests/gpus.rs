@@ -131,9 +131,7 @@ fn two_gpu_pair_gmsd_per_gpu() {
     );
     assert_eq!(st.pair.gms_deaths.get(&gpus.uuids[1]), Some(&1));
     assert_eq!(st.pair.gms_deaths.get(&gpus.uuids[0]), None);
-    let metrics = env
-        .metrics_dir
-        .join(format!("shadow-{}-{id}.prom", cd.namespace()));
+    let metrics = env.metrics_file(&cd, id);
     let text = std::fs::read_to_string(&metrics).expect("metrics file");
     assert!(
         text.lines()

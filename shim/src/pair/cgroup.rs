@@ -48,15 +48,7 @@ pub struct PairCgroup {
 impl PairCgroup {
     /// Create the parent and write the spec's limits into it.
     pub fn create(path: &str, resources: Option<&Value>) -> Result<Self> {
-        let cg = PairCgroup {
-            path: path.to_string(),
-            cgroup: crate::stats::at(path),
-            engines: SlotId::BOTH.map(|slot| {
-                let p = super::spec::engine_cgroup(path, slot);
-                let cg = crate::stats::at(&p);
-                (p, cg)
-            }),
-        };
+        let cg = PairCgroup::open(path);
         let resources = resources
             .map(|r| serde_json::from_value::<LinuxResources>(r.clone()))
             .transpose()
@@ -71,6 +63,19 @@ impl PairCgroup {
             }
         }
         Ok(cg)
+    }
+
+    /// The pair cgroup at `path` as a dead shim left it, for its removal.
+    pub fn open(path: &str) -> Self {
+        PairCgroup {
+            path: path.to_string(),
+            cgroup: crate::stats::at(path),
+            engines: SlotId::BOTH.map(|slot| {
+                let p = super::spec::engine_cgroup(path, slot);
+                let cg = crate::stats::at(&p);
+                (p, cg)
+            }),
+        }
     }
 
     /// Apply `r` to the pair (both engines are below it). Values left out,
