@@ -18,6 +18,6 @@ mod races;
 pub use failure::{classify, ColdRestartCause, Exit, FailureClass, XidClass};
 pub use locks::{parse_proc_lock_waiters, parse_proc_locks, FileId, FlockHolder};
 pub use notify::{parse_notify, Notification, MAX_DATAGRAM};
-pub use pair::{Action, EngineState, Event, LockWatch, Pair, Slot, SlotId, Snapshot};
+pub use pair::{Action, EngineState, Event, LockHolder, LockWatch, Pair, Slot, SlotId, Snapshot};
 pub use policy::{RestartBudget, RestartPolicy, Verdict};
 pub use promotion::{DeathSign, Promotion};

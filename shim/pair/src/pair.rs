@@ -108,6 +108,19 @@ impl Slot {
     }
 }
 
+/// Who `/proc/locks` showed holding the election lock when the shim looked
+/// (see [`Event::Ready`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockHolder {
+    /// A process of the engine of this slot (one in its cgroup).
+    Slot(SlotId),
+    /// Nobody.
+    Free,
+    /// A process of no engine, an unreadable `/proc/locks`, or the shim
+    /// did not look.
+    Unknown,
+}
+
 /// What the shim observed.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
@@ -115,11 +128,20 @@ pub enum Event {
     Spawned { slot: SlotId, pid: u32 },
     /// Starting the engine failed before it ran (runc create/start error).
     SpawnFailed { slot: SlotId },
-    /// The engine of `slot` sent these on the notify socket.
+    /// The engine of `slot` sent these on the notify socket. A
+    /// `READY=1` here is [`Event::Ready`] with [`LockHolder::Unknown`].
     Notified {
         slot: SlotId,
         notification: Notification,
     },
+    /// The engine of `slot` sent `READY=1`, and the election lock's holder
+    /// was `holder` when the shim looked, after the datagram arrived (an
+    /// engine takes the lock before it says `READY=1`). Engines are
+    /// untrusted: a `READY=1` that would make a new engine active
+    /// ([`Pair::ready_needs_proof`]) is believed only from the holder, so a
+    /// shadow that lies does not displace the engine that serves. It is
+    /// refused and counted ([`Pair::ready_refused`]) instead.
+    Ready { slot: SlotId, holder: LockHolder },
     /// `/proc/locks` shows the engine of `slot` holding the election lock.
     LockHeld { slot: SlotId },
     /// `/proc/locks` shows nobody holding the election lock.
@@ -253,6 +275,8 @@ pub struct Pair {
     gms_deaths: BTreeMap<String, u64>,
     /// Engine deaths the OOM killer had a hand in.
     oom_kills: u64,
+    /// `READY=1`s refused: their sender did not hold the election lock.
+    ready_refused: u64,
     /// The current engine of each slot was OOM-killed (until its reap).
     oom_killed: [bool; 2],
     /// Set while both engines are being stopped for a cold restart, and
@@ -290,6 +314,7 @@ impl Pair {
             last_cold_restart: None,
             gms_deaths: BTreeMap::new(),
             oom_kills: 0,
+            ready_refused: 0,
             oom_killed: [false, false],
             cold_restart: false,
             cold_useful: false,
@@ -370,6 +395,23 @@ impl Pair {
         s.generation == generation
             && s.pid.is_none()
             && (s.state == EngineState::Spawning || s.alive())
+    }
+
+    /// Whether a `READY=1` from `slot` must come with the lock's holder
+    /// ([`Event::Ready`]): it would make a new engine active. False for the
+    /// active engine (or the one already seen holding the lock) and for an
+    /// engine whose word no longer counts (dead, superseded), so the shim
+    /// reads `/proc/locks` only when the answer matters.
+    pub fn ready_needs_proof(&self, slot: SlotId) -> bool {
+        let s = self.slot(slot);
+        let speaks = s.alive() || s.state == EngineState::Spawning;
+        speaks && s.state != EngineState::Superseded && self.active != Some(slot)
+    }
+
+    /// How many `READY=1`s were refused because their sender did not hold
+    /// the election lock.
+    pub fn ready_refused(&self) -> u64 {
+        self.ready_refused
     }
 
     pub fn is_ending(&self) -> bool {
@@ -469,7 +511,10 @@ impl Pair {
         match event {
             Event::Spawned { slot, pid } => self.on_spawned(slot, pid),
             Event::SpawnFailed { slot } => self.on_death(slot, Exit::Code(255), false, now),
-            Event::Notified { slot, notification } => self.on_notify(slot, notification, now),
+            Event::Notified { slot, notification } => {
+                self.on_notify(slot, notification, LockHolder::Unknown, now)
+            }
+            Event::Ready { slot, holder } => self.on_notify(slot, Notification::Ready, holder, now),
             Event::LockHeld { slot } => self.on_lock(slot, now),
             Event::LockFree => self.on_lock_free(now),
             Event::LockWaiting { slot } => self.on_lock_waiting(slot),
@@ -555,7 +600,14 @@ impl Pair {
         Vec::new()
     }
 
-    fn on_notify(&mut self, slot: SlotId, n: Notification, now: Duration) -> Vec<Action> {
+    /// `holder`: who held the lock when the shim looked, for a `READY=1`.
+    fn on_notify(
+        &mut self,
+        slot: SlotId,
+        n: Notification,
+        holder: LockHolder,
+        now: Duration,
+    ) -> Vec<Action> {
         let s = &mut self.slots[slot.index()];
         if s.state == EngineState::Spawning {
             // It speaks, so it runs: its spawn is reported later.
@@ -566,6 +618,15 @@ impl Pair {
         }
         s.speaks_notify = true;
         match n {
+            Notification::Ready
+                if self.ready_needs_proof(slot) && holder != LockHolder::Slot(slot) =>
+            {
+                // A lie, or a READY=1 sent before the lock was taken: the
+                // engine that serves keeps serving. The sender is promoted
+                // as any shadow is once it holds the lock and says so.
+                self.ready_refused += 1;
+                Vec::new()
+            }
             Notification::Ready => self.on_ready(slot, now),
             n if n.is_parked() => {
                 let s = &mut self.slots[slot.index()];

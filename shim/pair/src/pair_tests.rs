@@ -44,9 +44,9 @@ fn running() -> Pair {
     }
     p.handle(Event::LockHeld { slot: SlotId::ZERO }, t(3));
     let a = p.handle(
-        Event::Notified {
+        Event::Ready {
             slot: SlotId::ZERO,
-            notification: Notification::Ready,
+            holder: LockHolder::Slot(SlotId::ZERO),
         },
         t(4),
     );
@@ -75,9 +75,9 @@ fn killing_the_active_promotes_the_shadow_and_respawns_the_slot() {
     );
     p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
     let a = p.handle(
-        Event::Notified {
+        Event::Ready {
             slot: SlotId::ONE,
-            notification: Notification::Ready,
+            holder: LockHolder::Slot(SlotId::ONE),
         },
         t(1010),
     );
@@ -128,9 +128,9 @@ fn twenty_failovers_in_a_row_never_spend_the_budget() {
         let next = active.other();
         p.handle(Event::LockHeld { slot: next }, t(now + 1));
         let a = p.handle(
-            Event::Notified {
+            Event::Ready {
                 slot: next,
-                notification: Notification::Ready,
+                holder: LockHolder::Slot(next),
             },
             t(now + 2),
         );
@@ -344,9 +344,9 @@ fn stop_right_after_a_failover_reports_the_new_active_status() {
     );
     p.handle(Event::LockHeld { slot: SlotId::ONE }, t(101));
     p.handle(
-        Event::Notified {
+        Event::Ready {
             slot: SlotId::ONE,
-            notification: Notification::Ready,
+            holder: LockHolder::Slot(SlotId::ONE),
         },
         t(102),
     );
@@ -393,9 +393,9 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
         t(0),
     );
     p.handle(
-        Event::Notified {
+        Event::Ready {
             slot: SlotId::ZERO,
-            notification: Notification::Ready,
+            holder: LockHolder::Slot(SlotId::ZERO),
         },
         t(5),
     );
@@ -422,9 +422,9 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
         t(120),
     );
     let a = p.handle(
-        Event::Notified {
+        Event::Ready {
             slot: SlotId::ZERO,
-            notification: Notification::Ready,
+            holder: LockHolder::Slot(SlotId::ZERO),
         },
         t(300),
     );
@@ -613,9 +613,9 @@ fn an_oom_killed_active_fails_over_as_out_of_memory_and_is_counted() {
     assert_eq!(p.snapshot().oom_kills, 1);
     p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
     let a = p.handle(
-        Event::Notified {
+        Event::Ready {
             slot: SlotId::ONE,
-            notification: Notification::Ready,
+            holder: LockHolder::Slot(SlotId::ONE),
         },
         t(1010),
     );

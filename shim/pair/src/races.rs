@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::{
     failure::{Exit, FailureClass},
     notify::Notification,
-    pair::{Action, EngineState, Event, LockWatch, Pair, SlotId},
+    pair::{Action, EngineState, Event, LockHolder, LockWatch, Pair, SlotId},
     policy::RestartPolicy,
     promotion::DeathSign,
 };
@@ -32,6 +32,18 @@ fn notified(p: &mut Pair, slot: SlotId, n: Notification, at: u64) -> Vec<Action>
     )
 }
 
+/// `READY=1` from `slot`, which holds the election lock (as an engine that
+/// keeps the contract does when it says so).
+fn ready(p: &mut Pair, slot: SlotId, at: u64) -> Vec<Action> {
+    p.handle(
+        Event::Ready {
+            slot,
+            holder: LockHolder::Slot(slot),
+        },
+        t(at),
+    )
+}
+
 fn parked() -> Notification {
     Notification::Status("parked".into())
 }
@@ -44,7 +56,7 @@ fn serving() -> Pair {
     p.handle(Event::Spawned { slot: S1, pid: 101 }, t(1));
     notified(&mut p, S0, parked(), 2);
     notified(&mut p, S1, parked(), 2);
-    assert!(notified(&mut p, S0, Notification::Ready, 3).is_empty());
+    assert!(ready(&mut p, S0, 3).is_empty());
     assert!(p.snapshot().protected);
     p
 }
@@ -76,7 +88,7 @@ fn ready_before_the_reap_supersedes_the_old_active_and_the_reap_completes_it() {
     let mut p = serving();
     // The kernel dropped slot 0's lock at its death; slot 1 woke and said
     // READY=1 before the shim had the reap in hand.
-    assert!(notified(&mut p, S1, Notification::Ready, 1002).is_empty());
+    assert!(ready(&mut p, S1, 1002).is_empty());
     assert_eq!(p.active(), Some(S1));
     assert_eq!(p.slot(S0).state, EngineState::Superseded);
     assert_eq!(p.representative_pid(), Some(101), "the new active serves");
@@ -110,7 +122,7 @@ fn ready_before_the_reap_supersedes_the_old_active_and_the_reap_completes_it() {
 #[test]
 fn ready_seen_before_a_later_reap_is_the_death_sign() {
     let mut p = serving();
-    notified(&mut p, S1, Notification::Ready, 1002);
+    ready(&mut p, S1, 1002);
     let pr = promoted(&p.handle(
         Event::Exited {
             slot: S0,
@@ -135,7 +147,7 @@ fn reap_before_ready_is_the_plain_order() {
     );
     assert_eq!(a, vec![Action::Spawn { slot: S0 }]);
     assert_eq!(p.active(), None);
-    let pr = promoted(&notified(&mut p, S1, Notification::Ready, 1004));
+    let pr = promoted(&ready(&mut p, S1, 1004));
     assert_eq!((pr.death_at, pr.death_seen), (t(1000), DeathSign::Reap));
     assert_eq!(pr.total(), Some(t(4)));
 }
@@ -148,7 +160,7 @@ fn an_engine_that_speaks_before_its_spawn_is_reported_keeps_what_it_said() {
     // runc has not returned yet; the engine already runs and parks.
     notified(&mut p, S0, parked(), 1);
     p.handle(Event::Spawned { slot: S1, pid: 9 }, t(1));
-    notified(&mut p, S1, Notification::Ready, 1);
+    ready(&mut p, S1, 1);
     assert_eq!(p.slot(S0).state, EngineState::Parked);
     assert_eq!(p.slot(S0).pid, None);
     assert!(
@@ -174,7 +186,7 @@ fn a_respawn_that_serves_and_dies_before_its_spawn_is_reported() {
     let mut p = Pair::single(RestartPolicy::default());
     p.start();
     p.handle(Event::Spawned { slot: S0, pid: 7 }, t(0));
-    notified(&mut p, S0, Notification::Ready, 1);
+    ready(&mut p, S0, 1);
     assert_eq!(
         p.handle(
             Event::Exited {
@@ -187,7 +199,7 @@ fn a_respawn_that_serves_and_dies_before_its_spawn_is_reported() {
     );
     // The restarted engine says READY=1 before runc returns: the
     // promotion completes without its pid.
-    let pr = promoted(&notified(&mut p, S0, Notification::Ready, 150));
+    let pr = promoted(&ready(&mut p, S0, 150));
     assert_eq!(pr.total(), Some(t(50)));
     assert_eq!(p.active(), Some(S0));
     assert_eq!(p.representative_pid(), None, "pid still to come");
@@ -256,7 +268,7 @@ fn a_free_lock_says_nothing_of_an_engine_that_speaks_sd_notify() {
 #[test]
 fn a_kill_during_a_promotion_records_it_and_ends_once() {
     let mut p = serving();
-    notified(&mut p, S1, Notification::Ready, 1002);
+    ready(&mut p, S1, 1002);
     assert_eq!(p.handle(Event::Stop, t(1003)), vec![Action::KillAll]);
     // The old active's reap completes the promotion; no respawn.
     let a = p.handle(
@@ -291,7 +303,7 @@ fn a_kill_while_a_respawn_is_in_flight_kills_the_engine_when_it_appears() {
         },
         t(1000),
     );
-    notified(&mut p, S1, Notification::Ready, 1002);
+    ready(&mut p, S1, 1002);
     assert_eq!(p.handle(Event::Stop, t(1003)), vec![Action::KillAll]);
     assert_eq!(
         p.handle(Event::Spawned { slot: S0, pid: 300 }, t(1004)),
@@ -361,7 +373,7 @@ fn the_lock_file_closed_dates_the_death_before_ready_and_reap() {
     let mut p = serving();
     assert!(p.handle(Event::LockClosed, t(1000)).is_empty());
     assert_eq!(p.active(), Some(S0), "nothing decided on a close alone");
-    notified(&mut p, S1, Notification::Ready, 1003);
+    ready(&mut p, S1, 1003);
     let pr = promoted(&p.handle(
         Event::Exited {
             slot: S0,
@@ -373,7 +385,7 @@ fn the_lock_file_closed_dates_the_death_before_ready_and_reap() {
     assert_eq!(pr.total(), Some(t(3)));
     // Handled after READY=1 and the reap: it still dates the death.
     let mut p = serving();
-    notified(&mut p, S1, Notification::Ready, 1003);
+    ready(&mut p, S1, 1003);
     p.handle(Event::LockClosed, t(1000));
     let pr = promoted(&p.handle(
         Event::Exited {
@@ -393,7 +405,7 @@ fn the_lock_file_closed_dates_the_death_before_ready_and_reap() {
         },
         t(1002),
     );
-    let pr = promoted(&notified(&mut p, S1, Notification::Ready, 1004));
+    let pr = promoted(&ready(&mut p, S1, 1004));
     assert_eq!((pr.death_at, pr.total()), (t(999), Some(t(5))));
 }
 
@@ -426,7 +438,7 @@ fn a_lock_file_close_that_proves_to_be_anothers_is_dropped() {
         },
         t(5000),
     );
-    let pr = promoted(&notified(&mut p, S1, Notification::Ready, 5004));
+    let pr = promoted(&ready(&mut p, S1, 5004));
     assert_eq!((pr.death_at, pr.death_seen), (t(5000), DeathSign::Reap));
     // Before anyone serves, a close says nothing.
     let mut p = Pair::new(RestartPolicy::default());
@@ -465,7 +477,7 @@ fn a_shadow_that_only_says_ready_is_parked_once_seen_waiting() {
     p.start();
     p.handle(Event::Spawned { slot: S0, pid: 100 }, t(1));
     p.handle(Event::Spawned { slot: S1, pid: 101 }, t(1));
-    notified(&mut p, S0, Notification::Ready, 2);
+    ready(&mut p, S0, 2);
     // Slot 1 speaks (STATUS=loading), never STATUS=parked.
     notified(&mut p, S1, Notification::Status("loading".into()), 2);
     assert_eq!(p.slot(S1).state, EngineState::Starting);
@@ -516,13 +528,13 @@ fn a_full_restart_window_leaves_the_survivor_serving() {
     p.handle(Event::Spawned { slot: S1, pid: 101 }, t(1));
     notified(&mut p, S0, parked(), 2);
     notified(&mut p, S1, parked(), 2);
-    notified(&mut p, S0, Notification::Ready, 3);
+    ready(&mut p, S0, 3);
     let mut pid = 200;
     // Two failovers, each respawning the dead slot at once.
     for (round, at) in [(0u64, 100u64), (1, 200)] {
         let dead = p.active().expect("an active engine");
         let heir = dead.other();
-        notified(&mut p, heir, Notification::Ready, at);
+        ready(&mut p, heir, at);
         let a = p.handle(
             Event::Exited {
                 slot: dead,
@@ -542,7 +554,7 @@ fn a_full_restart_window_leaves_the_survivor_serving() {
     // The third death within the window: no respawn now, no exit either.
     let dead = p.active().expect("active");
     let heir = dead.other();
-    notified(&mut p, heir, Notification::Ready, 300);
+    ready(&mut p, heir, 300);
     let a = p.handle(
         Event::Exited {
             slot: dead,
@@ -588,7 +600,7 @@ fn a_full_restart_window_with_no_survivor_ends_the_pair() {
     let mut p = Pair::single(policy);
     p.start();
     p.handle(Event::Spawned { slot: S0, pid: 100 }, t(1));
-    notified(&mut p, S0, Notification::Ready, 2);
+    ready(&mut p, S0, 2);
     let a = p.handle(
         Event::Exited {
             slot: S0,
@@ -598,7 +610,7 @@ fn a_full_restart_window_with_no_survivor_ends_the_pair() {
     );
     assert_eq!(a, vec![Action::Spawn { slot: S0 }]);
     p.handle(Event::Spawned { slot: S0, pid: 101 }, t(4));
-    notified(&mut p, S0, Notification::Ready, 5);
+    ready(&mut p, S0, 5);
     let a = p.handle(
         Event::Exited {
             slot: S0,
@@ -644,7 +656,7 @@ fn clean_exits_are_not_respawned_and_the_last_one_ends_the_task_with_0() {
 #[test]
 fn a_clean_exit_of_the_active_leaves_the_shadow_serving() {
     let mut p = serving();
-    notified(&mut p, S1, Notification::Ready, 10);
+    ready(&mut p, S1, 10);
     let a = p.handle(
         Event::Exited {
             slot: S0,
@@ -661,4 +673,79 @@ fn a_clean_exit_of_the_active_leaves_the_shadow_serving() {
     );
     assert_eq!(p.active(), Some(S1));
     assert!(!p.snapshot().protected);
+}
+
+/// A parked shadow that says READY=1 without the election lock does not
+/// displace the active (docs/security.md, "The notify socket"): refused and
+/// counted, whatever `/proc/locks` showed instead of it.
+#[test]
+fn a_ready_from_a_shadow_without_the_lock_is_refused() {
+    let mut p = serving();
+    assert!(!p.ready_needs_proof(S0), "the active's word needs no look");
+    assert!(p.ready_needs_proof(S1));
+    let before = p.revision();
+    assert!(notified(&mut p, S1, Notification::Ready, 10).is_empty());
+    for holder in [LockHolder::Slot(S0), LockHolder::Free, LockHolder::Unknown] {
+        assert!(p
+            .handle(Event::Ready { slot: S1, holder }, t(11))
+            .is_empty());
+    }
+    assert_eq!(p.ready_refused(), 4);
+    assert_eq!(p.active(), Some(S0));
+    assert_eq!(p.slot(S0).state, EngineState::Active);
+    assert_eq!(p.slot(S1).state, EngineState::Parked);
+    assert_eq!(p.representative_pid(), Some(100), "State's pid stays");
+    assert!(p.snapshot().protected);
+    assert_eq!(p.revision(), before, "nothing to publish");
+    // The active dies; the liar is promoted once it holds the lock.
+    p.handle(
+        Event::Exited {
+            slot: S0,
+            exit: KILL,
+        },
+        t(1000),
+    );
+    assert!(p.ready_needs_proof(S1));
+    assert!(p
+        .handle(
+            Event::Ready {
+                slot: S1,
+                holder: LockHolder::Free
+            },
+            t(1001)
+        )
+        .is_empty());
+    assert_eq!(p.active(), None);
+    let pr = promoted(&ready(&mut p, S1, 1002));
+    assert_eq!(pr.to, Some(S1));
+    assert_eq!(p.representative_pid(), Some(101));
+    assert!(!p.ready_needs_proof(S1));
+}
+
+/// A shadow the shim saw holding the lock (`LockHeld`) is the active by the
+/// kernel's word: its READY=1 needs no second look, as in a failover found
+/// through `/proc/locks` first.
+#[test]
+fn a_ready_from_the_seen_lock_holder_needs_no_look() {
+    let mut p = serving();
+    p.handle(Event::LockHeld { slot: S1 }, t(1001));
+    assert!(!p.ready_needs_proof(S1));
+    notified(&mut p, S1, Notification::Ready, 1002);
+    assert_eq!(p.active(), Some(S1));
+    assert_eq!(p.slot(S1).state, EngineState::Active);
+    assert_eq!(p.ready_refused(), 0);
+}
+
+/// The first READY=1 of a pair is judged like any other: only the holder
+/// becomes active.
+#[test]
+fn the_first_ready_comes_from_the_holder_too() {
+    let mut p = Pair::new(RestartPolicy::default());
+    p.start();
+    p.handle(Event::Spawned { slot: S0, pid: 100 }, t(1));
+    assert!(p.ready_needs_proof(S0) && p.ready_needs_proof(S1));
+    notified(&mut p, S0, Notification::Ready, 2);
+    assert_eq!((p.active(), p.ready_refused()), (None, 1));
+    ready(&mut p, S0, 3);
+    assert_eq!(p.active(), Some(S0));
 }

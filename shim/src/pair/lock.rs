@@ -6,7 +6,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use shadow_pair::{parse_proc_lock_waiters, parse_proc_locks, FileId, SlotId};
+use shadow_pair::{parse_proc_lock_waiters, parse_proc_locks, FileId, LockHolder, SlotId};
 
 use crate::error::{Error, Result};
 
@@ -60,6 +60,17 @@ pub enum LockSeen {
     Held(SlotId),
     /// Unreadable, or held by a process of no slot (yet): says nothing.
     Unknown,
+}
+
+impl LockSeen {
+    /// As the pair judges a `READY=1` by it.
+    pub fn holder(self) -> LockHolder {
+        match self {
+            LockSeen::Free => LockHolder::Free,
+            LockSeen::Held(slot) => LockHolder::Slot(slot),
+            LockSeen::Unknown => LockHolder::Unknown,
+        }
+    }
 }
 
 /// One look at `/proc/locks`: who holds the election lock, and which

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::config::PairConfig;
 use super::engine::SharedOutput;
 use super::host::Host;
-use super::lock::LockLook;
+use super::lock::{LockLook, LockSeen};
 use super::notify::Datagram;
 use super::publish::View;
 use super::supervisor::{Input, Parts, Supervisor};
@@ -47,6 +47,8 @@ struct FakeState {
     signals: Vec<(u32, Signal)>,
     scripts: HashMap<SlotId, Script>,
     input: Option<mpsc::UnboundedSender<Input>>,
+    /// Which engine `/proc/locks` shows holding the election lock.
+    holder: Option<SlotId>,
 }
 
 #[derive(Default)]
@@ -141,7 +143,10 @@ impl Host for FakeHost {
     }
 
     fn lock(&self) -> LockLook {
-        LockLook::UNKNOWN
+        LockLook {
+            seen: self.state().holder.map_or(LockSeen::Free, LockSeen::Held),
+            waiting: [false, false],
+        }
     }
 }
 
@@ -194,7 +199,7 @@ impl Rig {
         for pid in rig.pids() {
             rig.say(pid, "STATUS=parked");
         }
-        rig.say(rig.pids()[0], "READY=1");
+        rig.ready(rig.pids()[0]);
         rig.until("protected", |s| s.pair.protected).await;
         rig
     }
@@ -202,6 +207,14 @@ impl Rig {
     fn pids(&self) -> [u32; 2] {
         let v = self.view.borrow();
         [v.pids[0].unwrap_or(0), v.pids[1].unwrap_or(0)]
+    }
+
+    /// The engine `pid` takes the election lock (its holder lets go: it
+    /// is dead or about to be) and says READY=1, as the contract asks.
+    fn ready(&self, pid: u32) {
+        let slot = self.host.state().slots.get(&pid).copied();
+        self.host.state().holder = slot;
+        self.say(pid, "READY=1");
     }
 
     fn say(&self, pid: u32, text: &str) {
@@ -237,7 +250,7 @@ async fn ready_before_the_reap_is_recorded_against_the_reapers_time() {
     // supervisor only after the successor's READY=1.
     let died = SystemTime::now();
     tokio::time::sleep(Duration::from_millis(30)).await;
-    rig.say(shadow, "READY=1");
+    rig.ready(shadow);
     let st = rig
         .until("superseded", |s| {
             s.pair.slots[0].state == EngineState::Superseded
@@ -270,6 +283,37 @@ async fn ready_before_the_reap_is_recorded_against_the_reapers_time() {
     rig.until("protected again", |s| s.pair.protected).await;
 }
 
+/// The shadow says READY=1 without the lock (docs/security.md, "The notify
+/// socket"): the active keeps serving and State's pid stays on it. Once
+/// the active dies and the liar takes the lock, it is promoted as usual.
+#[tokio::test]
+async fn a_ready_without_the_lock_is_refused_until_the_liar_holds_it() {
+    let rig = Rig::serving().await;
+    let [old, liar] = rig.pids();
+    rig.say(liar, "READY=1");
+    rig.say(liar, "READY=1\nSTATUS=serving");
+    let st = rig.state().expect("state.json");
+    assert_eq!((st.pair.active, st.pid), (Some(0), old), "{st:#?}");
+    // The real active dies. Inputs are taken in order, so the reap is
+    // decided after the lies: had they been believed, the liar would be
+    // promoted by this reap.
+    rig.host.reap(old, 137, SystemTime::now());
+    let st = rig
+        .until("the active's reap", |s| s.pair.slots[0].last_exit.is_some())
+        .await;
+    assert_eq!(st.pair.active, None, "{st:#?}");
+    assert_eq!(st.pair.failovers, 0, "{st:#?}");
+    assert_eq!(st.pair.slots[1].state, EngineState::Parked, "{st:#?}");
+    // The liar takes the lock and says so again: promoted as usual.
+    rig.ready(liar);
+    let st = rig
+        .until("promotion", |s| {
+            s.pair.failovers == 1 && s.pair.active == Some(1)
+        })
+        .await;
+    assert_eq!(st.pid, liar);
+}
+
 #[tokio::test]
 async fn an_engine_that_speaks_and_dies_before_its_spawn_is_reported() {
     let rig = Rig::serving().await;
@@ -282,7 +326,7 @@ async fn an_engine_that_speaks_and_dies_before_its_spawn_is_reported() {
         },
     );
     rig.host.reap(old, 137, SystemTime::now());
-    rig.say(shadow, "READY=1");
+    rig.ready(shadow);
     // Generation 2 parked and died before runc returned; generation 3
     // is spawned at once for the useful life it had.
     let st = rig
@@ -303,7 +347,7 @@ async fn an_engine_that_speaks_and_dies_before_its_spawn_is_reported() {
 async fn a_kill_during_a_promotion_kills_the_respawn_on_arrival_and_exits_once() {
     let rig = Rig::serving().await;
     let [old, shadow] = rig.pids();
-    rig.say(shadow, "READY=1");
+    rig.ready(shadow);
     rig.host.reap(old, 137, SystemTime::now());
     rig.until("respawn asked for", |s| {
         s.pair.slots[0].state == EngineState::Spawning && !s.promotions.is_empty()
@@ -342,7 +386,7 @@ async fn the_lock_files_close_dates_a_death_that_ready_reported_first() {
     // before the successor's READY=1 and well before the reap.
     let closed = Instant::now();
     tokio::time::sleep(Duration::from_millis(20)).await;
-    rig.say(shadow, "READY=1");
+    rig.ready(shadow);
     let _ = rig.input.send(Input::LockClosed(closed));
     rig.until("superseded", |s| {
         s.pair.slots[0].state == EngineState::Superseded

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use containerd_shim_protos::events::task::TaskExit;
 use nix::sys::signal::Signal;
-use shadow_pair::{parse_notify, Action, Event as PairEvent, LockWatch, Pair, SlotId};
+use shadow_pair::{
+    parse_notify, Action, Event as PairEvent, LockHolder, LockWatch, Notification, Pair, SlotId,
+};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
@@ -37,6 +39,8 @@ use crate::time::timestamp;
 const OUTPUT_DRAIN: Duration = Duration::from_secs(1);
 /// How often a pair with gmsd looks at its (separately polled) status.
 const GMS_STATUS_PERIOD: Duration = Duration::from_secs(1);
+/// Refused `READY=1`s are logged at most this often per pair.
+const REFUSED_LOG_PERIOD: Duration = Duration::from_secs(10);
 
 /// What the supervisor is told.
 #[derive(Debug)]
@@ -124,6 +128,8 @@ pub struct Supervisor {
     /// Slots spawned at least once (a respawn must remove the old container).
     spawned_once: [bool; 2],
     stop_signal: Option<u32>,
+    /// When a refused `READY=1` was last logged, and the count then.
+    refused_logged: Option<(Instant, u64)>,
 }
 
 impl Supervisor {
@@ -168,6 +174,7 @@ impl Supervisor {
             publisher,
             spawned_once: [false, false],
             stop_signal: None,
+            refused_logged: None,
         }
     }
 
@@ -303,6 +310,29 @@ impl Supervisor {
         }
     }
 
+    /// A `READY=1` from an engine that did not hold the election lock was
+    /// refused: say so, at most every [`REFUSED_LOG_PERIOD`].
+    fn log_refused_ready(&mut self, slot: SlotId, pid: u32, holder: Option<LockHolder>) {
+        let total = self.pair.ready_refused();
+        let now = Instant::now();
+        if let Some((at, _)) = self.refused_logged {
+            if now.duration_since(at) < REFUSED_LOG_PERIOD {
+                return;
+            }
+        }
+        let since = total - self.refused_logged.map_or(0, |(_, n)| n);
+        let held = match holder {
+            Some(LockHolder::Slot(s)) => format!("slot {s}"),
+            Some(LockHolder::Free) => "nobody".to_owned(),
+            Some(LockHolder::Unknown) | None => "no engine seen".to_owned(),
+        };
+        log::warn!(
+            "pair {}: ignored READY=1 from slot {slot} (pid {pid}): it does not hold the election lock (held by {held}); {since} refused since the last report, {total} in all",
+            self.id
+        );
+        self.refused_logged = Some((now, total));
+    }
+
     fn poll_lock(&mut self) -> Vec<Action> {
         if self.pair.lock_watch() == LockWatch::Off {
             return Vec::new();
@@ -406,11 +436,23 @@ impl Supervisor {
                 };
                 let now = self.clock.since(at);
                 let mut actions = Vec::new();
+                // Read at most once per datagram, and only for a READY=1
+                // that would make a new engine active.
+                let mut holder = None;
                 for notification in parse_notify(&d.bytes) {
-                    actions.extend(
-                        self.pair
-                            .handle(PairEvent::Notified { slot, notification }, now),
-                    );
+                    let event = if notification == Notification::Ready
+                        && self.pair.ready_needs_proof(slot)
+                    {
+                        let holder = *holder.get_or_insert_with(|| self.host.lock().seen.holder());
+                        PairEvent::Ready { slot, holder }
+                    } else {
+                        PairEvent::Notified { slot, notification }
+                    };
+                    let refused = self.pair.ready_refused();
+                    actions.extend(self.pair.handle(event, now));
+                    if self.pair.ready_refused() > refused {
+                        self.log_refused_ready(slot, d.pid, holder);
+                    }
                 }
                 actions
             }

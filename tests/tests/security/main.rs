@@ -9,4 +9,5 @@ mod gms;
 mod gpus;
 mod memory;
 mod notify;
+mod ready_liar;
 mod shim_death;

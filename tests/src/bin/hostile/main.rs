@@ -17,6 +17,7 @@ mod dirs;
 mod gms;
 mod gpus;
 mod notify;
+mod ready_liar;
 mod weights;
 
 use std::process::ExitCode;
@@ -67,6 +68,11 @@ const ATTACKS: &[Attack] = &[
         name: "notify-garbage",
         about: "as the parked shadow, send oversized, malformed, lying and fd-laden datagrams for N seconds",
         run: notify::garbage,
+    },
+    Attack {
+        name: "notify-ready-liar",
+        about: "as the parked shadow, say READY=1 without the lock, then take the lock once free",
+        run: ready_liar::run,
     },
     Attack {
         name: "weights",
