@@ -10,6 +10,7 @@
 //! - [`env`]: the variables an engine gets;
 //! - [`paths`]: where the pair directory, the lock, the notify socket and
 //!   the GMS sockets are inside a container;
+//! - [`host`]: where a pair's files are on the host, per containerd;
 //! - [`annotations`]: the `shadow.dev/` keys, one set that both paths parse;
 //! - [`listen`]: the pair's listening sockets (`shadow.dev/listen`) and
 //!   the engine's side of taking them (`LISTEN_FDS`);
@@ -23,6 +24,7 @@
 pub mod annotations;
 pub mod env;
 pub mod gmsd;
+pub mod host;
 pub mod listen;
 pub mod paths;
 pub mod state;

@@ -18,6 +18,10 @@ pub const FILE_NAME: &str = "state.json";
 /// The whole file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PairState {
+    /// The address of the containerd that owns the pair (empty in files
+    /// written before it was recorded).
+    #[serde(default)]
+    pub containerd: String,
     pub namespace: String,
     /// The container (task) id containerd knows.
     pub id: String,
@@ -332,6 +336,7 @@ mod tests {
             last_exit: Some(Exit::Code(3)),
         };
         PairState {
+            containerd: "/run/containerd/containerd.sock".into(),
             namespace: "default".into(),
             id: "c1".into(),
             pid: 42,

@@ -12,6 +12,8 @@ use crate::exits::ExitRouter;
 /// What every container of this shim shares.
 pub struct Runtime {
     pub config: Config,
+    /// containerd's address (`-address`): pairs' host files are keyed by it.
+    pub containerd: String,
     pub namespace: String,
     pub router: Arc<ExitRouter>,
     pub events: EventSink,

@@ -429,6 +429,7 @@ mod tests {
         let (events, rx) = EventSink::channel();
         let runtime = Runtime {
             config: crate::config::Config::default(),
+            containerd: "/run/containerd/containerd.sock".into(),
             namespace: "test".into(),
             router: Arc::new(crate::exits::ExitRouter::default()),
             events,

@@ -1,7 +1,8 @@
 //! The `containerd_shim::asynchronous::Shim` glue for every action except
 //! `start` (which `start.rs` owns): building the Task service for the
-//! serving daemon, the `delete` action containerd runs after a shim died,
-//! and waiting for the exit signal that Shutdown raises.
+//! serving daemon, the `delete` action containerd runs after a shim died
+//! (which also removes what a dead pair left: `pair::leftovers`), and
+//! waiting for the exit signal that Shutdown raises.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -124,13 +125,22 @@ impl Shim for ShadowShim {
             &self.config,
             &self.namespace,
             &self.bundle,
-            router,
+            router.clone(),
             &options,
         )
         .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
         if let Err(e) = client.delete_force(&self.id).await {
             log::warn!("delete {}: {e}", self.id);
         }
+        // A pair's engines, gmsd and host files (nothing for a plain
+        // container but two runc look-ups).
+        let pair = crate::pair::leftovers::PairName {
+            config: &self.config,
+            containerd: &self.address,
+            namespace: &self.namespace,
+            id: &self.id,
+        };
+        crate::pair::leftovers::remove(&pair, &self.bundle, router, &options).await;
         remove_stale_socket(&self.address, &self.namespace, &self.bundle, &self.id);
         let rootfs = self.bundle.join("rootfs").display().to_string();
         if let Err(e) = containerd_shim::mount::umount_recursive(Some(&rootfs), libc::MNT_DETACH) {
@@ -179,6 +189,7 @@ impl Shim for ShadowShim {
         TaskService::new(
             Runtime {
                 config: self.config.clone(),
+                containerd: self.address.clone(),
                 namespace: self.namespace.clone(),
                 router,
                 events,

@@ -154,7 +154,7 @@ pub(crate) fn unmount_under(dir: &Path) {
 }
 
 /// Container ids in a runc root (`runc --root … list -q`).
-pub(crate) fn runc_containers(root: &Path) -> Vec<String> {
+pub fn runc_containers(root: &Path) -> Vec<String> {
     if !root.is_dir() {
         return Vec::new();
     }

@@ -31,7 +31,7 @@ pub use containerd::{Container, Containerd, ContainerdBuilder, RUNC_STATE_ROOT};
 pub use ctr::{forwards_signals, Ctr, Output};
 pub use error::Error;
 pub use image::OciImage;
-pub use leftovers::{mounts_under, our_processes, shim_socket_paths, Leftover};
+pub use leftovers::{mounts_under, our_processes, runc_containers, shim_socket_paths, Leftover};
 pub use process::Spawned;
 pub use rootfs::Rootfs;
 

@@ -4,6 +4,7 @@
 //! "who serves?" — all waits are bounded polls on real state.
 
 use crate::{Containerd, Error, Result, Runtime, Spawned};
+use shadow_contract::host::{containerd_key, metrics_file_name, pair_root, HOST_SOCKETS};
 use shadow_contract::state::{PairState, FILE_NAME};
 use std::io::Read;
 use std::net::TcpStream;
@@ -166,8 +167,23 @@ impl PairEnv {
         c.cmd(cmd).spawn(false)
     }
 
+    /// The state dir of `cd`'s pairs: `<state_dir>/<containerd key>`.
+    pub fn containerd_dir(&self, cd: &Containerd) -> PathBuf {
+        self.state_dir
+            .join(containerd_key(&cd.address().display().to_string()))
+    }
+
+    /// A pair's directory (of a pair without GPUs), as the shim names it.
     pub fn pair_dir(&self, cd: &Containerd, id: &str) -> PathBuf {
-        self.state_dir.join(cd.namespace()).join(id)
+        let key = containerd_key(&cd.address().display().to_string());
+        pair_root(&self.state_dir, &key, cd.namespace(), id, HOST_SOCKETS)
+    }
+
+    /// A pair's metrics file.
+    pub fn metrics_file(&self, cd: &Containerd, id: &str) -> PathBuf {
+        let key = containerd_key(&cd.address().display().to_string());
+        self.metrics_dir
+            .join(metrics_file_name(&key, cd.namespace(), id))
     }
 
     /// The pair's `state.json`, if it exists and parses.
@@ -194,4 +210,59 @@ pub fn task_pid(cd: &Containerd, id: &str) -> Option<u32> {
         .into_iter()
         .find(|t| t.id == id)
         .map(|t| t.pid)
+}
+
+/// The pid of the shim serving task `id` of `cd` (its command line names
+/// the binary, `cd`'s address and `-id <id>`), if one runs.
+pub fn shim_pid(cd: &Containerd, id: &str) -> Option<i32> {
+    crate::leftovers::our_processes(cd.dir(), cd.address())
+        .into_iter()
+        .find(|(_, cmd)| {
+            let words: Vec<&str> = cmd.split(' ').collect();
+            words
+                .first()
+                .is_some_and(|w| w.ends_with("containerd-shim-shadow-v1"))
+                && words.windows(2).any(|w| w == ["-id", id])
+        })
+        .map(|(pid, _)| pid)
+}
+
+/// SIGKILL the shim of task `id` (as the OOM killer or a crash would end
+/// it), then wait until containerd has noticed and run its cleanup (the
+/// shim binary's `delete`): the task is gone from `ctr task ls`, or
+/// stopped. Returns the killed shim's pid.
+pub fn kill_shim(cd: &Containerd, id: &str, limit: Duration) -> i32 {
+    let pid = shim_pid(cd, id).unwrap_or_else(|| panic!("no shim serves {id}"));
+    // SAFETY: kill(2) with a pid whose command line we just read and a
+    // signal number; a recycled pid in between is not a concern in a test.
+    let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
+    assert_eq!(
+        rc,
+        0,
+        "kill shim {pid}: {}",
+        std::io::Error::last_os_error()
+    );
+    until(
+        &format!("containerd to clean up after shim {pid} of {id}"),
+        limit,
+        Duration::from_millis(20),
+        || {
+            // Gone, or a zombie nobody reaped yet.
+            let gone = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .unwrap_or("")
+                        .trim_start()
+                        .starts_with('Z')
+                })
+                .unwrap_or(true);
+            // While containerd has not yet cleaned up, the task shows as
+            // UNKNOWN (its shim does not answer); then it is stopped, or
+            // gone (`ctr run --rm`).
+            let status = cd.ctr().task_status(id).ok()?;
+            (gone && matches!(status.as_deref(), None | Some("STOPPED"))).then_some(())
+        },
+    );
+    pid
 }

@@ -303,8 +303,8 @@ fn run_guide(guide: &str, steps: &[Step], host: &[Block]) {
             format!("{}/", env.metrics_dir.display()),
         ),
         (
-            "shadow-default-eng.prom".into(),
-            format!("shadow-{}-eng.prom", cd.namespace()),
+            "-default-eng.prom".into(),
+            format!("-{}-eng.prom", cd.namespace()),
         ),
         ("default/eng".into(), format!("{}/eng", cd.namespace())),
         ("127.0.0.1:8000".into(), format!("127.0.0.1:{port}")),

@@ -131,9 +131,7 @@ fn two_gpu_pair_gmsd_per_gpu() {
     );
     assert_eq!(st.pair.gms_deaths.get(&gpus.uuids[1]), Some(&1));
     assert_eq!(st.pair.gms_deaths.get(&gpus.uuids[0]), None);
-    let metrics = env
-        .metrics_dir
-        .join(format!("shadow-{}-{id}.prom", cd.namespace()));
+    let metrics = env.metrics_file(&cd, id);
     let text = std::fs::read_to_string(&metrics).expect("metrics file");
     assert!(
         text.lines()
@@ -185,4 +183,25 @@ fn a_dead_rank_ends_its_engine_and_the_pair_fails_over() {
     assert_ne!(after.boot, first.boot, "the shadow group answers");
     assert_eq!(after.ranks, 3);
     stop(&cd, &env, id, ctr);
+}
+
+#[test]
+fn a_gpu_pair_whose_sockets_cannot_fit_sun_path_is_refused_with_the_reason() {
+    // The default namespace is long (the test's name): under the test's
+    // temp dir, `.../pairs/<namespace>/<id>/gms/gms-GPU-<uuid>.sock` is
+    // longer than a Unix socket path may be.
+    let cd = Containerd::start().expect("containerd");
+    assert!(cd.namespace().len() > 40, "{}", cd.namespace());
+    let gpus = FakeGpus::new(&cd, 1).expect("fake GPUs");
+    let id = "longpath";
+    let (env, _port, ctr) = run(&cd, id, &gpus.config(), &gpus.grant(&[0]), &[]);
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    assert_ne!(out.code(), 0, "{out}");
+    let text = out.to_string();
+    assert!(
+        text.contains("Unix socket") && text.contains("pair.state_dir"),
+        "Create says why and what to change: {text}"
+    );
+    assert!(!env.pair_dir(&cd, id).exists(), "pair dir left");
+    cd.assert_no_leftovers();
 }

@@ -4,7 +4,7 @@
 //! with the active engine's pid; Kill ends it with one exit; nothing is left.
 
 use shadow_contract::state::{EngineState, PairState};
-use shadow_tests::pair::{ask, free_port, task_pid, until, PairEnv};
+use shadow_tests::pair::{ask, free_port, kill_shim, task_pid, until, PairEnv};
 use shadow_tests::{Containerd, Spawned};
 use std::path::Path;
 use std::time::Duration;
@@ -557,7 +557,7 @@ fn bad_pair_annotations_and_configs_are_refused_leaving_nothing() {
     assert_ne!(out.code(), 0);
     assert!(out.stderr.contains("/nonexistent/gmsd"), "{out}");
     cd.assert_no_leftovers();
-    assert!(!env.state_dir.join(cd.namespace()).join("nogms").exists());
+    assert!(!env.pair_dir(&cd, "nogms").exists());
     // A gmsd that dies before it is ready: the launcher learns it from the
     // readiness pipe at once (not at the start timeout), and says so.
     let diesgms = cd.dir().join("diesgms.toml");
@@ -704,6 +704,149 @@ fn pinned_network_and_pair_cgroup_limits() {
     assert!(!Path::new(&parent).exists(), "pair cgroup left");
 }
 
+/// Two containerds on one host, each with a pair of the same namespace and
+/// id, and the shim's state and metrics dirs shared (as the default
+/// `/run/shadow` is): each pair has its own directory, `state.json` and
+/// metrics file, and both serve. When one pair's shim is killed, its
+/// containerd's cleanup removes that pair's engines, directory and metrics
+/// file, and the other pair runs on untouched. (runc state and cgroups
+/// are containerd's and runc's to keep apart, as for runc-v2: each
+/// containerd gets its own runc root and cgroup here.)
+#[test]
+fn two_containerds_keep_pairs_of_the_same_name_apart() {
+    let ns = format!("twocd-{}", std::process::id());
+    let id = "eng";
+    let shared = tempfile::tempdir().expect("shared state dir");
+    let state_dir = shared.path().join("pairs");
+    let metrics_dir = shared.path().join("metrics");
+    let cds: Vec<Containerd> = (0..2)
+        .map(|_| {
+            Containerd::builder()
+                .namespace(ns.clone())
+                .start()
+                .expect("containerd")
+        })
+        .collect();
+    let runc_root = |cd: &Containerd| cd.dir().join("runc");
+    let engines_of = |cd: &Containerd| shadow_tests::runc_containers(&runc_root(cd).join(&ns));
+    // Whatever happens, no engine outlives the test.
+    struct Guard<'a>(&'a [Containerd], String);
+    impl Drop for Guard<'_> {
+        fn drop(&mut self) {
+            for cd in self.0 {
+                let root = cd.dir().join("runc").join(&self.1);
+                for c in shadow_tests::runc_containers(&root) {
+                    let _ = std::process::Command::new("runc")
+                        .arg("--root")
+                        .arg(&root)
+                        .args(["delete", "--force", &c])
+                        .status();
+                }
+            }
+        }
+    }
+    let _guard = Guard(&cds, ns.clone());
+
+    let mut runs = Vec::new();
+    for (i, cd) in cds.iter().enumerate() {
+        PairEnv::install_engine(cd, Path::new(ENGINE)).expect("install engine");
+        let config = cd.dir().join("shadow-pair.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "log_level = \"debug\"\n[pair]\nstate_dir = \"{}\"\nmetrics_dir = \"{}\"\ngms = \"off\"\n[runc]\nroot = \"{}\"\n",
+                state_dir.display(),
+                metrics_dir.display(),
+                runc_root(cd).display()
+            ),
+        )
+        .expect("shim config");
+        let env = PairEnv {
+            state_dir: state_dir.clone(),
+            metrics_dir: metrics_dir.clone(),
+            config,
+        };
+        let port = free_port();
+        let cgroup = format!("/{ns}/{id}-{i}");
+        let ctr = env
+            .run(
+                cd,
+                id,
+                &[],
+                &["--rm", "--net-host", "--cgroup", &cgroup],
+                &["/bin/test-engine", "--port", &port.to_string()],
+            )
+            .expect("ctr run");
+        runs.push(Running {
+            env,
+            port,
+            ctr: Some(ctr),
+        });
+    }
+    for (cd, r) in cds.iter().zip(&runs) {
+        let st = r.env.wait_protected(cd, id, LONG);
+        assert_eq!(st.containerd, cd.address().display().to_string());
+        assert!(r.env.metrics_file(cd, id).is_file(), "metrics file");
+        ask(r.port).expect("the pair serves");
+    }
+    assert_ne!(
+        runs[0].env.pair_dir(&cds[0], id),
+        runs[1].env.pair_dir(&cds[1], id)
+    );
+    assert_ne!(
+        runs[0].env.metrics_file(&cds[0], id),
+        runs[1].env.metrics_file(&cds[1], id)
+    );
+
+    // The first pair's shim dies; its containerd cleans up after it.
+    let (cd0, r0) = (&cds[0], &mut runs[0]);
+    kill_shim(cd0, id, LONG);
+    let _ = r0.ctr.take().expect("ctr").wait(LONG);
+    until("the dead shim's engines gone", LONG, STEP, || {
+        engines_of(cd0).is_empty().then_some(())
+    });
+    until(
+        "the dead shim's pair dir and metrics file gone",
+        LONG,
+        STEP,
+        || {
+            (!r0.env.pair_dir(cd0, id).exists() && !r0.env.metrics_file(cd0, id).exists())
+                .then_some(())
+        },
+    );
+    // `ctr run --rm` removes the task and container once the exit came.
+    if cd0.ctr().task_status(id).expect("ls").is_some() {
+        cd0.ctr().run(&["task", "delete", id]).expect("task delete");
+    }
+    if cd0.ctr().containers().expect("ls").iter().any(|c| c == id) {
+        cd0.ctr()
+            .run(&["c", "rm", id])
+            .expect("c rm")
+            .assert_success();
+    }
+    let cgroup0 = Path::new("/sys/fs/cgroup/memory")
+        .join(&ns)
+        .join(format!("{id}-0"));
+    assert!(!cgroup0.exists(), "{} left", cgroup0.display());
+
+    // The other pair never noticed.
+    let r1 = runs.pop().expect("second run");
+    let st = r1.env.wait_protected(&cds[1], id, LONG);
+    assert_eq!(st.pair.failovers, 0);
+    assert!(r1.env.metrics_file(&cds[1], id).is_file());
+    ask(r1.port).expect("the other pair serves");
+    r1.stop(&cds[1], id, "SIGKILL");
+    assert!(engines_of(&cds[1]).is_empty());
+    cds[0].assert_no_leftovers();
+    assert_eq!(
+        std::fs::read_dir(&metrics_dir)
+            .map(|d| d.count())
+            .unwrap_or(0),
+        0,
+        "metrics files left"
+    );
+}
+
 #[test]
 fn an_oom_killed_engine_is_task_oom_its_own_failure_class_and_respawned() {
     let cd = Containerd::start().expect("containerd");
@@ -733,9 +876,7 @@ fn an_oom_killed_engine_is_task_oom_its_own_failure_class_and_respawned() {
     until("the OOM kill counted", LONG, STEP, || {
         env.state(&cd, id).filter(|s| s.pair.oom_kills == 1)
     });
-    let metrics = env
-        .metrics_dir
-        .join(format!("shadow-{}-{id}.prom", cd.namespace()));
+    let metrics = env.metrics_file(&cd, id);
     until("the OOM metric", LONG, STEP, || {
         std::fs::read_to_string(&metrics).ok().filter(|m| {
             m.lines()

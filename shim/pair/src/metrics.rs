@@ -36,9 +36,22 @@ const STATES: [(EngineState, &str); 7] = [
     (EngineState::Stopped, "stopped"),
 ];
 
-/// The metrics text of one pair.
-pub fn render(namespace: &str, id: &str, snap: &Snapshot, gms: &[GmsFigures]) -> String {
-    let base = format!("namespace=\"{}\",pair=\"{}\"", label(namespace), label(id));
+/// The metrics text of one pair. `containerd` (the owning containerd's
+/// address) is a label too: two containerds on a host may each have a
+/// pair of the same namespace and id.
+pub fn render(
+    containerd: &str,
+    namespace: &str,
+    id: &str,
+    snap: &Snapshot,
+    gms: &[GmsFigures],
+) -> String {
+    let base = format!(
+        "containerd=\"{}\",namespace=\"{}\",pair=\"{}\"",
+        label(containerd),
+        label(namespace),
+        label(id)
+    );
     let mut out = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, lines: &[(String, String)]| {
         let _ = writeln!(out, "# HELP {name} {help}");
@@ -190,12 +203,22 @@ pub fn render(namespace: &str, id: &str, snap: &Snapshot, gms: &[GmsFigures]) ->
     out
 }
 
-/// Replaces `dir/name` with `text` atomically.
-pub fn write_textfile(dir: &Path, name: &str, text: &str) -> io::Result<()> {
+/// Replaces the file at `path` with `text` atomically.
+pub fn write_textfile(path: &Path, text: &str) -> io::Result<()> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("metrics file {}: no directory or name", path.display()),
+        ));
+    };
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, dir.join(name)).inspect_err(|_| {
+    std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
     })
 }
@@ -266,8 +289,8 @@ mod tests {
             leases: 2,
             committed: true,
         }];
-        let text = render("default", "llm\"1", &snap, &gms);
-        let base = "namespace=\"default\",pair=\"llm\\\"1\"";
+        let text = render("/run/c.sock", "default", "llm\"1", &snap, &gms);
+        let base = "containerd=\"/run/c.sock\",namespace=\"default\",pair=\"llm\\\"1\"";
         for line in [
             format!("shadow_pair_failovers_total{{{base}}} 1"),
             format!("shadow_pair_protected{{{base}}} 1"),
@@ -306,8 +329,8 @@ mod tests {
         let gpu = "GPU-00000000-0000-0000-0000-000000000002";
         snap.gms_deaths.insert(gpu.into(), 1);
         snap.last_cold_restart = Some(ColdRestartCause::GmsDied { device: gpu.into() });
-        let text = render("default", "p", &snap, &[]);
-        let base = "namespace=\"default\",pair=\"p\"";
+        let text = render("/run/c.sock", "default", "p", &snap, &[]);
+        let base = "containerd=\"/run/c.sock\",namespace=\"default\",pair=\"p\"";
         for line in [
             format!("shadow_gms_deaths_total{{{base},device=\"{gpu}\"}} 1"),
             format!(
@@ -324,8 +347,8 @@ mod tests {
     #[test]
     fn textfile_is_replaced_whole() {
         let dir = std::env::temp_dir().join(format!("shadow-metrics-{}", std::process::id()));
-        write_textfile(&dir, "p.prom", "a 1\n").unwrap();
-        write_textfile(&dir, "p.prom", "a 2\n").unwrap();
+        write_textfile(&dir.join("p.prom"), "a 1\n").unwrap();
+        write_textfile(&dir.join("p.prom"), "a 2\n").unwrap();
         assert_eq!(
             std::fs::read_to_string(dir.join("p.prom")).unwrap(),
             "a 2\n"

@@ -1,17 +1,19 @@
 //! `shadowctl`: what the shim knows about its engine pairs, read from the
 //! `state.json` each pair's supervisor rewrites atomically on every change
-//! (`<state_dir>/<namespace>/<id>/state.json`). No ttrpc: it works while
-//! containerd is down and never disturbs a pair.
+//! (`<state_dir>/<containerd key>/<namespace>/<id>/state.json`). No ttrpc:
+//! it works while containerd is down and never disturbs a pair. Pairs of
+//! every containerd on the host are shown, unless `--address` names one.
 //!
 //! ```text
-//! shadowctl list [--state-dir D]
-//! shadowctl show <id> [--namespace N] [--state-dir D] [--json]
+//! shadowctl list [--state-dir D] [--address A]
+//! shadowctl show <id> [--namespace N] [--state-dir D] [--address A] [--json]
 //! ```
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use shadow_contract::host::{containerd_key, is_containerd_key};
 use shadow_contract::state::{ColdRestartCause, PairState, FILE_NAME};
 
 const DEFAULT_STATE_DIR: &str = "/run/shadow";
@@ -22,9 +24,13 @@ const DEFAULT_STATE_DIR: &str = "/run/shadow";
     about = "What the shadow shim knows about its engine pairs, read from each pair's state.json (works while containerd is down)"
 )]
 struct Cli {
-    /// The shim's state directory: <state-dir>/<namespace>/<id>/state.json.
+    /// The shim's state directory: <state-dir>/<key>/<namespace>/<id>/state.json.
     #[arg(long, global = true, default_value = DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
+    /// Only the pairs of the containerd at this address (default: every
+    /// containerd's).
+    #[arg(long, short = 'a', global = true)]
+    address: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -46,25 +52,56 @@ enum Command {
     },
 }
 
-/// Every `state.json` under the state dir: (namespace, id, path).
-fn pairs(state_dir: &Path) -> Vec<(String, String, PathBuf)> {
+/// One pair found under the state dir.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Found {
+    namespace: String,
+    id: String,
+    /// The containerd's address (its key when the file does not say).
+    containerd: String,
+    path: PathBuf,
+}
+
+/// Every `state.json` under the state dir, of one containerd (`address`)
+/// or of all.
+fn pairs(state_dir: &Path, address: Option<&str>) -> Vec<Found> {
     let mut out = Vec::new();
-    let Ok(namespaces) = std::fs::read_dir(state_dir) else {
+    let only = address.map(containerd_key);
+    let Ok(keys) = std::fs::read_dir(state_dir) else {
         return out;
     };
-    for ns in namespaces.flatten() {
-        let Ok(ids) = std::fs::read_dir(ns.path()) else {
+    for key in keys.flatten() {
+        let key_name = key.file_name().to_string_lossy().into_owned();
+        if !is_containerd_key(&key_name) || only.as_ref().is_some_and(|k| *k != key_name) {
+            continue;
+        }
+        let Ok(namespaces) = std::fs::read_dir(key.path()) else {
             continue;
         };
-        for id in ids.flatten() {
-            let state = id.path().join(FILE_NAME);
-            if state.is_file() {
-                // The directory name may be a shortened id (long CRI ids):
-                // state.json carries the full one.
-                let full = read(&state)
-                    .map(|s| s.id)
-                    .unwrap_or_else(|_| id.file_name().to_string_lossy().into_owned());
-                out.push((ns.file_name().to_string_lossy().into_owned(), full, state));
+        for ns in namespaces.flatten() {
+            let Ok(ids) = std::fs::read_dir(ns.path()) else {
+                continue;
+            };
+            for id in ids.flatten() {
+                let state = id.path().join(FILE_NAME);
+                if !state.is_file() {
+                    continue;
+                }
+                // Directory names may be shortened (long CRI ids, long
+                // namespaces): state.json carries the full ones.
+                let s = read(&state).ok();
+                let name = |d: &std::fs::DirEntry| d.file_name().to_string_lossy().into_owned();
+                out.push(Found {
+                    namespace: s
+                        .as_ref()
+                        .map_or_else(|| name(&ns), |s| s.namespace.clone()),
+                    id: s.as_ref().map_or_else(|| name(&id), |s| s.id.clone()),
+                    containerd: s
+                        .map(|s| s.containerd)
+                        .filter(|c| !c.is_empty())
+                        .unwrap_or_else(|| key_name.clone()),
+                    path: state,
+                });
             }
         }
     }
@@ -89,20 +126,21 @@ fn last_total_ms(s: &PairState) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
-fn list(state_dir: &Path) -> ExitCode {
+fn list(state_dir: &Path, address: Option<&str>) -> ExitCode {
     println!(
-        "{:<40} {:<7} {:<10} {:<10} LAST PROMOTION",
-        "NAMESPACE/ID", "ACTIVE", "PROTECTED", "FAILOVERS"
+        "{:<40} {:<7} {:<10} {:<10} {:<15} CONTAINERD",
+        "NAMESPACE/ID", "ACTIVE", "PROTECTED", "FAILOVERS", "LAST PROMOTION"
     );
-    for (ns, id, path) in pairs(state_dir) {
-        match read(&path) {
+    for f in pairs(state_dir, address) {
+        match read(&f.path) {
             Ok(s) => println!(
-                "{:<40} {:<7} {:<10} {:<10} {}",
-                format!("{ns}/{id}"),
+                "{:<40} {:<7} {:<10} {:<10} {:<15} {}",
+                format!("{}/{}", f.namespace, f.id),
                 or_dash(s.pair.active),
                 s.pair.protected,
                 s.pair.failovers,
-                last_total_ms(&s)
+                last_total_ms(&s),
+                f.containerd
             ),
             Err(e) => eprintln!("shadowctl: {e}"),
         }
@@ -110,27 +148,43 @@ fn list(state_dir: &Path) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn show(state_dir: &Path, id: &str, namespace: Option<&str>, json: bool) -> ExitCode {
-    let found: Vec<_> = pairs(state_dir)
+fn show(
+    state_dir: &Path,
+    address: Option<&str>,
+    id: &str,
+    namespace: Option<&str>,
+    json: bool,
+) -> ExitCode {
+    let found: Vec<_> = pairs(state_dir, address)
         .into_iter()
-        .filter(|(ns, i, _)| i == id && namespace.is_none_or(|n| n == ns))
+        .filter(|f| f.id == id && namespace.is_none_or(|n| n == f.namespace))
         .collect();
-    let (ns, _, path) = match found.as_slice() {
-        [one] => one.clone(),
+    let (ns, containerd, path) = match found.as_slice() {
+        [one] => (
+            one.namespace.clone(),
+            one.containerd.clone(),
+            one.path.clone(),
+        ),
         [] => {
             eprintln!(
-                "shadowctl: no pair {id}{} under {}",
+                "shadowctl: no pair {id}{}{} under {}",
                 namespace
                     .map(|n| format!(" in namespace {n}"))
+                    .unwrap_or_default(),
+                address
+                    .map(|a| format!(" of containerd {a}"))
                     .unwrap_or_default(),
                 state_dir.display()
             );
             return ExitCode::from(1);
         }
         many => {
-            let names: Vec<_> = many.iter().map(|(n, _, _)| n.as_str()).collect();
+            let names: Vec<_> = many
+                .iter()
+                .map(|f| format!("{}/{id} of containerd {}", f.namespace, f.containerd))
+                .collect();
             eprintln!(
-                "shadowctl: pair {id} exists in namespaces {}: name one with --namespace",
+                "shadowctl: there are several pairs {id}: {}; name one with --namespace or --address",
                 names.join(", ")
             );
             return ExitCode::from(1);
@@ -224,6 +278,7 @@ fn show(state_dir: &Path, id: &str, namespace: Option<&str>, json: bool) -> Exit
     if let Some(status) = s.exit_status {
         println!("  exited with status {status}");
     }
+    println!("  containerd {containerd}");
     ExitCode::SUCCESS
 }
 
@@ -237,11 +292,17 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     match cli.command {
-        Command::List => list(&cli.state_dir),
+        Command::List => list(&cli.state_dir, cli.address.as_deref()),
         Command::Show {
             id,
             namespace,
             json,
-        } => show(&cli.state_dir, &id, namespace.as_deref(), json),
+        } => show(
+            &cli.state_dir,
+            cli.address.as_deref(),
+            &id,
+            namespace.as_deref(),
+            json,
+        ),
     }
 }

@@ -20,6 +20,7 @@ use super::engine::{EngineSlot, SharedOutput};
 use super::gms::{GmsDaemons, InPod};
 use super::gpus::{self, Gpu};
 use super::host::Machine;
+use super::leftovers::{self, PairName};
 use super::listen::{ListenSockets, Site};
 use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
@@ -200,20 +201,34 @@ impl PairedContainer {
         } else {
             CUDA_SOCKETS
         };
-        let dirs = PairDirs::new(&cfg.state_dir, &rt.namespace, &req.id, longest_socket);
-        if dirs.root.exists() {
-            return Err(Error::AlreadyExists(format!(
-                "pair directory {} (a pair {} of namespace {} exists or was not cleaned up)",
-                dirs.root.display(),
+        let key = shadow_contract::host::containerd_key(&rt.containerd);
+        let dirs = PairDirs::new(&cfg.state_dir, &key, &rt.namespace, &req.id, longest_socket);
+        dirs.fits(longest_socket)
+            .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", req.id)))?;
+        let name = PairName {
+            config: &rt.config,
+            containerd: &rt.containerd,
+            namespace: &rt.namespace,
+            id: &req.id,
+        };
+        if dirs.root.exists() || name.metrics_file().exists() {
+            // containerd creates an id only once at a time: what is there
+            // is a dead shim's, which containerd could not clean up.
+            log::warn!(
+                "pair {}: {} is left from an earlier pair of this id whose shim died: removing it",
                 req.id,
-                rt.namespace
-            )));
+                dirs.root.display()
+            );
+            leftovers::remove(&name, &bundle, rt.router.clone(), &req.runc).await;
         }
         made.dirs = Some(dirs.clone());
         // Root's alone: engines get the lock and the sockets bound one by
         // one (spec.rs), never a directory of the host to write in.
         mkdir(&dirs.root, 0o711)?;
         mkdir(&dirs.pair, 0o700)?;
+        // For a cleanup after this shim's death (the spec may be gone).
+        std::fs::write(&dirs.cgroup_record, &cgroup_path)
+            .map_err(|e| Error::io(format!("writing {}", dirs.cgroup_record.display()), e))?;
         for s in &dirs.slots {
             mkdir(s, 0o700)?;
         }
@@ -359,10 +374,8 @@ impl PairedContainer {
         let (out, out_copier) = output_pipe(&req.stdio.stdout)?;
         let (err, err_copier) = output_pipe(&req.stdio.stderr)?;
         let (view_tx, view_rx) = watch::channel(View::default());
-        let metrics_file = cfg
-            .metrics_dir
-            .join(format!("shadow-{}-{}.prom", rt.namespace, req.id));
-        made.metrics_file = Some(metrics_file);
+        let metrics_file = name.metrics_file();
+        made.metrics_file = Some(metrics_file.clone());
         let output = Arc::new(SharedOutput::new(out, err));
         let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
         let host = Machine::new(
@@ -386,7 +399,8 @@ impl PairedContainer {
             notify: Some(notify),
             lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
             state_json: dirs.state_json.clone(),
-            metrics_dir: cfg.metrics_dir.clone(),
+            containerd: rt.containerd.clone(),
+            metrics_file,
             gms,
             gpu_buses: gpus.iter().map(|g| g.bus.clone()).collect(),
             single: req.single,

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod gms;
 pub mod gpus;
 pub mod host;
+pub mod leftovers;
 pub mod listen;
 pub mod lock;
 pub mod netns;

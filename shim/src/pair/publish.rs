@@ -54,8 +54,8 @@ pub struct Publisher {
     namespace: String,
     runc_ids: [String; 2],
     state_json: PathBuf,
-    metrics_dir: PathBuf,
-    metrics_name: String,
+    containerd: String,
+    metrics_file: PathBuf,
     view: watch::Sender<View>,
     /// The wall clock when the pair's clock read zero.
     epoch: SystemTime,
@@ -75,7 +75,9 @@ pub struct Outlets {
     pub namespace: String,
     pub runc_ids: [String; 2],
     pub state_json: PathBuf,
-    pub metrics_dir: PathBuf,
+    pub containerd: String,
+    /// `<metrics_dir>/shadow-<key>-<namespace>-<id>.prom`.
+    pub metrics_file: PathBuf,
     pub view: watch::Sender<View>,
     pub promotions_kept: usize,
 }
@@ -83,12 +85,12 @@ pub struct Outlets {
 impl Publisher {
     pub fn new(o: Outlets, epoch: SystemTime) -> Self {
         Publisher {
-            metrics_name: format!("shadow-{}-{}.prom", o.namespace, o.id),
             id: o.id,
             namespace: o.namespace,
             runc_ids: o.runc_ids,
             state_json: o.state_json,
-            metrics_dir: o.metrics_dir,
+            containerd: o.containerd,
+            metrics_file: o.metrics_file,
             view: o.view,
             epoch,
             promotions: VecDeque::new(),
@@ -167,6 +169,7 @@ impl Publisher {
         }
         let snap = pair.snapshot();
         let state = PairState {
+            containerd: self.containerd.clone(),
             namespace: self.namespace.clone(),
             id: self.id.clone(),
             pid: self.last_pid,
@@ -191,15 +194,18 @@ impl Publisher {
             }
             Err(e) => log::warn!("pair {}: encoding state: {e}", self.id),
         }
-        let text = shadow_pair::metrics::render(&self.namespace, &self.id, &snap, &figures);
-        if let Err(e) =
-            shadow_pair::metrics::write_textfile(&self.metrics_dir, &self.metrics_name, &text)
-        {
+        let text = shadow_pair::metrics::render(
+            &self.containerd,
+            &self.namespace,
+            &self.id,
+            &snap,
+            &figures,
+        );
+        if let Err(e) = shadow_pair::metrics::write_textfile(&self.metrics_file, &text) {
             log::warn!(
-                "pair {}: writing metrics {}/{}: {e}",
+                "pair {}: writing metrics {}: {e}",
                 self.id,
-                self.metrics_dir.display(),
-                self.metrics_name
+                self.metrics_file.display()
             );
         }
         self.written = Some(key);

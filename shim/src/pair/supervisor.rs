@@ -90,7 +90,9 @@ pub struct Parts {
     /// The election lock file, watched for closes (inotify).
     pub lock_path: Option<PathBuf>,
     pub state_json: PathBuf,
-    pub metrics_dir: PathBuf,
+    /// containerd's address, recorded in `state.json`.
+    pub containerd: String,
+    pub metrics_file: PathBuf,
     pub gms: Option<GmsDaemons>,
     /// PCI buses of the GPUs the spec's devices grant: their XIDs are watched.
     pub gpu_buses: Vec<String>,
@@ -134,7 +136,8 @@ impl Supervisor {
                 namespace: p.namespace,
                 runc_ids: p.runc_ids,
                 state_json: p.state_json,
-                metrics_dir: p.metrics_dir,
+                containerd: p.containerd,
+                metrics_file: p.metrics_file,
                 view: p.view,
                 promotions_kept: p.config.promotions_kept,
             },

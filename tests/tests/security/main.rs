@@ -9,3 +9,4 @@ mod gms;
 mod gpus;
 mod memory;
 mod notify;
+mod shim_death;
