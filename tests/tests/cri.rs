@@ -391,6 +391,8 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
     let resources = |mib: i64| cri::v1::LinuxContainerResources {
         memory_limit_in_bytes: mib << 20,
         cpu_shares: 512,
+        // The kubelet's static CPU manager pins with cpuset.
+        cpuset_cpus: "0".into(),
         ..Default::default()
     };
     cri.update_resources(&cid, resources(256))
@@ -408,6 +410,12 @@ fn a_pod_with_runtime_class_shadow_survives_sigkill_of_its_active_engine() {
         (mem.as_str(), cpu.as_str()),
         ("268435456", if v2 { "20" } else { "512" })
     );
+    let cpuset = if v2 {
+        pair_file("", "cpuset.cpus")
+    } else {
+        pair_file("cpuset", "cpuset.cpus")
+    };
+    assert_eq!(cpuset, "0", "the pair is pinned");
     let stats = cri
         .container_stats(&cid)
         .expect("ContainerStats of the pair");

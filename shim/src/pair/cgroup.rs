@@ -11,14 +11,16 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use cgroups_rs::fs::blkio::BlkIoController;
 use cgroups_rs::fs::cpu::CpuController;
 use cgroups_rs::fs::cpuset::CpuSetController;
 use cgroups_rs::fs::freezer::FreezerController;
+use cgroups_rs::fs::hugetlb::HugeTlbController;
 use cgroups_rs::fs::memory::MemController;
 use cgroups_rs::fs::pid::PidController;
 use cgroups_rs::fs::{Cgroup, Controller, MaxValue};
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
-use oci_spec::runtime::{LinuxCpu, LinuxMemory, LinuxResources};
+use oci_spec::runtime::{LinuxBlockIo, LinuxCpu, LinuxMemory, LinuxResources};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
@@ -26,6 +28,8 @@ use shadow_pair::SlotId;
 
 /// How long removal retries while the last engine processes leave.
 const REMOVE_WAIT: Duration = Duration::from_secs(2);
+/// Where cgroup v2 is mounted on a v2 host.
+const UNIFIED_ROOT: &str = "/sys/fs/cgroup";
 /// How long Pause waits for every engine process to be frozen.
 const FREEZE_WAIT: Duration = Duration::from_secs(5);
 /// cgroup v1 hosts in hybrid mode also mount cgroup2 here.
@@ -95,6 +99,126 @@ impl PairCgroup {
         }
         if let Some(c) = r.cpu() {
             set_cpu(cg, c).map_err(|(s, e)| failed(what(s), e))?;
+            self.set_cpuset(c)?;
+        }
+        if let Some(b) = r.block_io() {
+            match cg.controller_of::<BlkIoController>() {
+                Some(bc) => set_block_io(bc, b).map_err(|(s, e)| failed(what(s), e))?,
+                None => log::warn!(
+                    "pair cgroup {}: no blkio/io controller: blockIO not applied",
+                    self.path
+                ),
+            }
+        }
+        if let Some(limits) = r.hugepage_limits().as_ref().filter(|l| !l.is_empty()) {
+            match cg.controller_of::<HugeTlbController>() {
+                Some(hc) => {
+                    for l in limits {
+                        let size = l.page_size();
+                        let limit = u64::try_from(l.limit()).unwrap_or(u64::MAX);
+                        hc.set_limit_in_bytes(size, limit).map_err(|e| {
+                            failed(what(format!("hugetlb {size} limit = {limit}")), e)
+                        })?;
+                    }
+                }
+                // runc's choice too: a controller the host does not mount
+                // cannot be limited.
+                None => log::warn!(
+                    "pair cgroup {}: no hugetlb controller on this host: hugepage limits not applied",
+                    self.path
+                ),
+            }
+        }
+        if let Some(unified) = r.unified().as_ref().filter(|u| !u.is_empty()) {
+            self.set_unified(unified)?;
+        }
+        Ok(())
+    }
+
+    /// cpuset CPUs and memory nodes. On cgroup v1 a child's set must stay
+    /// within its parent's, and the engines' and gmsd's cgroups below the
+    /// pair took the pair's at their creation (they carry none of their
+    /// own): a pair set that drops a CPU a child has fails (EBUSY). So on
+    /// v1, with children, the pair first widens to everything its own
+    /// parent allows, the children take the new set, then the pair does.
+    fn set_cpuset(&self, c: &LinuxCpu) -> Result<()> {
+        let cpus = c.cpus().as_deref().filter(|s| !s.is_empty());
+        let mems = c.mems().as_deref().filter(|s| !s.is_empty());
+        let Some(cs) = self.cgroup.controller_of::<CpuSetController>() else {
+            return Ok(());
+        };
+        if cpus.is_none() && mems.is_none() {
+            return Ok(());
+        }
+        let write = |cs: &CpuSetController| -> SetResult {
+            if let Some(cpus) = cpus {
+                cs.set_cpus(cpus)
+                    .map_err(|e| (format!("cpuset.cpus = {cpus}"), e))?;
+            }
+            if let Some(mems) = mems {
+                cs.set_mems(mems)
+                    .map_err(|e| (format!("cpuset.mems = {mems}"), e))?;
+            }
+            Ok(())
+        };
+        let children: Vec<Cgroup> = if self.cgroup.v2() {
+            Vec::new()
+        } else {
+            ["s0", "s1", GMS_LEAF]
+                .iter()
+                .map(|s| crate::stats::at(&format!("{}/{s}", self.path)))
+                .filter(Cgroup::exists)
+                .collect()
+        };
+        if !children.is_empty() {
+            if let Some(above) = cs.path().parent() {
+                for file in ["cpuset.cpus", "cpuset.mems"] {
+                    // Best effort: a failure shows as the children's below.
+                    if let Ok(all) = std::fs::read_to_string(above.join(file)) {
+                        let _ = std::fs::write(cs.path().join(file), all.trim());
+                    }
+                }
+            }
+            for child in &children {
+                if let Some(ccs) = child.controller_of::<CpuSetController>() {
+                    write(ccs).map_err(|(s, e)| {
+                        failed(format!("cgroup {}: setting {s}", child.path()), e)
+                    })?;
+                }
+            }
+        }
+        write(cs).map_err(|(s, e)| failed(format!("pair cgroup {}: setting {s}", self.path), e))
+    }
+
+    /// `linux.resources.unified`: cgroup v2 files written as given, as runc
+    /// does; refused on cgroup v1 (runc: "unified resources are v2 only").
+    /// A key names a file of the pair's cgroup, never a path elsewhere.
+    fn set_unified(&self, unified: &std::collections::HashMap<String, String>) -> Result<()> {
+        if !self.cgroup.v2() {
+            return Err(Error::InvalidArgument(format!(
+                "pair cgroup {}: linux.resources.unified ({:?}) needs cgroup v2; this host runs cgroup v1",
+                self.path,
+                unified.keys().collect::<Vec<_>>()
+            )));
+        }
+        let dir = Path::new(UNIFIED_ROOT).join(self.path.trim_start_matches('/'));
+        for (key, value) in unified {
+            if key.is_empty() || key.contains('/') || key.starts_with('.') {
+                return Err(Error::InvalidArgument(format!(
+                    "pair cgroup {}: linux.resources.unified key {key:?} is not a cgroup file name",
+                    self.path
+                )));
+            }
+            let file = dir.join(key);
+            std::fs::write(&file, value).map_err(|e| {
+                Error::io(
+                    format!(
+                        "pair cgroup {}: setting unified {key} = {value:?}",
+                        self.path
+                    ),
+                    e,
+                )
+            })?;
         }
         Ok(())
     }
@@ -302,6 +426,67 @@ fn set_memory(mc: &MemController, m: &LinuxMemory, v2: bool) -> SetResult {
         mc.set_soft_limit(r)
             .map_err(|e| (format!("memory reservation = {r}"), e))?;
     }
+    // v1 only (v2 has no swappiness file), as runc.
+    if let Some(s) = m.swappiness().filter(|_| !v2) {
+        mc.set_swappiness(s)
+            .map_err(|e| (format!("memory swappiness = {s}"), e))?;
+    }
+    Ok(())
+}
+
+/// Block I/O weights and throttles, per device; v2 writes io.max and
+/// io.bfq.weight through the same calls (cgroups-rs).
+fn set_block_io(bc: &BlkIoController, b: &LinuxBlockIo) -> SetResult {
+    if let Some(w) = b.weight().filter(|w| *w != 0) {
+        bc.set_weight(w.into())
+            .map_err(|e| (format!("blkio weight = {w}"), e))?;
+    }
+    if let Some(w) = b.leaf_weight().filter(|w| *w != 0) {
+        bc.set_leaf_weight(w.into())
+            .map_err(|e| (format!("blkio leaf weight = {w}"), e))?;
+    }
+    let dev = |major: i64, minor: i64| (major.max(0) as u64, minor.max(0) as u64);
+    for d in b.weight_device().iter().flatten() {
+        let (major, minor) = dev(d.major(), d.minor());
+        if let Some(w) = d.weight() {
+            bc.set_weight_for_device(major, minor, w.into())
+                .map_err(|e| (format!("blkio weight of {major}:{minor} = {w}"), e))?;
+        }
+        if let Some(w) = d.leaf_weight() {
+            bc.set_leaf_weight_for_device(major, minor, w.into())
+                .map_err(|e| (format!("blkio leaf weight of {major}:{minor} = {w}"), e))?;
+        }
+    }
+    type Throttle = fn(&BlkIoController, u64, u64, u64) -> cgroups_rs::fs::error::Result<()>;
+    let throttles: [(&str, &Option<Vec<_>>, Throttle); 4] = [
+        (
+            "read bps",
+            b.throttle_read_bps_device(),
+            BlkIoController::throttle_read_bps_for_device,
+        ),
+        (
+            "write bps",
+            b.throttle_write_bps_device(),
+            BlkIoController::throttle_write_bps_for_device,
+        ),
+        (
+            "read iops",
+            b.throttle_read_iops_device(),
+            BlkIoController::throttle_read_iops_for_device,
+        ),
+        (
+            "write iops",
+            b.throttle_write_iops_device(),
+            BlkIoController::throttle_write_iops_for_device,
+        ),
+    ];
+    for (name, devices, set) in throttles {
+        for d in devices.iter().flatten() {
+            let (major, minor) = dev(d.major(), d.minor());
+            set(bc, major, minor, d.rate())
+                .map_err(|e| (format!("blkio {name} of {major}:{minor} = {}", d.rate()), e))?;
+        }
+    }
     Ok(())
 }
 
@@ -330,16 +515,6 @@ fn set_cpu(cg: &Cgroup, c: &LinuxCpu) -> SetResult {
                     .and_then(|_| quota.map_or(Ok(()), |q| cc.set_cfs_quota(q)))
             };
             r.map_err(|e| (format!("cpu quota/period = {quota:?}/{period:?}"), e))?;
-        }
-    }
-    if let Some(cs) = cg.controller_of::<CpuSetController>() {
-        if let Some(cpus) = c.cpus().as_deref().filter(|s| !s.is_empty()) {
-            cs.set_cpus(cpus)
-                .map_err(|e| (format!("cpuset.cpus = {cpus}"), e))?;
-        }
-        if let Some(mems) = c.mems().as_deref().filter(|s| !s.is_empty()) {
-            cs.set_mems(mems)
-                .map_err(|e| (format!("cpuset.mems = {mems}"), e))?;
         }
     }
     Ok(())
@@ -441,6 +616,148 @@ mod tests {
         if made_hybrid {
             std::fs::remove_dir(&hybrid).expect("remove the test's hybrid dir");
         }
+        crate::stats::at(&top)
+            .delete()
+            .expect("remove the test's top cgroup");
+    }
+
+    /// A block device of this machine (`major:minor`), for throttles.
+    fn some_block_device() -> Option<(u64, u64)> {
+        let mut devs: Vec<(u64, u64)> = std::fs::read_dir("/sys/block")
+            .ok()?
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("dev")).ok())
+            .filter_map(|t| {
+                let (a, b) = t.trim().split_once(':')?;
+                Some((a.parse().ok()?, b.parse().ok()?))
+            })
+            .collect();
+        devs.sort();
+        devs.into_iter().next()
+    }
+
+    /// Every resource of the spec reaches the pair's cgroup (cpuset, swap,
+    /// swappiness, block I/O, hugetlb where mounted, unified on v2), at
+    /// Create and through Update; `unified` is refused on cgroup v1 (root
+    /// only; skipped otherwise).
+    #[tokio::test]
+    async fn every_resource_of_the_spec_reaches_the_pair_cgroup() {
+        if !root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let top = format!("/shadow-unit-res-{}", std::process::id());
+        let path = format!("{top}/pair");
+        let (major, minor) = some_block_device().expect("a block device");
+        let cpus = std::fs::read_to_string("/sys/fs/cgroup/cpuset/cpuset.effective_cpus")
+            .or_else(|_| std::fs::read_to_string("/sys/fs/cgroup/cpuset.cpus.effective"))
+            .expect("cpus");
+        let last_cpu = cpus
+            .trim()
+            .rsplit([',', '-'])
+            .next()
+            .expect("a cpu")
+            .to_string();
+        let spec = json!({
+            "memory": {"limit": 67108864, "swap": 134217728, "swappiness": 10},
+            "cpu": {"cpus": "0", "mems": "0"},
+            "blockIO": {"throttleReadBpsDevice": [{"major": major, "minor": minor, "rate": 1048576}],
+                        "throttleWriteIOPSDevice": [{"major": major, "minor": minor, "rate": 300}]},
+            "hugepageLimits": [{"pageSize": "2MB", "limit": 4194304}]
+        });
+        let cg = PairCgroup::create(&path, Some(&spec)).expect("create");
+        let v2 = cg.cgroup.v2();
+        let dev = format!("{major}:{minor}");
+        assert_eq!(read(&cg, "cpuset", "cpuset.cpus", "cpuset.cpus"), "0");
+        assert_eq!(read(&cg, "cpuset", "cpuset.mems", "cpuset.mems"), "0");
+        if v2 {
+            assert_eq!(read(&cg, "", "", "memory.swap.max"), "67108864");
+            let io = read(&cg, "", "", "io.max");
+            assert!(
+                io.contains(&format!("{dev} rbps=1048576")) && io.contains("wiops=300"),
+                "{io}"
+            );
+        } else {
+            assert_eq!(
+                read(&cg, "memory", "memory.memsw.limit_in_bytes", ""),
+                "134217728"
+            );
+            assert_eq!(read(&cg, "memory", "memory.swappiness", ""), "10");
+            assert_eq!(
+                read(&cg, "blkio", "blkio.throttle.read_bps_device", ""),
+                format!("{dev} 1048576")
+            );
+            assert_eq!(
+                read(&cg, "blkio", "blkio.throttle.write_iops_device", ""),
+                format!("{dev} 300")
+            );
+        }
+        if cg.cgroup.controller_of::<HugeTlbController>().is_some() {
+            assert_eq!(
+                read(
+                    &cg,
+                    "hugetlb",
+                    "hugetlb.2MB.limit_in_bytes",
+                    "hugetlb.2MB.max"
+                ),
+                "4194304"
+            );
+        }
+
+        // An engine's cgroup below the pair takes the pair's CPUs, as runc's
+        // do; moving the pair to other CPUs must still work.
+        let engine = crate::stats::at(&format!("{path}/s0"));
+        engine.create().expect("an engine cgroup");
+
+        // Update changes them.
+        let update: LinuxResources = serde_json::from_value(json!({
+            "memory": {"limit": 67108864, "swap": 268435456, "swappiness": 20},
+            "cpu": {"cpus": last_cpu},
+            "blockIO": {"throttleReadBpsDevice": [{"major": major, "minor": minor, "rate": 2097152}]}
+        }))
+        .unwrap();
+        cg.update(&update).expect("update");
+        assert_eq!(read(&cg, "cpuset", "cpuset.cpus", "cpuset.cpus"), last_cpu);
+        if !v2 {
+            let below = Path::new("/sys/fs/cgroup/cpuset")
+                .join(path.trim_start_matches('/'))
+                .join("s0/cpuset.cpus");
+            let cpus = std::fs::read_to_string(below).expect("engine cpuset");
+            assert_eq!(cpus.trim(), last_cpu, "the engine's cgroup follows");
+        }
+        if v2 {
+            assert_eq!(read(&cg, "", "", "memory.swap.max"), "201326592");
+            assert!(read(&cg, "", "", "io.max").contains("rbps=2097152"));
+        } else {
+            assert_eq!(
+                read(&cg, "memory", "memory.memsw.limit_in_bytes", ""),
+                "268435456"
+            );
+            assert_eq!(read(&cg, "memory", "memory.swappiness", ""), "20");
+            assert_eq!(
+                read(&cg, "blkio", "blkio.throttle.read_bps_device", ""),
+                format!("{dev} 2097152")
+            );
+        }
+
+        // unified: cgroup v2 files as given; refused on v1, naming the key.
+        let unified: LinuxResources =
+            serde_json::from_value(json!({"unified": {"memory.high": "134217728"}})).unwrap();
+        match cg.update(&unified) {
+            Ok(()) => {
+                assert!(v2, "unified accepted on cgroup v1");
+                assert_eq!(read(&cg, "", "", "memory.high"), "134217728");
+            }
+            Err(e) => {
+                assert!(!v2, "{e}");
+                assert!(e.to_string().contains("memory.high"), "{e}");
+            }
+        }
+        let escape: LinuxResources =
+            serde_json::from_value(json!({"unified": {"../cgroup.procs": "1"}})).unwrap();
+        assert!(cg.update(&escape).is_err());
+
+        cg.remove().await;
         crate::stats::at(&top)
             .delete()
             .expect("remove the test's top cgroup");

@@ -464,7 +464,8 @@ pub struct Gate {
     /// pid -> (its last forwarded text, that datagram's sequence number).
     last: HashMap<u32, (Vec<u8>, u64)>,
     counts: [u64; Dropped::ALL.len()],
-    logged_at: Instant,
+    /// When the drops were last logged (the first drop is logged at once).
+    logged_at: Option<Instant>,
     second: Instant,
     dropped_this_second: u64,
 }
@@ -478,7 +479,7 @@ impl Gate {
             slots: HashMap::new(),
             last: HashMap::new(),
             counts: [0; Dropped::ALL.len()],
-            logged_at: now,
+            logged_at: None,
             second: now,
             dropped_this_second: 0,
         }
@@ -550,20 +551,30 @@ impl Gate {
     }
 
     fn log(&mut self, now: Instant) {
-        if now.saturating_duration_since(self.logged_at) < LOG_EVERY {
-            return;
+        if let Some(line) = self.report(now) {
+            log::warn!("{line}");
         }
-        self.logged_at = now;
+    }
+
+    /// The line to log now, if the last was [`LOG_EVERY`] ago (or never).
+    fn report(&mut self, now: Instant) -> Option<String> {
+        if self
+            .logged_at
+            .is_some_and(|at| now.saturating_duration_since(at) < LOG_EVERY)
+        {
+            return None;
+        }
+        self.logged_at = Some(now);
         let parts: Vec<String> = self
             .counts()
             .filter(|(_, n)| *n > 0)
             .map(|(d, n)| format!("{}: {n}", d.name()))
             .collect();
-        log::warn!(
-            "pair {}: notify socket dropped datagrams (totals: {}); an engine sends more than the contract allows ({RATE_PER_SEC}/s, burst {BURST}, {MAX_DATAGRAM} bytes, no fds)",
+        Some(format!(
+            "pair {}: notify socket dropped datagrams (totals: {}); the contract allows {RATE_PER_SEC} notifications/s (burst {BURST}) per engine, {MAX_DATAGRAM} bytes, no fds",
             self.id,
             parts.join(", ")
-        );
+        ))
     }
 }
 
@@ -822,6 +833,16 @@ mod tests {
             Some(SlotId::ZERO)
         });
         assert_eq!(lookups, 2);
+    }
+
+    #[test]
+    fn drops_are_logged_at_once_then_at_most_every_log_every() {
+        let (mut g, _q, now) = gate();
+        g.counts[Dropped::RateLimited as usize] = 3;
+        let first = g.report(now).expect("the first drop is logged");
+        assert!(first.contains("rate limited: 3"), "{first}");
+        assert!(g.report(now + LOG_EVERY / 2).is_none());
+        assert!(g.report(now + LOG_EVERY).is_some());
     }
 
     #[test]

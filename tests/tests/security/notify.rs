@@ -140,6 +140,15 @@ fn survive(id: &str, attack: &str, args: &[&str], lies_ready: bool) {
             ctr.stdout_so_far()
         );
     }
+    if attack == "notify-flood" {
+        // What was dropped is said, once per 10 s at most.
+        let log = std::fs::read_to_string(cd.log()).unwrap_or_default();
+        assert!(
+            log.contains("notify socket dropped datagrams"),
+            "no drop was logged:\n{}",
+            cd.log_tail(20)
+        );
+    }
     fail_over_and_end(&cd, &env, id, ctr, holder);
 }
 
@@ -199,4 +208,38 @@ fn notify_flood_neither_freezes_nor_bloats_the_shim() {
 #[test]
 fn notify_garbage_changes_nothing() {
     survive("garbage", "notify-garbage", &["3"], false);
+}
+
+#[test]
+fn notify_flood_does_not_delay_kill() {
+    let cd = Containerd::start().expect("containerd");
+    let env = hostile_env(&cd, "gms = \"off\"");
+    let id = "floodkill";
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--rm", "--net-host"],
+            &["/bin/hostile-engine", "notify-flood", "30"],
+        )
+        .expect("ctr run");
+    settle(&cd, &env, id, &ctr, "protected before the attack", |s| {
+        s.pair.protected
+    });
+    until("the shadow floods", LONG, Duration::from_millis(20), || {
+        ctr.stdout_so_far()
+            .contains("attack=notify-flood step=parked")
+            .then_some(())
+    });
+    // The attack starts a second after parking; let it run a while.
+    std::thread::sleep(Duration::from_secs(2));
+    cd.ctr()
+        .run_timeout(&["task", "kill", "--signal", "SIGKILL", id], ANSWER)
+        .expect("ctr task kill during the flood")
+        .assert_success();
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    assert_ne!(out.code(), 0, "{out}");
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists(), "pair dir left");
 }
