@@ -7,6 +7,7 @@
 #   make test        deps + lint + build + every test, integration tests included
 #   make demo        SIGKILL under load: cold restart (runc-v2) vs shadow pair, table + chart
 #   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
+#   make soak        1000+ SIGKILLs of a pair under load: no wrong answer, no leak (long)
 #   make install     shim, shadowctl, gmsd, hook to $(PREFIX)/bin (+ /etc/containerd/shadow.toml if absent)
 #   make uninstall   remove them again
 #   make example     build the guide's engine image offline and import it (ctr)
@@ -35,7 +36,7 @@ INSTALL_FROM ?= target/release
 # The shim's config file; installed only where none exists yet.
 CONFDIR ?= /etc/containerd
 
-.PHONY: deps build release lint test demo bench-recovery bench-shim bench-failover install uninstall example check-root check-cargo
+.PHONY: deps build release lint test demo bench-recovery bench-shim bench-failover soak install uninstall example check-root check-cargo
 
 check-root:
 	@if [ "$$(id -u)" != 0 ]; then echo "this target needs root (containerd, runc, mounts)" >&2; exit 1; fi
@@ -98,6 +99,14 @@ bench-shim: deps release
 # 60 SIGKILLs of a pair's active engine through containerd: kill → READY and where it goes.
 bench-failover: deps release
 	$(CARGO) run -q --release -p shadow-tests --bin bench-failover -- 60
+
+# 1000 SIGKILLs of a pair's active engine under a request stream, then kills
+# of the shadow, of both, of gmsd, during a promotion and 50 ms apart; every
+# answer checked, resources before/after and every 100 rounds; exits 1 if
+# anything leaks (docs/benchmark.md, "Soak"). Long: not part of `make test`.
+SOAK_ARGS ?=
+soak: deps release
+	$(CARGO) run -q --release -p shadow-tests --bin soak -- $(SOAK_ARGS)
 
 install: check-root
 	@for b in $(INSTALL_BINS); do \

@@ -1075,3 +1075,43 @@ fn in_the_host_pid_namespace_what_an_engine_leaves_dies_before_the_exit() {
     cd.assert_no_leftovers();
     assert!(!env.pair_dir(&cd, id).exists());
 }
+
+/// What a pair whose shim died left, when containerd could not clean up
+/// (its directory with a file in it, its metrics file), is removed by the
+/// next Create of the same id, which then runs.
+#[test]
+fn a_dead_pairs_files_are_removed_by_the_next_create_of_its_id() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "stale";
+    PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let dir = env.pair_dir(&cd, id);
+    std::fs::create_dir_all(dir.join("pair")).expect("stale pair dir");
+    std::fs::write(dir.join("pair/left-behind"), "x").expect("stale file");
+    let metrics = env.metrics_file(&cd, id);
+    std::fs::create_dir_all(&env.metrics_dir).expect("metrics dir");
+    std::fs::write(&metrics, "shadow_pair_protected{stale=\"1\"} 1\n").expect("stale metrics");
+    let port = free_port().to_string();
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--rm", "--net-host"],
+            &["/bin/test-engine", "--port", &port],
+        )
+        .expect("ctr run");
+    env.wait_protected(&cd, id, LONG);
+    assert!(!dir.join("pair/left-behind").exists(), "stale file kept");
+    until("fresh metrics", LONG, STEP, || {
+        std::fs::read_to_string(&metrics)
+            .ok()
+            .filter(|m| !m.contains("stale=") && m.contains("shadow_pair_protected{"))
+    });
+    let r = Running {
+        env,
+        port: port.parse().expect("port"),
+        ctr: Some(ctr),
+    };
+    r.stop(&cd, id, "SIGKILL");
+}

@@ -1,0 +1,534 @@
+//! `make soak`: one pair (the test engine, GMS host backend) through a
+//! private containerd and the release shim, under a steady request stream,
+//! killed over and over: 1000 SIGKILLs of the active engine in a row, then
+//! kills of the shadow, of both engines, of gmsd, of the engine being
+//! promoted, and bursts of kills 50 ms apart. Every answer is checked (the
+//! committed weights' checksum, a slot of the pair).
+//!
+//! Before, every 100 rounds and after, it records the shim's RSS and open
+//! fds, gmsd's RSS and open fds, the mounts below the test's dir, the runc
+//! state dirs, the cgroups and the processes of the pair, and prints them
+//! as a table. The figure to meet, else the exit status is 1: no committed
+//! weights lost (engines load them only once, and once more after each
+//! gmsd kill; every answer carries them), no wrong answer, fds, mounts,
+//! runc dirs, cgroups and processes flat, shim RSS growth under 1 MiB
+//! (from the record taken after a warm-up of 100 failovers, which fault in
+//! the failover's code and malloc arenas once), and nothing left once the
+//! pair is stopped.
+//!
+//! The restart budget is set for the soak's rate: every respawn it causes
+//! fits in one window (`max_restarts_in_window` = 4 × the planned kills per
+//! 10 minutes), and kills before an engine parks (promotion kills, bursts)
+//! stay under `max_consecutive_failures`.
+
+use clap::Parser;
+use shadow_contract::state::PairState;
+use shadow_tests::pair::{ask, free_port, shim_pid, until, PairEnv};
+use shadow_tests::{mounts_under, our_processes, Containerd, ContainerdBuilder, RUNC_STATE_ROOT};
+use std::io::Read;
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+#[command(
+    name = "soak",
+    about = "Thousands of SIGKILLs of a real pair under load through a private containerd: answers, weights, and resources before/after"
+)]
+struct Cli {
+    /// SIGKILLs of the active engine in a row.
+    #[arg(long, default_value_t = 1000)]
+    rounds: usize,
+    /// SIGKILLs of the parked shadow.
+    #[arg(long, default_value_t = 50)]
+    shadow_kills: usize,
+    /// SIGKILLs of both engines at once.
+    #[arg(long, default_value_t = 20)]
+    both_kills: usize,
+    /// SIGKILLs of the pair's gmsd (a cold restart each).
+    #[arg(long, default_value_t = 10)]
+    gmsd_kills: usize,
+    /// SIGKILLs of the engine being promoted (just after it took the lock).
+    #[arg(long, default_value_t = 50)]
+    promotion_kills: usize,
+    /// Bursts of 5 SIGKILLs of whoever serves, 50 ms apart.
+    #[arg(long, default_value_t = 10)]
+    bursts: usize,
+    /// SIGKILLs of the active before the first record: the shim's first
+    /// failovers fault in their code and malloc arenas, which is not a leak.
+    #[arg(long, default_value_t = 100)]
+    warmup: usize,
+    /// Record the resources every N active kills.
+    #[arg(long, default_value_t = 100)]
+    every: usize,
+}
+
+const LONG: Duration = Duration::from_secs(60);
+const STEP: Duration = Duration::from_millis(2);
+const BURST: usize = 5;
+const BURST_GAP: Duration = Duration::from_millis(50);
+
+fn kill(pid: u32) -> bool {
+    // SAFETY: kill(2) with a pid read from the pair's state and a signal.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) == 0 }
+}
+
+/// `VmRSS` and `RssAnon` of a process in KiB, and its open fds: the fewest of a few
+/// reads, so a connection of the moment (the shim polls gmsd's status
+/// every second) is not counted as a leak.
+fn rss_fds(pid: Option<u32>) -> (u64, u64, usize) {
+    let mut best = (u64::MAX, u64::MAX, usize::MAX);
+    for _ in 0..5 {
+        let (rss, anon, fds) = rss_fds_once(pid);
+        best = (best.0.min(rss), best.1.min(anon), best.2.min(fds));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    best
+}
+
+fn rss_fds_once(pid: Option<u32>) -> (u64, u64, usize) {
+    let Some(pid) = pid else { return (0, 0, 0) };
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let (rss, anon) = (kib("VmRSS:"), kib("RssAnon:"));
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    (rss, anon, fds)
+}
+
+/// Every directory below `dir`, `dir` included.
+fn dirs_below(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        if !d.is_dir() {
+            continue;
+        }
+        if let Ok(rd) = std::fs::read_dir(&d) {
+            todo.extend(rd.flatten().map(|e| e.path()).filter(|p| p.is_dir()));
+        }
+        out.push(d);
+    }
+    out
+}
+
+#[derive(Clone, Debug)]
+struct Sample {
+    label: String,
+    shim_rss_kib: u64,
+    shim_anon_kib: u64,
+    shim_fds: usize,
+    gmsd_rss_kib: u64,
+    gmsd_fds: usize,
+    mounts: usize,
+    runc_dirs: usize,
+    cgroups: usize,
+    processes: usize,
+}
+
+struct Pair<'a> {
+    cd: &'a Containerd,
+    env: PairEnv,
+    id: &'static str,
+}
+
+impl Pair<'_> {
+    fn state(&self) -> Option<PairState> {
+        self.env.state(self.cd, self.id)
+    }
+
+    fn wait(&self, what: &str, ok: impl Fn(&PairState) -> bool) -> PairState {
+        until(what, LONG, STEP, || self.state().filter(|s| ok(s)))
+    }
+
+    fn protected(&self) -> PairState {
+        self.wait("protected", |s| {
+            s.pair.protected && s.pids.iter().all(Option::is_some)
+        })
+    }
+
+    fn sample(&self, label: String) -> Sample {
+        let st = self.state();
+        let (shim_rss_kib, shim_anon_kib, shim_fds) =
+            rss_fds(shim_pid(self.cd, self.id).map(|p| p as u32));
+        let (gmsd_rss_kib, _, gmsd_fds) =
+            rss_fds(st.as_ref().and_then(|s| s.gms.as_ref()).map(|g| g.pid));
+        let ns = self.cd.namespace();
+        let runc_dirs = std::fs::read_dir(Path::new(RUNC_STATE_ROOT).join(ns))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        let cgroup_roots: Vec<PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
+            .map(|rd| rd.flatten().map(|e| e.path().join(ns)).collect())
+            .unwrap_or_default();
+        let cgroups = cgroup_roots.iter().map(|r| dirs_below(r).len()).sum();
+        // The pair's processes: what runs in its cgroup (engines), and the
+        // shim and gmsd, whose command lines name the test's dir.
+        let pair_cgroup = Path::new("/sys/fs/cgroup/pids").join(ns).join(self.id);
+        let in_cgroup: usize = dirs_below(&pair_cgroup)
+            .iter()
+            .map(|d| {
+                std::fs::read_to_string(d.join("cgroup.procs"))
+                    .map(|t| t.lines().count())
+                    .unwrap_or(0)
+            })
+            .sum();
+        let processes = in_cgroup + our_processes(self.cd.dir(), self.cd.address()).len();
+        Sample {
+            label,
+            shim_rss_kib,
+            shim_anon_kib,
+            shim_fds,
+            gmsd_rss_kib,
+            gmsd_fds,
+            mounts: mounts_under(self.cd.dir()).len(),
+            runc_dirs,
+            cgroups,
+            processes,
+        }
+    }
+
+    fn loads(&self) -> usize {
+        // The test engine logs each load in the rootfs both engines share.
+        std::fs::read_to_string(self.cd.rootfs().join("loads.log"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    }
+}
+
+/// SIGKILL the active engine and wait until the pair has failed over and is
+/// protected again (the killed slot respawned).
+fn kill_active(pair: &Pair<'_>, st: &PairState, what: &str) -> PairState {
+    let slot = st.pair.active.expect("active slot");
+    let pid = st.pid_of(slot).expect("active pid");
+    let before = st.pair.failovers;
+    assert!(kill(pid), "{what}: kill {pid}");
+    pair.wait(&format!("{what}: failover and protected"), |s| {
+        s.pair.failovers > before
+            && s.pair.protected
+            && s.pids[usize::from(slot)].is_some_and(|p| p != pid)
+    })
+}
+
+/// The request stream: one request after another, each answer checked.
+#[derive(Default)]
+struct Stream {
+    answered: AtomicU64,
+    unanswered: AtomicU64,
+    wrong: AtomicU64,
+    first_wrong: Mutex<Option<String>>,
+}
+
+/// One request: the whole answer line, or None when no engine answered
+/// or the answer was cut (the engine was killed while writing it: the
+/// line has no newline yet), which is a request lost in flight.
+fn ask_line(port: u16) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(500),
+    )
+    .ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.ends_with('\n').then_some(text)
+}
+
+/// Whether a whole answer is right: a slot of the pair, the committed
+/// weights' checksum.
+fn right(line: &str, weights: &str) -> bool {
+    let get = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+    };
+    matches!(get("slot"), Some("0" | "1")) && get("weights") == Some(weights)
+}
+
+fn stream(port: u16, weights: String, stop: Arc<AtomicBool>, tally: Arc<Stream>) {
+    while !stop.load(Ordering::Relaxed) {
+        match ask_line(port) {
+            Some(line) if right(&line, &weights) => {
+                tally.answered.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(line) => {
+                tally.wrong.fetch_add(1, Ordering::Relaxed);
+                let mut first = tally.first_wrong.lock().unwrap_or_else(|p| p.into_inner());
+                first.get_or_insert(line);
+            }
+            None => {
+                tally.unanswered.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn print_table(samples: &[Sample]) {
+    println!(
+        "{:<22} {:>12} {:>9} {:>8} {:>12} {:>8} {:>7} {:>9} {:>8} {:>9}",
+        "",
+        "shim RSS KiB",
+        "anon KiB",
+        "shim fds",
+        "gmsd RSS KiB",
+        "gmsd fds",
+        "mounts",
+        "runc dirs",
+        "cgroups",
+        "processes"
+    );
+    for s in samples {
+        println!(
+            "{:<22} {:>12} {:>9} {:>8} {:>12} {:>8} {:>7} {:>9} {:>8} {:>9}",
+            s.label,
+            s.shim_rss_kib,
+            s.shim_anon_kib,
+            s.shim_fds,
+            s.gmsd_rss_kib,
+            s.gmsd_fds,
+            s.mounts,
+            s.runc_dirs,
+            s.cgroups,
+            s.processes
+        );
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    let planned = cli.rounds
+        + cli.shadow_kills
+        + cli.warmup
+        + 2 * cli.both_kills
+        + 2 * cli.gmsd_kills
+        + 2 * cli.promotion_kills
+        + BURST * cli.bursts;
+    let cd: Containerd = ContainerdBuilder::default()
+        .shim_profile(profile)
+        .start()
+        .expect("containerd");
+    let exe = std::env::current_exe().expect("exe");
+    PairEnv::install_engine(&cd, &exe.with_file_name("test-engine")).expect("install test-engine");
+    let gmsd = exe.with_file_name("gmsd");
+    assert!(
+        gmsd.is_file(),
+        "{} missing: build gmsd ({profile})",
+        gmsd.display()
+    );
+    let env = PairEnv::new(
+        &cd,
+        &format!(
+            "gms = \"host\"\ngmsd = \"{}\"\n[pair.restart]\nmax_consecutive_failures = 50\nmax_restarts_in_window = {}\nwindow = 600000\nbackoff_initial = 10\nbackoff_max = 500\n",
+            gmsd.display(),
+            4 * planned
+        ),
+    )
+    .expect("config");
+    let port = free_port();
+    let id = "soak";
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[],
+            &["--rm", "--net-host"],
+            &["/bin/test-engine", "--port", &port.to_string()],
+        )
+        .expect("ctr run");
+    let pair = Pair { cd: &cd, env, id };
+    let started = Instant::now();
+    let mut st = pair.protected();
+    let weights = until("a first answer", LONG, STEP, || ask(port)).weights;
+    let at_start = pair.sample("start".into());
+    for round in 1..=cli.warmup {
+        st = kill_active(&pair, &st, &format!("warm-up {round}"));
+    }
+    let mut samples = vec![
+        at_start,
+        pair.sample(format!("before (+{} warm-up)", cli.warmup)),
+    ];
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Stream::default());
+    let streamer = {
+        let (w, s, t) = (weights.clone(), stop.clone(), tally.clone());
+        std::thread::spawn(move || stream(port, w, s, t))
+    };
+    let mut kills = cli.warmup;
+    let mut gmsd_killed = 0usize;
+
+    // 1. The active engine, again and again.
+    for round in 1..=cli.rounds {
+        st = kill_active(&pair, &st, &format!("round {round}"));
+        kills += 1;
+        if round % cli.every == 0 {
+            samples.push(pair.sample(format!("active kill {round}")));
+        }
+    }
+    // 2. The parked shadow.
+    for _ in 0..cli.shadow_kills {
+        let shadow = 1 - st.pair.active.expect("active");
+        let pid = st.pid_of(shadow).expect("shadow pid");
+        kills += usize::from(kill(pid));
+        st = pair.wait("shadow respawned", |s| {
+            s.pair.protected && s.pid_of(shadow).is_some_and(|p| p != pid)
+        });
+    }
+    samples.push(pair.sample(format!("+{} shadow", cli.shadow_kills)));
+    // 3. Both engines at once.
+    for _ in 0..cli.both_kills {
+        let old = st.pids;
+        for p in old.iter().flatten() {
+            kills += usize::from(kill(*p));
+        }
+        st = pair.wait("both respawned", |s| {
+            s.pair.protected && s.pids.iter().zip(&old).all(|(n, o)| n.is_some() && n != o)
+        });
+    }
+    samples.push(pair.sample(format!("+{} both", cli.both_kills)));
+    // 4. gmsd: a cold restart of the pair, weights loaded once more.
+    for _ in 0..cli.gmsd_kills {
+        let colds = st.pair.cold_restarts;
+        let gms = st.gms.as_ref().expect("gmsd").pid;
+        kills += usize::from(kill(gms));
+        gmsd_killed += 1;
+        st = pair.wait("cold restart done", |s| {
+            s.pair.cold_restarts > colds
+                && s.pair.protected
+                && s.gms.as_ref().is_some_and(|g| g.pid != gms)
+        });
+    }
+    samples.push(pair.sample(format!("+{} gmsd", cli.gmsd_kills)));
+    // 5. The engine being promoted, as soon as it holds the lock.
+    for _ in 0..cli.promotion_kills {
+        let slot = st.pair.active.expect("active");
+        let pid = st.pid_of(slot).expect("active pid");
+        kills += usize::from(kill(pid));
+        let next = pair.wait("the other engine takes the lock", |s| {
+            s.pair.active == Some(1 - slot) || s.pid_of(slot).is_some_and(|p| p != pid)
+        });
+        if let Some(p) = next
+            .pid_of(1 - slot)
+            .filter(|_| next.pair.active == Some(1 - slot))
+        {
+            kills += usize::from(kill(p));
+        }
+        st = pair.protected();
+    }
+    samples.push(pair.sample(format!("+{} promoting", cli.promotion_kills)));
+    // 6. Bursts: whoever serves, 50 ms apart.
+    for _ in 0..cli.bursts {
+        for _ in 0..BURST {
+            if let Some(pid) = pair.state().and_then(|s| s.active_pid()) {
+                kills += usize::from(kill(pid));
+            }
+            std::thread::sleep(BURST_GAP);
+        }
+        pair.protected();
+    }
+    // Let the last respawn settle (the shadow parked, gmsd's status fresh).
+    std::thread::sleep(Duration::from_secs(2));
+    st = pair.protected();
+    samples.push(pair.sample("after".into()));
+    let loads = pair.loads();
+    stop.store(true, Ordering::Relaxed);
+    let _ = streamer.join();
+    let elapsed = started.elapsed();
+
+    // Stop the pair: nothing may be left.
+    cd.ctr()
+        .run(&["task", "kill", "--signal", "SIGKILL", id])
+        .expect("ctr task kill");
+    let _ = ctr.wait(LONG);
+    let left = cd.leftovers(false);
+
+    print_table(&samples);
+    let start = &samples[0];
+    let before = &samples[1];
+    let after = samples.last().expect("after");
+    let answered = tally.answered.load(Ordering::Relaxed);
+    let unanswered = tally.unanswered.load(Ordering::Relaxed);
+    let wrong = tally.wrong.load(Ordering::Relaxed);
+    println!();
+    println!(
+        "{kills} SIGKILLs in {:.0} s ({} + {} of the active in a row); failovers {}, cold restarts {}",
+        elapsed.as_secs_f64(),
+        cli.warmup,
+        cli.rounds,
+        st.pair.failovers,
+        st.pair.cold_restarts
+    );
+    println!(
+        "requests: {answered} answered, {wrong} wrong, {unanswered} unanswered (refused or cut while no engine served)"
+    );
+    println!("weights loaded {loads} times (1 + {gmsd_killed} gmsd kills expected)");
+    let rss_growth = after.shim_rss_kib as i64 - before.shim_rss_kib as i64;
+    let anon_growth = after.shim_anon_kib as i64 - before.shim_anon_kib as i64;
+    println!(
+        "shim RSS growth {rss_growth} KiB after the warm-up (anon {anon_growth} KiB; {} KiB from the start, warm-up included); leftovers after stop: {left:?}",
+        after.shim_rss_kib as i64 - start.shim_rss_kib as i64
+    );
+
+    let mut failed = Vec::new();
+    if wrong > 0 {
+        failed.push(format!(
+            "{wrong} wrong answers, first: {}",
+            tally
+                .first_wrong
+                .lock()
+                .map(|f| f.clone().unwrap_or_default())
+                .unwrap_or_default()
+        ));
+    }
+    if loads != 1 + gmsd_killed {
+        failed.push(format!(
+            "weights loaded {loads} times, expected {}",
+            1 + gmsd_killed
+        ));
+    }
+    if answered == 0 {
+        failed.push("no answer at all".into());
+    }
+    let flat = |what: &str, a: usize, b: usize, failed: &mut Vec<String>| {
+        if a != b {
+            failed.push(format!("{what}: {a} before, {b} after"));
+        }
+    };
+    flat("shim fds", before.shim_fds, after.shim_fds, &mut failed);
+    flat("gmsd fds", before.gmsd_fds, after.gmsd_fds, &mut failed);
+    flat("mounts", before.mounts, after.mounts, &mut failed);
+    flat(
+        "runc state dirs",
+        before.runc_dirs,
+        after.runc_dirs,
+        &mut failed,
+    );
+    flat("cgroups", before.cgroups, after.cgroups, &mut failed);
+    flat("processes", before.processes, after.processes, &mut failed);
+    if rss_growth >= 1024 {
+        failed.push(format!("shim RSS grew {rss_growth} KiB (limit 1024)"));
+    }
+    if !left.is_empty() {
+        failed.push(format!("left after stop: {left:?}"));
+    }
+    if failed.is_empty() {
+        println!("soak: PASS");
+    } else {
+        for f in &failed {
+            println!("soak: FAIL: {f}");
+        }
+        std::process::exit(1);
+    }
+}
