@@ -180,6 +180,30 @@ impl RuncClient {
         stdio: RuncStdio<'_>,
         inherit: &[BorrowedFd<'_>],
     ) -> Result<u32> {
+        self.create_or_run(true, id, bundle, stdio, inherit).await
+    }
+
+    /// `runc create` of `bundle` whose process will inherit `inherit` as
+    /// its descriptors 3, 4, … (`runc create --preserve-fds`); returns the
+    /// init's pid. `start` runs it.
+    pub async fn create_inheriting(
+        &self,
+        id: &str,
+        bundle: &Path,
+        stdio: RuncStdio<'_>,
+        inherit: &[BorrowedFd<'_>],
+    ) -> Result<u32> {
+        self.create_or_run(false, id, bundle, stdio, inherit).await
+    }
+
+    async fn create_or_run(
+        &self,
+        run: bool,
+        id: &str,
+        bundle: &Path,
+        stdio: RuncStdio<'_>,
+        inherit: &[BorrowedFd<'_>],
+    ) -> Result<u32> {
         let pid_file = bundle.join(INIT_PID_FILE);
         // A previous generation's pid must never be read as this one's.
         let _ = std::fs::remove_file(&pid_file);
@@ -199,10 +223,18 @@ impl RuncClient {
             }
             stdio => stdio,
         };
-        let opts = with_stdio(self.create_opts(&pid_file).detach(true), stdio);
-        let ran = self.runc.run(id, bundle, Some(&opts)).await;
-        drop(opts);
-        ran.map_err(|e| self.error("run", id, e))?;
+        let (done, step) = if run {
+            let opts = with_stdio(self.create_opts(&pid_file).detach(true), stdio);
+            let ran = self.runc.run(id, bundle, Some(&opts)).await;
+            drop(opts);
+            (ran.map(|_| ()), "run")
+        } else {
+            let opts = with_stdio(self.create_opts(&pid_file), stdio);
+            let created = self.runc.create(id, bundle, Some(&opts)).await;
+            drop(opts);
+            (created.map(|_| ()), "create")
+        };
+        done.map_err(|e| self.error(step, id, e))?;
         read_pid(&pid_file)
     }
 
@@ -330,7 +362,7 @@ impl RuncClient {
     }
 }
 
-/// A `runc run` whose process inherits `fds` as its descriptors 3.. The
+/// A `runc run` (or `runc create`) whose process inherits `fds` as its descriptors 3.. The
 /// runc crate has no option for `--preserve-fds`, so this wraps the stdio
 /// (the one hook it gives into the command) and rebuilds the command with
 /// the flag after the subcommand. Holds its own duplicates, closed when runc
@@ -341,15 +373,16 @@ struct PreservedFds {
     fds: Vec<OwnedFd>,
 }
 
-/// `cmd` again with `--preserve-fds n` right after its `run` subcommand.
+/// `cmd` again with `--preserve-fds n` right after its `run` or `create`
+/// subcommand.
 fn with_preserve_fds(cmd: &std::process::Command, n: usize) -> std::io::Result<Command> {
     use std::ffi::OsStr;
     let mut args: Vec<&OsStr> = cmd.get_args().collect();
     let at = args
         .windows(2)
-        .position(|w| w[0] == "run" && w[1] == "--bundle")
+        .position(|w| (w[0] == "run" || w[0] == "create") && w[1] == "--bundle")
         .ok_or_else(|| {
-            std::io::Error::other("--preserve-fds: not a `runc run --bundle` command")
+            std::io::Error::other("--preserve-fds: not a `runc run|create --bundle` command")
         })?;
     let n = n.to_string();
     args.splice(

@@ -407,6 +407,48 @@ fn ctr_kill_ends_the_pair_with_one_exit_and_rm_leaves_nothing() {
         .filter(|l| l.contains("/tasks/exit") && l.contains(id))
         .count();
     assert_eq!(exits, 1, "exactly one TaskExit: {seen}");
+    // As runc-v2's: Create already made an engine (slot 0, started by
+    // Start), so `/tasks/create` carries its pid (JSON leaves out a 0).
+    let create = seen
+        .lines()
+        .find(|l| l.contains("/tasks/create") && l.contains(id))
+        .unwrap_or_else(|| panic!("no /tasks/create: {seen}"));
+    let pid: u32 = create
+        .split("\"pid\":")
+        .nth(1)
+        .map(|r| {
+            r.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+        })
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {create}"));
+    assert_eq!(
+        pid, pids[0],
+        "the pid of Create is slot 0's engine: {create}"
+    );
+}
+
+/// As runc-v2's Create (`runc create`): a pair whose engine cannot run
+/// fails Create with runc's error, and Create leaves nothing behind.
+#[test]
+fn a_pair_whose_binary_does_not_exist_fails_create_leaving_nothing() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "nobinary";
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let out = env
+        .run(&cd, id, &[], &["--rm"], &["/no/such/engine", "--port", "1"])
+        .expect("ctr run")
+        .wait(LONG)
+        .expect("ctr run ends");
+    assert_ne!(out.code(), 0, "{out}");
+    assert!(
+        out.stderr.contains("/no/such/engine") && out.stderr.contains("runc create"),
+        "{out}"
+    );
+    assert_eq!(cd.ctr().task_status(id).expect("ls").as_deref(), None);
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists(), "pair dir left");
 }
 
 #[test]

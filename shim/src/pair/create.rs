@@ -182,7 +182,7 @@ impl PairedContainer {
         rt: &Runtime,
         req: &PairRequest,
         made: &mut Made,
-    ) -> Result<(Arc<[EngineSlot; 2]>, Supervisor, watch::Receiver<View>)> {
+    ) -> Result<(Arc<[EngineSlot; 2]>, Supervisor, watch::Receiver<View>, u32)> {
         let cfg = &rt.config.pair;
         let bundle = PathBuf::from(&req.bundle);
         if req.stdio.terminal {
@@ -378,18 +378,18 @@ impl PairedContainer {
         made.metrics_file = Some(metrics_file.clone());
         let output = Arc::new(SharedOutput::new(out, err));
         let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
-        let host = Machine::new(
+        let host = Arc::new(Machine::new(
             engines.clone(),
             output.clone(),
             rt.router.clone(),
             lock_file,
             listen,
-        );
+        ));
         let sup = Supervisor::new(Parts {
             id: req.id.clone(),
             namespace: rt.namespace.clone(),
             config: cfg.clone(),
-            host: Arc::new(host),
+            host: host.clone(),
             runc_ids: [engines[0].runc_id.clone(), engines[1].runc_id.clone()],
             output,
             copiers: out_copier.into_iter().chain(err_copier).collect(),
@@ -405,14 +405,26 @@ impl PairedContainer {
             gpu_buses: gpus.iter().map(|g| g.bus.clone()).collect(),
             single: req.single,
         });
+        // As runc-v2's Create: the first engine exists (not started), so
+        // the task has its pid and a spec that cannot run fails here.
+        let pid = match host.create(SlotId::BOTH[0]).await {
+            Ok(pid) => pid,
+            Err(e) => {
+                made.gms = sup
+                    .abandon()
+                    .map(|g| Arc::new(std::sync::Mutex::new(Some(g))));
+                return Err(e);
+            }
+        };
         log::info!(
-            "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {})",
+            "pair {}: created in {} (slot {} created as pid {pid}, cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {})",
             req.id,
             dirs.root.display(),
+            SlotId::BOTH[0],
             pins.is_some(),
             listen_count
         );
-        Ok((engines, sup, view_rx))
+        Ok((engines, sup, view_rx, pid))
     }
 }
 

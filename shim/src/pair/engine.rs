@@ -84,3 +84,17 @@ pub async fn run_engine(
         .run_detached(&e.runc_id, &e.bundle, RuncStdio::Fds(output), &inherit)
         .await
 }
+
+/// Create one engine without starting it: `runc create` of the slot's
+/// bundle (so that its pid, and a spec that cannot run, are known at the
+/// task's Create, as runc-v2 does); `runc start` runs it.
+pub async fn create_engine(
+    e: &EngineSlot,
+    output: Arc<SharedOutput>,
+    listen: Option<&ListenSockets>,
+) -> Result<u32> {
+    let inherit = listen.map(ListenSockets::fds).unwrap_or_default();
+    e.client
+        .create_inheriting(&e.runc_id, &e.bundle, RuncStdio::Fds(output), &inherit)
+        .await
+}

@@ -12,7 +12,7 @@ use nix::unistd::Pid;
 use shadow_pair::{FileId, SlotId};
 use tokio::sync::oneshot;
 
-use super::engine::{run_engine, EngineSlot, SharedOutput};
+use super::engine::{create_engine, run_engine, EngineSlot, SharedOutput};
 use super::listen::ListenSockets;
 use super::lock::{self, LockLook};
 use crate::error::Result;
@@ -50,6 +50,9 @@ pub struct Machine {
     /// the pair (its supervisor) ends.
     pub listen: Option<ListenSockets>,
     cgroups: [String; 2],
+    /// Engines created at the task's Create and not yet started, by slot:
+    /// their first spawn is `runc start`.
+    created: std::sync::Mutex<[Option<u32>; 2]>,
 }
 
 impl Machine {
@@ -68,6 +71,26 @@ impl Machine {
             lock_file,
             listen,
             cgroups,
+            created: std::sync::Mutex::new([None, None]),
+        }
+    }
+
+    /// `runc create` of `slot`'s engine, at the task's Create: its pid is
+    /// the task's until Start, and an engine that cannot run (a missing
+    /// binary) fails Create. What a failed create left is removed.
+    pub async fn create(&self, slot: SlotId) -> Result<u32> {
+        let e = &self.engines[slot.index()];
+        match create_engine(e, self.output.clone(), self.listen.as_ref()).await {
+            Ok(pid) => {
+                self.created.lock().unwrap_or_else(|p| p.into_inner())[slot.index()] = Some(pid);
+                Ok(pid)
+            }
+            Err(err) => {
+                if let Err(d) = e.client.delete_force(&e.runc_id).await {
+                    log::warn!("{}: removing the failed create: {d}", e.runc_id);
+                }
+                Err(err)
+            }
         }
     }
 }
@@ -75,6 +98,12 @@ impl Machine {
 #[async_trait]
 impl Host for Machine {
     async fn spawn(&self, slot: SlotId, fresh: bool) -> Result<u32> {
+        let created = self.created.lock().unwrap_or_else(|p| p.into_inner())[slot.index()].take();
+        if let Some(pid) = created.filter(|_| fresh) {
+            let e = &self.engines[slot.index()];
+            e.client.start(&e.runc_id).await?;
+            return Ok(pid);
+        }
         if let Some(l) = &self.listen {
             l.repair();
         }

@@ -88,13 +88,15 @@ pub struct PairedContainer {
     deleted: Mutex<bool>,
     /// Paused: the pair's cgroup is frozen (both engines).
     paused: AtomicBool,
+    /// The pid of the engine created at Create: the task's until Start.
+    created_pid: u32,
 }
 
 impl PairedContainer {
     pub async fn create(rt: &Runtime, req: PairRequest) -> Result<Arc<Self>> {
         let mut made = Made::default();
         match Self::create_steps(rt, &req, &mut made).await {
-            Ok((engines, sup, view)) => Ok(Arc::new(PairedContainer {
+            Ok((engines, sup, view, created_pid)) => Ok(Arc::new(PairedContainer {
                 id: req.id.clone(),
                 bundle: req.bundle.clone(),
                 stdio: req.stdio.clone(),
@@ -108,11 +110,22 @@ impl PairedContainer {
                 execs: Mutex::new(HashMap::new()),
                 deleted: Mutex::new(false),
                 paused: AtomicBool::new(false),
+                created_pid,
             })),
             Err(e) => {
                 made.undo().await;
                 Err(e)
             }
+        }
+    }
+
+    /// The task's pid: the one the pair publishes once it runs, else the
+    /// engine created at Create.
+    fn task_pid(&self, published: u32) -> u32 {
+        if published != 0 {
+            published
+        } else {
+            self.created_pid
         }
     }
 
@@ -185,7 +198,7 @@ impl Container for PairedContainer {
     }
 
     fn pid(&self) -> u32 {
-        self.view.borrow().pid
+        self.task_pid(self.view.borrow().pid)
     }
 
     async fn start(&self, exec: ExecId<'_>) -> Result<u32> {
@@ -238,7 +251,7 @@ impl Container for PairedContainer {
         }
         let v = self.view.borrow().clone();
         Ok(ProcessState {
-            pid: v.pid,
+            pid: self.task_pid(v.pid),
             status: self.status(),
             stdio: self.stdio.clone(),
             exit: v.exit,
@@ -288,7 +301,16 @@ impl Container for PairedContainer {
                     // Not started: nothing runs, and the task ends now with
                     // the signal's status; Delete removes the pair.
                     Some(sup) => {
-                        sup.end_unstarted(128 + signal);
+                        sup.end_unstarted(128 + signal, self.created_pid);
+                        // The created engine goes too (as runc-v2's
+                        // created init dies of the signal); Delete
+                        // removes its container.
+                        let e = &self.engines[SlotId::BOTH[0].index()];
+                        if let Err(err) =
+                            e.client.kill(&e.runc_id, libc::SIGKILL as u32, false).await
+                        {
+                            log::warn!("pair {}: {err}", self.id);
+                        }
                         return Ok(());
                     }
                     // Start ran meanwhile (it holds `waiting` until its
@@ -345,7 +367,7 @@ impl Container for PairedContainer {
         }
         let mut deleted = self.deleted.lock().await;
         let exit = self.view.borrow().exit.unwrap_or(ExitInfo {
-            pid: 0,
+            pid: self.created_pid,
             status: 128 + libc::SIGKILL as u32,
             at: SystemTime::now(),
         });
@@ -444,9 +466,12 @@ impl Container for PairedContainer {
 
     async fn pids(&self) -> Result<Vec<ProcessInfo>> {
         let pids = self.view.borrow().pids;
+        // Before Start, the engine created at Create (as runc-v2 lists a
+        // created container's init).
+        let created = self.status() == Status::Created;
         let mut out = Vec::new();
         for slot in SlotId::BOTH {
-            if pids[slot.index()].is_none() {
+            if pids[slot.index()].is_none() && !(created && slot == SlotId::BOTH[0]) {
                 continue;
             }
             let e = &self.engines[slot.index()];

@@ -195,10 +195,10 @@ impl Supervisor {
     /// before its start does (its init dies of the signal). Without this
     /// exit, Wait and Delete(WithProcessKill) would wait forever; CRI does
     /// exactly this when a start fails.
-    pub fn end_unstarted(&mut self, status: u32) {
+    pub fn end_unstarted(&mut self, status: u32, pid: u32) {
         self.output.close();
         let info = ExitInfo {
-            pid: 0,
+            pid,
             status,
             at: SystemTime::now(),
         };
