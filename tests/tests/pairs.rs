@@ -1115,3 +1115,46 @@ fn a_dead_pairs_files_are_removed_by_the_next_create_of_its_id() {
     };
     r.stop(&cd, id, "SIGKILL");
 }
+
+#[test]
+fn the_tasks_stdin_reaches_the_first_engine_and_the_other_reads_dev_null() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "stdin";
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let config = env.config.display().to_string();
+    // Each engine echoes the first line it reads, then stays (sleep as the
+    // init of its pid namespace ignores SIGTERM: the test kills with SIGKILL).
+    let script = "read line; echo \"got-[$line]-in-$SHADOW_ENGINE_ID\"; exec sleep 600";
+    let mut ctr = cd
+        .container(shadow_tests::Runtime::Shadow, id)
+        .flags(&["--runtime-config-path", &config])
+        .annotation(shadow_contract::annotations::PAIR, "true")
+        .flags(&["--rm"])
+        .cmd(&["sh", "-c", script])
+        .spawn(true)
+        .expect("ctr run");
+    ctr.write_stdin(b"hello\n").expect("write stdin");
+    ctr.close_stdin();
+    let echoed = ctr.wait_line(LONG, |l| l.starts_with("got-[hello]-in-"));
+    let other = ctr.wait_line(LONG, |l| l.starts_with("got-[]-in-"));
+    let killed = cd.ctr().run(&["task", "kill", "-s", "SIGKILL", id]);
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    killed.expect("kill").assert_success();
+    let echoed = echoed.unwrap_or_else(|e| panic!("no engine echoed the task's stdin: {e}; {out}"));
+    let other = other.unwrap_or_else(|e| panic!("the other engine read nothing: {e}; {out}"));
+    assert_ne!(
+        echoed.rsplit('-').next(),
+        other.rsplit('-').next(),
+        "one engine each: {out}"
+    );
+    assert_eq!(
+        out.stdout
+            .lines()
+            .filter(|l| l.starts_with("got-[hello]"))
+            .count(),
+        1,
+        "the input went to one engine only: {out}"
+    );
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
+}
