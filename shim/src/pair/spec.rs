@@ -89,17 +89,29 @@ pub fn pair_cgroup(spec: &Value, namespace: &str, id: &str) -> Result<String> {
 }
 
 /// Which namespaces of the spec the pair must pin: those asked for without a
-/// path (network and IPC).
+/// path (network, and IPC unless the spec has a user namespace: see
+/// [`pins_ipc`]).
 pub fn needs_pinned_namespaces(spec: &Value) -> bool {
+    let ipc = pins_ipc(spec);
     namespaces(spec).iter().any(|ns| {
-        matches!(
-            ns.get("type").and_then(Value::as_str),
-            Some("network" | "ipc")
-        ) && ns
-            .get("path")
-            .and_then(Value::as_str)
-            .is_none_or(str::is_empty)
+        let kind = ns.get("type").and_then(Value::as_str);
+        (kind == Some("network") || (ipc && kind == Some("ipc")))
+            && ns
+                .get("path")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
     })
+}
+
+/// Whether the engines join the pair's pinned IPC namespace. Not when the
+/// spec has a user namespace: the pin is owned by the shim's (the host's)
+/// user namespace, in which the container has no privilege, so it could not
+/// mount `mqueue`; each engine then gets the private IPC namespace the spec
+/// asks for, owned by its own user namespace.
+pub fn pins_ipc(spec: &Value) -> bool {
+    !namespaces(spec)
+        .iter()
+        .any(|ns| ns.get("type").and_then(Value::as_str) == Some("user"))
 }
 
 /// The network namespace the pair's listening sockets belong in: the
@@ -325,6 +337,7 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     if let Some(res) = linux.get_mut("resources").and_then(Value::as_object_mut) {
         res.retain(|k, _| k == "devices");
     }
+    let ipc_pinned = pins_ipc(spec);
     if let (Some(list), Some((net, ipc))) = (
         linux.get_mut("namespaces").and_then(Value::as_array_mut),
         e.pinned,
@@ -332,7 +345,7 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         for ns in list.iter_mut() {
             let pin = match ns.get("type").and_then(Value::as_str) {
                 Some("network") => net,
-                Some("ipc") => ipc,
+                Some("ipc") if ipc_pinned => ipc,
                 _ => continue,
             };
             if ns
@@ -467,6 +480,28 @@ mod tests {
         assert!(!needs_pinned_namespaces(&sandboxed));
         sandboxed["linux"]["namespaces"] = json!([{"type": "pid"}]);
         assert!(!needs_pinned_namespaces(&sandboxed), "host network");
+    }
+
+    #[test]
+    fn with_a_user_namespace_only_the_network_is_pinned() {
+        let mut s = spec();
+        s["linux"]["namespaces"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"type": "user"}));
+        let pins = (Path::new("/p/ns/net"), Path::new("/p/ns/ipc"));
+        let e = engine_spec(&s, &inputs(SlotId::ZERO, Some(pins))).unwrap();
+        assert_eq!(
+            e["linux"]["namespaces"],
+            json!([{"type": "pid"}, {"type": "network", "path": "/p/ns/net"},
+                   {"type": "ipc"}, {"type": "mount"}, {"type": "user"}])
+        );
+        assert!(needs_pinned_namespaces(&s));
+        s["linux"]["namespaces"][1]["path"] = "/var/run/netns/x".into();
+        assert!(
+            !needs_pinned_namespaces(&s),
+            "a pathless IPC namespace alone is not pinned with a user namespace"
+        );
     }
 
     #[test]
