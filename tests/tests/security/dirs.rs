@@ -71,7 +71,17 @@ fn an_engine_cannot_write_host_directories_and_a_gmsd_that_will_not_start_ends_t
         .expect("ctr run");
     // Both engines attacked, then parked: one serves, one waits.
     let st = env.wait_protected(&cd, id, LONG);
-    let said = ctr.stdout_so_far();
+    // The pair's state can be ahead of the engines' output, which reaches
+    // us through containerd's FIFOs and ctr: wait for both reports.
+    let said = until(
+        "both engines to report their attack",
+        LONG,
+        Duration::from_millis(5),
+        || {
+            let said = ctr.stdout_so_far();
+            (said.matches("step=attacked").count() >= 2).then_some(said)
+        },
+    );
     assert_eq!(said.matches("step=attacked").count(), 2, "{said}");
     assert!(
         said.contains("step=refused:write /run/shadow/pair/engine.lock"),
