@@ -89,26 +89,27 @@ pub fn pair_cgroup(spec: &Value, namespace: &str, id: &str) -> Result<String> {
 }
 
 /// Which namespaces of the spec the pair must pin: those asked for without a
-/// path (network, and IPC unless the spec has a user namespace: see
-/// [`pins_ipc`]).
+/// path (network and IPC), unless the spec has a user namespace (see
+/// [`pins_namespaces`]).
 pub fn needs_pinned_namespaces(spec: &Value) -> bool {
-    let ipc = pins_ipc(spec);
-    namespaces(spec).iter().any(|ns| {
-        let kind = ns.get("type").and_then(Value::as_str);
-        (kind == Some("network") || (ipc && kind == Some("ipc")))
-            && ns
+    pins_namespaces(spec)
+        && namespaces(spec).iter().any(|ns| {
+            matches!(
+                ns.get("type").and_then(Value::as_str),
+                Some("network" | "ipc")
+            ) && ns
                 .get("path")
                 .and_then(Value::as_str)
                 .is_none_or(str::is_empty)
-    })
+        })
 }
 
-/// Whether the engines join the pair's pinned IPC namespace. Not when the
-/// spec has a user namespace: the pin is owned by the shim's (the host's)
-/// user namespace, in which the container has no privilege, so it could not
-/// mount `mqueue`; each engine then gets the private IPC namespace the spec
-/// asks for, owned by its own user namespace.
-pub fn pins_ipc(spec: &Value) -> bool {
+/// Whether the engines join namespaces the pair pins. Not when the spec has
+/// a user namespace: the pins are owned by the shim's (the host's) user
+/// namespace, in which the container has no privilege, so runc could not
+/// mount `mqueue` (IPC) or `sysfs` (network) in them; each engine then gets
+/// the private namespaces the spec asks for, owned by its own user namespace.
+pub fn pins_namespaces(spec: &Value) -> bool {
     !namespaces(spec)
         .iter()
         .any(|ns| ns.get("type").and_then(Value::as_str) == Some("user"))
@@ -131,7 +132,11 @@ pub fn network_namespace(spec: &Value, pinned: Option<&Path>) -> Result<Option<P
     {
         Some(p) => Ok(Some(PathBuf::from(p))),
         None => pinned.map(|p| Some(p.to_path_buf())).ok_or_else(|| {
-            Error::FailedPrecondition("a new network namespace without a pinned one".into())
+            Error::FailedPrecondition(if pins_namespaces(spec) {
+                "a new network namespace without a pinned one".into()
+            } else {
+                "the pair's listening sockets need a network namespace shared by both engines: with a user namespace in the spec the shim pins none, so name one by path (a sandbox's) or use the host's".into()
+            })
         }),
     }
 }
@@ -337,15 +342,15 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     if let Some(res) = linux.get_mut("resources").and_then(Value::as_object_mut) {
         res.retain(|k, _| k == "devices");
     }
-    let ipc_pinned = pins_ipc(spec);
+    let pinned = e.pinned.filter(|_| pins_namespaces(spec));
     if let (Some(list), Some((net, ipc))) = (
         linux.get_mut("namespaces").and_then(Value::as_array_mut),
-        e.pinned,
+        pinned,
     ) {
         for ns in list.iter_mut() {
             let pin = match ns.get("type").and_then(Value::as_str) {
                 Some("network") => net,
-                Some("ipc") if ipc_pinned => ipc,
+                Some("ipc") => ipc,
                 _ => continue,
             };
             if ns
@@ -483,25 +488,18 @@ mod tests {
     }
 
     #[test]
-    fn with_a_user_namespace_only_the_network_is_pinned() {
+    fn with_a_user_namespace_nothing_is_pinned() {
         let mut s = spec();
         s["linux"]["namespaces"]
             .as_array_mut()
             .unwrap()
             .push(json!({"type": "user"}));
+        assert!(!needs_pinned_namespaces(&s));
         let pins = (Path::new("/p/ns/net"), Path::new("/p/ns/ipc"));
         let e = engine_spec(&s, &inputs(SlotId::ZERO, Some(pins))).unwrap();
-        assert_eq!(
-            e["linux"]["namespaces"],
-            json!([{"type": "pid"}, {"type": "network", "path": "/p/ns/net"},
-                   {"type": "ipc"}, {"type": "mount"}, {"type": "user"}])
-        );
-        assert!(needs_pinned_namespaces(&s));
-        s["linux"]["namespaces"][1]["path"] = "/var/run/netns/x".into();
-        assert!(
-            !needs_pinned_namespaces(&s),
-            "a pathless IPC namespace alone is not pinned with a user namespace"
-        );
+        assert_eq!(e["linux"]["namespaces"], s["linux"]["namespaces"]);
+        let err = network_namespace(&s, None).unwrap_err().to_string();
+        assert!(err.contains("user namespace"), "{err}");
     }
 
     #[test]
