@@ -116,6 +116,24 @@ impl ProcessIo {
         Ok((child, io))
     }
 
+    /// Only a stdin pipe, fed from the FIFO at `path`: returns the
+    /// container's (read) end and the shim's side, whose `close_stdin`
+    /// (CloseIO) or drop gives the reader EOF. For an engine pair, whose
+    /// output is wired separately.
+    pub fn stdin_pipe(path: &str) -> Result<(OwnedFd, ProcessIo)> {
+        let mut io = ProcessIo::default();
+        let fifo = pipe::OpenOptions::new()
+            .read_write(true)
+            .open_receiver(path)
+            .map_err(|e| Error::io(format!("opening stdin FIFO {path}"), e))?;
+        let (tx, rx) = pipe::pipe().map_err(|e| Error::io("creating stdin pipe", e))?;
+        let end = rx
+            .into_blocking_fd()
+            .map_err(|e| Error::io("stdin pipe", e))?;
+        io.stdin = Some(tokio::spawn(copy(fifo, tx, None)));
+        Ok((end, io))
+    }
+
     /// Wire a pty master received from runc to the FIFOs.
     pub fn console(master: OwnedFd, stdio: &Stdio) -> Result<ProcessIo> {
         let mut io = ProcessIo::default();

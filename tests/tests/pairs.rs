@@ -1157,3 +1157,126 @@ fn a_dead_pairs_files_are_removed_by_the_next_create_of_its_id() {
     };
     r.stop(&cd, id, "SIGKILL");
 }
+
+#[test]
+fn the_tasks_stdin_reaches_the_first_engine_and_the_other_reads_dev_null() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "stdin";
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let config = env.config.display().to_string();
+    // Each engine echoes the first line it reads, then stays (sleep as the
+    // init of its pid namespace ignores SIGTERM: the test kills with SIGKILL).
+    let script = "read line; echo \"got-[$line]-in-$SHADOW_ENGINE_ID\"; exec sleep 600";
+    let mut ctr = cd
+        .container(shadow_tests::Runtime::Shadow, id)
+        .flags(&["--runtime-config-path", &config])
+        .annotation(shadow_contract::annotations::PAIR, "true")
+        .flags(&["--rm"])
+        .cmd(&["sh", "-c", script])
+        .spawn(true)
+        .expect("ctr run");
+    ctr.write_stdin(b"hello\n").expect("write stdin");
+    ctr.close_stdin();
+    let echoed = ctr.wait_line(LONG, |l| l.starts_with("got-[hello]-in-"));
+    let other = ctr.wait_line(LONG, |l| l.starts_with("got-[]-in-"));
+    let killed = cd.ctr().run(&["task", "kill", "-s", "SIGKILL", id]);
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    killed.expect("kill").assert_success();
+    let echoed = echoed.unwrap_or_else(|e| panic!("no engine echoed the task's stdin: {e}; {out}"));
+    let other = other.unwrap_or_else(|e| panic!("the other engine read nothing: {e}; {out}"));
+    assert_ne!(
+        echoed.rsplit('-').next(),
+        other.rsplit('-').next(),
+        "one engine each: {out}"
+    );
+    assert_eq!(
+        out.stdout
+            .lines()
+            .filter(|l| l.starts_with("got-[hello]"))
+            .count(),
+        1,
+        "the input went to one engine only: {out}"
+    );
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
+}
+
+/// A pair whose spec has a user namespace (root mapped onto root, so that
+/// the rootfs needs no chown): runc mounts `/dev/mqueue`, which fails (EPERM)
+/// when the engine joins an IPC namespace its user namespace does not own.
+/// `ctr run --uidmap` is ignored with `--rootfs`: the spec comes from a file.
+#[test]
+fn a_pair_in_a_user_namespace_mounts_mqueue_and_fails_over() {
+    let cd = Containerd::start().expect("containerd");
+    let id = "userns";
+    shadow_tests::pair::install_binary(cd.rootfs(), Path::new("/usr/bin/flock"), "/usr/bin/flock")
+        .expect("install flock");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let config = env.config.display().to_string();
+    let default = cd.ctr().run(&["oci", "spec"]).expect("ctr oci spec");
+    default.assert_success();
+    let mut spec: serde_json::Value = serde_json::from_str(&default.stdout).expect("spec json");
+    spec["root"] = serde_json::json!({"path": cd.rootfs().display().to_string()});
+    spec["process"]["args"] = serde_json::json!([
+        "sh",
+        "-c",
+        "grep -q mqueue /proc/mounts && echo mq-in-$SHADOW_ENGINE_ID; exec /usr/bin/flock \"$SHADOW_LOCK_PATH\" sleep 600"
+    ]);
+    spec["process"]["env"] = serde_json::json!(["PATH=/bin:/sbin:/usr/bin:/usr/sbin"]);
+    spec["annotations"] = serde_json::json!({shadow_contract::annotations::PAIR: "true"});
+    let map = serde_json::json!([{"containerID": 0, "hostID": 0, "size": 65536}]);
+    spec["linux"]["uidMappings"] = map.clone();
+    spec["linux"]["gidMappings"] = map;
+    spec["linux"]["namespaces"]
+        .as_array_mut()
+        .expect("namespaces")
+        .push(serde_json::json!({"type": "user"}));
+    let file = env.config.with_file_name("userns-spec.json");
+    std::fs::write(&file, spec.to_string()).expect("write spec");
+    let mut ctr = cd
+        .ctr()
+        .spawn(
+            &[
+                "run",
+                "--runtime",
+                shadow_tests::Runtime::Shadow.runtime_type(),
+                "--runtime-config-path",
+                &config,
+                "--rm",
+                "--config",
+                &file.display().to_string(),
+                id,
+            ],
+            false,
+        )
+        .expect("ctr run");
+    let mq = |l: &str| l.starts_with("mq-in-");
+    let first = [ctr.wait_line(LONG, mq), ctr.wait_line(LONG, mq)];
+    let failed_over = first.iter().all(Result::is_ok).then(|| {
+        // No sd_notify: the shim learns the active engine from the lock.
+        let st = until("protected by a waiter on the lock", LONG, STEP, || {
+            env.state(&cd, id).filter(|v| v.pair.protected)
+        });
+        let (slot, pid) = active_of(&st);
+        kill(pid, libc::SIGKILL);
+        let respawned = ctr.wait_line(LONG, move |l| l == format!("mq-in-{slot}"));
+        until("promotion recorded", LONG, STEP, || {
+            env.state(&cd, id).filter(|v| {
+                v.pair.failovers == 1 && v.pair.active.map(usize::from) == Some(1 - slot)
+            })
+        });
+        respawned
+    });
+    let killed = cd.ctr().run(&["task", "kill", "-s", "SIGKILL", id]);
+    let out = ctr.wait(LONG).expect("ctr run ends");
+    let _ = std::fs::remove_file(&file);
+    killed.expect("kill").assert_success();
+    for line in first {
+        line.unwrap_or_else(|e| panic!("an engine did not start with mqueue: {e}; {out}"));
+    }
+    failed_over
+        .expect("both started")
+        .unwrap_or_else(|e| panic!("the killed engine did not come back: {e}; {out}"));
+    cd.assert_no_leftovers();
+    assert!(!env.pair_dir(&cd, id).exists());
+}

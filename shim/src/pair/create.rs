@@ -44,6 +44,9 @@ pub(super) struct Made {
     pub(super) metrics_file: Option<PathBuf>,
     /// The OOM watcher of the pair's cgroup (publishes `/tasks/oom`).
     pub(super) oom: Option<JoinHandle<()>>,
+    /// The copier of the task's stdin FIFO into the first engine's stdin
+    /// (CloseIO closes it).
+    pub(super) stdin: Option<crate::io::ProcessIo>,
 }
 
 impl Made {
@@ -51,6 +54,7 @@ impl Made {
         if let Some(w) = self.oom.take() {
             w.abort();
         }
+        drop(self.stdin.take());
         if let Some(g) = self.gms.take() {
             let taken = g.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(mut g) = taken {
@@ -376,7 +380,14 @@ impl PairedContainer {
         let (view_tx, view_rx) = watch::channel(View::default());
         let metrics_file = name.metrics_file();
         made.metrics_file = Some(metrics_file.clone());
-        let output = Arc::new(SharedOutput::new(out, err));
+        let stdin = if req.stdio.stdin.is_empty() {
+            None
+        } else {
+            let (end, io) = crate::io::ProcessIo::stdin_pipe(&req.stdio.stdin)?;
+            made.stdin = Some(io);
+            Some(end)
+        };
+        let output = Arc::new(SharedOutput::new(out, err).with_stdin(stdin));
         let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
         let host = Arc::new(Machine::new(
             engines.clone(),

@@ -26,23 +26,35 @@ pub struct EngineSlot {
 }
 
 /// The write ends of the task's stdout/stderr pipes, handed to every engine
-/// spawn (stdin is /dev/null: no engine owns the task's input). Closed when
-/// the pair ends, so that the copiers see EOF.
+/// spawn, and the read end of the task's stdin pipe, handed to the first
+/// spawn only: the task's input is one stream and goes to the first engine
+/// the pair starts (the one Start makes active first); the other engine
+/// and every respawn read /dev/null. Closed when the pair ends, so that the
+/// copiers see EOF.
 #[derive(Debug, Default)]
 pub struct SharedOutput {
     fds: Mutex<[Option<OwnedFd>; 2]>,
+    stdin: Mutex<Option<OwnedFd>>,
 }
 
 impl SharedOutput {
     pub fn new(stdout: Option<OwnedFd>, stderr: Option<OwnedFd>) -> Self {
         SharedOutput {
             fds: Mutex::new([stdout, stderr]),
+            stdin: Mutex::new(None),
         }
+    }
+
+    /// The task's stdin, for the next spawn only.
+    pub fn with_stdin(self, stdin: Option<OwnedFd>) -> Self {
+        *self.stdin.lock().unwrap_or_else(|p| p.into_inner()) = stdin;
+        self
     }
 
     pub fn close(&self) {
         let mut fds = self.fds.lock().unwrap_or_else(|p| p.into_inner());
         *fds = [None, None];
+        drop(self.stdin.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 }
 
@@ -56,7 +68,13 @@ impl runc::io::Io for SharedOutput {
                 None => std::process::Stdio::null(),
             })
         };
-        cmd.stdin(std::process::Stdio::null());
+        // Moved into this spawn's command: once runc has started the
+        // engine, the engine holds the only read end.
+        let stdin = self.stdin.lock().unwrap_or_else(|p| p.into_inner()).take();
+        cmd.stdin(match stdin {
+            Some(fd) => std::process::Stdio::from(fd),
+            None => std::process::Stdio::null(),
+        });
         cmd.stdout(pick(&fds[0])?);
         cmd.stderr(pick(&fds[1])?);
         Ok(())

@@ -419,10 +419,17 @@ impl Container for PairedContainer {
     }
 
     async fn close_io(&self, exec: ExecId<'_>) -> Result<()> {
-        // The pair's engines have no stdin; an exec's can be closed.
-        if let Some(exec_id) = exec {
-            if let Some(io) = self.process(exec_id).await?.state.lock().await.io.as_mut() {
-                io.close_stdin();
+        // The task's stdin is the first engine's (see `engine::SharedOutput`).
+        match exec {
+            Some(exec_id) => {
+                if let Some(io) = self.process(exec_id).await?.state.lock().await.io.as_mut() {
+                    io.close_stdin();
+                }
+            }
+            None => {
+                if let Some(io) = self.made.lock().await.stdin.as_mut() {
+                    io.close_stdin();
+                }
             }
         }
         Ok(())

@@ -89,17 +89,30 @@ pub fn pair_cgroup(spec: &Value, namespace: &str, id: &str) -> Result<String> {
 }
 
 /// Which namespaces of the spec the pair must pin: those asked for without a
-/// path (network and IPC).
+/// path (network and IPC), unless the spec has a user namespace (see
+/// [`pins_namespaces`]).
 pub fn needs_pinned_namespaces(spec: &Value) -> bool {
-    namespaces(spec).iter().any(|ns| {
-        matches!(
-            ns.get("type").and_then(Value::as_str),
-            Some("network" | "ipc")
-        ) && ns
-            .get("path")
-            .and_then(Value::as_str)
-            .is_none_or(str::is_empty)
-    })
+    pins_namespaces(spec)
+        && namespaces(spec).iter().any(|ns| {
+            matches!(
+                ns.get("type").and_then(Value::as_str),
+                Some("network" | "ipc")
+            ) && ns
+                .get("path")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+        })
+}
+
+/// Whether the engines join namespaces the pair pins. Not when the spec has
+/// a user namespace: the pins are owned by the shim's (the host's) user
+/// namespace, in which the container has no privilege, so runc could not
+/// mount `mqueue` (IPC) or `sysfs` (network) in them; each engine then gets
+/// the private namespaces the spec asks for, owned by its own user namespace.
+pub fn pins_namespaces(spec: &Value) -> bool {
+    !namespaces(spec)
+        .iter()
+        .any(|ns| ns.get("type").and_then(Value::as_str) == Some("user"))
 }
 
 /// The network namespace the pair's listening sockets belong in: the
@@ -119,7 +132,11 @@ pub fn network_namespace(spec: &Value, pinned: Option<&Path>) -> Result<Option<P
     {
         Some(p) => Ok(Some(PathBuf::from(p))),
         None => pinned.map(|p| Some(p.to_path_buf())).ok_or_else(|| {
-            Error::FailedPrecondition("a new network namespace without a pinned one".into())
+            Error::FailedPrecondition(if pins_namespaces(spec) {
+                "a new network namespace without a pinned one".into()
+            } else {
+                "the pair's listening sockets need a network namespace shared by both engines: with a user namespace in the spec the shim pins none, so name one by path (a sandbox's) or use the host's".into()
+            })
         }),
     }
 }
@@ -325,9 +342,10 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     if let Some(res) = linux.get_mut("resources").and_then(Value::as_object_mut) {
         res.retain(|k, _| k == "devices");
     }
+    let pinned = e.pinned.filter(|_| pins_namespaces(spec));
     if let (Some(list), Some((net, ipc))) = (
         linux.get_mut("namespaces").and_then(Value::as_array_mut),
-        e.pinned,
+        pinned,
     ) {
         for ns in list.iter_mut() {
             let pin = match ns.get("type").and_then(Value::as_str) {
@@ -467,6 +485,21 @@ mod tests {
         assert!(!needs_pinned_namespaces(&sandboxed));
         sandboxed["linux"]["namespaces"] = json!([{"type": "pid"}]);
         assert!(!needs_pinned_namespaces(&sandboxed), "host network");
+    }
+
+    #[test]
+    fn with_a_user_namespace_nothing_is_pinned() {
+        let mut s = spec();
+        s["linux"]["namespaces"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"type": "user"}));
+        assert!(!needs_pinned_namespaces(&s));
+        let pins = (Path::new("/p/ns/net"), Path::new("/p/ns/ipc"));
+        let e = engine_spec(&s, &inputs(SlotId::ZERO, Some(pins))).unwrap();
+        assert_eq!(e["linux"]["namespaces"], s["linux"]["namespaces"]);
+        let err = network_namespace(&s, None).unwrap_err().to_string();
+        assert!(err.contains("user namespace"), "{err}");
     }
 
     #[test]
