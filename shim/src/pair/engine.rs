@@ -28,7 +28,7 @@ pub struct EngineSlot {
 /// The write ends of the task's stdout/stderr pipes, handed to every engine
 /// spawn, and the read end of the task's stdin pipe, handed to the first
 /// spawn only: the task's input is one stream and goes to the first engine
-/// the pair starts (the one Start makes active first); the other engine
+/// the pair makes (slot 0's, created at Create); the other engine
 /// and every respawn read /dev/null. Closed when the pair ends, so that the
 /// copiers see EOF.
 #[derive(Debug, Default)]

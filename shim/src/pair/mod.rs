@@ -229,6 +229,9 @@ impl Container for PairedContainer {
                 return Err(e);
             }
         };
+        // Engines that ended before Start replied leave no live pid: the
+        // task's is then the engine Create made (and Start started).
+        let pid = self.task_pid(pid);
         *self.input.lock().await = Some(sup.input());
         self.events.send(Event::Start(TaskStart {
             container_id: self.id.clone(),
