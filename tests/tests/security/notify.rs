@@ -230,8 +230,19 @@ fn notify_flood_does_not_delay_kill() {
             .contains("attack=notify-flood step=parked")
             .then_some(())
     });
-    // The attack starts a second after parking; let it run a while.
-    std::thread::sleep(Duration::from_secs(2));
+    // Kill once the flood is under way: the shim has started dropping it.
+    until(
+        "the shim drops the flood",
+        LONG,
+        Duration::from_millis(20),
+        || {
+            let log = std::fs::read_to_string(cd.log()).unwrap_or_default();
+            (ctr.stdout_so_far()
+                .contains("attack=notify-flood step=flooding")
+                && log.contains("notify socket dropped datagrams"))
+            .then_some(())
+        },
+    );
     cd.ctr()
         .run_timeout(&["task", "kill", "--signal", "SIGKILL", id], ANSWER)
         .expect("ctr task kill during the flood")

@@ -4,6 +4,7 @@
 
 use shadow_contract::env;
 use std::io::Write;
+use std::time::Duration;
 
 /// Prints `attack=<name> step=<what>` and flushes, for the test to wait on.
 pub fn step(attack: &str, what: &str) {
@@ -47,6 +48,46 @@ pub fn park_forever(_args: &[String]) -> Result<(), String> {
     notify(b"READY=1")?;
     step("park", "ready");
     loop {
-        std::thread::sleep(std::time::Duration::from_secs(3600));
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// Says parked; if the lock is free, serves quietly for ever. Otherwise runs
+/// `attack` as the parked shadow, then waits for the lock like a good one.
+pub fn as_shadow(name: &str, attack: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    notify(b"STATUS=parked")?;
+    let path = std::env::var(shadow_contract::env::LOCK_PATH)
+        .map_err(|_| format!("{} is not set", shadow_contract::env::LOCK_PATH))?;
+    // Read-only, as the contract says: the lock is bound read-only.
+    let file = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => {
+            notify(b"READY=1")?;
+            step(name, "active");
+            let _lock = lock;
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {}
+        Err((_, e)) => return Err(format!("flock {path}: {e}")),
+    }
+    step(name, "parked");
+    // Once per pair: the engine respawned after a failover (the shadow
+    // again) only parks. Both engines share the rootfs.
+    let marker = format!("/tmp/hostile-{name}.done");
+    if std::fs::metadata(&marker).is_err() {
+        // Let the shim record the pair as protected first: the test looks
+        // for that before it watches the attack.
+        std::thread::sleep(Duration::from_secs(1));
+        attack()?;
+        let _ = std::fs::write(&marker, b"");
+        step(name, "attacked");
+    }
+    let _lock = take_lock()?;
+    notify(b"READY=1")?;
+    step(name, "ready");
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
     }
 }

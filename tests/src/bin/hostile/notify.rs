@@ -14,47 +14,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{sendmsg, setsockopt, sockopt, ControlMessage, MsgFlags, UnixAddr};
 
-use crate::common::{notify, notify_path, step, take_lock};
-
-/// Says parked; if the lock is free, serves quietly for ever. Otherwise runs
-/// `attack` as the parked shadow, then waits for the lock like a good one.
-fn as_shadow(name: &str, attack: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
-    notify(b"STATUS=parked")?;
-    let path = std::env::var(shadow_contract::env::LOCK_PATH)
-        .map_err(|_| format!("{} is not set", shadow_contract::env::LOCK_PATH))?;
-    // Read-only, as the contract says: the lock is bound read-only.
-    let file = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
-    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
-        Ok(lock) => {
-            notify(b"READY=1")?;
-            step(name, "active");
-            let _lock = lock;
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
-        }
-        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {}
-        Err((_, e)) => return Err(format!("flock {path}: {e}")),
-    }
-    step(name, "parked");
-    // Once per pair: the engine respawned after a failover (the shadow
-    // again) only parks. Both engines share the rootfs.
-    let marker = format!("/tmp/hostile-{name}.done");
-    if std::fs::metadata(&marker).is_err() {
-        // Let the shim record the pair as protected first: the test looks
-        // for that before it watches the attack.
-        std::thread::sleep(Duration::from_secs(1));
-        attack()?;
-        let _ = std::fs::write(&marker, b"");
-        step(name, "attacked");
-    }
-    let _lock = take_lock()?;
-    notify(b"READY=1")?;
-    step(name, "ready");
-    loop {
-        std::thread::sleep(Duration::from_secs(3600));
-    }
-}
+use crate::common::{as_shadow, notify_path, step};
 
 /// The longest text the contract allows in one datagram.
 const MAX_TEXT: usize = 4096;
@@ -157,6 +117,7 @@ pub fn flood(args: &[String]) -> Result<(), String> {
         // Full datagrams of lines: each costs the shim one read and the
         // supervisor hundreds of notifications.
         let ready = "READY=1\n".repeat(MAX_TEXT / 8);
+        step("notify-flood", "flooding");
         let end = Instant::now() + how_long;
         let (mut sent, mut refused) = (0u64, 0u64);
         let mut i = 0u64;

@@ -11,45 +11,17 @@
 
 use std::time::Duration;
 
-use crate::common::{notify, step, take_lock};
+use crate::common::{as_shadow, notify, step};
 
 const NAME: &str = "notify-ready-liar";
 
 pub fn run(_args: &[String]) -> Result<(), String> {
-    notify(b"STATUS=parked")?;
-    let path = std::env::var(shadow_contract::env::LOCK_PATH)
-        .map_err(|_| format!("{} is not set", shadow_contract::env::LOCK_PATH))?;
-    // Read-only, as the contract says: the lock is bound read-only.
-    let file = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
-    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
-        Ok(lock) => {
-            notify(b"READY=1")?;
-            step(NAME, "active");
-            let _lock = lock;
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
-        }
-        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {}
-        Err((_, e)) => return Err(format!("flock {path}: {e}")),
-    }
-    step(NAME, "parked");
-    // Once per pair: the engine respawned after the failover only parks.
-    // Both engines share the rootfs.
-    let marker = format!("/tmp/hostile-{NAME}.done");
-    if std::fs::metadata(&marker).is_err() {
-        std::thread::sleep(Duration::from_secs(1));
+    as_shadow(NAME, || {
         for _ in 0..3 {
             notify(b"READY=1")?;
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = std::fs::write(&marker, b"");
         step(NAME, "lied");
-    }
-    let _lock = take_lock()?;
-    notify(b"READY=1")?;
-    step(NAME, "ready");
-    loop {
-        std::thread::sleep(Duration::from_secs(3600));
-    }
+        Ok(())
+    })
 }
