@@ -38,13 +38,15 @@ const STATES: [(EngineState, &str); 7] = [
 
 /// The metrics text of one pair. `containerd` (the owning containerd's
 /// address) is a label too: two containerds on a host may each have a
-/// pair of the same namespace and id.
+/// pair of the same namespace and id. `notify_dropped`: the datagrams the
+/// pair's notify socket dropped, by reason (every reason, 0 included).
 pub fn render(
     containerd: &str,
     namespace: &str,
     id: &str,
     snap: &Snapshot,
     gms: &[GmsFigures],
+    notify_dropped: &[(&str, u64)],
 ) -> String {
     let base = format!(
         "containerd=\"{}\",namespace=\"{}\",pair=\"{}\"",
@@ -78,6 +80,22 @@ pub fn render(
         "counter",
         "Engine deaths in which the kernel's OOM killer killed a process of the engine.",
         &one(snap.oom_kills.to_string()),
+    );
+    let dropped: Vec<_> = notify_dropped
+        .iter()
+        .map(|(reason, n)| (format!(",reason=\"{}\"", label(reason)), n.to_string()))
+        .collect();
+    metric(
+        "shadow_notify_dropped_total",
+        "counter",
+        "Datagrams the pair's notify socket dropped, by reason.",
+        &dropped,
+    );
+    metric(
+        "shadow_ready_refused_total",
+        "counter",
+        "READY=1s ignored because their engine did not hold the election lock.",
+        &one(snap.ready_refused.to_string()),
     );
     metric(
         "shadow_pair_protected",
@@ -231,7 +249,7 @@ mod tests {
     use crate::{
         failure::Exit,
         notify::Notification,
-        pair::{Event, Pair, SlotId},
+        pair::{Event, LockHolder, Pair, SlotId},
         policy::RestartPolicy,
     };
 
@@ -276,6 +294,14 @@ mod tests {
             },
             ms(150),
         );
+        // The parked shadow lies: the new active holds the lock.
+        p.handle(
+            Event::Ready {
+                slot: SlotId::ZERO,
+                holder: LockHolder::Slot(SlotId::ONE),
+            },
+            ms(160),
+        );
         p.snapshot()
     }
 
@@ -289,7 +315,8 @@ mod tests {
             leases: 2,
             committed: true,
         }];
-        let text = render("/run/c.sock", "default", "llm\"1", &snap, &gms);
+        let dropped = [("rate_limited", 7), ("queue_full", 0)];
+        let text = render("/run/c.sock", "default", "llm\"1", &snap, &gms, &dropped);
         let base = "containerd=\"/run/c.sock\",namespace=\"default\",pair=\"llm\\\"1\"";
         for line in [
             format!("shadow_pair_failovers_total{{{base}}} 1"),
@@ -307,6 +334,9 @@ mod tests {
             format!("shadow_pair_last_promotion_total_seconds{{{base}}} 0.002000"),
             format!("shadow_gms_bytes{{{base},device=\"host\"}} 4096"),
             format!("shadow_gms_leases{{{base},device=\"host\"}} 2"),
+            format!("shadow_notify_dropped_total{{{base},reason=\"rate_limited\"}} 7"),
+            format!("shadow_notify_dropped_total{{{base},reason=\"queue_full\"}} 0"),
+            format!("shadow_ready_refused_total{{{base}}} 1"),
         ] {
             assert!(
                 text.lines().any(|l| l == line),
@@ -329,7 +359,7 @@ mod tests {
         let gpu = "GPU-00000000-0000-0000-0000-000000000002";
         snap.gms_deaths.insert(gpu.into(), 1);
         snap.last_cold_restart = Some(ColdRestartCause::GmsDied { device: gpu.into() });
-        let text = render("/run/c.sock", "default", "p", &snap, &[]);
+        let text = render("/run/c.sock", "default", "p", &snap, &[], &[]);
         let base = "containerd=\"/run/c.sock\",namespace=\"default\",pair=\"p\"";
         for line in [
             format!("shadow_gms_deaths_total{{{base},device=\"{gpu}\"}} 1"),

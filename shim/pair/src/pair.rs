@@ -240,6 +240,11 @@ pub struct Snapshot {
     pub last_cold_restart: Option<ColdRestartCause>,
     /// Deaths of each GMS daemon (by device) since the pair was created.
     pub gms_deaths: BTreeMap<String, u64>,
+    /// `READY=1`s refused ([`Pair::ready_refused`]); not part of the
+    /// revision, so a liar's repeats do not republish the pair each time.
+    /// A metric only: `state.json`'s schema does not have it.
+    #[serde(skip)]
+    pub ready_refused: u64,
 }
 
 /// What a change of the pair is judged by ([`Pair::revision`]).
@@ -458,6 +463,7 @@ impl Pair {
             last_promotion: self.last_promotion.clone(),
             last_cold_restart: self.last_cold_restart.clone(),
             gms_deaths: self.gms_deaths.clone(),
+            ready_refused: self.ready_refused,
         }
     }
 

@@ -24,13 +24,14 @@
 //!   coalesced, each engine has a token bucket (one token per notification
 //!   in a datagram), and at most
 //!   [`QUEUE_MAX`] datagrams wait for the supervisor at any time. What it
-//!   drops is counted and logged at most every [`LOG_EVERY`].
+//!   drops is counted ([`DropCounts`], which the supervisor publishes as a
+//!   metric) and logged at most every [`LOG_EVERY`].
 
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -107,6 +108,20 @@ impl Dropped {
         Dropped::RateLimited,
         Dropped::QueueFull,
     ];
+
+    /// The `reason` label of `shadow_notify_dropped_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Dropped::NoCredentials => "no_credentials",
+            Dropped::Oversized => "oversized",
+            Dropped::Truncated => "truncated",
+            Dropped::Fds => "fds",
+            Dropped::NotAnEngine => "not_an_engine",
+            Dropped::Coalesced => "coalesced",
+            Dropped::RateLimited => "rate_limited",
+            Dropped::QueueFull => "queue_full",
+        }
+    }
 
     fn name(self) -> &'static str {
         match self {
@@ -411,6 +426,55 @@ impl Queue {
     }
 }
 
+/// The datagrams a pair's notify socket dropped, by reason: counted by the
+/// reader, published by the supervisor.
+#[derive(Default)]
+pub struct DropCounts {
+    counts: [AtomicU64; Dropped::ALL.len()],
+    /// A drop was counted since the last [`take`](Self::take).
+    moved: AtomicBool,
+}
+
+impl DropCounts {
+    /// Count one drop; true when it is the first since the last `take`
+    /// (the supervisor is then told once, not once per drop).
+    pub fn count(&self, why: Dropped) -> bool {
+        self.counts[why as usize].fetch_add(1, Ordering::Relaxed);
+        // Release: whoever sees `moved` set sees this count too.
+        !self.moved.swap(true, Ordering::AcqRel)
+    }
+
+    /// Whether a drop was counted since the last `take`.
+    pub fn moved(&self) -> bool {
+        self.moved.load(Ordering::Acquire)
+    }
+
+    /// The counts of every reason (0 included), by `reason` label; a drop
+    /// counted from here on is `moved` again.
+    pub fn take(&self) -> Vec<(&'static str, u64)> {
+        // Acquire: the counts whose `moved` this clears are seen below; a
+        // drop counted after it sets `moved` again.
+        self.moved.swap(false, Ordering::AcqRel);
+        self.get()
+    }
+
+    fn get(&self) -> Vec<(&'static str, u64)> {
+        Dropped::ALL
+            .iter()
+            .map(|d| (d.label(), self.counts[*d as usize].load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
+/// What the reader does after a drop.
+#[derive(Debug, PartialEq, Eq)]
+pub struct AfterDrop {
+    /// Stop reading this long (past [`DROPS_PER_SEC_MAX`] drops in a second).
+    pub pause: Option<Duration>,
+    /// The first drop since the supervisor took the counts: tell it.
+    pub tell: bool,
+}
+
 /// A token bucket.
 struct Bucket {
     tokens: f64,
@@ -463,7 +527,7 @@ pub struct Gate {
     slots: HashMap<u32, (Option<SlotId>, Instant)>,
     /// pid -> (its last forwarded text, that datagram's sequence number).
     last: HashMap<u32, (Vec<u8>, u64)>,
-    counts: [u64; Dropped::ALL.len()],
+    drops: Arc<DropCounts>,
     /// When the drops were last logged (the first drop is logged at once).
     logged_at: Option<Instant>,
     second: Instant,
@@ -471,14 +535,14 @@ pub struct Gate {
 }
 
 impl Gate {
-    pub fn new(id: &str, queue: Arc<Queue>, now: Instant) -> Gate {
+    pub fn new(id: &str, queue: Arc<Queue>, drops: Arc<DropCounts>, now: Instant) -> Gate {
         Gate {
             id: id.to_owned(),
             queue,
             buckets: [Bucket::full(now), Bucket::full(now)],
             slots: HashMap::new(),
             last: HashMap::new(),
-            counts: [0; Dropped::ALL.len()],
+            drops,
             logged_at: None,
             second: now,
             dropped_this_second: 0,
@@ -530,24 +594,27 @@ impl Gate {
         Ok(())
     }
 
-    /// Count a drop; log the counts if [`LOG_EVERY`] has passed. Returns
-    /// how long the reader should pause: past [`DROPS_PER_SEC_MAX`] drops
-    /// in a second, until that second ends.
-    pub fn dropped(&mut self, why: Dropped, now: Instant) -> Option<Duration> {
-        self.counts[why as usize] += 1;
+    /// Count a drop; log the counts if [`LOG_EVERY`] has passed. Says how
+    /// long the reader should pause (past [`DROPS_PER_SEC_MAX`] drops in a
+    /// second, until that second ends) and whether to tell the supervisor.
+    pub fn dropped(&mut self, why: Dropped, now: Instant) -> AfterDrop {
+        let tell = self.drops.count(why);
         self.log(now);
         if now.saturating_duration_since(self.second) >= Duration::from_secs(1) {
             self.second = now;
             self.dropped_this_second = 0;
         }
         self.dropped_this_second += 1;
-        (self.dropped_this_second > DROPS_PER_SEC_MAX)
-            .then(|| (self.second + Duration::from_secs(1)).saturating_duration_since(now))
+        let pause = (self.dropped_this_second > DROPS_PER_SEC_MAX)
+            .then(|| (self.second + Duration::from_secs(1)).saturating_duration_since(now));
+        AfterDrop { pause, tell }
     }
 
     /// Datagrams dropped so far, by reason.
     pub fn counts(&self) -> impl Iterator<Item = (Dropped, u64)> + '_ {
-        Dropped::ALL.iter().map(|d| (*d, self.counts[*d as usize]))
+        Dropped::ALL
+            .iter()
+            .map(|d| (*d, self.drops.counts[*d as usize].load(Ordering::Relaxed)))
     }
 
     fn log(&mut self, now: Instant) {
@@ -696,7 +763,8 @@ mod tests {
     fn gate() -> (Gate, Arc<Queue>, Instant) {
         let q = Arc::new(Queue::default());
         let now = Instant::now();
-        (Gate::new("t", q.clone(), now), q, now)
+        let drops = Arc::new(DropCounts::default());
+        (Gate::new("t", q.clone(), drops, now), q, now)
     }
 
     fn dg(pid: u32, text: &[u8]) -> Datagram {
@@ -838,7 +906,7 @@ mod tests {
     #[test]
     fn drops_are_logged_at_once_then_at_most_every_log_every() {
         let (mut g, _q, now) = gate();
-        g.counts[Dropped::RateLimited as usize] = 3;
+        g.drops.counts[Dropped::RateLimited as usize].store(3, Ordering::Relaxed);
         let first = g.report(now).expect("the first drop is logged");
         assert!(first.contains("rate limited: 3"), "{first}");
         assert!(g.report(now + LOG_EVERY / 2).is_none());
@@ -849,13 +917,33 @@ mod tests {
     fn a_flood_of_drops_pauses_the_reader() {
         let (mut g, _q, now) = gate();
         for _ in 0..DROPS_PER_SEC_MAX {
-            assert_eq!(g.dropped(Dropped::RateLimited, now), None);
+            assert_eq!(g.dropped(Dropped::RateLimited, now).pause, None);
         }
         let pause = g.dropped(Dropped::RateLimited, now + Duration::from_millis(300));
-        assert_eq!(pause, Some(Duration::from_millis(700)));
+        assert_eq!(pause.pause, Some(Duration::from_millis(700)));
         assert_eq!(
             g.counts().find(|(d, _)| *d == Dropped::RateLimited),
             Some((Dropped::RateLimited, DROPS_PER_SEC_MAX + 1))
         );
+    }
+
+    #[test]
+    fn the_supervisor_is_told_once_until_it_takes_the_counts() {
+        let (mut g, _q, now) = gate();
+        let drops = g.drops.clone();
+        assert!(!drops.moved());
+        assert!(g.dropped(Dropped::Oversized, now).tell);
+        for _ in 0..100 {
+            assert!(!g.dropped(Dropped::RateLimited, now).tell);
+        }
+        assert!(drops.moved());
+        let counts = drops.take();
+        assert!(!drops.moved());
+        // Every reason, 0 included, by its label.
+        assert_eq!(counts.len(), Dropped::ALL.len());
+        assert!(counts.contains(&("oversized", 1)));
+        assert!(counts.contains(&("rate_limited", 100)));
+        assert!(counts.contains(&("queue_full", 0)));
+        assert!(g.dropped(Dropped::QueueFull, now).tell);
     }
 }

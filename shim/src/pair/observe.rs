@@ -18,7 +18,7 @@ use tokio::io::Interest;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::host::Host;
-use super::notify::{Gate, NotifySocket, Queue, Received};
+use super::notify::{DropCounts, Gate, NotifySocket, Queue, Received};
 use super::supervisor::Input;
 
 /// The pair's monotonic clock: `Duration` since the supervisor started.
@@ -59,16 +59,19 @@ pub fn exit_of(status: i32) -> Exit {
 }
 
 /// Forward the datagrams of the pair's notify socket that its [`Gate`]
-/// admits, with their receipt time; count and drop the rest. Never blocks
-/// on the supervisor: a full queue drops, it does not wait.
+/// admits, with their receipt time; count and drop the rest (the first
+/// drop since the supervisor published the counts is told to it, the
+/// others only counted). Never blocks on the supervisor: a full queue
+/// drops, it does not wait.
 pub fn notify(
     id: &str,
     sock: NotifySocket,
     host: Arc<dyn Host>,
     queue: Arc<Queue>,
+    drops: Arc<DropCounts>,
     tx: UnboundedSender<Input>,
 ) {
-    let mut gate = Gate::new(id, queue, Instant::now());
+    let mut gate = Gate::new(id, queue, drops, Instant::now());
     let id = id.to_owned();
     tokio::spawn(async move {
         loop {
@@ -96,7 +99,11 @@ pub fn notify(
                 Received::Dropped(why) => Err(why),
             };
             if let Err(why) = verdict {
-                if let Some(pause) = gate.dropped(why, at) {
+                let after = gate.dropped(why, at);
+                if after.tell && tx.send(Input::NotifyDropped).is_err() {
+                    return;
+                }
+                if let Some(pause) = after.pause {
                     tokio::time::sleep(pause).await;
                 }
             }

@@ -4,20 +4,33 @@
 //! is `shadow_contract::state` (mapped from the pair's values by
 //! `state_file`). Files are rewritten only when the pair's revision (a
 //! counter kept by `shadow_pair::Pair`), the promotion records or the gmsd
-//! status moved — never on a timer.
+//! status moved, or when the counters an engine can drive as fast as it
+//! likes (the notify socket's drops, refused `READY=1`s) moved, those at
+//! most every [`COUNTERS_EVERY`].
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use shadow_contract::state::{PairState, PromotionRecord};
 use shadow_pair::metrics::GmsFigures;
 use shadow_pair::{Pair, Promotion, SlotId};
 use tokio::sync::watch;
 
+use super::notify::DropCounts;
 use super::state_file;
 
 use crate::container::ExitInfo;
+
+/// How often, at most, the files are rewritten for the counters alone
+/// (`shadow_notify_dropped_total`, `shadow_ready_refused_total`): they
+/// move with each datagram a flooding or lying engine sends, so they ride
+/// along with the writes a change of the pair makes anyway, and otherwise
+/// wait until this long after the last write. A flood costs at most one
+/// write a second, not one per datagram; a dashboard sees it within a
+/// second (the supervisor wakes for it, see `Publisher::counters_due`).
+pub const COUNTERS_EVERY: Duration = Duration::from_secs(1);
 
 /// What the Task service reads about a pair, republished on every change.
 #[derive(Debug, Clone, Default)]
@@ -65,6 +78,10 @@ pub struct Publisher {
     /// What the files were last written from: the pair's revision, the
     /// number of promotions recorded, the gmsd report.
     written: Option<(u64, u64, Vec<serde_json::Value>)>,
+    /// The notify socket's drops (counted by its reader).
+    drops: Arc<DropCounts>,
+    /// When the files were last written, and `Pair::ready_refused` then.
+    counters_written: Option<(Instant, u64)>,
     recorded: u64,
     exit_status: Option<u32>,
 }
@@ -83,7 +100,7 @@ pub struct Outlets {
 }
 
 impl Publisher {
-    pub fn new(o: Outlets, epoch: SystemTime) -> Self {
+    pub fn new(o: Outlets, drops: Arc<DropCounts>, epoch: SystemTime) -> Self {
         Publisher {
             id: o.id,
             namespace: o.namespace,
@@ -97,6 +114,8 @@ impl Publisher {
             promotions_kept: o.promotions_kept.max(1),
             last_pid: 0,
             written: None,
+            drops,
+            counters_written: None,
             recorded: 0,
             exit_status: None,
         }
@@ -145,8 +164,17 @@ impl Publisher {
         self.recorded += 1;
     }
 
+    /// How long until the counters that moved since the last write are
+    /// due a write of their own (zero: now); None when none moved.
+    pub fn counters_due(&self, pair: &Pair, now: Instant) -> Option<Duration> {
+        let (at, refused) = self.counters_written?;
+        let moved = self.drops.moved() || pair.ready_refused() != refused;
+        moved.then(|| (at + COUNTERS_EVERY).saturating_duration_since(now))
+    }
+
     /// Republish the view, and rewrite `state.json` and the metrics file
-    /// when something in them changed (or when `force`d).
+    /// when something in them changed (or when `force`d); see
+    /// [`COUNTERS_EVERY`] for the counters.
     pub fn publish(&mut self, pair: &Pair, gms: Option<GmsStatus>, force: bool) {
         if let Some(pid) = pair.representative_pid() {
             self.last_pid = pid;
@@ -164,10 +192,14 @@ impl Publisher {
         });
         let (reports, figures) = gms.map(|g| (g.reports, g.figures)).unwrap_or_default();
         let key = (pair.revision(), self.recorded, reports);
-        if !force && self.written.as_ref() == Some(&key) {
+        let now = Instant::now();
+        let counters = self.counters_due(pair, now).is_some_and(|d| d.is_zero());
+        if !force && !counters && self.written.as_ref() == Some(&key) {
             return;
         }
         let snap = pair.snapshot();
+        let notify_dropped = self.drops.take();
+        self.counters_written = Some((now, snap.ready_refused));
         let state = PairState {
             containerd: self.containerd.clone(),
             namespace: self.namespace.clone(),
@@ -200,6 +232,7 @@ impl Publisher {
             &self.id,
             &snap,
             &figures,
+            &notify_dropped,
         );
         if let Err(e) = shadow_pair::metrics::write_textfile(&self.metrics_file, &text) {
             log::warn!(
@@ -218,5 +251,84 @@ impl Publisher {
         self.exit_status = Some(info.status);
         self.publish(pair, gms, true);
         self.view.send_modify(|v| v.exit = Some(info));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pair::notify::Dropped;
+    use shadow_pair::RestartPolicy;
+
+    fn publisher(dir: &Path, drops: Arc<DropCounts>) -> Publisher {
+        let (view, _) = watch::channel(View::default());
+        Publisher::new(
+            Outlets {
+                id: "p".into(),
+                namespace: "default".into(),
+                runc_ids: ["p-0".into(), "p-1".into()],
+                state_json: dir.join("state.json"),
+                containerd: "/run/c.sock".into(),
+                metrics_file: dir.join("p.prom"),
+                view,
+                promotions_kept: 1,
+            },
+            drops,
+            SystemTime::now(),
+        )
+    }
+
+    fn dropped(text: &str, reason: &str) -> Option<u64> {
+        let prefix = "shadow_notify_dropped_total{";
+        let reason = format!("reason=\"{reason}\"}} ");
+        text.lines()
+            .filter(|l| l.starts_with(prefix))
+            .find_map(|l| l.split_once(&reason)?.1.parse().ok())
+    }
+
+    /// A flood of drops is written with the next write, or once
+    /// [`COUNTERS_EVERY`] has passed since the last: never once per drop.
+    #[test]
+    fn counters_are_written_at_most_every_counters_every() {
+        let dir = tempfile::tempdir().unwrap();
+        let drops = Arc::new(DropCounts::default());
+        let mut p = publisher(dir.path(), drops.clone());
+        let mut pair = Pair::new(RestartPolicy::default());
+        p.publish(&pair, None, false);
+        let metrics = dir.path().join("p.prom");
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        assert_eq!(dropped(&text, "rate_limited"), Some(0), "{text}");
+        assert_eq!(p.counters_due(&pair, Instant::now()), None);
+
+        let now = Instant::now();
+        assert!(drops.count(Dropped::RateLimited), "the first drop tells");
+        for _ in 1..1000 {
+            assert!(!drops.count(Dropped::RateLimited));
+        }
+        let due = p.counters_due(&pair, now).expect("due");
+        assert!(due > Duration::ZERO && due <= COUNTERS_EVERY, "{due:?}");
+        p.publish(&pair, None, false);
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        assert_eq!(dropped(&text, "rate_limited"), Some(0), "not yet: {text}");
+
+        // A change of the pair writes anyway, with the counts of now.
+        pair.start();
+        p.publish(&pair, None, false);
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        assert_eq!(dropped(&text, "rate_limited"), Some(1000), "{text}");
+        assert_eq!(p.counters_due(&pair, Instant::now()), None);
+
+        // Alone, they wait for their period.
+        drops.count(Dropped::RateLimited);
+        p.publish(&pair, None, false);
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        assert_eq!(dropped(&text, "rate_limited"), Some(1000), "{text}");
+        let (at, refused) = p.counters_written.unwrap();
+        p.counters_written = Some((at - COUNTERS_EVERY, refused));
+        assert_eq!(p.counters_due(&pair, Instant::now()), Some(Duration::ZERO));
+        p.publish(&pair, None, false);
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        assert_eq!(dropped(&text, "rate_limited"), Some(1001), "{text}");
+        assert_eq!(dropped(&text, "queue_full"), Some(0), "{text}");
     }
 }

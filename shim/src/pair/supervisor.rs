@@ -26,7 +26,7 @@ use super::engine::SharedOutput;
 use super::gms::GmsDaemons;
 use super::host::Host;
 use super::lock::LockSeen;
-use super::notify::{Datagram, NotifySocket, Queue};
+use super::notify::{Datagram, DropCounts, NotifySocket, Queue};
 use super::observe::{self, Clock};
 use super::publish::{GmsStatus, Outlets, Publisher, View};
 use crate::container::ExitInfo;
@@ -58,6 +58,9 @@ pub enum Input {
         at: SystemTime,
     },
     Notify(Datagram, Instant),
+    /// The notify socket dropped a datagram, the first since its counts
+    /// were last written (the metrics file is due an update).
+    NotifyDropped,
     /// The lock file was closed for good (inotify), at this time.
     LockClosed(Instant),
     Backoff {
@@ -116,6 +119,8 @@ pub struct Supervisor {
     notify: Option<NotifySocket>,
     /// Datagrams the notify reader forwarded and this task has not taken.
     notify_queue: Arc<Queue>,
+    /// What the notify reader dropped, by reason (published as a metric).
+    notify_drops: Arc<DropCounts>,
     lock_path: Option<PathBuf>,
     gms: Option<GmsDaemons>,
     gpu_buses: Vec<String>,
@@ -136,6 +141,7 @@ impl Supervisor {
     pub fn new(p: Parts) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let clock = Clock::start();
+        let notify_drops = Arc::new(DropCounts::default());
         let publisher = Publisher::new(
             Outlets {
                 id: p.id.clone(),
@@ -147,6 +153,7 @@ impl Supervisor {
                 view: p.view,
                 promotions_kept: p.config.promotions_kept,
             },
+            notify_drops.clone(),
             SystemTime::now(),
         );
         Supervisor {
@@ -164,6 +171,7 @@ impl Supervisor {
             events: p.events,
             notify: p.notify,
             notify_queue: Arc::new(Queue::default()),
+            notify_drops,
             lock_path: p.lock_path,
             gms: p.gms,
             gpu_buses: p.gpu_buses,
@@ -259,6 +267,7 @@ impl Supervisor {
                 sock,
                 self.host.clone(),
                 self.notify_queue.clone(),
+                self.notify_drops.clone(),
                 self.tx.clone(),
             );
         }
@@ -295,7 +304,8 @@ impl Supervisor {
     }
 
     /// When to wake without an input: to poll the lock for engines that do
-    /// not speak sd_notify, and to pick up gmsd's status.
+    /// not speak sd_notify, to pick up gmsd's status, and to write counters
+    /// that moved while their write waited ([`super::publish::COUNTERS_EVERY`]).
     fn next_wake(&self) -> Option<Duration> {
         let lock = match self.pair.lock_watch() {
             LockWatch::Off => None,
@@ -304,10 +314,8 @@ impl Supervisor {
         }
         .map(Duration::from_millis);
         let gms = self.gms.as_ref().map(|_| GMS_STATUS_PERIOD);
-        match (lock, gms) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let counters = self.publisher.counters_due(&self.pair, Instant::now());
+        [lock, gms, counters].into_iter().flatten().min()
     }
 
     /// A `READY=1` from an engine that did not hold the election lock was
@@ -456,6 +464,8 @@ impl Supervisor {
                 }
                 actions
             }
+            // Written by the `publish` that follows this input, or when due.
+            Input::NotifyDropped => Vec::new(),
             Input::LockClosed(at) => {
                 // Whose close it was, the pair learns from what follows:
                 // reading /proc/locks now would stall on the exiting
