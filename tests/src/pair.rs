@@ -186,6 +186,21 @@ impl PairEnv {
             .join(metrics_file_name(&key, cd.namespace(), id))
     }
 
+    /// The value of the sample `name{<the pair's labels><labels>}` in the
+    /// pair's metrics file (`labels`: the rest, e.g. `,reason="oversized"`),
+    /// if the file has it.
+    pub fn metric(&self, cd: &Containerd, id: &str, name: &str, labels: &str) -> Option<f64> {
+        let text = std::fs::read_to_string(self.metrics_file(cd, id)).ok()?;
+        // The pair's labels end with its id.
+        let tail = format!("pair=\"{id}\"{labels}}} ");
+        text.lines()
+            .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+            .find_map(|l| {
+                let (_, value) = l.split_once(&tail)?;
+                value.trim().parse().ok()
+            })
+    }
+
     /// The pair's `state.json`, if it exists and parses.
     pub fn state(&self, cd: &Containerd, id: &str) -> Option<PairState> {
         PairState::read(&self.pair_dir(cd, id).join(FILE_NAME)).ok()

@@ -147,6 +147,26 @@ fn survive(id: &str, attack: &str, args: &[&str]) {
             cd.log_tail(20)
         );
     }
+    // And counted in the metrics file, by reason, within a second or so.
+    let reason = match attack {
+        "notify-flood" => Some("rate_limited"),
+        // Its 60 kB datagrams.
+        "notify-garbage" => Some("oversized"),
+        // Linux 6.16 and later refuse the fd at the sender: nothing arrives.
+        _ => None,
+    };
+    if let Some(reason) = reason {
+        let labels = format!(",reason=\"{reason}\"");
+        until(
+            &format!("shadow_notify_dropped_total{{reason=\"{reason}\"}} > 0"),
+            LONG,
+            Duration::from_millis(20),
+            || {
+                env.metric(&cd, id, "shadow_notify_dropped_total", &labels)
+                    .filter(|n| *n > 0.0)
+            },
+        );
+    }
     fail_over_and_end(&cd, &env, id, ctr, holder);
 }
 

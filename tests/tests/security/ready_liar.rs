@@ -56,6 +56,16 @@ fn a_shadow_that_says_ready_without_the_lock_is_not_believed() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Counted in the metrics file too, within a second or so.
+    until(
+        "shadow_ready_refused_total > 0",
+        LONG,
+        Duration::from_millis(20),
+        || {
+            env.metric(&cd, id, "shadow_ready_refused_total", "")
+                .filter(|n| *n > 0.0)
+        },
+    );
     let st = env.state(&cd, id).expect("state.json");
     assert_eq!(st.pair.active, Some(active), "{st:#?}");
     assert_eq!(st.pid, holder, "{st:#?}");
