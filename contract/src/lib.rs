@@ -16,7 +16,9 @@
 //!   the engine's side of taking them (`LISTEN_FDS`);
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
 //! - [`gmsd`]: the one launcher of the GMS daemon (readiness pipe,
-//!   capabilities dropped, owned handle).
+//!   capabilities dropped, owned handle);
+//! - [`weights`]: the digest of committed weights and the exit status of
+//!   an engine that found them changed.
 //!
 //! The crate is synchronous and small on purpose: the hook is a short-lived
 //! sync binary, and the shim wraps the blocking parts itself.
@@ -28,3 +30,4 @@ pub mod host;
 pub mod listen;
 pub mod paths;
 pub mod state;
+pub mod weights;

@@ -101,6 +101,10 @@ pub struct PairSnapshot {
     /// engine (absent from files written before it existed: 0).
     #[serde(default)]
     pub oom_kills: u64,
+    /// Engines that found the committed weights changed, each a cold
+    /// restart (absent from files written before it existed: 0).
+    #[serde(default)]
+    pub weights_corrupt: u64,
     pub last_promotion: Option<Promotion>,
     /// Why the pair last restarted cold (or began to).
     #[serde(default)]
@@ -118,6 +122,9 @@ pub enum ColdRestartCause {
     GmsDied { device: String },
     /// A device-invalidating XID on one of the pair's GPUs.
     Xid { xid: u32 },
+    /// The engine of `slot` found the committed weights changed (it exited
+    /// with [`crate::weights::CORRUPT_EXIT`]).
+    WeightsCorrupt { slot: u8 },
 }
 
 /// One slot.
@@ -187,6 +194,8 @@ pub enum FailureClass {
     DeviceInvalidating,
     /// Device-preserving, and the OOM killer killed a process of the engine.
     OutOfMemory,
+    /// An engine found the committed weights changed: a cold restart.
+    WeightsCorrupt,
     CrashLoop,
 }
 
@@ -197,6 +206,7 @@ impl FailureClass {
             FailureClass::DevicePreserving => "device_preserving",
             FailureClass::DeviceInvalidating => "device_invalidating",
             FailureClass::OutOfMemory => "out_of_memory",
+            FailureClass::WeightsCorrupt => "weights_corrupt",
             FailureClass::CrashLoop => "crash_loop",
         }
     }
@@ -352,6 +362,7 @@ mod tests {
                 failovers: 1,
                 cold_restarts: 0,
                 oom_kills: 0,
+                weights_corrupt: 0,
                 last_promotion: Some(promotion.clone()),
                 last_cold_restart: None,
                 gms_deaths: Default::default(),

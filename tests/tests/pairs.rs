@@ -307,6 +307,67 @@ fn gmsd_death_restarts_the_pair_cold_and_reloads_once() {
     r.stop(&cd, id, "SIGKILL");
 }
 
+/// An engine promoted onto weights that changed (the contract's exit
+/// status, `weights_corrupt`) makes the pair restart cold: a new gmsd, the
+/// weights loaded once more, the cause in state.json, shadowctl's terms and
+/// the metrics, and the pair serves and is protected again.
+#[test]
+fn a_promoted_engine_finding_the_weights_changed_restarts_the_pair_cold() {
+    use shadow_contract::state::{ColdRestartCause, Exit};
+    let cd = Containerd::start().expect("containerd");
+    let id = "corrupt";
+    let r = start(&cd, id, "gms = \"host\"", &[], &[]);
+    let st = r.env.wait_protected(&cd, id, LONG);
+    let first = ask(r.port).expect("serves");
+    let gms_pid = until("gmsd status in state.json", LONG, STEP, || {
+        r.env.state(&cd, id).and_then(|v| v.gms.map(|g| g.pid))
+    });
+    let (slot, pid) = active_of(&st);
+    let shadow = 1 - slot;
+
+    std::fs::write(cd.rootfs().join("weights-corrupt"), b"").expect("mark");
+    kill(pid, libc::SIGKILL);
+    let st = until("a cold restart for corrupt weights", LONG, STEP, || {
+        r.env.state(&cd, id).filter(|v| {
+            v.pair.cold_restarts == 1
+                && v.pair.protected
+                && v.gms.as_ref().is_some_and(|g| g.pid != gms_pid)
+        })
+    });
+    assert!(
+        !cd.rootfs().join("weights-corrupt").exists(),
+        "the promoted engine saw the mark"
+    );
+    assert_eq!(
+        st.pair.last_cold_restart,
+        Some(ColdRestartCause::WeightsCorrupt { slot: shadow as u8 })
+    );
+    assert_eq!(st.pair.weights_corrupt, 1);
+    assert_eq!(
+        st.pair.slots[shadow].last_exit,
+        Some(Exit::Code(shadow_contract::weights::CORRUPT_EXIT)),
+        "the promoted engine's exit is recorded"
+    );
+    let a = ask(r.port).expect("serves after the cold restart");
+    assert_eq!(a.weights, first.weights, "the same weights, loaded again");
+    assert_eq!(loads(&r, &cd, id), 2, "reloaded exactly once");
+    let metrics = std::fs::read_to_string(r.env.metrics_file(&cd, id)).expect("metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("shadow_pair_weights_corrupt_total{") && l.ends_with(" 1")),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("shadow_pair_last_cold_restart_info{")
+                && l.contains("cause=\"weights_corrupt\"")),
+        "{metrics}"
+    );
+    r.stop(&cd, id, "SIGKILL");
+}
+
 #[test]
 fn an_engine_that_always_crashes_ends_the_task_with_its_status() {
     let cd = Containerd::start().expect("containerd");

@@ -4,8 +4,13 @@
 //! GMS valid: the shadow takes over and the slot is respawned. An XID of the
 //! memory-integrity or reset class, or the death of a GMS daemon, means the
 //! shared state cannot be trusted: both engines stop and the pair starts cold.
+//! So does an engine that found the committed weights changed (it exits with
+//! [`WEIGHTS_CORRUPT_EXIT`]): what every engine maps is wrong, and only a
+//! fresh load from the source mends it.
 
 use serde::Serialize;
+
+pub use shadow_contract::weights::CORRUPT_EXIT as WEIGHTS_CORRUPT_EXIT;
 
 /// How an engine process ended, as the reaper saw it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -71,6 +76,9 @@ pub enum ColdRestartCause {
     GmsDied { device: String },
     /// A device-invalidating XID on one of the pair's GPUs.
     Xid { xid: u32 },
+    /// The engine of `slot` exited with [`WEIGHTS_CORRUPT_EXIT`]: it found
+    /// the committed weights changed since their digest was recorded.
+    WeightsCorrupt { slot: u8 },
 }
 
 /// What the supervisor does about a failure.
@@ -86,21 +94,39 @@ pub enum FailureClass {
     /// device-preserving (promote, respawn, keep GMS), and counted apart so
     /// that an operator sees memory limits, not crashes.
     OutOfMemory,
+    /// An engine found the committed weights changed (it exited with
+    /// [`WEIGHTS_CORRUPT_EXIT`]): stop both engines, drop GMS state,
+    /// restart the pair cold, as for [`FailureClass::DeviceInvalidating`],
+    /// and counted apart.
+    WeightsCorrupt,
     /// The restart budget is spent: stop and report the exit.
     CrashLoop,
 }
 
+impl FailureClass {
+    /// Whether the shared state is lost: the pair restarts cold.
+    pub fn restarts_cold(self) -> bool {
+        matches!(
+            self,
+            FailureClass::DeviceInvalidating | FailureClass::WeightsCorrupt
+        )
+    }
+}
+
 /// Classifies an engine death. `xids` are the XIDs seen on the pair's GPUs
 /// since the engine started; `gms_alive` is false when a GMS daemon of the
-/// pair has died. The restart budget is the policy's business, so this never
-/// answers [`FailureClass::CrashLoop`].
-pub fn classify(_exit: Exit, xids: &[u32], gms_alive: bool) -> FailureClass {
+/// pair has died. A bad device explains more than an engine's verdict on
+/// the weights, so it wins. The restart budget is the policy's business, so
+/// this never answers [`FailureClass::CrashLoop`].
+pub fn classify(exit: Exit, xids: &[u32], gms_alive: bool) -> FailureClass {
     if !gms_alive
         || xids
             .iter()
             .any(|x| XidClass::of(*x) == XidClass::DeviceInvalidating)
     {
         FailureClass::DeviceInvalidating
+    } else if exit == Exit::Code(WEIGHTS_CORRUPT_EXIT) {
+        FailureClass::WeightsCorrupt
     } else {
         FailureClass::DevicePreserving
     }
@@ -152,5 +178,24 @@ mod tests {
             classify(Exit::Code(0), &[], false),
             FailureClass::DeviceInvalidating
         );
+        // The weights' own verdict: only that exit status, and a bad device
+        // still explains more.
+        let corrupt = Exit::Code(65);
+        assert_eq!(classify(corrupt, &[], true), FailureClass::WeightsCorrupt);
+        assert_eq!(
+            classify(corrupt, &[94], true),
+            FailureClass::DeviceInvalidating
+        );
+        assert_eq!(
+            classify(Exit::Code(64), &[], true),
+            FailureClass::DevicePreserving
+        );
+        for c in [
+            FailureClass::DeviceInvalidating,
+            FailureClass::WeightsCorrupt,
+        ] {
+            assert!(c.restarts_cold());
+        }
+        assert!(!FailureClass::OutOfMemory.restarts_cold());
     }
 }

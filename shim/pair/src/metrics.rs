@@ -72,8 +72,14 @@ pub fn render(
     metric(
         "shadow_pair_cold_restarts_total",
         "counter",
-        "Restarts of both engines and GMS after a device-invalidating failure.",
+        "Restarts of both engines and GMS after a device-invalidating failure or corrupt weights.",
         &one(snap.cold_restarts.to_string()),
+    );
+    metric(
+        "shadow_pair_weights_corrupt_total",
+        "counter",
+        "Engines that found the committed weights changed since their digest was recorded (each restarts the pair cold).",
+        &one(snap.weights_corrupt.to_string()),
     );
     metric(
         "shadow_pair_oom_kills_total",
@@ -179,11 +185,14 @@ pub fn render(
                 format!(",cause=\"gms_died\",device=\"{}\"", label(device))
             }
             ColdRestartCause::Xid { xid } => format!(",cause=\"xid\",xid=\"{xid}\""),
+            ColdRestartCause::WeightsCorrupt { slot } => {
+                format!(",cause=\"weights_corrupt\",slot=\"{slot}\"")
+            }
         };
         metric(
             "shadow_pair_last_cold_restart_info",
             "gauge",
-            "Why the pair last restarted cold: the GMS daemon of a device died, or an XID.",
+            "Why the pair last restarted cold: the GMS daemon of a device died, an XID, or an engine found the weights corrupt.",
             &[(labels, "1".into())],
         );
     }
@@ -349,6 +358,27 @@ mod tests {
             assert!(
                 text.contains(&format!("# TYPE {name} ")),
                 "{name} has no TYPE"
+            );
+        }
+    }
+
+    #[test]
+    fn corrupt_weights_are_counted_and_named() {
+        let mut snap = snapshot_after_one_failover();
+        snap.weights_corrupt = 1;
+        snap.cold_restarts = 1;
+        snap.last_cold_restart = Some(ColdRestartCause::WeightsCorrupt { slot: 1 });
+        let text = render("/run/c.sock", "default", "p", &snap, &[], &[]);
+        let base = "containerd=\"/run/c.sock\",namespace=\"default\",pair=\"p\"";
+        for line in [
+            format!("shadow_pair_weights_corrupt_total{{{base}}} 1"),
+            format!(
+                "shadow_pair_last_cold_restart_info{{{base},cause=\"weights_corrupt\",slot=\"1\"}} 1"
+            ),
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
             );
         }
     }

@@ -235,6 +235,9 @@ pub struct Snapshot {
     pub cold_restarts: u64,
     /// Engine deaths in which the OOM killer had a hand.
     pub oom_kills: u64,
+    /// Engines that found the committed weights changed (each began a cold
+    /// restart).
+    pub weights_corrupt: u64,
     pub last_promotion: Option<Promotion>,
     /// Why the pair last restarted cold (or began to).
     pub last_cold_restart: Option<ColdRestartCause>,
@@ -255,6 +258,7 @@ struct Observable {
     failovers: u64,
     cold_restarts: u64,
     oom_kills: u64,
+    weights_corrupt: u64,
     last_promotion: Option<u64>,
     last_cold_restart: Option<ColdRestartCause>,
 }
@@ -280,6 +284,7 @@ pub struct Pair {
     gms_deaths: BTreeMap<String, u64>,
     /// Engine deaths the OOM killer had a hand in.
     oom_kills: u64,
+    weights_corrupt: u64,
     /// `READY=1`s refused: their sender did not hold the election lock.
     ready_refused: u64,
     /// The current engine of each slot was OOM-killed (until its reap).
@@ -319,6 +324,7 @@ impl Pair {
             last_cold_restart: None,
             gms_deaths: BTreeMap::new(),
             oom_kills: 0,
+            weights_corrupt: 0,
             ready_refused: 0,
             oom_killed: [false, false],
             cold_restart: false,
@@ -460,6 +466,7 @@ impl Pair {
             failovers: self.failovers,
             cold_restarts: self.cold_restarts,
             oom_kills: self.oom_kills,
+            weights_corrupt: self.weights_corrupt,
             last_promotion: self.last_promotion.clone(),
             last_cold_restart: self.last_cold_restart.clone(),
             gms_deaths: self.gms_deaths.clone(),
@@ -488,6 +495,7 @@ impl Pair {
             failovers: self.failovers,
             cold_restarts: self.cold_restarts,
             oom_kills: self.oom_kills,
+            weights_corrupt: self.weights_corrupt,
             last_promotion: self.last_promotion.as_ref().map(|p| p.number),
             last_cold_restart: self.last_cold_restart.clone(),
         }
@@ -815,7 +823,11 @@ impl Pair {
             }
             self.handover = Some(h);
         }
-        if class == FailureClass::DeviceInvalidating {
+        if class == FailureClass::WeightsCorrupt {
+            self.weights_corrupt += 1;
+            self.last_cold_restart = Some(ColdRestartCause::WeightsCorrupt { slot: slot.0 });
+        }
+        if class.restarts_cold() {
             actions.extend(self.begin_cold_restart(true, now));
             return actions;
         }

@@ -2,6 +2,7 @@
 //! races have theirs in `races.rs`).
 
 use super::*;
+use crate::failure::WEIGHTS_CORRUPT_EXIT;
 
 const KILL: Exit = Exit::Signal(9);
 
@@ -539,6 +540,99 @@ fn invalidating_xid_restarts_cold_preserving_xid_does_not() {
         p.snapshot().last_cold_restart,
         Some(ColdRestartCause::Xid { xid: 79 })
     );
+}
+
+/// The shadow, promoted, finds the committed weights changed and exits
+/// with the contract's status: both engines stop and the pair restarts
+/// cold (GMS empty, the weights loaded again), counted and named apart.
+#[test]
+fn a_promoted_engine_finding_corrupt_weights_restarts_the_pair_cold() {
+    let mut p = running();
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(1000),
+    );
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+    p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 200,
+        },
+        t(1002),
+    );
+    // Verified before READY=1: it never says it.
+    let corrupt = Exit::Code(WEIGHTS_CORRUPT_EXIT);
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: corrupt,
+        },
+        t(1003),
+    );
+    assert!(a.contains(&Action::KillAll), "{a:?}");
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::Spawn { .. })),
+        "{a:?}"
+    );
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ZERO,
+            exit: KILL,
+        },
+        t(1004),
+    );
+    assert_eq!(
+        a,
+        vec![
+            Action::RestartGms,
+            Action::Spawn { slot: SlotId::ZERO },
+            Action::Spawn { slot: SlotId::ONE }
+        ]
+    );
+    let snap = p.snapshot();
+    assert_eq!(snap.cold_restarts, 1);
+    assert_eq!(snap.weights_corrupt, 1);
+    assert_eq!(
+        snap.last_cold_restart,
+        Some(ColdRestartCause::WeightsCorrupt { slot: 1 })
+    );
+    assert_eq!(snap.slots[1].last_exit, Some(corrupt));
+}
+
+/// Any engine that exits with the status counts, a parked shadow too (it
+/// may verify what it mapped); any other status of a shadow is a respawn.
+#[test]
+fn a_shadow_finding_corrupt_weights_restarts_cold_another_status_does_not() {
+    let mut p = running();
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: Exit::Code(64),
+        },
+        t(10),
+    );
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ONE,
+            pid: 300,
+        },
+        t(11),
+    );
+    let a = p.handle(
+        Event::Exited {
+            slot: SlotId::ONE,
+            exit: Exit::Code(WEIGHTS_CORRUPT_EXIT),
+        },
+        t(12),
+    );
+    assert_eq!(a, vec![Action::KillAll]);
+    assert_eq!(p.active(), None, "the active is stopped too");
+    assert_eq!(p.snapshot().weights_corrupt, 1);
 }
 
 #[test]

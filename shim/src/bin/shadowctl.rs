@@ -273,6 +273,10 @@ fn show(
                 println!("  last cold restart: the GMS daemon of {device} died")
             }
             ColdRestartCause::Xid { xid } => println!("  last cold restart: XID {xid}"),
+            ColdRestartCause::WeightsCorrupt { slot } => println!(
+                "  last cold restart: the engine of slot {slot} found the weights changed ({} in all)",
+                s.pair.weights_corrupt
+            ),
         }
     }
     if let Some(status) = s.exit_status {

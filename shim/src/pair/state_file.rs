@@ -26,6 +26,7 @@ fn class(c: FailureClass) -> file::FailureClass {
         FailureClass::DevicePreserving => file::FailureClass::DevicePreserving,
         FailureClass::DeviceInvalidating => file::FailureClass::DeviceInvalidating,
         FailureClass::OutOfMemory => file::FailureClass::OutOfMemory,
+        FailureClass::WeightsCorrupt => file::FailureClass::WeightsCorrupt,
         FailureClass::CrashLoop => file::FailureClass::CrashLoop,
     }
 }
@@ -85,12 +86,16 @@ pub fn snapshot(s: &Snapshot) -> file::PairSnapshot {
         failovers: s.failovers,
         cold_restarts: s.cold_restarts,
         oom_kills: s.oom_kills,
+        weights_corrupt: s.weights_corrupt,
         last_promotion: s.last_promotion.as_ref().map(promotion),
         last_cold_restart: s.last_cold_restart.as_ref().map(|c| match c {
             ColdRestartCause::GmsDied { device } => file::ColdRestartCause::GmsDied {
                 device: device.clone(),
             },
             ColdRestartCause::Xid { xid } => file::ColdRestartCause::Xid { xid: *xid },
+            ColdRestartCause::WeightsCorrupt { slot } => {
+                file::ColdRestartCause::WeightsCorrupt { slot: *slot }
+            }
         }),
         gms_deaths: s.gms_deaths.clone(),
     }

@@ -23,6 +23,11 @@
 //!    loaded=<bool> lock_us=<t> ready_us=<t> ranks=<n> gms=<socket names,
 //!    comma-separated> listen=inherited|own`.
 //!
+//! A reader whose imported weights do not sum as the seed says, or that
+//! is promoted while `/weights-corrupt` exists in the shared rootfs (the
+//! tests' stand-in for weights changed under it), exits with the contract's
+//! `CORRUPT_EXIT`.
+//!
 //! Flags: `--port N`, `--no-notify` (lock only), `--crash CODE` (exit with
 //! CODE right after start), `--weights-mib N`, `--seed N` (`--help`).
 
@@ -218,7 +223,9 @@ fn attach_one(socket: &Path, slot: &str, mib: u64, seed: u64) -> Weights {
         let mut expect = vec![0u8; n];
         fill(&mut expect, seed);
         if sum != checksum(&expect) {
-            fail("imported weights", "checksum mismatch");
+            // The contract's status: the pair restarts cold and loads again.
+            eprintln!("test-engine slot {slot}: imported weights: checksum mismatch");
+            std::process::exit(shadow_contract::weights::CORRUPT_EXIT);
         }
         Weights {
             sum,
@@ -357,6 +364,17 @@ fn main() {
             .unwrap_or_else(|(_, e)| fail("flock", e))
     });
     let lock_us = now_us();
+    // The test's stand-in for a failed digest check on promotion: the host
+    // backend seals committed weights, so nothing can really change them.
+    // A reader that becomes active while `/weights-corrupt` exists in the
+    // engines' shared rootfs takes the file away (once) and exits as an
+    // engine whose check failed must (docs/engine-contract.md).
+    if weights.as_ref().is_some_and(|w| !w.loaded)
+        && std::fs::remove_file("/weights-corrupt").is_ok()
+    {
+        eprintln!("test-engine slot {slot}: promoted onto weights that changed: exiting");
+        std::process::exit(shadow_contract::weights::CORRUPT_EXIT);
+    }
     if listen_kind == "own" {
         listen(&sock, Backlog::new(128).unwrap_or(Backlog::MAXCONN))
             .unwrap_or_else(|e| fail("listen", e));
