@@ -23,3 +23,35 @@ pub const DIGEST_KEY: &str = "shadow/weights-digest";
 /// The digest scheme's name, the `scheme` field of [`DIGEST_KEY`]'s value
 /// (docs/gms-protocol.md, "Weights digest").
 pub const DIGEST_SCHEME: &str = "sum64-2MiB-sha256/v1";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `shadow_gms` (Python, for PyTorch engines) spells the same names:
+    /// an engine and the runtime must agree on them.
+    #[test]
+    fn the_python_helpers_use_the_same_names() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../gms/python/shadow_gms");
+        let read =
+            |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+        let client = read("client.py");
+        let contract = read("contract.py");
+        assert!(
+            client.contains(&format!("DIGEST_KEY = \"{DIGEST_KEY}\"")),
+            "client.py's DIGEST_KEY"
+        );
+        assert!(
+            client.contains(&format!("DIGEST_SCHEME = \"{DIGEST_SCHEME}\"")),
+            "client.py's DIGEST_SCHEME"
+        );
+        assert!(
+            client.contains("DIGEST_CHUNK = 2 << 20") && DIGEST_SCHEME.contains("2MiB"),
+            "client.py's DIGEST_CHUNK"
+        );
+        assert!(
+            contract.contains(&format!("CORRUPT_EXIT = {CORRUPT_EXIT}\n")),
+            "contract.py's CORRUPT_EXIT"
+        );
+    }
+}

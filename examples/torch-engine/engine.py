@@ -12,8 +12,15 @@ addresses. Then, per docs/engine-contract.md:
   2. STATUS=parked on NOTIFY_SOCKET;
   3. flock(LOCK_EX) on SHADOW_LOCK_PATH;
   4. wake: materialise the KV cache at its reserved address, bind the port
-     (or, with an inherited listening socket, start accepting on it);
+     (or, with an inherited listening socket, start accepting on it), and
+     check the mapped weights against the digest their writer recorded
+     (on the GPU, overlapping the KV materialise);
   5. READY=1, then serve.
+
+A reader checks the weights once more right after mapping them. Weights
+that changed since their commit (on CUDA any holder of the handle can
+write them) end the engine with status 65 (CORRUPT_EXIT): the runtime
+restarts the pair cold and the weights are generated again.
 
 With LISTEN_FDS (a pair with shadow.dev/listen) the engine takes the pair's
 listening socket at start, holds it while parked without accepting, and
@@ -40,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "gms", "python"))
-from shadow_gms import FailoverLock, Gms, listen_socket, notify  # noqa: E402
+from shadow_gms import CORRUPT_EXIT, FailoverLock, Gms, WeightsCorrupt, listen_socket, notify  # noqa: E402
 
 VOCAB = 32000
 HEAD_DIM = 128
@@ -144,8 +151,10 @@ def main():
 
     if tp > 1:
         # 1. initialise the group: ranks, shards through each GPU's GMS, NCCL.
-        group = tensor_parallel.Group(tp, os.path.abspath(__file__), engine_id, layers, hidden, seed,
-                                      kv_bytes, log)
+        # Rank 0's shard is checked here when mapped (ranks 1.. check theirs).
+        group = verify_or_exit(engine_id, lambda: tensor_parallel.Group(
+            tp, os.path.abspath(__file__), engine_id, layers, hidden, seed, kv_bytes, log), "mapped",
+            figures=False)
         kv = group.kv
         log(event="weights", engine=engine_id, lease=group.own.gms.lease, tp=tp,
             source="generated+committed" if group.own.gms.lease == "rw" else "mapped read-only",
@@ -156,6 +165,17 @@ def main():
     else:
         kv, wake, generate = one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start)
     serve(engine_id, port, inherited, kv, wake, generate)
+
+
+def warm_up(generate, caches):
+    """Runs every shape a request of up to 32 prompt tokens meets: CUDA
+    loads a kernel on its first use, and cuBLAS and attention pick theirs
+    by shape, which costs milliseconds on the first request of each kind.
+    A parked engine pays that now, not its first request after a
+    promotion."""
+    for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+        generate(list(range(1, n + 1)), 4, caches)
+    torch.cuda.synchronize()
 
 
 def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
@@ -178,26 +198,52 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
     log(event="weights", engine=engine_id, lease=gms.lease, source=source, generation=generation,
         bytes=weight_bytes, ms=round((time.perf_counter() - t0) * 1e3, 2),
         addr=hex(model.embed.data_ptr()))
+    if source == "mapped read-only":
+        verify_or_exit(engine_id, gms.verify_weights, "mapped")
 
     kv = gms.kv_cache(kv_bytes)
     max_seq = kv.nbytes // (2 * layers * hidden * 2)
     # Warm-up on a small scratch cache: kernels, cuBLAS handles, allocator.
     scratch = torch.empty(2 * layers * 64 * hidden, device="cuda", dtype=DTYPE)
-    model.generate([1, 2, 3], 2, kv_views(scratch, layers, hidden, 64))
-    torch.cuda.synchronize()
+    warm_up(model.generate, kv_views(scratch, layers, hidden, 64))
     del scratch
     log(event="parked", engine=engine_id, pid=os.getpid(), kv_addr=hex(kv.addr), kv_bytes=kv.nbytes,
         init_s=round(time.perf_counter() - t_start, 3))
     caches = []
 
     def wake():
+        # The check runs on the GPU while the KV pages are mapped.
+        t0 = time.perf_counter()
+        pending = gms.begin_verify_weights()
+        t1 = time.perf_counter()
         kv.materialise()
         caches.extend(kv_views(kv.tensor(DTYPE), layers, hidden, max_seq))
+        t2 = time.perf_counter()
+        checked = pending.result() if pending is not None else None
+        t3 = time.perf_counter()
+        return dict(checked or {}, launch_ms=round((t1 - t0) * 1e3, 3), kv_ms=round((t2 - t1) * 1e3, 3),
+                    wait_ms=round((t3 - t2) * 1e3, 3))
 
     def generate(tokens, max_tokens):
         return model.generate(tokens, max_tokens, caches)
 
     return kv, wake, generate
+
+
+def verify_or_exit(engine_id, check, when, figures=True):
+    """Runs ``check`` (something that checks the weights); on WeightsCorrupt
+    says why and exits with CORRUPT_EXIT (the runtime restarts the pair
+    cold). Returns what ``check`` returned: with ``figures``, the check's
+    figures (None: the layout has no digest), logged."""
+    try:
+        out = check()
+    except WeightsCorrupt as e:
+        log(event="weights-corrupt", engine=engine_id, when=when, error=str(e))
+        notify(f"STATUS=weights corrupt ({when}): {e}"[:200])
+        os._exit(CORRUPT_EXIT)
+    if figures:
+        log(event="weights-verified", engine=engine_id, when=when, **(out or {"checked": False}))
+    return out
 
 
 def serve(engine_id, port, inherited, kv, wake, generate):
@@ -208,8 +254,9 @@ def serve(engine_id, port, inherited, kv, wake, generate):
     t_wake = time.perf_counter()
     woke_at = time.time()
 
-    # 4. wake: KV at its reserved address (every rank's), then the port.
-    wake()
+    # 4. wake: KV at its reserved address (every rank's) and the weights
+    # checked, then the port.
+    checked = verify_or_exit(engine_id, wake, "promoted")
     kv_ms = (time.perf_counter() - t_wake) * 1e3
     serve_lock = threading.Lock()
 
@@ -266,6 +313,7 @@ def serve(engine_id, port, inherited, kv, wake, generate):
     notify("READY=1", f"STATUS=active engine {engine_id}", f"MAINPID={os.getpid()}")
     log(event="active", engine=engine_id, pid=os.getpid(), woke_at=woke_at,
         kv_materialise_ms=round(kv_ms, 3), kv_bytes=kv.nbytes, promote_ms=round(promote_ms, 3), port=port,
+        verify_ms=(checked or {}).get("ms"),
         socket="inherited" if inherited is not None else "own")
     try:
         server.serve_forever()

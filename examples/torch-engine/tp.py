@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shadow_gms import Gms
+from shadow_gms import CORRUPT_EXIT, Gms, WeightsCorrupt
 
 VOCAB = 32000
 HEAD_DIM = 128
@@ -142,6 +142,7 @@ class Rank:
             self.gms.commit_module(self.model)
         else:
             self.model = self.gms.load_module(ShardedModel(layers, hidden, tp, "meta"))
+            self.gms.verify_weights()  # WeightsCorrupt ends the rank, and so the engine
         self.kv = self.gms.kv_cache(kv_bytes)
         self.max_seq = self.kv.nbytes // (2 * layers * self.part * 2)
         # The NCCL group, up while parked: an all-reduce creates the communicator.
@@ -149,16 +150,22 @@ class Rank:
         one = torch.ones(1, device="cuda")
         dist.all_reduce(one)
         assert int(one.item()) == tp
-        # Warm-up on a scratch cache (kernels, cuBLAS, NCCL's buffers).
+        # Warm-up on a scratch cache (kernels, cuBLAS, NCCL's buffers), with
+        # every shape a short request meets (engine.py's warm_up says why).
         scratch = torch.empty(2 * layers * 64 * self.part, device="cuda", dtype=DTYPE)
-        self.model.generate([1, 2, 3], 2, kv_views(scratch, layers, self.part, 64))
+        for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+            self.model.generate(list(range(1, n + 1)), 4, kv_views(scratch, layers, self.part, 64))
         torch.cuda.synchronize()
         del scratch
         self.caches = None
 
     def wake(self):
+        """KV materialised and this rank's shard checked (raises
+        WeightsCorrupt); returns the check's figures."""
+        pending = self.gms.begin_verify_weights()
         self.kv.materialise()
         self.caches = kv_views(self.kv.tensor(DTYPE), self.layers, self.part, self.max_seq)
+        return pending.result() if pending is not None else None
 
     def generate(self, tokens, max_tokens):
         return self.model.generate(tokens, max_tokens, self.caches)
@@ -169,13 +176,25 @@ def run_rank(engine_path):
     # Die with the main process (PR_SET_PDEATHSIG = 1).
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     rank, tp = int(os.environ["ENGINE_RANK"]), int(os.environ["ENGINE_TP"])
-    r = Rank(rank, tp, os.environ.get("SHADOW_ENGINE_ID", "0"), int(os.environ["ENGINE_LAYERS"]),
-             int(os.environ["ENGINE_HIDDEN"]), int(os.environ["ENGINE_SEED"]), int(os.environ["ENGINE_KV_BYTES"]))
+    try:
+        r = Rank(rank, tp, os.environ.get("SHADOW_ENGINE_ID", "0"), int(os.environ["ENGINE_LAYERS"]),
+                 int(os.environ["ENGINE_HIDDEN"]), int(os.environ["ENGINE_SEED"]),
+                 int(os.environ["ENGINE_KV_BYTES"]))
+    except WeightsCorrupt as e:
+        print(json.dumps({"event": "weights-corrupt", "rank": rank, "error": str(e)}), file=sys.stderr, flush=True)
+        os._exit(CORRUPT_EXIT)
     print(json.dumps({"event": "rank-parked", "rank": rank}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "wake":
-            r.wake()
+            try:
+                checked = r.wake()
+            except WeightsCorrupt as e:
+                print(json.dumps({"event": "weights-corrupt", "rank": rank, "error": str(e)}), file=sys.stderr,
+                      flush=True)
+                os._exit(CORRUPT_EXIT)
+            # The main process says READY=1 only once every rank said this.
+            print(json.dumps({"event": "rank-woke", "rank": rank, "verified": checked}), flush=True)
         elif cmd["op"] == "generate":
             r.generate(cmd["tokens"], cmd["max_tokens"])
     os._exit(0)  # the main process is gone
@@ -213,7 +232,9 @@ class Group:
         for p in self.ranks:
             if p.poll() is None:
                 p.kill()
-        os._exit(1)  # a group with a rank missing must not serve
+        # A group with a rank missing must not serve; a rank that found its
+        # shard changed makes the engine say so (the pair restarts cold).
+        os._exit(CORRUPT_EXIT if status == CORRUPT_EXIT else 1)
 
     def _tell(self, **cmd):
         line = json.dumps(cmd) + "\n"
@@ -226,8 +247,18 @@ class Group:
         return self.own.kv
 
     def wake(self):
+        """Every rank materialises its KV and checks its shard; returns rank
+        0's check figures once every rank has woken (a rank that found its
+        shard changed ends the engine with CORRUPT_EXIT instead)."""
         self._tell(op="wake")
-        self.own.wake()
+        checked = self.own.wake()
+        for p in self.ranks:
+            if not p.stdout.readline():
+                # Ended while waking: _follow ends this process with its status.
+                if p.wait() == CORRUPT_EXIT:
+                    raise WeightsCorrupt("a rank found its shard of the weights changed", [])
+                raise RuntimeError("a rank ended while waking")
+        return checked
 
     def generate(self, tokens, max_tokens):
         self._tell(op="generate", tokens=tokens, max_tokens=max_tokens)

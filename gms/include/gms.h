@@ -105,8 +105,10 @@ void gms_string_free(char *s);
 
 /* KV cache: reserve `bytes` of addresses (rounded up), backed by nothing;
  * returns a handle >= 0 and the address in *addr, or -1. materialise backs
- * it with fresh, NOT zeroed device pages; release gives the pages back and
- * keeps the addresses. Both return 0 or -1. */
+ * it with fresh, NOT zeroed device pages, waiting up to GMS_KV_OOM_WAIT_MS
+ * (default 5000) while the device is out of memory (a dead engine's memory
+ * is freed by the driver while it tears that process down); release gives
+ * the pages back and keeps the addresses. Both return 0 or -1. */
 int64_t gms_kv_reserve(uint64_t bytes, uint64_t *addr);
 int gms_kv_materialise(int64_t kv);
 int gms_kv_release(int64_t kv);

@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import tarfile
-import threading
 import time
 
 NS = "gpu"

@@ -263,6 +263,42 @@ def test_read_only_write_fails_that_reader_alone():
     assert len(status(g)["leases"]) == 1
 
 
+def test_weights_changed_through_a_cuda_handle_are_found_by_the_digest():
+    """On CUDA a reader can make its mapping read-write (docs/security.md):
+    the digest recorded at commit is what notices."""
+    g = gmsd("digest")
+    w = worker("digest-writer", g, "writer")
+    committed = w.event("committed")
+    v = worker("verify-clean", g, "verify")
+    ok = v.event("verified")
+    assert ok.get("checked", True) and ok["allocations"] > 0, ok
+    v.wait(30)
+    figure(f"weights digest recomputed on the GPU ({ok['bytes'] >> 20} MiB, {ok['allocations']} allocations)",
+           ok["ms"], "ms")
+    bad = worker("scribbler", g, "scribble", "--tensor", "a")
+    ev = bad.expect(lambda o: isinstance(o, dict) and o.get("event") in ("scribbled", "scribble_refused"),
+                    60, "scribble outcome")
+    bad.wait(30)
+    if ev["event"] == "scribble_refused":
+        # Then CUDA itself keeps imported weights read-only: nothing to find.
+        figure("cuMemSetAccess(READWRITE) on an imported read-only mapping", f"refused (rc {ev['rc']})", "")
+        w.send("check")
+        assert w.event("check")["sums"] == committed["sums"], "the weights changed all the same"
+    else:
+        assert ev["changed"], ev
+        figure("cuMemSetAccess(READWRITE) on an imported read-only mapping", "allowed: the weights changed", "")
+        v = worker("verify-changed", g, "verify")
+        found = v.expect(lambda o: isinstance(o, dict) and o.get("event") in ("verified", "corrupt"), 60,
+                         "verify outcome")
+        v.wait(30)
+        assert found["event"] == "corrupt", f"a changed tensor was not found: {found}"
+        assert found["allocations"] == [str(ev["allocation"])], found
+    w.send("quit")
+    w.wait(30)
+    g.kill(signal.SIGTERM)
+    assert g.wait(60) == 0
+
+
 def test_rw_or_ro_and_discard_before_commit():
     g = gmsd("discard")
     early = worker("ro-before-commit", g, "reader")
@@ -364,10 +400,10 @@ class Notifications:
         raise AssertionError(f"no READY=1 within {timeout}s")
 
 
-def request(port, prompt="hello shadow", timeout=5.0):
+def request(port, prompt="hello shadow", timeout=5.0, max_tokens=4):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        c.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 4}),
+        c.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": max_tokens}),
                   {"Content-Type": "application/json"})
         resp = c.getresponse()
         body = json.loads(resp.read())
@@ -524,6 +560,23 @@ def children(pid):
         return []
 
 
+def json_events(proc):
+    """A list that fills with the JSON objects `proc` prints (the engines
+    of a pair both write to the task's stdout), from a thread of its own."""
+    events = []
+
+    def collect():
+        for line in iter(proc.lines.get, None):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                events.append(obj)
+    threading.Thread(target=collect, daemon=True).start()
+    return events
+
+
 def containerd_pair(tp):
     """A TP=tp torch-engine pair through `ctr run --runtime io.containerd.shadow.v1`."""
     rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
@@ -540,20 +593,7 @@ def containerd_pair(tp):
                               "--annotation", f"shadow.dev/listen=tcp:127.0.0.1:{port}"])
     run = Proc(f"ctr-run-{cid}", args, stdin=False)
     # The engines' JSON lines (both write to the task's stdout).
-    run_events = []
-
-    def collect():
-        while True:
-            line = run.lines.get()
-            if line is None:
-                return
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(obj, dict):
-                run_events.append(obj)
-    threading.Thread(target=collect, daemon=True).start()
+    run_events = json_events(run)
 
     def up(failovers, cold=0):
         def check():
@@ -569,10 +609,18 @@ def containerd_pair(tp):
     gms = st.get("gms_daemons") or []
     assert len(gms) == tp and all(g["device"].startswith("GPU-") and g["backend"] == "cuda" for g in gms), gms
     reference = request(port)["choices"][0]["tokens"]
+    # The engine's own floor: a one-token request with nobody dying.
+    one = []
+    for _ in range(21):
+        t = time.perf_counter()
+        request(port, max_tokens=1)
+        one.append((time.perf_counter() - t) * 1e3)
+    figure(f"TP={tp} through containerd: one request of 1 token with no failover, p50",
+           round(sorted(one)[len(one) // 2], 1), "ms")
     stop, results, kinds = threading.Event(), [], {"refused": 0, "reset_in_flight": 0, "timeouts": 0}
     th = threading.Thread(target=stream_requests, args=(port, results, stop, kinds), daemon=True)
     th.start()
-    latencies, parked_mib = [], []
+    latencies, parked_mib, to_lock = [], [], []
 
     def kill_and_time(victim, slot, what):
         """SIGKILL `victim` (a pid of the active group of `slot`): ms to the other slot's first correct answer."""
@@ -584,6 +632,11 @@ def containerd_pair(tp):
                                          if r[2] == str(1 - slot) and r[1] > kill_at), None),
                            60, f"an answer from the promoted shadow after {what}")
         assert first[3] == reference, f"{what}: the promoted engine answers {first[3]}, not {reference}"
+        # When the promoted engine's flock returned (its "active" line): the
+        # part of the figure that is the dying process's exit.
+        woke = [o["woke_at"] for o in list(run_events) if o.get("event") == "active"
+                and str(o.get("engine")) == str(1 - slot) and o.get("woke_at", 0) > kill_at]
+        to_lock.append(round((min(woke) - kill_at) * 1e3, 1) if woke else None)
         return round((first[1] - kill_at) * 1e3, 1)
 
     failovers = 0
@@ -638,12 +691,20 @@ def containerd_pair(tp):
     figure(f"TP={tp} through containerd: one request (4 tokens) with no failover, p50",
            round(steady[len(steady) // 2] * 1e3, 1), "ms")
     wakes = [o for o in list(run_events) if o.get("event") == "active"]
-    figure(f"TP={tp} through containerd: engines' wake (KV materialise, ready to accept), per wake",
+    figure(f"TP={tp} through containerd: engines' wake (KV materialise + weights check, ready to accept), per wake",
            [(o.get("kv_materialise_ms"), o.get("promote_ms")) for o in wakes], "ms")
+    checks = [o for o in list(run_events) if o.get("event") == "weights-verified" and o.get("when") == "promoted"]
+    figure(f"TP={tp} through containerd: the promoted engine's weights check (GPU digest of "
+           f"{(checks[0]['bytes'] >> 20) if checks else '?'} MiB, overlapping the KV materialise), per wake",
+           [o.get("ms") for o in checks], "ms")
+    figure(f"TP={tp} through containerd: the promoted engine's wake in parts (check launched, KV materialised, "
+           "check awaited), per wake", [(o.get("launch_ms"), o.get("kv_ms"), o.get("wait_ms")) for o in checks],
+           "ms")
     target = "<= 25 ms" if tp == 1 else "<= 100 ms"
     figure(f"TP={tp} through containerd: SIGKILL of the active -> first correct answer, per round",
            latencies, "ms")
     figure(f"TP={tp} through containerd: SIGKILL -> first correct answer, p50 of 3", p50, "ms", target)
+    figure(f"TP={tp} through containerd: SIGKILL -> the promoted engine holds the lock, per kill", to_lock, "ms")
     figure(f"TP={tp} through containerd: parked shadow device memory per process (nvidia-smi), per round",
            parked_mib, "MiB", "<= 800 MiB per GPU")
     figure(f"TP={tp} through containerd: weights held by the gmsds",
@@ -656,6 +717,7 @@ def containerd_pair(tp):
         figure(f"TP={tp} through containerd: {kind} through the kills", n, "",
                "0" if kind == "refused" else None)
     assert kinds["refused"] == 0, f"refused connections with the pair's socket: {kinds}"
+    weights_changed_under_the_pair(rt, cid, port, reference, run_events, tp)
 
     rt.ctr("task", "kill", "--signal", "SIGKILL", cid)
     assert run.wait(60) != 0
@@ -677,8 +739,107 @@ def containerd_pair(tp):
            "MiB")
 
 
+def weights_changed_under_the_pair(rt, cid, port, reference, run_events, tp):
+    """The CUDA attack of docs/security.md on a live pair: a process holding
+    the handle makes its mapping read-write and negates the final norm, so
+    the active engine answers wrongly. Then SIGKILL of the active: the
+    promoted engine checks the digest before READY=1, exits 65, and the pair
+    restarts cold (weights generated again), naming the cause."""
+    st = rt.state(cid)
+    slot, cold = st["pair"]["active"], st["pair"]["cold_restarts"]
+    g0 = st["gms_daemons"][0]
+    bad = Proc("scribbler", [sys.executable, WORKER, "scribble", "--tensor", "norm"],
+               env={"GMS_SOCKET_DIR": os.path.dirname(g0["socket"])})
+    ev = bad.expect(lambda o: isinstance(o, dict) and o.get("event") in ("scribbled", "scribble_refused"), 120,
+                    "scribble outcome")
+    bad.wait(30)
+    if ev["event"] == "scribble_refused":
+        figure(f"TP={tp} through containerd: cuMemSetAccess(READWRITE) on the pair's weights",
+               f"refused (rc {ev['rc']})", "")
+        assert request(port)["choices"][0]["tokens"] == reference
+        return
+    damaged = request(port)["choices"][0]["tokens"]
+    assert damaged != reference, "the negated norm changed no answer"
+    kill_at = time.time()
+    os.kill(st["pids"][slot], signal.SIGKILL)
+
+    def mended():
+        s = rt.state(cid)
+        if not (s and s["pair"]["cold_restarts"] == cold + 1 and s["pair"]["protected"]):
+            return None
+        try:
+            return s, request(port, timeout=2.0)["choices"][0]["tokens"]
+        except (OSError, http.client.HTTPException, ValueError, KeyError):
+            return None
+    st, tokens = poll_until(mended, 240, "a cold restart after the promoted engine found the weights changed")
+    mended_ms = round((time.time() - kill_at) * 1e3, 1)
+    assert tokens == reference, f"after the cold restart: {tokens}, not {reference}"
+    assert st["pair"]["last_cold_restart"] == {"cause": "weights_corrupt", "slot": 1 - slot}, st["pair"]
+    assert st["pair"]["weights_corrupt"] == 1, st["pair"]
+    found = [o for o in list(run_events) if o.get("event") == "weights-corrupt"]
+    assert found and found[0]["when"] == "promoted", found
+    print(f"  the promoted engine: {found[0]['error']}", flush=True)
+    figure(f"TP={tp} through containerd: weights changed under the pair -> SIGKILL of the active -> "
+           "cold restart -> first correct answer", mended_ms, "ms")
+
+
 def test_containerd_pair_tp1():
     containerd_pair(1)
+
+
+def test_containerd_pair_kv_that_fits_once():
+    """A KV cache sized to the GPU, as engines are deployed: one engine's
+    fits, two do not. The promoted shadow materialises its KV while the
+    driver still tears the dead engine down, so its memory is not back
+    yet: the materialise waits for it (GMS_KV_OOM_WAIT_MS) instead of
+    failing, and the shadow serves without dying."""
+    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
+    STATE["rt"] = Session.runtime = rt
+    total = int(smi("--query-gpu=memory.total", "-i", "0").splitlines()[0])
+    layers = 2 if QUICK else 8
+    weights_mib = 250 + layers * 384  # embed + 12·4096² bf16 per layer (engine.py)
+    # Weights, two engines' contexts (~740 MiB each) and 3 GiB for the
+    # active engine's work: the rest is the KV cache, which fits once.
+    kv_gib = (total - gpu_used_mib() - weights_mib - 2 * 800 - 3072) // 1024
+    assert 2 * kv_gib * 1024 > total - weights_mib, (total, kv_gib)
+    cid, port = "kvfull", 19800 + os.getpid() % 100
+    env = ctr_pair.engine_env(port, layers, kv_gib, BIN)
+    args = rt.run_args(ctr_pair.SHIM_RUNTIME, cid, env, [sys.executable, ENGINE],
+                       extra=["--runtime-config-path", rt.shim_config, "--annotation", "shadow.dev/pair=true",
+                              "--annotation", f"shadow.dev/listen=tcp:127.0.0.1:{port}"])
+    run = Proc(f"ctr-run-{cid}", args, stdin=False)
+    events = json_events(run)
+    try:
+        st = poll_until(lambda: protected(rt, cid, 0), 240, "pair protected")
+    except AssertionError:
+        raise AssertionError(f"{run.stderr_tail()}\ncontainerd: {rt.log_tail()}") from None
+    reference = request(port)["choices"][0]["tokens"]
+    slot = st["pair"]["active"]
+    generation = st["pair"]["slots"][1 - slot]["generation"]
+    kill_at = time.time()
+    os.kill(st["pids"][slot], signal.SIGKILL)
+
+    def promoted():
+        try:
+            body = request(port, timeout=5.0)
+        except (OSError, http.client.HTTPException, ValueError):
+            return None
+        return body if str(body["engine"]) == str(1 - slot) else None
+    body = poll_until(promoted, 60, "the shadow serves")
+    first_ms = round((time.time() - kill_at) * 1e3, 1)
+    assert body["choices"][0]["tokens"] == reference
+    st = poll_until(lambda: protected(rt, cid, 1), 240, "the killed slot back, parked")
+    assert st["pair"]["slots"][1 - slot]["generation"] == generation, "the promoted engine died and came back"
+    wake = [o for o in list(events) if o.get("event") == "active" and str(o.get("engine")) == str(1 - slot)]
+    figure(f"KV of {kv_gib} GiB on a {total // 1024} GiB GPU (fits once): SIGKILL -> first correct answer",
+           first_ms, "ms")
+    figure("the promoted engine's wake (KV materialise, waiting for the dead engine's memory)",
+           wake[0].get("kv_materialise_ms") if wake else None, "ms")
+    rt.ctr("task", "kill", "--signal", "SIGKILL", cid)
+    assert run.wait(60) != 0
+    left = poll_until(lambda: (lambda p: None if p else "none")(
+        ctr_pair.our_processes([rt.address, rt.state_dir, ENGINE])), 30, "no engine, gmsd or shim left")
+    assert left == "none"
 
 
 def test_containerd_runc_cold_restart():
@@ -743,7 +904,7 @@ def test_device_memory_back_to_start():
     start = STATE["baseline_mib"]
     seen = []
     try:
-        now = poll_until(lambda: (lambda m: seen.append(m) or m <= start + 64)(gpu_used_mib()),
+        poll_until(lambda: (lambda m: seen.append(m) or m <= start + 64)(gpu_used_mib()),
                          30, "device memory back to the start")
     except AssertionError:
         raise AssertionError(f"device memory not back to {start} MiB (+64): last readings {seen[-3:]} MiB, "

@@ -4,12 +4,17 @@
   worker.py writer [--mode rw_or_ro] [--exit-before-commit | --hold-before-commit]
   worker.py reader            map the committed layout read-only, report
   worker.py reader-write      map read-only, then try to write into a weight
+  worker.py verify            recompute the weights digest, report verified/corrupt
+  worker.py scribble --tensor NAME
+                              the CUDA attack: map read-only, make the mapping
+                              read-write (cuMemSetAccess), negate one tensor
   worker.py measure --kv-gib N   attach timing of whatever is committed + KV
 
 Prints one JSON object per line; after reporting, writer and reader obey
 "check" (report again) and "quit" lines on stdin.
 """
 
+import ctypes
 import hashlib
 import json
 import os
@@ -18,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "gms", "python"))
 import torch  # noqa: E402
-from shadow_gms import Gms  # noqa: E402
+from shadow_gms import Gms, WeightsCorrupt  # noqa: E402
 
 
 def say(**fields):
@@ -106,6 +111,51 @@ def reader_write(args):
     return 0
 
 
+def verify(args):
+    gms = Gms(mode="ro", client="gpu-test-verify", timeout_s=30)
+    try:
+        figures = gms.verify_weights()
+    except WeightsCorrupt as e:
+        say(event="corrupt", error=str(e), allocations=e.allocations)
+        return 0
+    say(event="verified", **(figures or {"checked": False}))
+    return 0
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+
+
+def scribble(args):
+    """What a hostile engine can do on CUDA: its read-only mapping of an
+    imported handle is its own to change, so it asks for read-write and
+    writes the weights every engine of the pair maps."""
+    name = args[args.index("--tensor") + 1]
+    gms = Gms(mode="ro", client="gpu-test-scribble", timeout_s=30)
+    t = gms.tensors()[name]
+    alloc = next(a for a in gms.layout()["allocations"] if a["va"] <= t.data_ptr() < a["va"] + a["size"])
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuMemSetAccess.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER(_AccessDesc), ctypes.c_size_t]
+    desc = _AccessDesc(_Location(CU_MEM_LOCATION_TYPE_DEVICE, gms.device), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    rc = cuda.cuMemSetAccess(alloc["va"], alloc["size"], ctypes.byref(desc), 1)
+    if rc != 0:
+        say(event="scribble_refused", rc=rc, tensor=name)
+        return 0
+    before = digest(t)
+    t.neg_()
+    torch.cuda.synchronize()
+    say(event="scribbled", tensor=name, allocation=alloc["id"], changed=digest(t) != before)
+    return 0
+
+
 def measure(args):
     kv_gib = float(args[args.index("--kv-gib") + 1]) if "--kv-gib" in args else 64
     t = time.perf_counter()
@@ -133,5 +183,6 @@ def measure(args):
 
 if __name__ == "__main__":
     cmd, rest = sys.argv[1], sys.argv[2:]
-    fn = {"writer": writer, "reader": reader, "reader-write": reader_write, "measure": measure}[cmd]
+    fn = {"writer": writer, "reader": reader, "reader-write": reader_write, "verify": verify,
+          "scribble": scribble, "measure": measure}[cmd]
     sys.exit(fn(rest))

@@ -33,6 +33,15 @@ pub enum Error {
     InvalidArgument(String),
 }
 
+impl Error {
+    /// The driver had no device memory for the call
+    /// (`CUDA_ERROR_OUT_OF_MEMORY`).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::Driver { code, .. }
+            if *code == CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32)
+    }
+}
+
 /// Result of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
 

@@ -13,14 +13,17 @@ Engine authors use three things from here:
   (flock on SHADOW_LOCK_PATH, STATUS=parked / READY=1 on NOTIFY_SOCKET).
 - ``listen_socket()``: the pair's listening socket when the runtime hands
   one down (``shadow.dev/listen``: LISTEN_FDS), else None.
+- ``Gms.verify_weights()``: the digest its writer recorded at commit,
+  recomputed on the GPU; a promoted engine calls it before ``READY=1`` and
+  exits with ``CORRUPT_EXIT`` on ``WeightsCorrupt``.
 
 Only torch and the standard library are needed; the contract helpers
 (``FailoverLock``, ``notify``, ``listen_socket``) need no torch.
 """
 
-from .contract import FailoverLock, listen_socket, listen_sockets, notify
+from .contract import CORRUPT_EXIT, FailoverLock, listen_socket, listen_sockets, notify
 
-_CLIENT = ("Gms", "GmsError", "KvCache", "find_library")
+_CLIENT = ("Gms", "GmsError", "KvCache", "WeightsCorrupt", "find_library")
 
 
 def __getattr__(name):
@@ -34,5 +37,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'shadow_gms' has no attribute {name!r}")
 
 
-__all__ = ["FailoverLock", "Gms", "GmsError", "KvCache", "find_library", "listen_socket",
-           "listen_sockets", "notify"]
+__all__ = ["CORRUPT_EXIT", "FailoverLock", "Gms", "GmsError", "KvCache", "WeightsCorrupt",
+           "find_library", "listen_socket", "listen_sockets", "notify"]

@@ -10,19 +10,121 @@ the interface has no bfloat16.
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import pathlib
+import struct
+import time
 
 import torch
 
 MODES = {"rw": 0, "ro": 1, "rw_or_ro": 2}
 LEASES = {0: "rw", 1: "ro"}
 META_PREFIX = "tensor/"
+# The weights digest (docs/gms-protocol.md, "Weights digest"): the same
+# names as shadow_contract::weights.
+DIGEST_KEY = "shadow/weights-digest"
+DIGEST_SCHEME = "sum64-2MiB-sha256/v1"
+DIGEST_CHUNK = 2 << 20
 
 
 class GmsError(RuntimeError):
     pass
+
+
+class WeightsCorrupt(GmsError):
+    """The committed weights this process maps differ from the digest their
+    writer recorded. An engine of a pair exits with ``CORRUPT_EXIT`` (65):
+    the runtime then restarts the pair cold and the weights are loaded
+    again."""
+
+    def __init__(self, message, allocations):
+        super().__init__(message)
+        self.allocations = allocations
+
+
+class _Plan:
+    """What a digest reads: per allocation (by id), views of its words as
+    2 MiB chunks (and a shorter tail). Built once per process and layout:
+    making a tensor over foreign memory costs far more on the CPU than the
+    GPU's sum of it, and a promotion should pay only for the sums."""
+
+    def __init__(self, allocations):
+        per = DIGEST_CHUNK // 8
+        self.allocations = sorted(allocations, key=lambda a: a["id"])
+        self.bytes = sum(a["size"] for a in self.allocations)
+        self.views = []
+        for a in self.allocations:
+            words = a["size"] // 8
+            if words * 8 != a["size"]:
+                raise GmsError(f"allocation {a['id']} has {a['size']} bytes, not a whole number of words")
+            t = device_tensor(a["va"], torch.int64, (words,))
+            full = words // per
+            views = []
+            if full:
+                views.append(t[: full * per].view(full, per))
+            if words % per:
+                views.append(t[full * per:].view(1, -1))
+            self.views.append(views)
+
+    def start(self):
+        """Queues the sums on the GPU: each chunk's words added modulo 2^64
+        (integer sums do not depend on the reduction's order, so every
+        process gets the same values)."""
+        return _Digests(self)
+
+
+class _Digests:
+    """Digests being computed; ``result()`` waits for the GPU (one transfer
+    to the host for all) and hashes: id -> sha256 hex of the allocation's
+    chunk sums as little-endian u64."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.sums = [torch.cat([v.sum(dim=1) for v in views]) if views else None for views in plan.views]
+
+    def result(self):
+        parts = [x for x in self.sums if x is not None]
+        values = torch.cat(parts).tolist() if parts else []
+        out, at = {}, 0
+        for a, x in zip(self.plan.allocations, self.sums):
+            n = 0 if x is None else x.numel()
+            # tolist() gives signed values: packed back into the same words.
+            raw = struct.pack(f"<{n}q", *values[at:at + n])
+            out[str(a["id"])] = hashlib.sha256(raw).hexdigest()
+            at += n
+        return out
+
+
+def weights_digests(allocations):
+    """id -> hex digest of each allocation (``{"id", "va", "size"}`` as a
+    layout lists them) in memory this process maps (docs/gms-protocol.md,
+    "Weights digest")."""
+    return _Plan(allocations).start().result()
+
+
+class PendingCheck:
+    """A weights check under way (``Gms.begin_verify_weights``): ``result()``
+    waits for it, returns ``{"ms", "bytes", "allocations"}`` or raises
+    ``WeightsCorrupt``."""
+
+    def __init__(self, recorded, plan):
+        self._t0 = time.perf_counter()
+        self._want = recorded
+        self._bytes = plan.bytes
+        self._digests = plan.start()
+
+    def result(self):
+        got = self._digests.result()
+        want = self._want
+        bad = sorted((set(got) ^ set(want)) | {i for i in got if i in want and got[i] != want[i]})
+        if bad:
+            raise WeightsCorrupt(
+                f"the committed weights changed since their digest was recorded: "
+                f"{len(bad)} of {len(want)} allocation(s) differ (ids {bad[:8]})", bad)
+        return {"ms": round((time.perf_counter() - self._t0) * 1e3, 3), "bytes": self._bytes,
+                "allocations": len(got)}
 
 
 def find_library():
@@ -128,6 +230,7 @@ class Gms:
         self.lease = LEASES[lease]
         self._pool = None
         self._allocator = None
+        self._check_plan = None  # (recorded digests, _Plan), once read
 
     # -- plumbing ---------------------------------------------------------
     def _error(self, what):
@@ -206,11 +309,55 @@ class Gms:
         return out
 
     def commit_tensors(self, tensors):
-        """Records each tensor's metadata, then commits. Returns the generation."""
+        """Records each tensor's metadata and the weights digest, then
+        commits. Returns the generation."""
         torch.cuda.synchronize(self.device)
-        for name, meta in self.tensor_meta(tensors, self.layout()["allocations"]).items():
+        allocations = self.layout()["allocations"]
+        for name, meta in self.tensor_meta(tensors, allocations).items():
             self.put_meta(META_PREFIX + name, meta)
-        return self.commit()
+        plan = _Plan(allocations)
+        digests = plan.start().result()
+        self.put_meta(DIGEST_KEY, json.dumps({
+            "scheme": DIGEST_SCHEME, "chunk_bytes": DIGEST_CHUNK, "allocations": digests}))
+        generation = self.commit()
+        self._check_plan = (digests, plan)
+        return generation
+
+    def verify_weights(self):
+        """Recomputes the digest of every committed allocation (on the GPU,
+        over this process's mappings) and compares it with the one the
+        writer recorded at commit.
+
+        Returns ``{"ms", "bytes", "allocations"}``, or None when the layout
+        has no digest (its writer recorded none): nothing was checked.
+        Raises ``WeightsCorrupt`` on a mismatch. A promoted engine calls it
+        after taking the lock and before ``READY=1``."""
+        pending = self.begin_verify_weights()
+        return pending.result() if pending is not None else None
+
+    def begin_verify_weights(self):
+        """``verify_weights`` in two steps: queues the GPU's work and
+        returns a ``PendingCheck`` (None when there is no digest), so that
+        the check overlaps other work of the wake (the KV cache's
+        materialise); its ``result()`` must come before ``READY=1``."""
+        if self._check_plan is None:
+            # The committed layout cannot change under a lease that holds
+            # it, so what it says is read once per process.
+            layout = self.layout()
+            text = layout["metadata"].get(DIGEST_KEY)
+            if text is None:
+                return None
+            try:
+                recorded = json.loads(text)
+            except ValueError as e:
+                raise WeightsCorrupt(f"the weights digest is not JSON: {e}", []) from e
+            if recorded.get("scheme") != DIGEST_SCHEME or recorded.get("chunk_bytes") != DIGEST_CHUNK:
+                raise WeightsCorrupt(f"a weights digest of another scheme: {recorded.get('scheme')!r}", [])
+            if self.lease == "ro" and not getattr(self, "_imported", False):
+                self.import_layout()
+            self._check_plan = (recorded.get("allocations") or {}, _Plan(layout["allocations"]))
+        recorded, plan = self._check_plan
+        return PendingCheck(recorded, plan)
 
     def commit_module(self, module):
         return self.commit_tensors(dict(_module_tensors(module)))

@@ -14,6 +14,10 @@ import fcntl
 import os
 import socket
 
+# The exit status of an engine that found the committed weights changed
+# (shadow_contract::weights::CORRUPT_EXIT): the runtime restarts the pair cold.
+CORRUPT_EXIT = 65
+
 
 def notify(*fields, path=None):
     """Sends ``KEY=value`` lines to NOTIFY_SOCKET; a no-op when it is unset.
