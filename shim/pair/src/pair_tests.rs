@@ -542,19 +542,18 @@ fn invalidating_xid_restarts_cold_preserving_xid_does_not() {
     );
 }
 
+/// The reaper collected `slot`'s engine with `exit` at `at` ms.
+fn died(p: &mut Pair, slot: SlotId, exit: Exit, at: u64) -> Vec<Action> {
+    p.handle(Event::Exited { slot, exit }, t(at))
+}
+
 /// The shadow, promoted, finds the committed weights changed and exits
 /// with the contract's status: both engines stop and the pair restarts
 /// cold (GMS empty, the weights loaded again), counted and named apart.
 #[test]
 fn a_promoted_engine_finding_corrupt_weights_restarts_the_pair_cold() {
     let mut p = running();
-    let a = p.handle(
-        Event::Exited {
-            slot: SlotId::ZERO,
-            exit: KILL,
-        },
-        t(1000),
-    );
+    let a = died(&mut p, SlotId::ZERO, KILL, 1000);
     assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
     p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
     p.handle(
@@ -566,25 +565,13 @@ fn a_promoted_engine_finding_corrupt_weights_restarts_the_pair_cold() {
     );
     // Verified before READY=1: it never says it.
     let corrupt = Exit::Code(WEIGHTS_CORRUPT_EXIT);
-    let a = p.handle(
-        Event::Exited {
-            slot: SlotId::ONE,
-            exit: corrupt,
-        },
-        t(1003),
-    );
+    let a = died(&mut p, SlotId::ONE, corrupt, 1003);
     assert!(a.contains(&Action::KillAll), "{a:?}");
     assert!(
         !a.iter().any(|a| matches!(a, Action::Spawn { .. })),
         "{a:?}"
     );
-    let a = p.handle(
-        Event::Exited {
-            slot: SlotId::ZERO,
-            exit: KILL,
-        },
-        t(1004),
-    );
+    let a = died(&mut p, SlotId::ZERO, KILL, 1004);
     assert_eq!(
         a,
         vec![
@@ -608,13 +595,7 @@ fn a_promoted_engine_finding_corrupt_weights_restarts_the_pair_cold() {
 #[test]
 fn a_shadow_finding_corrupt_weights_restarts_cold_another_status_does_not() {
     let mut p = running();
-    let a = p.handle(
-        Event::Exited {
-            slot: SlotId::ONE,
-            exit: Exit::Code(64),
-        },
-        t(10),
-    );
+    let a = died(&mut p, SlotId::ONE, Exit::Code(64), 10);
     assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
     p.handle(
         Event::Spawned {
@@ -623,13 +604,7 @@ fn a_shadow_finding_corrupt_weights_restarts_cold_another_status_does_not() {
         },
         t(11),
     );
-    let a = p.handle(
-        Event::Exited {
-            slot: SlotId::ONE,
-            exit: Exit::Code(WEIGHTS_CORRUPT_EXIT),
-        },
-        t(12),
-    );
+    let a = died(&mut p, SlotId::ONE, Exit::Code(WEIGHTS_CORRUPT_EXIT), 12);
     assert_eq!(a, vec![Action::KillAll]);
     assert_eq!(p.active(), None, "the active is stopped too");
     assert_eq!(p.snapshot().weights_corrupt, 1);
