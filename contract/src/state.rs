@@ -2,8 +2,10 @@
 //! of the pair (atomically, by rename), read by `shadowctl`, the tests and
 //! the failover benchmarks. docs/pairs.md describes the fields.
 //!
-//! These types are the schema; the shim's supervision crate keeps its own
-//! types and converts into these, so the file changes only on purpose.
+//! These types are the schema. The shim's supervision crate (`shadow-pair`)
+//! decides with the enums here (`Exit`, `FailureClass`, `ColdRestartCause`,
+//! `DeathSign`, `EngineState`) and converts only the records that carry its
+//! slot ids, so a variant is added in one place and spelt one way.
 //! Readers deserialize with these types instead of indexing JSON by
 //! string, so a renamed field fails to compile instead of reading `null`.
 
@@ -114,16 +116,19 @@ pub struct PairSnapshot {
     pub gms_deaths: std::collections::BTreeMap<String, u64>,
 }
 
-/// Why the pair restarted cold (a device-invalidating failure).
+/// Why the pair last restarted cold (a device-invalidating failure, or
+/// weights found changed): `{"cause": "xid", "xid": 79}` and the like.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "cause")]
 pub enum ColdRestartCause {
-    /// The GMS daemon of `device` died: that GPU's weights are gone.
+    /// The GMS daemon of this device (a GPU UUID, or `host`) died: its
+    /// weights are gone.
     GmsDied { device: String },
     /// A device-invalidating XID on one of the pair's GPUs.
     Xid { xid: u32 },
-    /// The engine of `slot` found the committed weights changed (it exited
-    /// with [`crate::weights::CORRUPT_EXIT`]).
+    /// The engine of `slot` exited with [`crate::weights::CORRUPT_EXIT`]:
+    /// it found the committed weights changed since their digest was
+    /// recorded.
     WeightsCorrupt { slot: u8 },
 }
 
@@ -140,17 +145,24 @@ pub struct SlotState {
     pub last_exit: Option<Exit>,
 }
 
+/// Where one slot's engine is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EngineState {
+    /// Asked for, not yet running.
     Spawning,
+    /// Running, initialising (loading or mapping weights).
     Starting,
+    /// Initialised and blocked on the lock (`STATUS=parked`).
     Parked,
+    /// Holds the lock and serves.
     Active,
     /// Was active and lost the lock to its successor (dead or leaving), not
     /// yet reaped.
     Superseded,
+    /// Dead, waiting for its respawn delay.
     Backoff,
+    /// Dead and not coming back (stopping, cold restart, crash loop).
     Stopped,
 }
 
@@ -169,12 +181,35 @@ impl EngineState {
     }
 }
 
-/// How an engine ended: `{"code": N}` or `{"signal": N}`.
+/// How an engine process ended, as the reaper saw it: `{"code": N}` or
+/// `{"signal": N}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Exit {
+    /// `exit(code)`.
     Code(i32),
+    /// Killed by a signal.
     Signal(i32),
+}
+
+impl Exit {
+    /// The status containerd reports: the code, or 128 + the signal number
+    /// (137 for SIGKILL), as a shell and runc-v2 report it.
+    pub fn status(self) -> u32 {
+        match self {
+            Exit::Code(c) => (c & 0xff) as u32,
+            Exit::Signal(s) => 128 + (s & 0x7f) as u32,
+        }
+    }
+
+    /// From a raw `wait` status word.
+    pub fn from_wait_status(raw: i32) -> Exit {
+        if raw & 0x7f == 0 {
+            Exit::Code((raw >> 8) & 0xff)
+        } else {
+            Exit::Signal(raw & 0x7f)
+        }
+    }
 }
 
 impl std::fmt::Display for Exit {
@@ -186,20 +221,38 @@ impl std::fmt::Display for Exit {
     }
 }
 
-/// What the supervisor did about a failure (docs/pairs.md, "Failure classes").
+/// What the supervisor does about a failure (docs/pairs.md, "Failure
+/// classes").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureClass {
+    /// Promote the shadow, respawn the slot, keep GMS.
     DevicePreserving,
+    /// Stop both engines, drop GMS state, restart the pair cold.
     DeviceInvalidating,
-    /// Device-preserving, and the OOM killer killed a process of the engine.
+    /// The kernel's OOM killer killed a process of the engine (its cgroup
+    /// counted an `oom_kill`) on a healthy device: handled as
+    /// device-preserving (promote, respawn, keep GMS), and counted apart so
+    /// that an operator sees memory limits, not crashes.
     OutOfMemory,
-    /// An engine found the committed weights changed: a cold restart.
+    /// An engine found the committed weights changed (it exited with
+    /// [`crate::weights::CORRUPT_EXIT`]): stop both engines, drop GMS
+    /// state, restart the pair cold, as for
+    /// [`FailureClass::DeviceInvalidating`], and counted apart.
     WeightsCorrupt,
+    /// The restart budget is spent: stop and report the exit.
     CrashLoop,
 }
 
 impl FailureClass {
+    /// Whether the shared state is lost: the pair restarts cold.
+    pub fn restarts_cold(self) -> bool {
+        matches!(
+            self,
+            FailureClass::DeviceInvalidating | FailureClass::WeightsCorrupt
+        )
+    }
+
     /// The name as the file spells it.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -225,7 +278,8 @@ pub enum DeathSign {
     /// The successor seen holding the lock (right after the lock file's
     /// close, or in `/proc/locks`).
     LockTaken,
-    /// The successor said `READY=1`.
+    /// The successor said `READY=1` (it can only hold the lock if the old
+    /// active let go of it).
     Ready,
 }
 
@@ -433,6 +487,18 @@ mod tests {
         assert_eq!(p["number"], 1, "the promotion is flattened into the record");
         assert_eq!(p["total_ms"], 2.0);
         assert_eq!(v["gms"]["resident_bytes"], 4096, "gmsd's other fields kept");
+    }
+
+    #[test]
+    fn exit_statuses_are_what_a_shell_reports() {
+        assert_eq!(Exit::Code(0).status(), 0);
+        assert_eq!(Exit::Code(3).status(), 3);
+        assert_eq!(Exit::Signal(9).status(), 137);
+        assert_eq!(Exit::Signal(15).status(), 143);
+        // wait(2) words: exit 3 is 0x0300; SIGKILL is 9; SIGSEGV with core is 0x8b.
+        assert_eq!(Exit::from_wait_status(0x0300), Exit::Code(3));
+        assert_eq!(Exit::from_wait_status(9), Exit::Signal(9));
+        assert_eq!(Exit::from_wait_status(0x8b), Exit::Signal(11));
     }
 
     #[test]
