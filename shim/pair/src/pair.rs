@@ -24,6 +24,8 @@ use crate::{
     promotion::{DeathSign, Handover, Promotion},
 };
 
+pub use shadow_contract::state::EngineState;
+
 /// Slot `0` or `1`: `SHADOW_ENGINE_ID` inside the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct SlotId(u8);
@@ -46,27 +48,6 @@ impl std::fmt::Display for SlotId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}", self.0)
     }
-}
-
-/// Where one slot's engine is in its life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EngineState {
-    /// Asked for, not yet running.
-    Spawning,
-    /// Running, initialising (loading or mapping weights).
-    Starting,
-    /// Initialised and blocked on the lock (`STATUS=parked`).
-    Parked,
-    /// Holds the lock and serves.
-    Active,
-    /// Was active and lost the lock to its successor (dead or leaving), not
-    /// yet reaped.
-    Superseded,
-    /// Dead, waiting for its respawn delay.
-    Backoff,
-    /// Dead and not coming back (stopping, cold restart, crash loop).
-    Stopped,
 }
 
 /// One slot of the pair.

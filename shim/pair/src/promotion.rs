@@ -14,23 +14,7 @@ use serde::Serialize;
 use crate::failure::{Exit, FailureClass};
 use crate::pair::SlotId;
 
-/// How the shim first learnt that the active engine was gone.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DeathSign {
-    /// The reaper collected it.
-    Reap,
-    /// The election lock seen let go: the kernel reported the lock file
-    /// closed (inotify) with the lock then free, or `/proc/locks` showed
-    /// it free.
-    LockFree,
-    /// The successor seen holding the lock (right after the lock file's
-    /// close, or in `/proc/locks`).
-    LockTaken,
-    /// The successor said `READY=1` (it can only hold the lock if the old
-    /// active let go of it).
-    Ready,
-}
+pub use shadow_contract::state::DeathSign;
 
 /// The timeline of one failover. Times are since the supervisor started,
 /// each taken where the fact was observed (the reaper's time for the reap).

@@ -1,65 +1,26 @@
 //! `state.json` from the supervisor's values. The schema is
 //! `shadow_contract::state` (shared with `shadowctl`, the tests and the
-//! benchmarks); the pure crate `shadow_pair` keeps its own types, and this
-//! is the one place that maps them onto the file, so either side can change
-//! its internals without changing what tools read.
+//! benchmarks). The pure crate `shadow_pair` decides with the schema's
+//! enums; its records carry a [`SlotId`] where the file has a number, and
+//! this is the one place that maps them onto the file, so the pair can
+//! change its internals without changing what tools read.
 
 use shadow_contract::state as file;
-use shadow_pair::{
-    ColdRestartCause, DeathSign, EngineState, Exit, FailureClass, Promotion, Slot, SlotId, Snapshot,
-};
+use shadow_pair::{Promotion, Slot, SlotId, Snapshot};
 
 fn slot_id(s: SlotId) -> u8 {
     // A slot is 0 or 1 by construction.
     s.index() as u8
 }
 
-fn exit(e: Exit) -> file::Exit {
-    match e {
-        Exit::Code(c) => file::Exit::Code(c),
-        Exit::Signal(s) => file::Exit::Signal(s),
-    }
-}
-
-fn class(c: FailureClass) -> file::FailureClass {
-    match c {
-        FailureClass::DevicePreserving => file::FailureClass::DevicePreserving,
-        FailureClass::DeviceInvalidating => file::FailureClass::DeviceInvalidating,
-        FailureClass::OutOfMemory => file::FailureClass::OutOfMemory,
-        FailureClass::WeightsCorrupt => file::FailureClass::WeightsCorrupt,
-        FailureClass::CrashLoop => file::FailureClass::CrashLoop,
-    }
-}
-
-fn engine_state(s: EngineState) -> file::EngineState {
-    match s {
-        EngineState::Spawning => file::EngineState::Spawning,
-        EngineState::Starting => file::EngineState::Starting,
-        EngineState::Parked => file::EngineState::Parked,
-        EngineState::Active => file::EngineState::Active,
-        EngineState::Superseded => file::EngineState::Superseded,
-        EngineState::Backoff => file::EngineState::Backoff,
-        EngineState::Stopped => file::EngineState::Stopped,
-    }
-}
-
-fn death_sign(d: DeathSign) -> file::DeathSign {
-    match d {
-        DeathSign::Reap => file::DeathSign::Reap,
-        DeathSign::LockFree => file::DeathSign::LockFree,
-        DeathSign::LockTaken => file::DeathSign::LockTaken,
-        DeathSign::Ready => file::DeathSign::Ready,
-    }
-}
-
 fn slot(s: &Slot) -> file::SlotState {
     file::SlotState {
         id: slot_id(s.id),
-        state: engine_state(s.state),
+        state: s.state,
         pid: s.pid,
         generation: s.generation,
         speaks_notify: s.speaks_notify,
-        last_exit: s.last_exit.map(exit),
+        last_exit: s.last_exit,
     }
 }
 
@@ -69,12 +30,12 @@ pub fn promotion(p: &Promotion) -> file::Promotion {
         from: slot_id(p.from),
         to: p.to.map(slot_id),
         death_at: p.death_at,
-        death_seen: death_sign(p.death_seen),
+        death_seen: p.death_seen,
         reaped_at: p.reaped_at,
         lock_at: p.lock_at,
         ready_at: p.ready_at,
-        exit: exit(p.exit),
-        class: class(p.class),
+        exit: p.exit,
+        class: p.class,
     }
 }
 
@@ -88,15 +49,7 @@ pub fn snapshot(s: &Snapshot) -> file::PairSnapshot {
         oom_kills: s.oom_kills,
         weights_corrupt: s.weights_corrupt,
         last_promotion: s.last_promotion.as_ref().map(promotion),
-        last_cold_restart: s.last_cold_restart.as_ref().map(|c| match c {
-            ColdRestartCause::GmsDied { device } => file::ColdRestartCause::GmsDied {
-                device: device.clone(),
-            },
-            ColdRestartCause::Xid { xid } => file::ColdRestartCause::Xid { xid: *xid },
-            ColdRestartCause::WeightsCorrupt { slot } => {
-                file::ColdRestartCause::WeightsCorrupt { slot: *slot }
-            }
-        }),
+        last_cold_restart: s.last_cold_restart.clone(),
         gms_deaths: s.gms_deaths.clone(),
     }
 }
@@ -110,7 +63,7 @@ pub fn gms(report: serde_json::Value) -> Option<file::GmsStatus> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shadow_pair::{Pair, RestartPolicy};
+    use shadow_pair::{DeathSign, Exit, FailureClass, Pair, RestartPolicy};
 
     /// Whatever the pure crate serializes, the file's types read back: the
     /// mapping loses nothing tools read.
