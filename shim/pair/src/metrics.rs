@@ -26,14 +26,15 @@ fn label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-const STATES: [(EngineState, &str); 7] = [
-    (EngineState::Spawning, "spawning"),
-    (EngineState::Starting, "starting"),
-    (EngineState::Parked, "parked"),
-    (EngineState::Active, "active"),
-    (EngineState::Superseded, "superseded"),
-    (EngineState::Backoff, "backoff"),
-    (EngineState::Stopped, "stopped"),
+/// Every state, each a `state` label spelt as state.json spells it.
+const STATES: [EngineState; 7] = [
+    EngineState::Spawning,
+    EngineState::Starting,
+    EngineState::Parked,
+    EngineState::Active,
+    EngineState::Superseded,
+    EngineState::Backoff,
+    EngineState::Stopped,
 ];
 
 /// The metrics text of one pair. `containerd` (the owning containerd's
@@ -112,9 +113,9 @@ pub fn render(
     let mut states = Vec::new();
     let mut generations = Vec::new();
     for slot in &snap.slots {
-        for (state, name) in STATES {
+        for state in STATES {
             states.push((
-                format!(",slot=\"{}\",state=\"{name}\"", slot.id),
+                format!(",slot=\"{}\",state=\"{}\"", slot.id, state.as_str()),
                 u8::from(slot.state == state).to_string(),
             ));
         }
