@@ -167,6 +167,19 @@ pub enum EngineState {
 }
 
 impl EngineState {
+    /// Every state, in the order of a life (what a metric lists, 0
+    /// included). Kept next to [`EngineState::as_str`], whose match a new
+    /// state must extend.
+    pub const ALL: [EngineState; 7] = [
+        EngineState::Spawning,
+        EngineState::Starting,
+        EngineState::Parked,
+        EngineState::Active,
+        EngineState::Superseded,
+        EngineState::Backoff,
+        EngineState::Stopped,
+    ];
+
     /// The name as the file spells it.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -457,15 +470,7 @@ mod tests {
         assert_eq!(p["reaped_at"], json!({"secs": 1, "nanos": 500_000_000}));
         assert_eq!(p["exit"], json!({"signal": 9}));
         assert_eq!(p["class"], FailureClass::DevicePreserving.as_str());
-        for e in [
-            EngineState::Spawning,
-            EngineState::Starting,
-            EngineState::Parked,
-            EngineState::Active,
-            EngineState::Superseded,
-            EngineState::Backoff,
-            EngineState::Stopped,
-        ] {
+        for e in EngineState::ALL {
             assert_eq!(serde_json::to_value(e).unwrap(), e.as_str());
         }
         for d in [

@@ -26,17 +26,6 @@ fn label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-/// Every state, each a `state` label spelt as state.json spells it.
-const STATES: [EngineState; 7] = [
-    EngineState::Spawning,
-    EngineState::Starting,
-    EngineState::Parked,
-    EngineState::Active,
-    EngineState::Superseded,
-    EngineState::Backoff,
-    EngineState::Stopped,
-];
-
 /// The metrics text of one pair. `containerd` (the owning containerd's
 /// address) is a label too: two containerds on a host may each have a
 /// pair of the same namespace and id. `notify_dropped`: the datagrams the
@@ -113,7 +102,7 @@ pub fn render(
     let mut states = Vec::new();
     let mut generations = Vec::new();
     for slot in &snap.slots {
-        for state in STATES {
+        for state in EngineState::ALL {
             states.push((
                 format!(",slot=\"{}\",state=\"{}\"", slot.id, state.as_str()),
                 u8::from(slot.state == state).to_string(),
