@@ -43,8 +43,14 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-import torch
-import torch.nn.functional as F
+# cuBLAS workspaces of 16 MiB per stream, not the 32 MiB torch gives Hopper,
+# set before torch starts cuBLAS: a parked engine keeps one per stream it
+# ever ran a GEMM on (two here), and the parked shadow's budget is 800 MiB.
+# On an H200 this engine's requests took as long with 8 MiB as with 32.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:4")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "gms", "python"))
 from shadow_gms import CORRUPT_EXIT, FailoverLock, Gms, WeightsCorrupt, listen_socket, notify  # noqa: E402
@@ -82,6 +88,22 @@ class Layer(torch.nn.Module):
         # Prefill from position 0 is causal; a one-token decode sees everything.
         a = F.scaled_dot_product_attention(q, keys, vals, is_causal=(pos == 0 and t > 1))
         x = x + F.linear(a.transpose(0, 1).reshape(t, h), self.out)
+        return x + F.linear(F.silu(F.linear(F.rms_norm(x, (h,), self.norm2), self.up)), self.down)
+
+    def decode(self, x, k_cache, v_cache, pos, mask):
+        """One token at position ``pos`` (a 1-element tensor) attending over
+        a fixed window of the cache, ``mask`` hiding the rows past ``pos``:
+        every shape and address fixed, as a CUDA graph needs."""
+        h = x.shape[1]
+        heads, window = h // HEAD_DIM, mask.shape[-1]
+        q, k, v = F.linear(F.rms_norm(x, (h,), self.norm1), self.qkv).split(h, dim=-1)
+        k_cache.index_copy_(0, pos, k)
+        v_cache.index_copy_(0, pos, v)
+        keys = k_cache[:window].view(window, heads, HEAD_DIM).transpose(0, 1)
+        vals = v_cache[:window].view(window, heads, HEAD_DIM).transpose(0, 1)
+        q = q.view(1, heads, HEAD_DIM).transpose(0, 1)
+        a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        x = x + F.linear(a.transpose(0, 1).reshape(1, h), self.out)
         return x + F.linear(F.silu(F.linear(F.rms_norm(x, (h,), self.norm2), self.up)), self.down)
 
 
@@ -122,6 +144,75 @@ class Model(torch.nn.Module):
             logits = self.forward(torch.tensor([nxt], device="cuda"), kv, pos)
             pos += 1
         return out
+
+
+class FastPath:
+    """Short requests (prompt and answer within WINDOW tokens) on a KV window
+    of the engine's own, with each decode step one CUDA graph replay and one
+    host sync per request instead of one per token.
+
+    The graph is captured while parked, over the weights' GMS addresses
+    (the same in every engine of the pair) and this window; a promoted
+    engine replays what it captured, which is what the shadow pattern is
+    for. The window is ordinary device memory (8 MiB at 8 layers), zeroed
+    once: rows past a request's position are masked out of attention but
+    still multiplied by zero, so they must hold numbers. Longer requests
+    take the eager path over the materialised KV cache."""
+
+    WINDOW = 64
+    MAX_TOKENS = 256
+
+    def __init__(self, model, layers, hidden):
+        self.model, self.hidden = model, hidden
+        self.cache = torch.zeros(2 * layers * self.WINDOW * hidden, device="cuda", dtype=DTYPE)
+        self.caches = kv_views(self.cache, layers, hidden, self.WINDOW)
+        self.tok = torch.zeros(1, dtype=torch.long, device="cuda")
+        self.pos = torch.zeros(1, dtype=torch.long, device="cuda")
+        self.step = torch.zeros(1, dtype=torch.long, device="cuda")
+        self.out = torch.zeros(self.MAX_TOKENS, dtype=torch.long, device="cuda")
+        self.positions = torch.arange(self.WINDOW, device="cuda")
+        # Run before captured (torch's advice), on the stream that captures:
+        # each stream that runs a GEMM gets a cuBLAS workspace of its own,
+        # and a parked engine should hold one more, not two.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=side), torch.no_grad():
+            self._step()
+        torch.cuda.synchronize()
+
+    def _step(self):
+        """Decodes self.tok at self.pos; writes the next token into self.out
+        at self.step and into self.tok, and moves pos and step on."""
+        m = self.model
+        mask = (self.positions <= self.pos).view(1, 1, self.WINDOW)
+        x = m.embed[self.tok]
+        for i, layer in enumerate(m.layers):
+            x = layer.decode(x, self.caches[i][0], self.caches[i][1], self.pos, mask)
+        nxt = F.linear(F.rms_norm(x, (self.hidden,), m.norm), m.embed).argmax(-1)
+        self.out.index_copy_(0, self.step, nxt)
+        self.tok.copy_(nxt)
+        self.pos.add_(1)
+        self.step.add_(1)
+
+    def fits(self, tokens, max_tokens):
+        return 0 < len(tokens) and len(tokens) + max_tokens <= self.WINDOW and max_tokens <= self.MAX_TOKENS
+
+    @torch.no_grad()
+    def generate(self, tokens, max_tokens):
+        """As Model.generate: the prefill eager, then max_tokens - 1 replays."""
+        logits = self.model.forward(torch.tensor(tokens, device="cuda"), self.caches, 0)
+        self.tok.copy_(logits.argmax(-1))
+        self.out[:1].copy_(self.tok)
+        self.pos.fill_(len(tokens))
+        self.step.fill_(1)
+        for _ in range(max_tokens - 1):
+            self.graph.replay()
+        return self.out[:max_tokens].tolist()
 
 
 def kv_views(base, layers, hidden, max_seq):
@@ -207,8 +298,13 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
     scratch = torch.empty(2 * layers * 64 * hidden, device="cuda", dtype=DTYPE)
     warm_up(model.generate, kv_views(scratch, layers, hidden, 64))
     del scratch
+    # Short requests: a decode step captured as a CUDA graph, while parked.
+    fast = FastPath(model, layers, hidden)
+    warm_up(lambda tokens, n, _caches: fast.generate(tokens, n), None)
+    # A parked engine holds what it needs and no cached leftovers.
+    torch.cuda.empty_cache()
     log(event="parked", engine=engine_id, pid=os.getpid(), kv_addr=hex(kv.addr), kv_bytes=kv.nbytes,
-        init_s=round(time.perf_counter() - t_start, 3))
+        init_s=round(time.perf_counter() - t_start, 3), torch_reserved_mib=torch.cuda.memory_reserved() >> 20)
     caches = []
 
     def wake():
@@ -225,6 +321,8 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
                     wait_ms=round((t3 - t2) * 1e3, 3))
 
     def generate(tokens, max_tokens):
+        if fast.fits(tokens, max_tokens):
+            return fast.generate(tokens, max_tokens)
         return model.generate(tokens, max_tokens, caches)
 
     return kv, wake, generate

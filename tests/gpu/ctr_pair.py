@@ -170,7 +170,7 @@ gmsd = "{self.bin}/gmsd"
 
 def engine_env(port, layers, kv_gib, bin_dir):
     env = {k: v for k, v in os.environ.items()
-           if k in ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "PYTHONPATH") or k.startswith("CUDA_")}
+           if k in ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "PYTHONPATH") or k.startswith(("CUDA_", "CUBLAS_"))}
     env.update(NO_MULTICAST, HOME="/tmp", PYTHONUNBUFFERED="1", ENGINE_PORT=str(port),
                ENGINE_LAYERS=str(layers), ENGINE_KV_GIB=str(kv_gib),
                GMS_LIB=os.path.join(bin_dir, "libgms.so"))

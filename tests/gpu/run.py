@@ -712,6 +712,8 @@ def containerd_pair(tp):
     figure(f"TP={tp} through containerd: SIGKILL -> the promoted engine holds the lock, per kill", to_lock, "ms")
     figure(f"TP={tp} through containerd: parked shadow device memory per process (nvidia-smi), per round",
            parked_mib, "MiB", "<= 800 MiB per GPU")
+    figure(f"TP={tp} through containerd: memory torch holds in a parked engine (its allocator, per park)",
+           [o.get("torch_reserved_mib") for o in list(run_events) if o.get("event") == "parked"], "MiB")
     figure(f"TP={tp} through containerd: weights held by the gmsds",
            [g.get("resident_bytes", 0) >> 20 for g in gms], "MiB")
     figure(f"TP={tp} through containerd: requests failed around the kills (retried)",
