@@ -351,11 +351,13 @@ class Gms:
                 recorded = json.loads(text)
             except ValueError as e:
                 raise WeightsCorrupt(f"the weights digest is not JSON: {e}", []) from e
+            if not isinstance(recorded, dict) or not isinstance(recorded.get("allocations"), dict):
+                raise WeightsCorrupt("the weights digest is not an object with allocations", [])
             if recorded.get("scheme") != DIGEST_SCHEME or recorded.get("chunk_bytes") != DIGEST_CHUNK:
                 raise WeightsCorrupt(f"a weights digest of another scheme: {recorded.get('scheme')!r}", [])
             if self.lease == "ro" and not getattr(self, "_imported", False):
                 self.import_layout()
-            self._check_plan = (recorded.get("allocations") or {}, _Plan(layout["allocations"]))
+            self._check_plan = (recorded["allocations"], _Plan(layout["allocations"]))
         recorded, plan = self._check_plan
         return PendingCheck(recorded, plan)
 
