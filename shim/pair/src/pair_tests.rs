@@ -470,6 +470,16 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
     assert_eq!(a, vec![Action::Exit { status: 143 }]);
 }
 
+/// What a cold restart does once both engines are down: GMS afresh, both
+/// slots spawned.
+fn cold_start() -> Vec<Action> {
+    vec![
+        Action::RestartGms,
+        Action::Spawn { slot: SlotId::ZERO },
+        Action::Spawn { slot: SlotId::ONE },
+    ]
+}
+
 fn gms_died(device: &str) -> Event {
     Event::GmsDied {
         device: device.into(),
@@ -497,14 +507,7 @@ fn gms_death_restarts_the_pair_cold() {
         },
         t(12),
     );
-    assert_eq!(
-        a,
-        vec![
-            Action::RestartGms,
-            Action::Spawn { slot: SlotId::ZERO },
-            Action::Spawn { slot: SlotId::ONE }
-        ]
-    );
+    assert_eq!(a, cold_start());
     let snap = p.snapshot();
     assert_eq!(snap.cold_restarts, 1);
     assert_eq!(snap.failovers, 0, "a cold restart is not a failover");
@@ -572,14 +575,7 @@ fn a_promoted_engine_finding_corrupt_weights_restarts_the_pair_cold() {
         "{a:?}"
     );
     let a = died(&mut p, SlotId::ZERO, KILL, 1004);
-    assert_eq!(
-        a,
-        vec![
-            Action::RestartGms,
-            Action::Spawn { slot: SlotId::ZERO },
-            Action::Spawn { slot: SlotId::ONE }
-        ]
-    );
+    assert_eq!(a, cold_start());
     let snap = p.snapshot();
     assert_eq!(snap.cold_restarts, 1);
     assert_eq!(snap.weights_corrupt, 1);
