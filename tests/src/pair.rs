@@ -201,6 +201,17 @@ impl PairEnv {
             })
     }
 
+    /// The pid of the pair's gmsd once `state.json` reports it (the shim
+    /// refreshes gmsd's status on its own schedule).
+    pub fn gmsd_pid(&self, cd: &Containerd, id: &str, limit: Duration) -> u32 {
+        until(
+            "gmsd status in state.json",
+            limit,
+            Duration::from_millis(2),
+            || self.state(cd, id).and_then(|v| v.gms.map(|g| g.pid)),
+        )
+    }
+
     /// The pair's `state.json`, if it exists and parses.
     pub fn state(&self, cd: &Containerd, id: &str) -> Option<PairState> {
         PairState::read(&self.pair_dir(cd, id).join(FILE_NAME)).ok()

@@ -280,9 +280,7 @@ fn the_pairs_socket_survives_a_cold_restart() {
     p.env.wait_protected(&cd, id, LONG);
     let first = until("an answer", LONG, STEP, || ask(port));
     let good = judge(PAIR_SLOTS, first.weights.clone(), "inherited");
-    let gms_pid = until("gmsd status in state.json", LONG, STEP, || {
-        p.env.state(&cd, id).and_then(|v| v.gms.map(|g| g.pid))
-    });
+    let gms_pid = p.env.gmsd_pid(&cd, id, LONG);
     let seen = under_load(port, &good, || {
         kill(gms_pid);
         until("cold restart done", LONG, STEP, || {

@@ -279,10 +279,7 @@ fn gmsd_death_restarts_the_pair_cold_and_reloads_once() {
     let id = "gmskill";
     let r = start(&cd, id, "gms = \"host\"", &[], &[]);
     r.env.wait_protected(&cd, id, LONG);
-    // The shim refreshes gmsd's status on its own schedule: wait for it.
-    let gms_pid = until("gmsd status in state.json", LONG, STEP, || {
-        r.env.state(&cd, id).and_then(|v| v.gms.map(|g| g.pid))
-    });
+    let gms_pid = r.env.gmsd_pid(&cd, id, LONG);
     // Capabilities are dropped.
     let status = std::fs::read_to_string(format!("/proc/{gms_pid}/status")).expect("gmsd status");
     let eff = status
@@ -319,9 +316,7 @@ fn a_promoted_engine_finding_the_weights_changed_restarts_the_pair_cold() {
     let r = start(&cd, id, "gms = \"host\"", &[], &[]);
     let st = r.env.wait_protected(&cd, id, LONG);
     let first = ask(r.port).expect("serves");
-    let gms_pid = until("gmsd status in state.json", LONG, STEP, || {
-        r.env.state(&cd, id).and_then(|v| v.gms.map(|g| g.pid))
-    });
+    let gms_pid = r.env.gmsd_pid(&cd, id, LONG);
     let (slot, pid) = active_of(&st);
     let shadow = 1 - slot;
 
@@ -351,19 +346,14 @@ fn a_promoted_engine_finding_the_weights_changed_restarts_the_pair_cold() {
     let a = ask(r.port).expect("serves after the cold restart");
     assert_eq!(a.weights, first.weights, "the same weights, loaded again");
     assert_eq!(loads(&r, &cd, id), 2, "reloaded exactly once");
-    let metrics = std::fs::read_to_string(r.env.metrics_file(&cd, id)).expect("metrics");
-    assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("shadow_pair_weights_corrupt_total{") && l.ends_with(" 1")),
-        "{metrics}"
-    );
-    assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("shadow_pair_last_cold_restart_info{")
-                && l.contains("cause=\"weights_corrupt\"")),
-        "{metrics}"
+    let metric = |name: &str, labels: &str| r.env.metric(&cd, id, name, labels);
+    assert_eq!(metric("shadow_pair_weights_corrupt_total", ""), Some(1.0));
+    assert_eq!(
+        metric(
+            "shadow_pair_last_cold_restart_info",
+            &format!(",cause=\"weights_corrupt\",slot=\"{shadow}\"")
+        ),
+        Some(1.0)
     );
     r.stop(&cd, id, "SIGKILL");
 }

@@ -337,10 +337,7 @@ mod tests {
             format!("shadow_notify_dropped_total{{{base},reason=\"queue_full\"}} 0"),
             format!("shadow_ready_refused_total{{{base}}} 1"),
         ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
+            assert_has_line(&text, &line);
         }
         // Every sample line belongs to a family announced with HELP and TYPE.
         for l in text.lines().filter(|l| !l.starts_with('#')) {
@@ -350,6 +347,13 @@ mod tests {
                 "{name} has no TYPE"
             );
         }
+    }
+
+    fn assert_has_line(text: &str, line: &str) {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
     }
 
     #[test]
@@ -366,10 +370,7 @@ mod tests {
                 "shadow_pair_last_cold_restart_info{{{base},cause=\"weights_corrupt\",slot=\"1\"}} 1"
             ),
         ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
+            assert_has_line(&text, &line);
         }
     }
 
@@ -387,10 +388,7 @@ mod tests {
                 "shadow_pair_last_cold_restart_info{{{base},cause=\"gms_died\",device=\"{gpu}\"}} 1"
             ),
         ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
+            assert_has_line(&text, &line);
         }
     }
 

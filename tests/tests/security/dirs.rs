@@ -110,9 +110,7 @@ fn an_engine_cannot_write_host_directories_and_a_gmsd_that_will_not_start_ends_t
     );
 
     // The socket is still gmsd's: the shim's status comes from it.
-    let gms_pid = until("gmsd status in state.json", LONG, STEP, || {
-        env.state(&cd, id).and_then(|v| v.gms.map(|g| g.pid))
-    });
+    let gms_pid = env.gmsd_pid(&cd, id, LONG);
 
     // The pair still fails over…
     let active = st.pair.active.expect("active");
