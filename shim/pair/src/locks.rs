@@ -165,29 +165,4 @@ garbage
             }
         );
     }
-
-    /// The real kernel file: a lock this process takes shows up with our pid.
-    #[test]
-    fn sees_a_real_flock() {
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::MetadataExt;
-        let dir = std::env::temp_dir().join(format!("shadow-pair-locks-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("engine.lock");
-        let f = std::fs::File::create(&path).unwrap();
-        // SAFETY: flock on an fd we own.
-        assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
-        let meta = f.metadata().unwrap();
-        let id = FileId::from_stat(meta.dev(), meta.ino());
-        let text = std::fs::read_to_string("/proc/locks").unwrap();
-        let holders = parse_proc_locks(&text);
-        assert!(
-            holders
-                .iter()
-                .any(|h| h.file == id && h.pid == std::process::id() && h.exclusive),
-            "{id:?} not in {holders:?}"
-        );
-        drop(f);
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
 }
