@@ -56,7 +56,7 @@ fn gmsd_runs_in_the_pods_cgroup_and_is_held_to_its_memory_limit() {
     let id = "memory";
     let env = hostile_env(&cd, &format!("gms = \"host\"\ngmsd = \"{}\"", gmsd()));
     let limit = LIMIT.to_string();
-    let ctr = env
+    let mut ctr = env
         .run(
             &cd,
             id,
@@ -106,12 +106,14 @@ fn gmsd_runs_in_the_pods_cgroup_and_is_held_to_its_memory_limit() {
         "{:?}",
         gms.rest
     );
+    // The pair's state can be ahead of the engines' output, which reaches
+    // us through containerd's FIFOs and ctr: wait for the engines' reports.
+    ctr.wait_output(LONG, |out, _| {
+        out.contains("step=committed") && out.contains("step=imported")
+    })
+    .expect("one engine committed the weights and the other imported them");
     let said = ctr.stdout_so_far();
     assert!(said.contains("step=refused:over"), "{said}");
-    assert!(
-        said.contains("step=committed") && said.contains("step=imported"),
-        "{said}"
-    );
     cd.ctr()
         .run(&["task", "kill", "--signal", "SIGKILL", id])
         .expect("ctr task kill")
