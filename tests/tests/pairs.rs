@@ -449,6 +449,14 @@ fn ctr_kill_ends_the_pair_with_one_exit_and_rm_leaves_nothing() {
         .run(&["c", "rm", id])
         .expect("c rm")
         .assert_success();
+    // One subscriber's events come in the order they were published: once
+    // the container's delete is here, so is every task event before it.
+    events
+        .wait_output(LONG, |out, _| {
+            out.lines()
+                .any(|l| l.contains("/containers/delete") && l.contains(id))
+        })
+        .expect("the /containers/delete event");
     let seen = events.stdout_so_far();
     events.kill();
     cd.assert_no_leftovers();
