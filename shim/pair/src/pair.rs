@@ -455,15 +455,19 @@ impl Pair {
         }
     }
 
-    /// An active engine with a parked shadow, both with their pids known
-    /// (an engine may speak before runc reports its pid).
+    /// An engine that serves with a parked shadow, both with their pids
+    /// known (an engine may speak before runc reports its pid). One that
+    /// holds the lock and speaks sd_notify serves from its `READY=1`: until
+    /// then it may still be waking, or stuck doing so.
     fn protected(&self) -> bool {
         match self.active {
             Some(a) => {
+                let active = self.slot(a);
                 let shadow = self.slot(a.other());
-                shadow.state == EngineState::Parked
+                active.state == EngineState::Active
+                    && active.pid.is_some()
+                    && shadow.state == EngineState::Parked
                     && shadow.pid.is_some()
-                    && self.slot(a).pid.is_some()
             }
             None => false,
         }

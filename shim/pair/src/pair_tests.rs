@@ -112,6 +112,39 @@ fn killing_the_active_promotes_the_shadow_and_respawns_the_slot() {
     assert_eq!(snap.slots[0].generation, 2);
 }
 
+/// The promoted engine holds the lock but has not said `READY=1`: it does
+/// not serve yet, so a new shadow parked behind it does not make the pair
+/// protected.
+#[test]
+fn a_promoted_engine_protects_nothing_before_its_ready() {
+    let mut p = running();
+    died(&mut p, SlotId::ZERO, KILL, 1000);
+    p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
+    p.handle(
+        Event::Spawned {
+            slot: SlotId::ZERO,
+            pid: 200,
+        },
+        t(1002),
+    );
+    p.handle(
+        Event::Notified {
+            slot: SlotId::ZERO,
+            notification: Notification::Status("parked".into()),
+        },
+        t(1003),
+    );
+    assert!(!p.snapshot().protected, "slot 1 has not said READY=1");
+    p.handle(
+        Event::Ready {
+            slot: SlotId::ONE,
+            holder: LockHolder::Slot(SlotId::ONE),
+        },
+        t(1004),
+    );
+    assert!(p.snapshot().protected);
+}
+
 #[test]
 fn twenty_failovers_in_a_row_never_spend_the_budget() {
     let mut p = running();
