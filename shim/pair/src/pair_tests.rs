@@ -20,28 +20,10 @@ fn running() -> Pair {
             Action::Spawn { slot: SlotId::ONE }
         ]
     );
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 100,
-        },
-        t(1),
-    );
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ONE,
-            pid: 101,
-        },
-        t(1),
-    );
+    spawned(&mut p, SlotId::ZERO, 100, 1);
+    spawned(&mut p, SlotId::ONE, 101, 1);
     for s in SlotId::BOTH {
-        p.handle(
-            Event::Notified {
-                slot: s,
-                notification: Notification::Status("parked".into()),
-            },
-            t(2),
-        );
+        parked(&mut p, s, 2);
     }
     p.handle(Event::LockHeld { slot: SlotId::ZERO }, t(3));
     let a = p.handle(
@@ -92,20 +74,8 @@ fn killing_the_active_promotes_the_shadow_and_respawns_the_slot() {
     assert_eq!(p.active(), Some(SlotId::ONE));
     assert_eq!(p.representative_pid(), Some(101));
     assert!(!p.snapshot().protected, "slot 0 is not parked yet");
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 200,
-        },
-        t(1020),
-    );
-    p.handle(
-        Event::Notified {
-            slot: SlotId::ZERO,
-            notification: Notification::Status("parked".into()),
-        },
-        t(1500),
-    );
+    spawned(&mut p, SlotId::ZERO, 200, 1020);
+    parked(&mut p, SlotId::ZERO, 1500);
     let snap = p.snapshot();
     assert!(snap.protected);
     assert_eq!(snap.failovers, 1);
@@ -120,20 +90,8 @@ fn a_promoted_engine_protects_nothing_before_its_ready() {
     let mut p = running();
     died(&mut p, SlotId::ZERO, KILL, 1000);
     p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 200,
-        },
-        t(1002),
-    );
-    p.handle(
-        Event::Notified {
-            slot: SlotId::ZERO,
-            notification: Notification::Status("parked".into()),
-        },
-        t(1003),
-    );
+    spawned(&mut p, SlotId::ZERO, 200, 1002);
+    parked(&mut p, SlotId::ZERO, 1003);
     assert!(!p.snapshot().protected, "slot 1 has not said READY=1");
     p.handle(
         Event::Ready {
@@ -170,13 +128,7 @@ fn twenty_failovers_in_a_row_never_spend_the_budget() {
         );
         assert!(matches!(a.as_slice(), [Action::Promoted(pr)] if pr.number == i + 1));
         p.handle(Event::Spawned { slot: active, pid }, t(now + 3));
-        p.handle(
-            Event::Notified {
-                slot: active,
-                notification: Notification::Status("parked".into()),
-            },
-            t(now + 4),
-        );
+        parked(&mut p, active, now + 4);
         assert!(p.snapshot().protected);
         active = next;
     }
@@ -206,20 +158,8 @@ fn a_dead_shadow_is_respawned_and_the_active_untouched() {
 fn engines_without_sd_notify_are_active_by_lock() {
     let mut p = Pair::new(RestartPolicy::default());
     p.start();
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 10,
-        },
-        t(0),
-    );
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ONE,
-            pid: 11,
-        },
-        t(0),
-    );
+    spawned(&mut p, SlotId::ZERO, 10, 0);
+    spawned(&mut p, SlotId::ONE, 11, 0);
     p.handle(Event::LockHeld { slot: SlotId::ONE }, t(5));
     assert_eq!(p.active(), Some(SlotId::ONE));
     p.handle(
@@ -266,20 +206,8 @@ fn an_engine_that_always_crashes_backs_off_then_the_task_exits_with_its_status()
         ..RestartPolicy::default()
     });
     p.start();
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 1,
-        },
-        t(0),
-    );
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ONE,
-            pid: 2,
-        },
-        t(0),
-    );
+    spawned(&mut p, SlotId::ZERO, 1, 0);
+    spawned(&mut p, SlotId::ONE, 2, 0);
     let crash = Exit::Code(3);
     let a = p.handle(
         Event::Exited {
@@ -300,13 +228,7 @@ fn an_engine_that_always_crashes_backs_off_then_the_task_exits_with_its_status()
         matches!(a.as_slice(), [Action::SpawnAfter { slot: SlotId::ONE, delay }] if !delay.is_zero())
     );
     assert_eq!(p.slot(SlotId::ONE).state, EngineState::Backoff);
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 3,
-        },
-        t(30),
-    );
+    spawned(&mut p, SlotId::ZERO, 3, 30);
     let a = p.handle(
         Event::Exited {
             slot: SlotId::ZERO,
@@ -319,13 +241,7 @@ fn an_engine_that_always_crashes_backs_off_then_the_task_exits_with_its_status()
     // nothing alive, so the task exits at once with the crash's status.
     let a = p.handle(Event::BackoffElapsed { slot: SlotId::ONE }, t(500));
     assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ONE,
-            pid: 4,
-        },
-        t(501),
-    );
+    spawned(&mut p, SlotId::ONE, 4, 501);
     let a = p.handle(
         Event::Exited {
             slot: SlotId::ONE,
@@ -386,13 +302,7 @@ fn stop_right_after_a_failover_reports_the_new_active_status() {
     );
     // Stop while slot 0 is still being respawned.
     assert_eq!(p.handle(Event::Stop, t(103)), vec![Action::KillAll]);
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 300,
-        },
-        t(104),
-    );
+    spawned(&mut p, SlotId::ZERO, 300, 104);
     // The respawned engine, killed on arrival, is reaped first.
     assert_eq!(
         p.handle(
@@ -419,13 +329,7 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
     let mut p = Pair::single(RestartPolicy::default());
     assert!(p.is_single());
     assert_eq!(p.start(), vec![Action::Spawn { slot: SlotId::ZERO }]);
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 7,
-        },
-        t(0),
-    );
+    spawned(&mut p, SlotId::ZERO, 7, 0);
     p.handle(
         Event::Ready {
             slot: SlotId::ZERO,
@@ -448,13 +352,7 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
         None,
         "nothing serves until the restart is up"
     );
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 8,
-        },
-        t(120),
-    );
+    spawned(&mut p, SlotId::ZERO, 8, 120);
     let a = p.handle(
         Event::Ready {
             slot: SlotId::ZERO,
@@ -485,13 +383,7 @@ fn a_single_engine_restarts_in_place_and_is_never_protected() {
         a,
         vec![Action::RestartGms, Action::Spawn { slot: SlotId::ZERO }]
     );
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 9,
-        },
-        t(402),
-    );
+    spawned(&mut p, SlotId::ZERO, 9, 402);
     assert_eq!(p.handle(Event::Stop, t(500)), vec![Action::KillAll]);
     let a = p.handle(
         Event::Exited {
@@ -583,6 +475,17 @@ fn died(p: &mut Pair, slot: SlotId, exit: Exit, at: u64) -> Vec<Action> {
     p.handle(Event::Exited { slot, exit }, t(at))
 }
 
+/// runc reported `slot`'s engine running as `pid`.
+fn spawned(p: &mut Pair, slot: SlotId, pid: u32, at: u64) -> Vec<Action> {
+    p.handle(Event::Spawned { slot, pid }, t(at))
+}
+
+/// `slot`'s engine said `STATUS=parked`.
+fn parked(p: &mut Pair, slot: SlotId, at: u64) -> Vec<Action> {
+    let notification = Notification::Status("parked".into());
+    p.handle(Event::Notified { slot, notification }, t(at))
+}
+
 /// The shadow, promoted, finds the committed weights changed and exits
 /// with the contract's status: both engines stop and the pair restarts
 /// cold (GMS empty, the weights loaded again), counted and named apart.
@@ -592,13 +495,7 @@ fn a_promoted_engine_finding_corrupt_weights_restarts_the_pair_cold() {
     let a = died(&mut p, SlotId::ZERO, KILL, 1000);
     assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
     p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1001));
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 200,
-        },
-        t(1002),
-    );
+    spawned(&mut p, SlotId::ZERO, 200, 1002);
     // Verified before READY=1: it never says it.
     let corrupt = Exit::Code(WEIGHTS_CORRUPT_EXIT);
     let a = died(&mut p, SlotId::ONE, corrupt, 1003);
@@ -626,13 +523,7 @@ fn a_shadow_finding_corrupt_weights_restarts_cold_another_status_does_not() {
     let mut p = running();
     let a = died(&mut p, SlotId::ONE, Exit::Code(64), 10);
     assert_eq!(a, vec![Action::Spawn { slot: SlotId::ONE }]);
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ONE,
-            pid: 300,
-        },
-        t(11),
-    );
+    spawned(&mut p, SlotId::ONE, 300, 11);
     let a = died(&mut p, SlotId::ONE, Exit::Code(WEIGHTS_CORRUPT_EXIT), 12);
     assert_eq!(a, vec![Action::KillAll]);
     assert_eq!(p.active(), None, "the active is stopped too");
@@ -676,13 +567,7 @@ fn spawn_failure_counts_as_an_early_death() {
     p.start();
     let a = p.handle(Event::SpawnFailed { slot: SlotId::ZERO }, t(0));
     assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ONE,
-            pid: 5,
-        },
-        t(1),
-    );
+    spawned(&mut p, SlotId::ONE, 5, 1);
     let a = p.handle(Event::SpawnFailed { slot: SlotId::ZERO }, t(2));
     assert_eq!(a, vec![Action::KillAll]);
     let a = p.handle(
@@ -722,13 +607,7 @@ fn an_oom_killed_active_fails_over_as_out_of_memory_and_is_counted() {
     };
     assert_eq!(pr.class, FailureClass::OutOfMemory);
     // The mark went with that engine: the next death of the slot is not OOM.
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ZERO,
-            pid: 200,
-        },
-        t(1020),
-    );
+    spawned(&mut p, SlotId::ZERO, 200, 1020);
     p.handle(
         Event::Exited {
             slot: SlotId::ZERO,
@@ -751,13 +630,7 @@ fn an_oom_mark_for_a_dead_slot_or_a_bad_device_changes_nothing_else() {
         t(10),
     );
     p.handle(Event::OomKilled { slot: SlotId::ONE }, t(11));
-    p.handle(
-        Event::Spawned {
-            slot: SlotId::ONE,
-            pid: 300,
-        },
-        t(12),
-    );
+    spawned(&mut p, SlotId::ONE, 300, 12);
     p.handle(
         Event::Exited {
             slot: SlotId::ONE,
