@@ -47,7 +47,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
     ),
     ("containers", &["plain", "pair"]),
     ("service", &["service"]),
-    ("actions", &["shim", "start"]),
+    ("actions", &["shim", "start", "info"]),
     ("main", &["main", "layers"]),
 ];
 

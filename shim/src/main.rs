@@ -1,6 +1,6 @@
 //! `containerd-shim-shadow-v1`: the binary containerd starts for runtime type
 //! `io.containerd.shadow.v1`. `start` runs our own start path (see
-//! `start.rs`); every other action (serve, `delete`) goes through
+//! `start.rs`), `-info` our own introspection answer (`info.rs`); every other action (serve, `delete`) goes through
 //! containerd-shim 0.11, which owns flag parsing, the subreaper, the reaper
 //! loop and the ttrpc server.
 
@@ -13,6 +13,7 @@ mod error;
 mod events;
 mod exec;
 mod exits;
+mod info;
 mod io;
 #[cfg(test)]
 mod layers;
@@ -44,6 +45,18 @@ fn main() {
     };
     if flags.version {
         println!("containerd-shim-shadow-v1 {}", env!("CARGO_PKG_VERSION"));
+        return;
+    }
+    if flags.info {
+        // containerd 2.x runs this with no address, id or namespace.
+        if let Err(e) = info::run(
+            RUNTIME_ID,
+            &mut std::io::stdin().lock(),
+            &mut std::io::stdout().lock(),
+        ) {
+            eprintln!("containerd-shim-shadow-v1 -info: {e}");
+            std::process::exit(1);
+        }
         return;
     }
     if flags.action == "start" {
