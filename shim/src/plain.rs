@@ -333,6 +333,14 @@ impl Container for PlainContainer {
                 process: exec.map_or("the init process".into(), |e| format!("exec {e}")),
             });
         }
+        // The window between a death and its reap: kill(2) says ESRCH
+        // (runc's "container not running" is mapped in `RuncClient::kill`).
+        // runc-v2 answers NotFound there (`checkKillError`), which ctr
+        // takes for "already gone".
+        let finished = || Error::Finished {
+            id: self.id.clone(),
+            process: exec.map_or("the init process".into(), |e| format!("exec {e}")),
+        };
         match exec {
             None => self.client.kill(&self.id, signal, all).await,
             Some(exec_id) => {
@@ -342,8 +350,12 @@ impl Container for PlainContainer {
                         self.id
                     )));
                 }
-                nix::sys::signal::kill(Pid::from_raw(st.pid as i32), signal_of(signal)?)
-                    .map_err(|e| Error::sys(format!("signalling exec {exec_id} pid {}", st.pid), e))
+                match nix::sys::signal::kill(Pid::from_raw(st.pid as i32), signal_of(signal)?) {
+                    Err(nix::errno::Errno::ESRCH) => Err(finished()),
+                    r => r.map_err(|e| {
+                        Error::sys(format!("signalling exec {exec_id} pid {}", st.pid), e)
+                    }),
+                }
             }
         }
     }

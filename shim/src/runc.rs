@@ -278,7 +278,7 @@ impl RuncClient {
         self.runc
             .kill(id, signal, Some(&opts))
             .await
-            .map_err(|e| self.error("kill", id, e))
+            .map_err(|e| finished_is_not_found(self.error("kill", id, e)))
     }
 
     /// `runc delete --force`: kills what still runs and removes runc's
@@ -484,6 +484,32 @@ fn last_log_error(log: &Path) -> Option<String> {
     })
 }
 
+/// A kill that finds the container's init dead but not yet reaped: runc
+/// says "container not running". runc-v2 answers NotFound there ("process
+/// already finished", `checkKillError`), and ctr takes NotFound for a task
+/// that is already gone; a paused or otherwise wrong state stays what it is.
+fn finished_is_not_found(e: Error) -> Error {
+    match e {
+        Error::Runc {
+            op,
+            id,
+            message,
+            kind: RuncFailure::WrongState,
+        } if message
+            .to_ascii_lowercase()
+            .contains("container not running") =>
+        {
+            Error::Runc {
+                op,
+                id,
+                message: format!("process already finished: {message}"),
+                kind: RuncFailure::NotFound,
+            }
+        }
+        e => e,
+    }
+}
+
 /// Commands that make the container they name: runc keeps no state for it
 /// until they succeed, so its absence means nothing.
 fn makes_container(op: &str) -> bool {
@@ -672,6 +698,22 @@ mod tests {
                     ..
                 }
             ),
+            "{e:?}"
+        );
+        // …and a kill that finds the init dead, not yet reaped, is NotFound,
+        // as runc-v2 answers it; a paused container stays a wrong state.
+        let e = finished_is_not_found(e);
+        assert_eq!(
+            e.code(),
+            containerd_shim_protos::ttrpc::Code::NOT_FOUND,
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("already finished"), "{e}");
+        let e =
+            finished_is_not_found(client.error("kill", "c1", command_failed("container paused")));
+        assert_eq!(
+            e.code(),
+            containerd_shim_protos::ttrpc::Code::FAILED_PRECONDITION,
             "{e:?}"
         );
     }
