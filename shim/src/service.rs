@@ -425,7 +425,7 @@ mod tests {
             .contains(&d.path().join("config.json").display().to_string()));
     }
 
-    fn service() -> (TaskService, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+    fn service() -> (TaskService, crate::events::EventQueue) {
         let (events, rx) = EventSink::channel();
         let runtime = Runtime {
             config: crate::config::Config::default(),

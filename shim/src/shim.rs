@@ -14,13 +14,16 @@ use containerd_shim::{Config as ShimConfig, DeleteResponse, Flags, StartOpts};
 
 use crate::bundle::BUNDLE_CONFIG;
 use crate::config::{Config, ConfigSource, Origin, ENV_CONFIG_ORIGIN};
-use crate::events::{spawn_forwarder, EventSink};
+use crate::events::{spawn_forwarder, ContainerdEvents, EventSink};
 use crate::exits::ExitRouter;
 use crate::options::RuncOptions;
 use crate::runc::RuncClient;
 use crate::runtime::Runtime;
 use crate::service::TaskService;
 use crate::time::timestamp;
+
+/// How long the exiting shim waits for its last events to reach containerd.
+const FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub struct ShadowShim {
     namespace: String,
@@ -34,6 +37,8 @@ pub struct ShadowShim {
     /// `-address`: containerd's socket, part of the group's socket name.
     address: String,
     exit: Arc<ExitSignal>,
+    /// The task service's event sink, for the last flush before exit.
+    events: std::sync::OnceLock<EventSink>,
 }
 
 /// The config for this process: the source `start` handed down, else the
@@ -102,6 +107,7 @@ impl Shim for ShadowShim {
             socket: args.socket.clone(),
             address: args.address.clone(),
             exit: Arc::new(ExitSignal::default()),
+            events: std::sync::OnceLock::new(),
         }
     }
 
@@ -158,6 +164,16 @@ impl Shim for ShadowShim {
         // The server is up: startup code is not needed again.
         crate::memory::trim_when_idle();
         self.exit.wait().await;
+        // containerd shuts a shim down right after its last Delete: the
+        // delete event (and whatever waits before it) goes out first.
+        if let Some(events) = self.events.get() {
+            if !events.flushed(FLUSH_AT_EXIT).await {
+                log::warn!(
+                    "exiting with events containerd has not taken after {} s",
+                    FLUSH_AT_EXIT.as_secs()
+                );
+            }
+        }
         // containerd-shim removes the socket through the bundle's `address`
         // file, which containerd may already have deleted with the bundle:
         // remove it here, by the path we were given.
@@ -184,8 +200,15 @@ impl Shim for ShadowShim {
             }
         };
         self.origin.log();
-        let (events, rx) = EventSink::channel();
-        spawn_forwarder(publisher, self.namespace.clone(), rx);
+        // The crate's publisher is used for its address only: its queue
+        // reorders events that fail (see `events::ContainerdEvents`).
+        let (events, queue) = EventSink::channel();
+        spawn_forwarder(
+            ContainerdEvents::new(&publisher.address),
+            self.namespace.clone(),
+            queue,
+        );
+        let _ = self.events.set(events.clone());
         TaskService::new(
             Runtime {
                 config: self.config.clone(),

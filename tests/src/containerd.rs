@@ -35,6 +35,7 @@ pub struct ContainerdBuilder {
     namespace: Option<String>,
     config_append: String,
     env: Vec<(String, String)>,
+    log_level: &'static str,
 }
 
 impl Default for ContainerdBuilder {
@@ -45,6 +46,7 @@ impl Default for ContainerdBuilder {
             namespace: None,
             config_append: String::new(),
             env: Vec::new(),
+            log_level: "info",
         }
     }
 }
@@ -83,6 +85,13 @@ impl ContainerdBuilder {
     /// `@DIR@` in the value becomes the test's temp dir.
     pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// containerd's log level (`info` unless told); at `debug` it logs
+    /// every event it takes ("event forwarded", with its topic).
+    pub fn log_level(mut self, level: &'static str) -> Self {
+        self.log_level = level;
         self
     }
 
@@ -129,7 +138,7 @@ impl ContainerdBuilder {
         };
         std::fs::create_dir_all(&cd.fifo_dir)
             .map_err(|e| Error::io("create dir", &cd.fifo_dir, e))?;
-        let mut config = cd.config_toml(self.cri);
+        let mut config = cd.config_toml(self.cri, self.log_level);
         config.push_str(
             &self
                 .config_append
@@ -273,6 +282,39 @@ impl Containerd {
         Ok(())
     }
 
+    /// `ctr events`, once it is subscribed: every event published after
+    /// this returns reaches it. A throwaway container's create event proves
+    /// the subscription; one made before it took hold is missed, so the
+    /// probe is made again until one shows.
+    pub fn subscribe_events(&self) -> Result<Spawned> {
+        let mut events = self.ctr().spawn(&["events"], false)?;
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        for n in 0.. {
+            if Instant::now() > deadline {
+                break;
+            }
+            let probe = format!("events-probe-{n}");
+            let rootfs = self.rootfs.display().to_string();
+            self.ctr()
+                .run(&["containers", "create", "--rootfs", &rootfs, &probe, "true"])?
+                .assert_success();
+            let seen = events.wait_line(Duration::from_millis(500), |l| {
+                l.contains("/containers/create") && l.contains(&probe)
+            });
+            self.ctr()
+                .run(&["containers", "delete", &probe])?
+                .assert_success();
+            if seen.is_ok() {
+                return Ok(events);
+            }
+        }
+        events.kill();
+        Err(Error::Timeout {
+            what: "ctr events to subscribe".into(),
+            after: STARTUP_TIMEOUT,
+        })
+    }
+
     /// Stop and start again on the same root, state and sockets.
     pub fn restart(&mut self) -> Result<()> {
         self.stop()?;
@@ -335,7 +377,7 @@ impl Containerd {
         found
     }
 
-    fn config_toml(&self, cri: bool) -> String {
+    fn config_toml(&self, cri: bool, log_level: &str) -> String {
         let b = self.base.display();
         let disabled = if cri {
             ""
@@ -357,7 +399,7 @@ disabled_plugins = [{disabled}]
 
 [debug]
   address = "{b}/debug.sock"
-  level = "info"
+  level = "{log_level}"
 
 [metrics]
   address = ""
@@ -618,4 +660,31 @@ fn require_tool(tool: &'static str, package: &'static str) -> Result<()> {
     } else {
         Err(Error::MissingTool { tool, package })
     }
+}
+
+/// `events` (from [`Containerd::subscribe_events`]) saw `/tasks/exit` for
+/// task `id`, and after it `/tasks/delete`; waits for the delete, then
+/// ends `ctr events`.
+pub fn assert_exit_before_delete(events: &mut Spawned, id: &str) {
+    let quoted = format!("\"container_id\":\"{id}\"");
+    let waited = events.wait_line(Duration::from_secs(30), |l| {
+        l.contains("/tasks/delete") && l.contains(&quoted)
+    });
+    events.kill();
+    let seen: Vec<String> = events
+        .stdout_so_far()
+        .lines()
+        .filter(|l| l.contains(&quoted))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .find(|w| w.starts_with("/tasks/"))
+                .map(String::from)
+        })
+        .collect();
+    let exit = seen.iter().position(|t| t == "/tasks/exit");
+    let delete = seen.iter().position(|t| t == "/tasks/delete");
+    assert!(
+        waited.is_ok() && matches!((exit, delete), (Some(e), Some(d)) if e < d),
+        "task events of {id}: {seen:?}"
+    );
 }

@@ -27,7 +27,9 @@ pub mod pair;
 mod process;
 mod rootfs;
 
-pub use containerd::{Container, Containerd, ContainerdBuilder, RUNC_STATE_ROOT};
+pub use containerd::{
+    assert_exit_before_delete, Container, Containerd, ContainerdBuilder, RUNC_STATE_ROOT,
+};
 pub use ctr::{forwards_signals, Ctr, Output};
 pub use error::Error;
 pub use image::OciImage;

@@ -49,15 +49,32 @@ fn start(
     annotations: &[(&str, &str)],
     engine_args: &[&str],
 ) -> Running {
+    start_with(
+        cd,
+        id,
+        extra_cfg,
+        annotations,
+        engine_args,
+        &["--rm", "--net-host"],
+    )
+}
+
+/// [`start`] with `ctr run` flags of the caller's.
+fn start_with(
+    cd: &Containerd,
+    id: &str,
+    extra_cfg: &str,
+    annotations: &[(&str, &str)],
+    engine_args: &[&str],
+    flags: &[&str],
+) -> Running {
     PairEnv::install_engine(cd, Path::new(ENGINE)).expect("install engine");
     let env = PairEnv::new(cd, &format!("gmsd = \"{}\"\n{extra_cfg}", gmsd())).expect("config");
     let port = free_port();
     let port_s = port.to_string();
     let mut cmd = vec!["/bin/test-engine", "--port", &port_s];
     cmd.extend_from_slice(engine_args);
-    let ctr = env
-        .run(cd, id, annotations, &["--rm", "--net-host"], &cmd)
-        .expect("ctr run");
+    let ctr = env.run(cd, id, annotations, flags, &cmd).expect("ctr run");
     Running {
         env,
         port,
@@ -570,7 +587,22 @@ fn an_unmodified_program_under_flock_fails_over() {
 fn the_pair_survives_a_containerd_restart_and_stays_managed() {
     let mut cd = Containerd::start().expect("containerd");
     let id = "cdrestart";
-    let r = start(&cd, id, "gms = \"off\"", &[], &[]);
+    // Detached: since containerd 2.0 a foreground `ctr run` kills its task
+    // once containerd answers again after a restart.
+    let r = start_with(
+        &cd,
+        id,
+        "gms = \"off\"",
+        &[],
+        &[],
+        &["--detach", "--net-host"],
+    );
+    r.ctr
+        .expect("ctr run --detach")
+        .wait(LONG)
+        .expect("ctr run --detach returns")
+        .assert_success();
+    let r = Running { ctr: None, ..r };
     let st = r.env.wait_protected(&cd, id, LONG);
     let (_, pid) = active_of(&st);
     let (slot, _) = active_of(&st);
@@ -584,21 +616,25 @@ fn the_pair_survives_a_containerd_restart_and_stays_managed() {
     until("State.pid follows after restart", LONG, STEP, || {
         (task_pid(&cd, id) == Some(shadow)).then_some(())
     });
-    // The ctr run attached before the restart lost its connection; end the
-    // task through the new containerd and remove it.
-    let mut r = r;
-    if let Some(mut c) = r.ctr.take() {
-        cd.ctr()
-            .run(&["task", "kill", "-s", "SIGKILL", id])
-            .expect("kill")
-            .assert_success();
-        until("task stopped", LONG, STEP, || {
-            (cd.ctr().task_status(id).ok().flatten().as_deref() != Some("RUNNING")).then_some(())
-        });
-        c.kill();
-        let _ = cd.ctr().run(&["task", "rm", id]);
-        let _ = cd.ctr().run(&["c", "rm", id]);
-    }
+    // End the task through the new containerd: its exit reaches
+    // containerd before its delete, over the shim's new connection.
+    let mut events = cd.subscribe_events().expect("ctr events");
+    cd.ctr()
+        .run(&["task", "kill", "-s", "SIGKILL", id])
+        .expect("kill")
+        .assert_success();
+    until("task stopped", LONG, STEP, || {
+        (cd.ctr().task_status(id).ok().flatten().as_deref() == Some("STOPPED")).then_some(())
+    });
+    cd.ctr()
+        .run(&["task", "rm", id])
+        .expect("task rm")
+        .assert_success();
+    shadow_tests::assert_exit_before_delete(&mut events, id);
+    cd.ctr()
+        .run(&["c", "rm", id])
+        .expect("container rm")
+        .assert_success();
     cd.assert_no_leftovers();
     assert!(!r.env.pair_dir(&cd, id).exists());
 }
