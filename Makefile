@@ -140,6 +140,9 @@ example: deps check-cargo
 	$(CARGO) build -q -p shadow-tests --bin shadow-example-image
 	archive=$$(./target/debug/shadow-example-image --engine target/$(EXAMPLE_PROFILE)/shadow-engine --out $(EXAMPLE_OUT)) && \
 	  $(CTR) images import "$$archive"
+	@# The import's own output differs between ctr 1.x and 2.x (Transfer
+	@# API): the last line is the image as containerd lists it.
+	@$(CTR) images ls -q name==shadow-example:latest | grep -x shadow-example:latest
 
 # containerd 1.6.20's own integration/client suite (from Debian's source
 # package, fetched at run time) against io.containerd.runc.v2, our shim, and

@@ -1,13 +1,18 @@
 //! Runtime options containerd hands the shim (stdin at `start`, or the
 //! `options` field of Create): an `Any` that is one of
 //! - runc-v2's own `containerd.runc.v1.Options` (what containerd's Go
-//!   client sends to a runtime named `io.containerd.runc*`);
-//! - the v1 runc types `containerd.linux.runc.CreateOptions` (what the same
-//!   client sends to any other runtime name, so to ours, e.g. for
-//!   `WithShimCgroup`, `WithNoNewKeyring`, `WithUIDOwner`) and
+//!   client sends to a runtime named `io.containerd.runc*`, and what the
+//!   2.x client's `WithShimCgroup`, `WithNoNewKeyring`, `WithUIDOwner`…
+//!   send to any runtime);
+//! - the v1 runc types `containerd.linux.runc.CreateOptions` (what the 1.x
+//!   client sends for those to any other runtime name, so to ours) and
 //!   `containerd.linux.runc.RuncOptions`;
 //! - the generic `runtimeoptions.v1.Options{type_url, config_path,
-//!   config_body}` that containerd uses for runtimes it does not know.
+//!   config_body}` that containerd uses for runtimes it does not know
+//!   (`ctr run --runtime-config-path`, a CRI entry's `ConfigPath`). The
+//!   2.1+ client cannot add a task option of the kind above to these: a
+//!   uid mapping with `--runtime-config-path` fails in ctr before the shim
+//!   is asked (docs/operator-ctr.md).
 //!
 //! Only the first is in containerd-shim-protos; the others are decoded here
 //! at the wire level.

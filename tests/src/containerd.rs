@@ -688,3 +688,17 @@ pub fn assert_exit_before_delete(events: &mut Spawned, id: &str) {
         "task events of {id}: {seen:?}"
     );
 }
+
+/// The `(major, minor)` version of the `containerd` on `PATH`, from
+/// `containerd --version` ("containerd github.com/… v2.3.4 <commit>", or
+/// Debian's "… 1.6.20~ds1 …"); `None` if it cannot be run or read.
+pub fn containerd_version() -> Option<(u32, u32)> {
+    let out = Command::new("containerd").arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.split_whitespace().skip(1).find_map(|w| {
+        let mut parts = w.trim_start_matches('v').split(['.', '~', '-', '+']);
+        let major = parts.next()?.parse().ok()?;
+        let minor = parts.next()?.parse().ok()?;
+        Some((major, minor))
+    })
+}

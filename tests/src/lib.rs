@@ -28,7 +28,8 @@ mod process;
 mod rootfs;
 
 pub use containerd::{
-    assert_exit_before_delete, Container, Containerd, ContainerdBuilder, RUNC_STATE_ROOT,
+    assert_exit_before_delete, containerd_version, Container, Containerd, ContainerdBuilder,
+    RUNC_STATE_ROOT,
 };
 pub use ctr::{forwards_signals, Ctr, Output};
 pub use error::Error;

@@ -3,9 +3,9 @@
 //! over gRPC the way the kubelet drives it (RunPodSandbox with handler
 //! `shadow`, CreateContainer, StartContainer, ContainerStatus, Stop/Remove),
 //! with images built here and imported locally (no registry, no CNI: the pod
-//! uses the host network). Also: the `ctr` command line of the Nomad job in
-//! `config/nomad/engine-ctr.nomad.hcl` runs a pair from an imported image,
-//! and every file in `config/` parses and names the runtime the way the
+//! uses the host network). Also: the supervisor script of the Nomad job in
+//! `config/nomad/engine-ctr.nomad.hcl` runs a pair from an imported image
+//! across a containerd restart, and every file in `config/` parses and names the runtime the way the
 //! docs say.
 //!
 //! The CRI plugin always works in containerd namespace `k8s.io`, so the
@@ -16,7 +16,9 @@ use serde_json::Value;
 use shadow_contract::state::PairState;
 use shadow_tests::cri::{self, v1::ContainerState, Cri};
 use shadow_tests::pair::{ask, free_port, install_binary, until, PairEnv};
-use shadow_tests::{mounts_under, our_processes, Containerd, OciImage, Rootfs, SHIM_BINARY};
+use shadow_tests::{
+    mounts_under, our_processes, Containerd, OciImage, Rootfs, Spawned, SHIM_BINARY,
+};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -140,88 +142,123 @@ impl Drop for StateDir {
     }
 }
 
-/// The `args` list of `config/nomad/engine-ctr.nomad.hcl`: the `ctr`
-/// command line the Nomad job runs, as written there.
-fn nomad_ctr_args() -> Vec<String> {
+/// The supervisor script of `config/nomad/engine-ctr.nomad.hcl` (its
+/// template's `data` heredoc), as the job writes it to `local/`.
+fn nomad_script() -> String {
     let text = read("nomad/engine-ctr.nomad.hcl");
     let start = text
-        .find("args = [")
-        .expect("args = [ in engine-ctr.nomad.hcl");
-    let body = &text[start + "args = [".len()..];
-    let body = &body[..body.find(']').expect("closing ]")];
-    body.split('"')
-        .skip(1)
-        .step_by(2)
-        .map(str::to_owned)
-        .collect()
+        .find("<<EOF\n")
+        .expect("data = <<EOF in engine-ctr.nomad.hcl");
+    let body = &text[start + "<<EOF\n".len()..];
+    let end = body.find("\nEOF\n").expect("closing EOF");
+    let script = &body[..=end];
+    // HCL would expand these in a heredoc: the script must have none.
+    assert!(!script.contains("${") && !script.contains("%{"), "{script}");
+    script.to_owned()
 }
 
 #[test]
-fn the_nomad_raw_exec_ctr_command_runs_a_pair_from_an_image() {
-    let cd = Containerd::start().expect("containerd");
+fn the_nomad_raw_exec_job_runs_a_pair_from_an_image_across_a_containerd_restart() {
+    let mut cd = Containerd::start().expect("containerd");
     import_images(&cd);
     let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
     let port = free_port();
-    let id = "nomadpair";
-    cd.record_id(id);
-    // The job's own arguments, with the test's image, id, port and shim
-    // config; `--namespace nomad` gives way to the harness's namespace.
-    let mut args: Vec<String> = Vec::new();
-    let mut it = nomad_ctr_args().into_iter().peekable();
-    while let Some(a) = it.next() {
-        if a == "--namespace" {
-            it.next();
-            continue;
-        }
-        let a = match a.as_str() {
-            "registry.example.com/llm/engine:1.0" => ENGINE_IMAGE.to_owned(),
-            "llm-engine-${NOMAD_ALLOC_ID}" => id.to_owned(),
-            "/engine" => "/bin/test-engine".to_owned(),
-            _ => a.replace("8000", &port.to_string()),
-        };
-        let run = a == "run";
-        args.push(a);
-        if run {
-            args.push("--runtime-config-path".into());
-            args.push(env.config.display().to_string());
-            args.push("--fifo-dir".into());
-            args.push(cd.fifo_dir().display().to_string());
-        }
-    }
-    assert!(args.contains(&"--rm".to_owned()), "{args:?}");
-    let mut ctr = cd.ctr().spawn_signal_proxy(&args).expect("ctr run");
-    let st = until("pair protected, ctr running", LONG, STEP, || {
-        assert!(
-            !ctr.has_exited(),
-            "ctr {args:?} ended: {}{}",
-            ctr.stdout_so_far(),
-            ctr.stderr_so_far()
+    let alloc = "0f1e2d3c";
+    let id = format!("llm-engine-{alloc}");
+    cd.record_id(&id);
+    // The job's own script with the test's image, engine and port; what
+    // Nomad would give it (NOMAD_ALLOC_ID) and the test's containerd,
+    // namespace, shim config and fifo dir through the variables it reads.
+    let script = nomad_script()
+        .replace("registry.example.com/llm/engine:1.0", ENGINE_IMAGE)
+        .replace("/engine --port", "/bin/test-engine --port")
+        .replace("8000", &port.to_string());
+    let path = cd.dir().join("ctr-pair.sh");
+    std::fs::write(&path, &script).expect("write the job's script");
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.arg(&path)
+        .env("NOMAD_ALLOC_ID", alloc)
+        .env("CONTAINERD_ADDRESS", cd.address())
+        .env("CONTAINERD_NAMESPACE", cd.namespace())
+        .env(
+            "CTR_RUN_FLAGS",
+            format!(
+                "--runtime-config-path {} --fifo-dir {}",
+                env.config.display(),
+                cd.fifo_dir().display()
+            ),
         );
-        env.state(&cd, id).filter(|v| v.pair.protected)
+    let mut job = Spawned::start(cmd, "the Nomad job's script", false).expect("sh");
+    let st = until("pair protected, the script running", LONG, STEP, || {
+        assert!(
+            !job.has_exited(),
+            "the script ended: {}{}",
+            job.stdout_so_far(),
+            job.stderr_so_far()
+        );
+        env.state(&cd, &id).filter(|v| v.pair.protected)
     });
     let (slot, pid) = active_of(&st);
     let first = until("the active engine to answer", LONG, STEP, || ask(port));
     assert_eq!(first.slot, slot.to_string());
     kill(pid, libc::SIGKILL);
-    until("the other engine to serve", LONG, STEP, || {
+    let second = until("the other engine to serve", LONG, STEP, || {
         ask(port).filter(|a| a.slot != first.slot)
     });
+    // A containerd restart (as ctr 2.x's foreground run would not survive
+    // it), once the script follows the task: the pair goes on serving and
+    // the script attaches again.
+    let attached = |job: &mut Spawned| {
+        assert!(
+            !job.has_exited(),
+            "the script ended: {}",
+            job.stderr_so_far()
+        );
+        our_attach(job.pid())
+    };
+    let before = until("the script to attach", LONG, STEP, || attached(&mut job));
+    cd.restart().expect("restart containerd");
     assert_eq!(
-        cd.ctr().task_status(id).expect("task ls").as_deref(),
+        ask(port).expect("serving after the restart").boot,
+        second.boot
+    );
+    assert_eq!(
+        cd.ctr().task_status(&id).expect("task ls").as_deref(),
         Some("RUNNING")
     );
-    // Nomad stops the job with SIGTERM to ctr, which forwards it to the task
-    // once its Start has returned (seen to lag the task's RUNNING under load).
-    until("ctr to forward signals", LONG, STEP, || {
-        shadow_tests::forwards_signals(ctr.pid()).then_some(())
+    until("the script to attach again", LONG, STEP, || {
+        attached(&mut job).filter(|pid| *pid != before)
     });
-    ctr.signal(libc::SIGTERM).expect("SIGTERM to ctr");
-    let out = ctr.wait(LONG).expect("ctr run ends");
-    // Not pinned to 143: after a failover the task has been seen to report
-    // 137 for a SIGTERM stop (the shim reports one engine's status).
+    // The engines' output reaches the job's log through the attach.
+    assert!(!job.stdout_so_far().is_empty() || !job.stderr_so_far().is_empty());
+    // Nomad stops the job with SIGTERM to the script, which sends it on to
+    // the task; the script ends when the task has, and removes it.
+    job.signal(libc::SIGTERM).expect("SIGTERM to the script");
+    let out = job.wait(LONG).expect("the script ends");
     assert_ne!(out.code(), 0, "a signalled task: {out}");
     cd.assert_no_leftovers();
-    assert!(!env.pair_dir(&cd, id).exists(), "pair dir left");
+    assert!(!env.pair_dir(&cd, &id).exists(), "pair dir left");
+}
+
+/// The pid of a `ctr task attach` child of `pid`, if one runs.
+fn our_attach(pid: u32) -> Option<u32> {
+    let dir = std::fs::read_dir("/proc").ok()?;
+    dir.flatten().find_map(|e| {
+        let child: u32 = e.file_name().to_str()?.parse().ok()?;
+        let p = e.path();
+        let stat = std::fs::read_to_string(p.join("stat")).ok()?;
+        let ppid: u32 = stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))?
+            .parse()
+            .ok()?;
+        let cmdline = std::fs::read(p.join("cmdline")).ok()?;
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let attach = args
+            .windows(2)
+            .any(|w| w == [b"task".as_slice(), b"attach".as_slice()]);
+        (ppid == pid && attach).then_some(child)
+    })
 }
 
 /// The shim config for the pod. The pair state dir is short and outside the
@@ -559,7 +596,19 @@ fn check_containerd_config(file: &str, version: i64, cri_plugin: &str) -> Vec<St
 fn check_hcl_shape(rel: &str) -> String {
     let text = read(rel);
     let mut depth: Vec<char> = Vec::new();
+    // The body of a heredoc (`<<EOF` … `EOF`) is text, not HCL.
+    let mut heredoc: Option<String> = None;
     for (n, line) in text.lines().enumerate() {
+        if let Some(end) = &heredoc {
+            if line.trim() == end {
+                heredoc = None;
+            }
+            continue;
+        }
+        if let Some((_, tag)) = line.split_once("<<") {
+            heredoc = Some(tag.trim_start_matches('-').trim().to_owned());
+            continue;
+        }
         let mut in_str = false;
         let mut prev = ' ';
         for c in line.chars() {
@@ -582,6 +631,7 @@ fn check_hcl_shape(rel: &str) -> String {
         }
         assert!(!in_str, "config/{rel}:{}: unterminated string", n + 1);
     }
+    assert!(heredoc.is_none(), "config/{rel}: unclosed heredoc");
     assert!(depth.is_empty(), "config/{rel}: unclosed {depth:?}");
     text
 }
@@ -651,9 +701,11 @@ fn every_config_file_parses_and_names_the_runtime_as_the_docs_say() {
     assert!(job.contains("driver = \"containerd-driver\""));
     let ctr_job = check_hcl_shape("nomad/engine-ctr.nomad.hcl");
     for want in [
-        "\"io.containerd.shadow.v1\"",
-        "\"shadow.dev/pair=true\"",
-        "\"--rm\"",
+        "io.containerd.shadow.v1",
+        "shadow.dev/pair=true",
+        "--detach",
+        "ctr task attach",
+        "driver = \"raw_exec\"",
     ] {
         assert!(ctr_job.contains(want), "engine-ctr.nomad.hcl lacks {want}");
     }
@@ -683,4 +735,74 @@ fn every_config_file_parses_and_names_the_runtime_as_the_docs_say() {
         }
     }
     assert!(seen.len() >= 8, "config files found: {seen:?}");
+}
+
+/// `containerd --config ROOT config dump` of a main config of `version`
+/// that imports the runtime entry `file`, as docs/kubernetes.md says to.
+fn dump_with_import(version: u32, file: &str) -> std::process::Output {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().join("config.toml");
+    let entry = config_dir().join(file);
+    std::fs::write(
+        &root,
+        format!(
+            "version = {version}\nimports = [{:?}]\n",
+            entry.display().to_string()
+        ),
+    )
+    .expect("write the main config");
+    Command::new("containerd")
+        .arg("--config")
+        .arg(&root)
+        .args(["config", "dump"])
+        .output()
+        .expect("containerd config dump")
+}
+
+/// The runtime entries load as docs/kubernetes.md says, with the
+/// containerd on `PATH` (1.6 in CI; 2.x by hand): imported from a main
+/// config of each version that containerd takes, the dump names the shadow
+/// runtime and its pod annotations; and with containerd 2.3, a version-2
+/// main config refuses the version-3 file, as the docs warn.
+#[test]
+fn the_runtime_entries_load_from_the_main_config_versions_the_docs_name() {
+    let Some((major, minor)) = shadow_tests::containerd_version() else {
+        panic!("containerd --version unreadable (make deps installs containerd)");
+    };
+    let mut cases = vec![(2, "containerd-1.6.toml")];
+    if major >= 2 {
+        cases.extend([(3, "containerd-1.6.toml"), (3, "containerd-2.x.toml")]);
+        if minor >= 3 {
+            cases.extend([(4, "containerd-1.6.toml"), (4, "containerd-2.x.toml")]);
+        } else {
+            cases.push((2, "containerd-2.x.toml"));
+        }
+    }
+    for (version, file) in cases {
+        let out = dump_with_import(version, file);
+        let dump = String::from_utf8_lossy(&out.stdout);
+        let runtime = dump
+            .split("runtimes.shadow]")
+            .nth(1)
+            .unwrap_or_default()
+            .split("\n\n")
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            out.status.success()
+                && runtime.contains("io.containerd.shadow.v1")
+                && runtime.contains("shadow.dev/*"),
+            "version {version} importing {file}: {}\n{dump}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    if (major, minor) >= (2, 3) {
+        let out = dump_with_import(2, "containerd-2.x.toml");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains("higher than root config version 2"),
+            "{stderr}"
+        );
+    }
 }

@@ -151,19 +151,11 @@ fn info_errors_name_the_cause_and_exit_non_zero() {
     );
 }
 
-/// The major version of the `containerd` on `PATH`.
-fn containerd_major() -> Option<u32> {
-    let out = Command::new("containerd").arg("--version").output().ok()?;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let v = text.split_whitespace().find(|w| w.starts_with('v'))?;
-    v[1..].split('.').next()?.parse().ok()
-}
-
 /// With containerd 2.x on `PATH` (run by hand; CI has 1.6, whose ctr has
 /// no `inspect-runtime`): containerd itself runs `-info` and shows it.
 #[test]
 fn containerd_2_inspects_the_runtime_when_it_is_on_path() {
-    if containerd_major().is_none_or(|m| m < 2) {
+    if shadow_tests::containerd_version().is_none_or(|(major, _)| major < 2) {
         eprintln!("containerd on PATH is older than 2.0: nothing to ask it");
         return;
     }
