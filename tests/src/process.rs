@@ -22,6 +22,16 @@ pub struct Output {
 }
 
 impl Output {
+    /// stderr without the client's own log lines (`time="…" level=warning
+    /// msg=…`): ctr 2.2+ warns there, e.g. that cgroup v1 is deprecated,
+    /// before the task's own output.
+    pub fn stderr_without_client_warnings(&self) -> String {
+        self.stderr
+            .split_inclusive('\n')
+            .filter(|l| !(l.starts_with("time=\"") && l.contains(" level=warning ")))
+            .collect()
+    }
+
     /// The exit code; a process killed by signal N reports 128+N, as a shell would.
     pub fn code(&self) -> i32 {
         match (self.status.code(), self.status.signal()) {

@@ -72,7 +72,7 @@ fn stdout_and_stderr(rt: Runtime) {
         out.stdout, "hello from the container\nsecond line\n",
         "{out}"
     );
-    assert_eq!(out.stderr, "to-stderr\n", "{out}");
+    assert_eq!(out.stderr_without_client_warnings(), "to-stderr\n", "{out}");
     cd.assert_no_leftovers();
 }
 
@@ -443,14 +443,15 @@ fn survives_containerd_restart(rt: Runtime) {
 
 /// containerd is down when the task dies: the shim holds the exit until
 /// containerd is back, and it arrives before the delete that follows.
-/// containerd logs each event it takes (at debug level), in order. Ours
+/// containerd logs each event it takes (at debug level, trace in 2.x), in
+/// order. Ours
 /// alone: containerd 1.6's runc-v2 loses this exit (containerd takes only
 /// its delete), so there is no runc-v2 arm to prove the test with.
 #[test]
 fn an_exit_while_containerd_is_down_arrives_before_the_delete() {
     let rt = Runtime::Shadow;
     let mut cd = Containerd::builder()
-        .log_level("debug")
+        .log_level("trace")
         .start()
         .expect("start containerd");
     start_detached(&cd, rt, "downexit");
@@ -481,15 +482,38 @@ fn an_exit_while_containerd_is_down_arrives_before_the_delete() {
     let log_before = std::fs::read_to_string(cd.log()).unwrap_or_default().len();
     cd.restart().expect("start containerd again");
     let ctr = cd.ctr();
-    ctr.run(&["task", "delete", "downexit"])
-        .expect("task delete")
-        .assert_success();
+    let deleted = ctr
+        .run(&["task", "delete", "downexit"])
+        .expect("task delete");
+    let log_since = || {
+        let log = std::fs::read_to_string(cd.log()).unwrap_or_default();
+        log[log_before.min(log.len())..].to_string()
+    };
+    if !deleted.status.success() {
+        // containerd >= 2.0 takes a shim whose task has no processes left
+        // for leaked when it loads it, and deletes the task without an
+        // event (runc-v2 alike, seen with 2.2.7 and 2.3.4); 1.6 keeps it
+        // for the shim's exit and the client's delete, checked below.
+        let major = shadow_tests::containerd_version().map_or(0, |v| v.0);
+        assert!(
+            major >= 2
+                && deleted.stderr.contains("not found")
+                && log_since().contains("cleaning leaked shim process"),
+            "{deleted}"
+        );
+        ctr.run(&["containers", "delete", "downexit"])
+            .expect("container delete")
+            .assert_success();
+        cd.assert_no_leftovers();
+        return;
+    }
+    // What containerd took from the shim ("event forwarded": debug in 1.6,
+    // trace in 2.x) and what it published itself ("event published").
     let deadline = std::time::Instant::now() + WAIT;
     let topics = loop {
-        let log = std::fs::read_to_string(cd.log()).unwrap_or_default();
-        let topics: Vec<String> = log[log_before.min(log.len())..]
+        let topics: Vec<String> = log_since()
             .lines()
-            .filter(|l| l.contains("event forwarded"))
+            .filter(|l| l.contains("event forwarded") || l.contains("event published"))
             .filter_map(|l| {
                 l.split_whitespace()
                     .find_map(|w| w.strip_prefix("topic="))
