@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::socket::{recvmsg, setsockopt, sockopt, ControlMessageOwned, MsgFlags};
 use shadow_pair::{SlotId, MAX_DATAGRAM};
 use tokio::io::Interest;
 use tokio::net::UnixDatagram;
@@ -45,9 +45,6 @@ use crate::error::{Error, Result};
 
 /// The most fds one datagram can carry (the kernel's `SCM_MAX_FD`).
 const SCM_MAX_FD: usize = 253;
-/// Room for the control data, in u64 words: the credentials and
-/// `SCM_MAX_FD` fds, each with its header (checked by a test).
-const CONTROL_WORDS: usize = 136;
 /// Received fds waiting for the closer thread, at most (all pairs of the
 /// shim together). Past it the socket is not read until the closer catches up.
 const CLOSER_BACKLOG: usize = 1024;
@@ -255,84 +252,60 @@ struct Raw {
     truncated: bool,
 }
 
+/// The control buffer: room for the credentials and for `SCM_MAX_FD` fds,
+/// the most one datagram can carry, so that the kernel never truncates the
+/// control data (and closes fds on this thread).
+fn control_buffer() -> Vec<u8> {
+    nix::cmsg_space!(libc::ucred, [RawFd; SCM_MAX_FD])
+}
+
 /// `recvmsg` with room for the credentials and for every fd a datagram can
-/// carry, so that the kernel never closes an fd on this thread; each fd
-/// received is owned (and closed on close-on-exec terms) from here on.
+/// carry; each fd received is owned (close-on-exec) from here on.
 fn recv_raw(fd: RawFd) -> io::Result<Raw> {
     let mut buf = [0u8; MAX_DATAGRAM];
-    let ucred = std::mem::size_of::<libc::ucred>();
-    let rights = SCM_MAX_FD * std::mem::size_of::<libc::c_int>();
-    // SAFETY: CMSG_SPACE only computes a length.
-    let space = unsafe {
-        libc::CMSG_SPACE(ucred as libc::c_uint) as usize
-            + libc::CMSG_SPACE(rights as libc::c_uint) as usize
-    };
-    // u64 words: the control buffer must be aligned for `cmsghdr`.
-    let mut control = [0u64; CONTROL_WORDS];
-    let space = space.min(CONTROL_WORDS * 8);
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-    hdr.msg_iov = &mut iov;
-    hdr.msg_iovlen = 1;
-    hdr.msg_control = control.as_mut_ptr().cast();
-    hdr.msg_controllen = space as _;
-    // SAFETY: hdr points at live buffers of the lengths it states.
-    let n = unsafe {
-        libc::recvmsg(
+    let mut control = control_buffer();
+    let mut pid = None;
+    let mut fds = Vec::new();
+    let (len, truncated) = {
+        let mut iov = [io::IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
             fd,
-            &mut hdr,
-            libc::MSG_DONTWAIT | libc::MSG_TRUNC | libc::MSG_CMSG_CLOEXEC,
+            &mut iov,
+            Some(&mut control),
+            MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_TRUNC | MsgFlags::MSG_CMSG_CLOEXEC,
         )
-    };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let len = n as usize;
-    let mut raw = Raw {
-        len,
-        bytes: buf[..len.min(MAX_DATAGRAM)].to_vec(),
-        pid: None,
-        fds: Vec::new(),
-        truncated: hdr.msg_flags & libc::MSG_CTRUNC != 0,
-    };
-    let start = control.as_ptr() as usize;
-    let end = start + (hdr.msg_controllen as usize).min(space);
-    // SAFETY: hdr describes `control`, which the kernel filled with
-    // `msg_controllen` bytes of cmsgs; CMSG_FIRSTHDR/NXTHDR stay within it.
-    let mut c = unsafe { libc::CMSG_FIRSTHDR(&hdr) };
-    while !c.is_null() {
-        // SAFETY: a header inside `control` (CMSG_FIRSTHDR/NXTHDR checked).
-        let (level, kind, clen) = unsafe { ((*c).cmsg_level, (*c).cmsg_type, (*c).cmsg_len) };
-        // SAFETY: CMSG_DATA of a valid header: the bytes after it.
-        let data = unsafe { libc::CMSG_DATA(c) };
-        let data_at = data as usize;
-        // cmsg_len is a size_t on glibc, a socklen_t on musl.
-        #[allow(clippy::unnecessary_cast)]
-        let clen = clen as usize;
-        let data_len = (c as usize + clen).min(end).saturating_sub(data_at);
-        if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
-            for i in 0..data_len / std::mem::size_of::<libc::c_int>() {
-                // SAFETY: within the cmsg's data, read unaligned.
-                let raw_fd = unsafe { data.cast::<libc::c_int>().add(i).read_unaligned() };
-                if raw_fd >= 0 {
-                    // SAFETY: recvmsg just installed this fd in our table
-                    // for us; nothing else knows it, so this is its one owner.
-                    raw.fds.push(unsafe { OwnedFd::from_raw_fd(raw_fd) });
+        .map_err(io::Error::from)?;
+        let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+        match msg.cmsgs() {
+            Ok(cmsgs) => {
+                for c in cmsgs {
+                    match c {
+                        ControlMessageOwned::ScmRights(raw) => {
+                            fds.extend(raw.into_iter().filter(|f| *f >= 0).map(|f| {
+                                // SAFETY: recvmsg just installed this fd in
+                                // our table for us; nothing else knows it,
+                                // so this is its one owner.
+                                unsafe { OwnedFd::from_raw_fd(f) }
+                            }))
+                        }
+                        ControlMessageOwned::ScmCredentials(cred) => pid = Some(cred.pid()),
+                        _ => {}
+                    }
                 }
             }
-        } else if level == libc::SOL_SOCKET && kind == libc::SCM_CREDENTIALS && data_len >= ucred {
-            // SAFETY: a whole ucred lies within the cmsg's data.
-            let cred = unsafe { data.cast::<libc::ucred>().read_unaligned() };
-            raw.pid = Some(cred.pid);
+            // Only with MSG_CTRUNC, which the buffer's size rules out (a
+            // test checks it): nix then cannot walk the control data.
+            Err(e) => log::error!("notify socket: control data unreadable: {e}"),
         }
-        // SAFETY: hdr and c as above.
-        c = unsafe { libc::CMSG_NXTHDR(&hdr, c) };
-    }
-    Ok(raw)
+        (msg.bytes, truncated)
+    };
+    Ok(Raw {
+        len,
+        bytes: buf[..len.min(MAX_DATAGRAM)].to_vec(),
+        pid,
+        fds,
+        truncated,
+    })
 }
 
 /// The thread that closes fds engines passed, and the bound on how many
@@ -825,14 +798,49 @@ mod tests {
 
     #[test]
     fn the_control_buffer_holds_credentials_and_every_fd() {
-        // SAFETY: CMSG_SPACE only computes a length.
-        let need = unsafe {
-            libc::CMSG_SPACE(std::mem::size_of::<libc::ucred>() as libc::c_uint)
-                + libc::CMSG_SPACE(
-                    (SCM_MAX_FD * std::mem::size_of::<libc::c_int>()) as libc::c_uint,
-                )
-        } as usize;
-        assert!(CONTROL_WORDS * 8 >= need, "{need} bytes needed");
+        use nix::sys::socket::{
+            sendmsg, socketpair, AddressFamily, ControlMessage, SockFlag, SockType,
+        };
+        let (rx, tx) = socketpair(
+            AddressFamily::Unix,
+            SockType::Datagram,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        setsockopt(&rx, sockopt::PassCred, &true).unwrap();
+        // The most a sender can pass: SCM_MAX_FD fds, and its credentials.
+        let devnull = std::fs::File::open("/dev/null").unwrap();
+        let fds = vec![devnull.as_raw_fd(); SCM_MAX_FD];
+        let iov = [io::IoSlice::new(b"READY=1")];
+        sendmsg::<()>(
+            tx.as_raw_fd(),
+            &iov,
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let raw = recv_raw(rx.as_raw_fd()).unwrap();
+        assert!(!raw.truncated);
+        assert_eq!(
+            raw.fds.len(),
+            SCM_MAX_FD,
+            "every fd received, none closed by the kernel"
+        );
+        assert_eq!(raw.pid, Some(std::process::id() as i32));
+        assert_eq!((raw.len, raw.bytes.as_slice()), (7, b"READY=1".as_slice()));
+        // One more fd than the kernel carries is refused at the sender.
+        let too_many = vec![devnull.as_raw_fd(); SCM_MAX_FD + 1];
+        assert!(sendmsg::<()>(
+            tx.as_raw_fd(),
+            &iov,
+            &[ControlMessage::ScmRights(&too_many)],
+            MsgFlags::empty(),
+            None,
+        )
+        .is_err());
+        assert!(control_buffer().len() >= nix::sys::socket::cmsg_space::<libc::ucred>());
     }
 
     #[test]
