@@ -1,9 +1,9 @@
-//! Per-pair metrics in the Prometheus text format, written the way
-//! node-exporter's textfile collector expects: one `.prom` file per pair,
-//! replaced atomically (write a temporary file, then rename) so a scrape
-//! never reads half a file.
+//! Per-pair metrics in the Prometheus text format, rendered for
+//! node-exporter's textfile collector: one `.prom` file per pair, which the
+//! shim replaces whole (`publish::write_atomic` there) so that a scrape
+//! never reads half a file. Rendering only: this crate does no I/O.
 
-use std::{fmt::Write as _, io, path::Path};
+use std::fmt::Write as _;
 
 use crate::failure::ColdRestartCause;
 use crate::pair::{EngineState, Snapshot};
@@ -220,26 +220,6 @@ pub fn render(
     out
 }
 
-/// Replaces the file at `path` with `text` atomically.
-pub fn write_textfile(path: &Path, text: &str) -> io::Result<()> {
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("metrics file {}: no directory or name", path.display()),
-        ));
-    };
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(
-        ".{}.{}.tmp",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -390,22 +370,5 @@ mod tests {
         ] {
             assert_has_line(&text, &line);
         }
-    }
-
-    #[test]
-    fn textfile_is_replaced_whole() {
-        let dir = std::env::temp_dir().join(format!("shadow-metrics-{}", std::process::id()));
-        write_textfile(&dir.join("p.prom"), "a 1\n").unwrap();
-        write_textfile(&dir.join("p.prom"), "a 2\n").unwrap();
-        assert_eq!(
-            std::fs::read_to_string(dir.join("p.prom")).unwrap(),
-            "a 2\n"
-        );
-        let names: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names.len(), 1, "no temporary file left: {names:?}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

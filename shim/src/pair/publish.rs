@@ -47,11 +47,31 @@ pub fn unix_us(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or_default().as_micros() as u64
 }
 
-/// Replace `path` with `bytes` (write a temporary file, then rename).
+/// Replace `path` with `bytes`, whole: a reader sees the old file or the
+/// new one. The bytes go to a temporary file of a fresh, unpredictable name
+/// beside it (created `O_EXCL`, so no link planted there is followed),
+/// mode 0644 (`state.json` and the metrics textfile are read by operators'
+/// tools), then renamed over `path`; the directory is made if missing.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{}: no directory", path.display()),
+            )
+        })?;
+    std::fs::create_dir_all(dir)?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".shadow-")
+        .suffix(".tmp")
+        .permissions(std::fs::Permissions::from_mode(0o644))
+        .tempfile_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.persist(path).map(drop).map_err(|e| e.error)
 }
 
 /// The gmsd statuses as last polled (one per daemon that answered), when
@@ -234,7 +254,7 @@ impl Publisher {
             &figures,
             &notify_dropped,
         );
-        if let Err(e) = shadow_pair::metrics::write_textfile(&self.metrics_file, &text) {
+        if let Err(e) = write_atomic(&self.metrics_file, text.as_bytes()) {
             log::warn!(
                 "pair {}: writing metrics {}: {e}",
                 self.id,
@@ -256,6 +276,30 @@ impl Publisher {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn files_are_replaced_whole_and_readable() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("metrics/p.prom");
+        write_atomic(&p, b"a 1\n").unwrap();
+        write_atomic(&p, b"a 2\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "a 2\n");
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o644);
+        let names: Vec<_> = std::fs::read_dir(p.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "no temporary file left: {names:?}");
+        // A link planted where a fixed temporary name would be is not
+        // followed: the target stays untouched.
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, d.path().join("metrics/p.json.tmp")).unwrap();
+        write_atomic(&p.with_extension("json"), b"{}").unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+    }
+
     use super::*;
     use crate::pair::notify::Dropped;
     use shadow_pair::RestartPolicy;
