@@ -22,8 +22,6 @@ use crate::error::{Error, Result};
 use crate::layout::PairLayout;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 
 /// Every rule given must hold; at least one must be given.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,26 +71,18 @@ impl Admission {
         Ok(a)
     }
 
-    /// Writes `<pair>/admission.json` (0600, replaced atomically).
+    /// Writes `<pair>/admission.json` (0600, replaced whole).
     pub fn save(&self, layout: &PairLayout) -> Result<()> {
-        let path = layout.admission_file();
-        let tmp = path.with_extension("json.tmp");
         let text = serde_json::to_vec_pretty(self).map_err(|source| Error::Json {
             what: "admission rules",
             source,
         })?;
-        let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(|e| Error::io("creating", &tmp, e))?;
-        f.write_all(&text)
-            .and_then(|()| f.sync_all())
-            .map_err(|e| Error::io("writing", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| Error::io("renaming into place", &path, e))
+        crate::files::replace(
+            &layout.admission_file(),
+            &text,
+            0o600,
+            "writing admission rules",
+        )
     }
 
     /// The pair's rules; a pair the operator did not start has none, and

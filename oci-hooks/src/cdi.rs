@@ -54,13 +54,11 @@ pub fn generate(dir: &Path, layout: &PairLayout) -> Result<PathBuf> {
     layout.prepare()?;
     std::fs::create_dir_all(dir).map_err(|e| Error::io("creating CDI spec dir", dir, e))?;
     let path = spec_path(dir, layout);
-    let tmp = dir.join(format!(".shadow-gms-{}.json.tmp", layout.name));
     let text = serde_json::to_string_pretty(&spec(layout)).map_err(|source| Error::Json {
         what: "CDI spec",
         source,
     })?;
-    std::fs::write(&tmp, text + "\n").map_err(|e| Error::io("writing CDI spec", &tmp, e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| Error::io("installing CDI spec", &path, e))?;
+    crate::files::replace(&path, (text + "\n").as_bytes(), 0o644, "writing CDI spec")?;
     Ok(path)
 }
 

@@ -9,6 +9,7 @@ pub mod admission;
 pub mod cdi;
 pub mod create_runtime;
 pub mod error;
+pub mod files;
 pub mod gms_daemon;
 pub mod layout;
 pub mod precreate;
