@@ -74,9 +74,10 @@ lint: check-cargo
 	$(CARGO) test -q -p shadow-shim --bin containerd-shim-shadow-v1 -- layers::
 
 # The README's test command; .ci/run runs exactly this. Integration tests
-# start their own containerd (never the host's) and need root.
+# start their own containerd (never the host's) and need root; so do the
+# unit tests marked #[ignore = "needs root…"], which run here.
 test: deps lint build
-	$(CARGO) test --workspace --no-fail-fast
+	$(CARGO) test --workspace --no-fail-fast -- --include-ignored
 
 # The recovery gap side by side: the reference engine (examples/engine) under
 # open-loop load, SIGKILL of the serving engine, cold restart under runc-v2
