@@ -2,7 +2,9 @@
 //! definition (docs/shim.md shows it, and a test keeps the two equal): a
 //! module may use (`crate::…`, `super::…`) modules of its own layer and of
 //! the layers below it, never one above, and no modules may use each other
-//! in a circle, even within a layer. `make lint` runs these tests, so a
+//! in a circle, even within a layer, and no files either (two files of one
+//! listed module, such as `pair::gms` and `pair::supervisor`, are checked
+//! against each other too). `make lint` runs these tests, so a
 //! lower module that reaches up fails the build. Tests (`#[cfg(test)]`
 //! items) are exempt: a test may build its fixtures from anywhere.
 //!
@@ -335,6 +337,30 @@ pub fn check(layers: &[(&str, &[&str])], files: &[(String, String)]) -> Vec<Stri
     if let Some(circle) = find_circle(&edges) {
         faults.push(format!("modules use each other: {}", circle.join(" → ")));
     }
+    // The same between files, inside a unit too (`pair::gms` and
+    // `pair::supervisor` are both `pair`): a use reaches the file that
+    // defines the longest prefix of its path.
+    let modules: BTreeSet<String> = files.iter().map(|(rel, _)| module_of(rel)).collect();
+    let file_of = |path: &str| -> Option<String> {
+        let segments: Vec<&str> = path.split("::").collect();
+        (1..=segments.len())
+            .rev()
+            .map(|n| segments[..n].join("::"))
+            .find(|m| modules.contains(m))
+    };
+    let mut file_edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (rel, source) in files {
+        let module = module_of(rel);
+        let code = strip_test_items(&blank_literals(source));
+        for path in used_paths(&module, &code) {
+            if let Some(used) = file_of(&path).filter(|u| *u != module) {
+                file_edges.entry(module.clone()).or_default().insert(used);
+            }
+        }
+    }
+    if let Some(circle) = find_circle(&file_edges) {
+        faults.push(format!("files use each other: {}", circle.join(" → ")));
+    }
     faults
 }
 
@@ -532,8 +558,51 @@ mod tests {
             ("runc.rs", "use crate::process::Process;\n"),
         ]);
         let faults = check(SYNTHETIC, &f);
+        assert_eq!(faults.len(), 2, "{faults:?}");
+        assert!(
+            faults[0].contains("modules use each other: process → runc → process"),
+            "{faults:?}"
+        );
+        assert!(
+            faults[1].contains("files use each other: process → runc → process"),
+            "{faults:?}"
+        );
+    }
+
+    #[test]
+    fn a_circle_between_files_of_one_unit_is_a_fault() {
+        // Both files are `pair`, so the units see no circle; the files do,
+        // and a child that uses an item of its parent while the parent uses
+        // the child is one too.
+        let mut f = files(&[(
+            "pair/mod.rs",
+            "mod gms; mod supervisor;\nuse self::supervisor::Supervisor;\npub struct Request;\n",
+        )]);
+        f.push((
+            "pair/gms.rs".into(),
+            "use super::supervisor::Input;\n".into(),
+        ));
+        f.push((
+            "pair/supervisor.rs".into(),
+            "use super::gms::Daemons;\nuse super::Request;\n".into(),
+        ));
+        let faults = check(SYNTHETIC, &f);
         assert_eq!(faults.len(), 1, "{faults:?}");
-        assert!(faults[0].contains("process → runc → process"), "{faults:?}");
+        assert!(
+            faults[0].starts_with("files use each other: pair"),
+            "{faults:?}"
+        );
+        // Moved below both, the circle is gone.
+        let fixed: Vec<(String, String)> = f
+            .into_iter()
+            .map(|(n, src)| {
+                let src = src
+                    .replace("use super::supervisor::Input;", "")
+                    .replace("use super::Request;", "");
+                (n, src)
+            })
+            .collect();
+        assert_eq!(check(SYNTHETIC, &fixed), Vec::<String>::new());
     }
 
     #[test]

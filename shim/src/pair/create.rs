@@ -26,12 +26,29 @@ use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
 use super::publish::View;
 use super::supervisor::{Parts, Supervisor};
-use super::{lock, spec, PairRequest, PairedContainer};
+use super::{lock, spec};
 use crate::annotations::GmsBackend;
+use crate::container::Stdio;
 use crate::error::{Error, Result};
 use crate::events::Event;
 use crate::runc::RuncClient;
 use crate::runtime::Runtime;
+use containerd_shim_protos::api::Mount;
+
+/// The parts of a Create request a pair needs.
+pub struct PairRequest {
+    pub id: String,
+    pub bundle: String,
+    pub rootfs: Vec<Mount>,
+    pub stdio: Stdio,
+    pub gms: Option<GmsBackend>,
+    /// One engine and no shadow (`shadow.dev/shadow=false`).
+    pub single: bool,
+    /// `shadow.dev/listen`: the sockets the pair owns (else the config's).
+    pub listen: Option<Vec<shadow_contract::listen::Listen>>,
+    /// runc settings from the task's options, for both engines.
+    pub runc: crate::options::RuncOptions,
+}
 
 /// Everything Create made, for Delete (and for undoing a failed Create).
 #[derive(Default)]
@@ -181,253 +198,248 @@ fn gms_backend(annotation: Option<GmsBackend>, mode: GmsMode, gpus: bool) -> Gms
     }
 }
 
-impl PairedContainer {
-    pub(super) async fn create_steps(
-        rt: &Runtime,
-        req: &PairRequest,
-        made: &mut Made,
-    ) -> Result<(Arc<[EngineSlot; 2]>, Supervisor, watch::Receiver<View>, u32)> {
-        let cfg = &rt.config.pair;
-        let bundle = PathBuf::from(&req.bundle);
-        if req.stdio.terminal {
-            return Err(Error::InvalidArgument(format!(
+/// Everything Create makes for a pair, in order; what was made so far is
+/// recorded in `made`, which the caller undoes on an error.
+pub(super) async fn create_steps(
+    rt: &Runtime,
+    req: &PairRequest,
+    made: &mut Made,
+) -> Result<(Arc<[EngineSlot; 2]>, Supervisor, watch::Receiver<View>, u32)> {
+    let cfg = &rt.config.pair;
+    let bundle = PathBuf::from(&req.bundle);
+    if req.stdio.terminal {
+        return Err(Error::InvalidArgument(format!(
                 "container {}: a paired container cannot have a terminal (both engines share the task's output)",
                 req.id
             )));
-        }
-        let spec = read_spec_value(&bundle)?;
-        let cgroup_path = spec::pair_cgroup(&spec, &rt.namespace, &req.id)?;
-        let (backend, gpus) = gms_plan(cfg, req, &spec)?;
+    }
+    let spec = read_spec_value(&bundle)?;
+    let cgroup_path = spec::pair_cgroup(&spec, &rt.namespace, &req.id)?;
+    let (backend, gpus) = gms_plan(cfg, req, &spec)?;
 
-        // A GPU pair's gmsd socket carries the GPU's UUID: leave room for it.
-        let longest_socket = if gpus.is_empty() {
-            HOST_SOCKETS
-        } else {
-            CUDA_SOCKETS
-        };
-        let key = shadow_contract::host::containerd_key(&rt.containerd);
-        let dirs = PairDirs::new(&cfg.state_dir, &key, &rt.namespace, &req.id, longest_socket);
-        dirs.fits(longest_socket)
-            .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", req.id)))?;
-        let name = PairName {
-            config: &rt.config,
-            containerd: &rt.containerd,
-            namespace: &rt.namespace,
-            id: &req.id,
-        };
-        if dirs.root.exists() || name.metrics_file().exists() {
-            // containerd creates an id only once at a time: what is there
-            // is a dead shim's, which containerd could not clean up.
-            log::warn!(
-                "pair {}: {} is left from an earlier pair of this id whose shim died: removing it",
-                req.id,
-                dirs.root.display()
-            );
-            leftovers::remove(&name, &bundle, rt.router.clone(), &req.runc).await;
-        }
-        made.dirs = Some(dirs.clone());
-        // Root's alone: engines get the lock and the sockets bound one by
-        // one (spec.rs), never a directory of the host to write in.
-        mkdir(&dirs.root, 0o711)?;
-        mkdir(&dirs.pair, 0o700)?;
-        // For a cleanup after this shim's death (the spec may be gone).
-        std::fs::write(&dirs.cgroup_record, &cgroup_path)
-            .map_err(|e| Error::io(format!("writing {}", dirs.cgroup_record.display()), e))?;
-        for s in &dirs.slots {
-            mkdir(s, 0o700)?;
-        }
-
-        if !req.rootfs.is_empty() {
-            let target = bundle.join("rootfs");
-            made.mounted_rootfs = Some(target.clone());
-            crate::mount::mount_all(&req.rootfs, &target).await?;
-        }
-        let rootfs = spec::rootfs_of(&spec, &bundle);
-        if !rootfs.is_dir() {
-            return Err(Error::InvalidArgument(format!(
-                "container {}: rootfs {} does not exist",
-                req.id,
-                rootfs.display()
-            )));
-        }
-
-        let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
-        let notify = NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::NOTIFY_FILE))?;
-
-        let pins = if spec::needs_pinned_namespaces(&spec) {
-            let p = PinnedNamespaces::pin(&dirs.ns)?;
-            made.pins = Some(p);
-            made.pins.as_ref()
-        } else {
-            None
-        };
-
-        // Before gmsd and the cgroup: a socket that cannot be made (port in
-        // use, privileged) is the user's error, found cheaply.
-        let listen = match (&req.listen, cfg.listen.as_str()) {
-            (Some(list), _) => Some(list.clone()),
-            (None, "") => None,
-            (None, value) => Some(shadow_contract::listen::parse(value)?),
-        };
-        let listen = match listen {
-            Some(list) => {
-                spec::check_listen_pid(&spec, &req.id)?;
-                let netns = spec::network_namespace(&spec, pins.map(|p| p.net.as_path()))?;
-                Some(ListenSockets::open(
-                    &list,
-                    &Site {
-                        netns: netns.as_deref(),
-                        dir: &dirs.root.join("listen"),
-                        may_bind_privileged: super::listen::may_bind_privileged(&spec),
-                    },
-                )?)
-            }
-            None => None,
-        };
-
-        made.cgroup = Some(PairCgroup::create(
-            &cgroup_path,
-            spec.pointer("/linux/resources"),
-        )?);
-        if let Some(cg) = &made.cgroup {
-            // As runc-v2 does for a container: every OOM in the pair (an
-            // engine's victim, whichever slot) is the task's `/tasks/oom`.
-            let events = rt.events.clone();
-            let id = req.id.clone();
-            match cg.watch_oom(move || {
-                events.send(Event::Oom(TaskOOM {
-                    container_id: id.clone(),
-                    ..Default::default()
-                }))
-            }) {
-                Ok(w) => made.oom = w,
-                Err(e) => log::warn!("pair {}: no OOM events: {e}", req.id),
-            }
-        }
-
-        let mut gms = None;
-        if backend != GmsBackend::Off {
-            // One daemon per GPU the devices grant, or one `host` daemon.
-            let devices: Vec<String> = match backend {
-                GmsBackend::Cuda if cfg.gms_gpus_on_host => {
-                    gpus.iter().map(|g| format!("host:{}", g.uuid)).collect()
-                }
-                GmsBackend::Cuda => gpus.iter().map(|g| g.uuid.clone()).collect(),
-                _ => vec!["host".into()],
-            };
-            mkdir(&dirs.gms, 0o700)?;
-            let leaf = match made.cgroup.as_ref() {
-                Some(c) => c.gms_leaf()?,
-                None => Vec::new(),
-            };
-            // Host memory is the pod's memory: gmsd may hold no more than
-            // the pod's limit. GPU memory is not, so CUDA keeps gmsd's own.
-            let pod = InPod {
-                cgroup: leaf,
-                oom_score_adj: spec::oom_score_adj(&spec),
-                max_bytes: match backend {
-                    GmsBackend::Host => spec::memory_limit(&spec).unwrap_or(0),
-                    _ => 0,
-                },
-            };
-            // Owned by the supervisor from here; Delete gets them back.
-            gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices, &pod).await?);
-        }
-        let gms_sockets = gms.as_ref().map(GmsDaemons::sockets).unwrap_or_default();
-
-        let mut engines = Vec::new();
-        for slot in SlotId::BOTH {
-            let inputs = spec::EngineInputs {
-                slot,
-                rootfs: &rootfs,
-                pair_dir: &dirs.pair,
-                gms_sockets: &gms_sockets,
-                pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
-                cgroup_parent: &cgroup_path,
-                listen_names: listen.as_ref().map_or(&[], |l| l.names()),
-                listen_mounts: listen.as_ref().map_or(&[], |l| l.mounts()),
-            };
-            let engine = spec::engine_spec(&spec, &inputs)?;
-            let dir = &dirs.slots[slot.index()];
-            let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Internal {
-                what: format!("engine spec for {}", dir.display()),
-                reason: e.to_string(),
-            })?;
-            std::fs::write(dir.join("config.json"), bytes)
-                .map_err(|e| Error::io(format!("writing engine bundle {}", dir.display()), e))?;
-            engines.push(EngineSlot {
-                runc_id: spec::engine_id(&req.id, slot),
-                bundle: dir.clone(),
-                client: RuncClient::new(
-                    &rt.config,
-                    &rt.namespace,
-                    dir,
-                    rt.router.clone(),
-                    &req.runc,
-                )?,
-                cgroup: spec::engine_cgroup(&cgroup_path, slot),
-                kills_rest_on_exit: spec::kills_rest_on_exit(&engine),
-            });
-        }
-        let engines: Arc<[EngineSlot; 2]> = Arc::new(
-            engines
-                .try_into()
-                .map_err(|_| Error::FailedPrecondition("two engine slots".into()))?,
+    // A GPU pair's gmsd socket carries the GPU's UUID: leave room for it.
+    let longest_socket = if gpus.is_empty() {
+        HOST_SOCKETS
+    } else {
+        CUDA_SOCKETS
+    };
+    let key = shadow_contract::host::containerd_key(&rt.containerd);
+    let dirs = PairDirs::new(&cfg.state_dir, &key, &rt.namespace, &req.id, longest_socket);
+    dirs.fits(longest_socket)
+        .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", req.id)))?;
+    let name = PairName {
+        config: &rt.config,
+        containerd: &rt.containerd,
+        namespace: &rt.namespace,
+        id: &req.id,
+    };
+    if dirs.root.exists() || name.metrics_file().exists() {
+        // containerd creates an id only once at a time: what is there
+        // is a dead shim's, which containerd could not clean up.
+        log::warn!(
+            "pair {}: {} is left from an earlier pair of this id whose shim died: removing it",
+            req.id,
+            dirs.root.display()
         );
+        leftovers::remove(&name, &bundle, rt.router.clone(), &req.runc).await;
+    }
+    made.dirs = Some(dirs.clone());
+    // Root's alone: engines get the lock and the sockets bound one by
+    // one (spec.rs), never a directory of the host to write in.
+    mkdir(&dirs.root, 0o711)?;
+    mkdir(&dirs.pair, 0o700)?;
+    // For a cleanup after this shim's death (the spec may be gone).
+    std::fs::write(&dirs.cgroup_record, &cgroup_path)
+        .map_err(|e| Error::io(format!("writing {}", dirs.cgroup_record.display()), e))?;
+    for s in &dirs.slots {
+        mkdir(s, 0o700)?;
+    }
 
-        let (out, out_copier) = output_pipe(&req.stdio.stdout)?;
-        let (err, err_copier) = output_pipe(&req.stdio.stderr)?;
-        let (view_tx, view_rx) = watch::channel(View::default());
-        let metrics_file = name.metrics_file();
-        made.metrics_file = Some(metrics_file.clone());
-        let stdin = if req.stdio.stdin.is_empty() {
-            None
-        } else {
-            let (end, io) = crate::io::ProcessIo::stdin_pipe(&req.stdio.stdin)?;
-            made.stdin = Some(io);
-            Some(end)
-        };
-        let output = Arc::new(SharedOutput::new(out, err).with_stdin(stdin));
-        let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
-        let host = Arc::new(Machine::new(
-            engines.clone(),
-            output.clone(),
-            rt.router.clone(),
-            lock_file,
-            listen,
-        ));
-        let sup = Supervisor::new(Parts {
-            id: req.id.clone(),
-            namespace: rt.namespace.clone(),
-            config: cfg.clone(),
-            host: host.clone(),
-            runc_ids: [engines[0].runc_id.clone(), engines[1].runc_id.clone()],
-            output,
-            copiers: out_copier.into_iter().chain(err_copier).collect(),
-            router: rt.router.clone(),
-            events: rt.events.clone(),
-            view: view_tx,
-            notify: Some(notify),
-            lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
-            state_json: dirs.state_json.clone(),
-            containerd: rt.containerd.clone(),
-            metrics_file,
-            gms,
-            gpu_buses: gpus.iter().map(|g| g.bus.clone()).collect(),
-            single: req.single,
-        });
-        // As runc-v2's Create: the first engine exists (not started), so
-        // the task has its pid and a spec that cannot run fails here.
-        let pid = match host.create(SlotId::BOTH[0]).await {
-            Ok(pid) => pid,
-            Err(e) => {
-                made.gms = sup
-                    .abandon()
-                    .map(|g| Arc::new(std::sync::Mutex::new(Some(g))));
-                return Err(e);
+    if !req.rootfs.is_empty() {
+        let target = bundle.join("rootfs");
+        made.mounted_rootfs = Some(target.clone());
+        crate::mount::mount_all(&req.rootfs, &target).await?;
+    }
+    let rootfs = spec::rootfs_of(&spec, &bundle);
+    if !rootfs.is_dir() {
+        return Err(Error::InvalidArgument(format!(
+            "container {}: rootfs {} does not exist",
+            req.id,
+            rootfs.display()
+        )));
+    }
+
+    let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
+    let notify = NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::NOTIFY_FILE))?;
+
+    let pins = if spec::needs_pinned_namespaces(&spec) {
+        let p = PinnedNamespaces::pin(&dirs.ns)?;
+        made.pins = Some(p);
+        made.pins.as_ref()
+    } else {
+        None
+    };
+
+    // Before gmsd and the cgroup: a socket that cannot be made (port in
+    // use, privileged) is the user's error, found cheaply.
+    let listen = match (&req.listen, cfg.listen.as_str()) {
+        (Some(list), _) => Some(list.clone()),
+        (None, "") => None,
+        (None, value) => Some(shadow_contract::listen::parse(value)?),
+    };
+    let listen = match listen {
+        Some(list) => {
+            spec::check_listen_pid(&spec, &req.id)?;
+            let netns = spec::network_namespace(&spec, pins.map(|p| p.net.as_path()))?;
+            Some(ListenSockets::open(
+                &list,
+                &Site {
+                    netns: netns.as_deref(),
+                    dir: &dirs.root.join("listen"),
+                    may_bind_privileged: super::listen::may_bind_privileged(&spec),
+                },
+            )?)
+        }
+        None => None,
+    };
+
+    made.cgroup = Some(PairCgroup::create(
+        &cgroup_path,
+        spec.pointer("/linux/resources"),
+    )?);
+    if let Some(cg) = &made.cgroup {
+        // As runc-v2 does for a container: every OOM in the pair (an
+        // engine's victim, whichever slot) is the task's `/tasks/oom`.
+        let events = rt.events.clone();
+        let id = req.id.clone();
+        match cg.watch_oom(move || {
+            events.send(Event::Oom(TaskOOM {
+                container_id: id.clone(),
+                ..Default::default()
+            }))
+        }) {
+            Ok(w) => made.oom = w,
+            Err(e) => log::warn!("pair {}: no OOM events: {e}", req.id),
+        }
+    }
+
+    let mut gms = None;
+    if backend != GmsBackend::Off {
+        // One daemon per GPU the devices grant, or one `host` daemon.
+        let devices: Vec<String> = match backend {
+            GmsBackend::Cuda if cfg.gms_gpus_on_host => {
+                gpus.iter().map(|g| format!("host:{}", g.uuid)).collect()
             }
+            GmsBackend::Cuda => gpus.iter().map(|g| g.uuid.clone()).collect(),
+            _ => vec!["host".into()],
         };
-        log::info!(
+        mkdir(&dirs.gms, 0o700)?;
+        let leaf = match made.cgroup.as_ref() {
+            Some(c) => c.gms_leaf()?,
+            None => Vec::new(),
+        };
+        // Host memory is the pod's memory: gmsd may hold no more than
+        // the pod's limit. GPU memory is not, so CUDA keeps gmsd's own.
+        let pod = InPod {
+            cgroup: leaf,
+            oom_score_adj: spec::oom_score_adj(&spec),
+            max_bytes: match backend {
+                GmsBackend::Host => spec::memory_limit(&spec).unwrap_or(0),
+                _ => 0,
+            },
+        };
+        // Owned by the supervisor from here; Delete gets them back.
+        gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices, &pod).await?);
+    }
+    let gms_sockets = gms.as_ref().map(GmsDaemons::sockets).unwrap_or_default();
+
+    let mut engines = Vec::new();
+    for slot in SlotId::BOTH {
+        let inputs = spec::EngineInputs {
+            slot,
+            rootfs: &rootfs,
+            pair_dir: &dirs.pair,
+            gms_sockets: &gms_sockets,
+            pinned: pins.map(|p| (p.net.as_path(), p.ipc.as_path())),
+            cgroup_parent: &cgroup_path,
+            listen_names: listen.as_ref().map_or(&[], |l| l.names()),
+            listen_mounts: listen.as_ref().map_or(&[], |l| l.mounts()),
+        };
+        let engine = spec::engine_spec(&spec, &inputs)?;
+        let dir = &dirs.slots[slot.index()];
+        let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Internal {
+            what: format!("engine spec for {}", dir.display()),
+            reason: e.to_string(),
+        })?;
+        std::fs::write(dir.join("config.json"), bytes)
+            .map_err(|e| Error::io(format!("writing engine bundle {}", dir.display()), e))?;
+        engines.push(EngineSlot {
+            runc_id: spec::engine_id(&req.id, slot),
+            bundle: dir.clone(),
+            client: RuncClient::new(&rt.config, &rt.namespace, dir, rt.router.clone(), &req.runc)?,
+            cgroup: spec::engine_cgroup(&cgroup_path, slot),
+            kills_rest_on_exit: spec::kills_rest_on_exit(&engine),
+        });
+    }
+    let engines: Arc<[EngineSlot; 2]> = Arc::new(
+        engines
+            .try_into()
+            .map_err(|_| Error::FailedPrecondition("two engine slots".into()))?,
+    );
+
+    let (out, out_copier) = output_pipe(&req.stdio.stdout)?;
+    let (err, err_copier) = output_pipe(&req.stdio.stderr)?;
+    let (view_tx, view_rx) = watch::channel(View::default());
+    let metrics_file = name.metrics_file();
+    made.metrics_file = Some(metrics_file.clone());
+    let stdin = if req.stdio.stdin.is_empty() {
+        None
+    } else {
+        let (end, io) = crate::io::ProcessIo::stdin_pipe(&req.stdio.stdin)?;
+        made.stdin = Some(io);
+        Some(end)
+    };
+    let output = Arc::new(SharedOutput::new(out, err).with_stdin(stdin));
+    let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
+    let host = Arc::new(Machine::new(
+        engines.clone(),
+        output.clone(),
+        rt.router.clone(),
+        lock_file,
+        listen,
+    ));
+    let sup = Supervisor::new(Parts {
+        id: req.id.clone(),
+        namespace: rt.namespace.clone(),
+        config: cfg.clone(),
+        host: host.clone(),
+        runc_ids: [engines[0].runc_id.clone(), engines[1].runc_id.clone()],
+        output,
+        copiers: out_copier.into_iter().chain(err_copier).collect(),
+        router: rt.router.clone(),
+        events: rt.events.clone(),
+        view: view_tx,
+        notify: Some(notify),
+        lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
+        state_json: dirs.state_json.clone(),
+        containerd: rt.containerd.clone(),
+        metrics_file,
+        gms,
+        gpu_buses: gpus.iter().map(|g| g.bus.clone()).collect(),
+        single: req.single,
+    });
+    // As runc-v2's Create: the first engine exists (not started), so
+    // the task has its pid and a spec that cannot run fails here.
+    let pid = match host.create(SlotId::BOTH[0]).await {
+        Ok(pid) => pid,
+        Err(e) => {
+            made.gms = sup
+                .abandon()
+                .map(|g| Arc::new(std::sync::Mutex::new(Some(g))));
+            return Err(e);
+        }
+    };
+    log::info!(
             "pair {}: created in {} (slot {} created as pid {pid}, cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {})",
             req.id,
             dirs.root.display(),
@@ -435,8 +447,7 @@ impl PairedContainer {
             pins.is_some(),
             listen_count
         );
-        Ok((engines, sup, view_rx, pid))
-    }
+    Ok((engines, sup, view_rx, pid))
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use shadow_pair::metrics::GmsFigures;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use super::supervisor::Input;
+use super::input::Input;
 use crate::error::{Error, Result};
 use crate::exits::ExitRouter;
 

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod gms;
 pub mod gpus;
 pub mod host;
+pub mod input;
 pub mod leftovers;
 pub mod listen;
 pub mod lock;
@@ -34,7 +35,6 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use async_trait::async_trait;
-use containerd_shim_protos::api::Mount;
 use containerd_shim_protos::events::task::TaskStart;
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::types::task::ProcessInfo;
@@ -45,31 +45,17 @@ use shadow_pair::SlotId;
 use tokio::sync::{mpsc, watch, Mutex};
 
 use self::create::Made;
+pub use self::create::PairRequest;
 use self::engine::EngineSlot;
+use self::input::Input;
 use self::publish::View;
-use self::supervisor::{Input, Supervisor};
-use crate::annotations::GmsBackend;
+use self::supervisor::Supervisor;
 use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
 use crate::process::Process;
 use crate::runtime::Runtime;
-
-/// The parts of a Create request a pair needs.
-pub struct PairRequest {
-    pub id: String,
-    pub bundle: String,
-    pub rootfs: Vec<Mount>,
-    pub stdio: Stdio,
-    pub gms: Option<GmsBackend>,
-    /// One engine and no shadow (`shadow.dev/shadow=false`).
-    pub single: bool,
-    /// `shadow.dev/listen`: the sockets the pair owns (else the config's).
-    pub listen: Option<Vec<shadow_contract::listen::Listen>>,
-    /// runc settings from the task's options, for both engines.
-    pub runc: crate::options::RuncOptions,
-}
 
 pub struct PairedContainer {
     id: String,
@@ -95,7 +81,7 @@ pub struct PairedContainer {
 impl PairedContainer {
     pub async fn create(rt: &Runtime, req: PairRequest) -> Result<Arc<Self>> {
         let mut made = Made::default();
-        match Self::create_steps(rt, &req, &mut made).await {
+        match create::create_steps(rt, &req, &mut made).await {
             Ok((engines, sup, view, created_pid)) => Ok(Arc::new(PairedContainer {
                 id: req.id.clone(),
                 bundle: req.bundle.clone(),

@@ -18,8 +18,8 @@ use tokio::io::Interest;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::host::Host;
+use super::input::Input;
 use super::notify::{DropCounts, Gate, NotifySocket, Queue, Received};
-use super::supervisor::Input;
 
 /// The pair's monotonic clock: `Duration` since the supervisor started.
 pub struct Clock {

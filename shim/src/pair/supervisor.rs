@@ -25,8 +25,9 @@ use super::config::PairConfig;
 use super::engine::SharedOutput;
 use super::gms::GmsDaemons;
 use super::host::Host;
+use super::input::Input;
 use super::lock::LockSeen;
-use super::notify::{Datagram, DropCounts, NotifySocket, Queue};
+use super::notify::{DropCounts, NotifySocket, Queue};
 use super::observe::{self, Clock};
 use super::publish::{GmsStatus, Outlets, Publisher, View};
 use crate::container::ExitInfo;
@@ -41,45 +42,6 @@ const OUTPUT_DRAIN: Duration = Duration::from_secs(1);
 const GMS_STATUS_PERIOD: Duration = Duration::from_secs(1);
 /// Refused `READY=1`s are logged at most this often per pair.
 const REFUSED_LOG_PERIOD: Duration = Duration::from_secs(10);
-
-/// What the supervisor is told.
-#[derive(Debug)]
-pub enum Input {
-    Spawned {
-        slot: SlotId,
-        generation: u32,
-        result: std::result::Result<u32, String>,
-    },
-    /// A reaped engine; `at` is the reaper's time.
-    Exited {
-        slot: SlotId,
-        pid: u32,
-        status: i32,
-        at: SystemTime,
-    },
-    Notify(Datagram, Instant),
-    /// The notify socket dropped a datagram, the first since its counts
-    /// were last written (the metrics file is due an update).
-    NotifyDropped,
-    /// The lock file was closed for good (inotify), at this time.
-    LockClosed(Instant),
-    Backoff {
-        slot: SlotId,
-    },
-    Kill {
-        signal: u32,
-    },
-    Escalate,
-    /// The GMS daemon at `index` of the pair's daemons died.
-    GmsDied {
-        index: usize,
-        generation: u64,
-    },
-    /// A cold restart's backoff is over.
-    ColdRestartDue,
-    /// An XID on one of the pair's GPUs (kernel log).
-    Xid(u32),
-}
 
 /// The parts a Supervisor is made of, gathered by Create.
 pub struct Parts {

@@ -1,0 +1,50 @@
+//! What the pair's supervisor is told, by whom it is told: the observers
+//! (`observe.rs`: reaped exits, notify datagrams, lock closes, XIDs), the
+//! gmsd watchers (`gms.rs`), the timers and the Task service. Its own
+//! module, below all of them, so that those who send and the one who
+//! receives do not import each other.
+
+use std::time::{Instant, SystemTime};
+
+use shadow_pair::SlotId;
+
+use super::notify::Datagram;
+
+/// What the supervisor is told.
+#[derive(Debug)]
+pub enum Input {
+    Spawned {
+        slot: SlotId,
+        generation: u32,
+        result: std::result::Result<u32, String>,
+    },
+    /// A reaped engine; `at` is the reaper's time.
+    Exited {
+        slot: SlotId,
+        pid: u32,
+        status: i32,
+        at: SystemTime,
+    },
+    Notify(Datagram, Instant),
+    /// The notify socket dropped a datagram, the first since its counts
+    /// were last written (the metrics file is due an update).
+    NotifyDropped,
+    /// The lock file was closed for good (inotify), at this time.
+    LockClosed(Instant),
+    Backoff {
+        slot: SlotId,
+    },
+    Kill {
+        signal: u32,
+    },
+    Escalate,
+    /// The GMS daemon at `index` of the pair's daemons died.
+    GmsDied {
+        index: usize,
+        generation: u64,
+    },
+    /// A cold restart's backoff is over.
+    ColdRestartDue,
+    /// An XID on one of the pair's GPUs (kernel log).
+    Xid(u32),
+}
