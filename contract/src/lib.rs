@@ -15,17 +15,16 @@
 //! - [`listen`]: the pair's listening sockets (`shadow.dev/listen`) and
 //!   the engine's side of taking them (`LISTEN_FDS`);
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
-//! - [`gmsd`]: the one launcher of the GMS daemon (readiness pipe,
-//!   capabilities dropped, owned handle);
 //! - [`weights`]: the digest of committed weights and the exit status of
 //!   an engine that found them changed.
 //!
-//! The crate is synchronous and small on purpose: the hook is a short-lived
-//! sync binary, and the shim wraps the blocking parts itself.
+//! Names only: the launcher of the GMS daemon, which lived here, is the
+//! crate `gmsd-launch` (gms/launch). The crate is synchronous and small on
+//! purpose: the hook is a short-lived sync binary, and the shim wraps the
+//! blocking parts itself.
 
 pub mod annotations;
 pub mod env;
-pub mod gmsd;
 pub mod host;
 pub mod listen;
 pub mod paths;

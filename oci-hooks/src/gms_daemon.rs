@@ -5,14 +5,14 @@
 //! detached with a pid file for scripts and tests (`gms start` / `gms stop`).
 
 //!
-//! Launching is `shadow_contract::gmsd`, the launcher the shim uses too:
+//! Launching is `gmsd_launch` (gms/launch), the launcher the shim uses too:
 //! readiness comes through a pipe (gmsd's `ready <socket>` line), an early
 //! death is reported with its exit status, and capabilities are dropped.
 
 use crate::admission::Admission;
 use crate::error::{Error, Result};
 use crate::layout::PairLayout;
-use shadow_contract::gmsd::{GmsdCommand, Reaper};
+use gmsd_launch::{GmsdCommand, Reaper};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

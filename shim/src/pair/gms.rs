@@ -5,7 +5,7 @@
 //! and all replaced by fresh ones (empty state) when the pair restarts cold:
 //! one GPU's weights lost means the whole group reloads.
 //!
-//! Launching is `shadow_contract::gmsd`, shared with the OCI hook: gmsd
+//! Launching is `gmsd_launch` (gms/launch), shared with the OCI hook: gmsd
 //! announces readiness on a pipe, and the launcher runs on a blocking
 //! thread with `Reaper::Elsewhere`, because this shim is a subreaper whose
 //! exit router alone reaps: an early death is read without reaping, and
@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use shadow_contract::gmsd::{Gmsd, GmsdCommand, Reaper};
+use gmsd_launch::{Gmsd, GmsdCommand, Reaper};
 use shadow_pair::metrics::GmsFigures;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;

@@ -127,7 +127,7 @@ pub async fn remove(
 
 /// SIGKILL every gmsd serving `socket_dir` and wait (bounded) until each is
 /// gone. A gmsd is recognised by its command line (`serve --socket-dir
-/// <dir>`, as `shadow_contract::gmsd` starts it) and by leading its own
+/// <dir>`, as `gmsd_launch` starts it) and by leading its own
 /// session; the pidfd is opened before the command line is read, so a
 /// recycled pid is never signalled.
 fn kill_gmsd(socket_dir: &Path) {

@@ -1,6 +1,12 @@
-//! The one launcher of `gmsd`, used by the shim (one daemon per device of
-//! a pair) and by the OCI hook (`gms start` / `gms run`, for podman, CRI-O
-//! and runc, where no shim supervises).
+//! `gmsd-launch`: the one launcher of `gmsd`, used by the shim (one daemon
+//! per device of a pair) and by the OCI hook (`gms start` / `gms run`, for
+//! podman, CRI-O and runc, where no shim supervises).
+//!
+//! It was `shadow_contract::gmsd`; it is a crate of its own because
+//! `shadow-contract` holds the names other tools depend on, and this is
+//! process code (fork/exec, cgroup join, capset, the readiness pipe). What
+//! may be changed here freely, and what the shim, the hook and the docs
+//! rely on, is in this crate's README.md.
 //!
 //! Readiness is a pipe, not a poll of the socket directory: gmsd's stdout
 //! is a pipe to the launcher, and gmsd writes `ready <socket>` on it once
@@ -28,8 +34,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::paths::is_gms_socket_name;
-use crate::state::Exit;
+use shadow_contract::paths::is_gms_socket_name;
+use shadow_contract::state::Exit;
 
 /// The line gmsd writes on stdout once its socket listens.
 pub const READY_PREFIX: &str = "ready ";
