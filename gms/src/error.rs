@@ -1,7 +1,7 @@
 //! The crate's one error type, and its mapping onto wire error codes so that
 //! a peer always learns *which* rule it broke.
 
-use crate::protocol::ErrorCode;
+use crate::types::ErrorCode;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

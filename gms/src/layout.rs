@@ -5,30 +5,16 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::protocol::Metadata;
 use crate::{Error, Result};
+
+// An allocation is shared vocabulary (the status report lists them too);
+// it keeps its path here.
+pub use crate::types::Allocation;
+use crate::types::Metadata;
 
 /// Highest user-space address on x86-64 (47-bit) and aarch64 (48-bit
 /// configurations start lower, but the kernel refuses those anyway).
 pub const MAX_USER_ADDRESS: u64 = 0x0000_7fff_ffff_f000;
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct Allocation {
-    pub id: u64,
-    /// What the memory is for: `weights`, `kv`, ...
-    pub tag: String,
-    /// Bytes, a multiple of the backend's granularity.
-    pub size: u64,
-    /// Where the writer mapped it; readers map it at the same address.
-    pub va: u64,
-}
-
-impl Allocation {
-    pub fn end(&self) -> u64 {
-        self.va.saturating_add(self.size)
-    }
-}
 
 /// Bounds on what a writer may put in a layout.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]

@@ -12,12 +12,15 @@
 //! status report, the tests — links neither the daemon, nor the CUDA driver
 //! bindings, nor a CLI parser. On a GPU, `gms-cuda` adds the CUDA mapper.
 //!
-//! Layers, each in its own module:
-//! - [`protocol`]: versioned JSON messages and the pure decoder;
-//! - [`wire`]: framing and `SCM_RIGHTS` over a stream socket;
+//! Layers, each in its own module, each using only those listed before it:
+//! - [`types`]: the plain data every layer shares (lease modes and kinds,
+//!   error codes, an allocation, metadata);
+//! - `error`: the one error type and its wire code ([`Error`]);
 //! - [`layout`]: allocations, metadata and the committed layout;
 //! - [`status`]: what a daemon reports;
-//! - [`client`] and [`mapper`]: the engine side (host memory mapper).
+//! - [`protocol`]: versioned JSON messages and the pure decoder;
+//! - [`wire`]: framing and `SCM_RIGHTS` over a stream socket;
+//! - [`mapper`] and [`client`]: the engine side (host memory mapper).
 
 pub mod client;
 mod error;
@@ -25,6 +28,7 @@ pub mod layout;
 pub mod mapper;
 pub mod protocol;
 pub mod status;
+pub mod types;
 pub mod wire;
 
 pub use error::{Error, Result};

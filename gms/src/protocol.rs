@@ -6,14 +6,15 @@
 //! daemon runs. Every rule is checked here: size, JSON, version, shape, and
 //! the number of file descriptors that came with the message.
 
-use std::collections::BTreeMap;
-use std::fmt;
-
 use serde::{Deserialize, Serialize};
 
 use crate::layout::Layout;
 use crate::status::StatusReport;
 use crate::{Error, Result};
+
+// The words the messages are made of live in `types` (below `layout`,
+// `status` and `error`, which need them too); they keep their paths here.
+pub use crate::types::{ErrorCode, LeaseKind, Metadata, Mode};
 
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
@@ -23,32 +24,6 @@ pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 pub const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 /// Most file descriptors one message carries (well under `SCM_MAX_FD`).
 pub const MAX_FDS_PER_MESSAGE: usize = 64;
-
-/// What a client asks for in `hello`.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum Mode {
-    Rw,
-    Ro,
-    RwOrRo,
-}
-
-/// What a client holds once `hello` succeeded.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum LeaseKind {
-    Rw,
-    Ro,
-}
-
-impl fmt::Display for LeaseKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            LeaseKind::Rw => "rw",
-            LeaseKind::Ro => "ro",
-        })
-    }
-}
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -111,39 +86,6 @@ impl Request {
     /// daemon to engines only.
     pub fn fd_count(&self) -> usize {
         0
-    }
-}
-
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorCode {
-    BadMessage,
-    UnsupportedVersion,
-    TooLarge,
-    Truncated,
-    WrongFdCount,
-    PermissionDenied,
-    LeaseBusy,
-    NoLayout,
-    NotPermitted,
-    UnknownAllocation,
-    LimitExceeded,
-    AddressConflict,
-    Invalid,
-    Internal,
-    ShuttingDown,
-    /// The peer stalled: no first message, a frame left half-sent, or an
-    /// uncommitted `rw` lease idle past the daemon's deadline.
-    Timeout,
-}
-
-impl fmt::Display for ErrorCode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let text = serde_json::to_value(self)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_owned))
-            .unwrap_or_else(|| format!("{self:?}"));
-        f.write_str(&text)
     }
 }
 
@@ -369,9 +311,6 @@ pub fn sample_requests() -> Vec<Request> {
         Request::Reset,
     ]
 }
-
-/// Metadata as carried in a layout: tensor name → free-form JSON text.
-pub type Metadata = BTreeMap<String, String>;
 
 #[cfg(test)]
 mod tests {

@@ -6,8 +6,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::layout::Allocation;
-use crate::protocol::LeaseKind;
+use crate::types::{Allocation, LeaseKind};
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct LeaseInfo {
