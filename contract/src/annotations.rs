@@ -13,6 +13,9 @@
 
 use std::fmt;
 
+pub use crate::error::AnnotationError;
+use crate::listen::{self, Listen};
+
 /// The prefix every key here lives under (also what a CRI runtime passes
 /// through with `pod_annotations = ["shadow.dev/*"]`).
 pub const PREFIX: &str = "shadow.dev/";
@@ -27,20 +30,12 @@ pub const PAIR_NAME: &str = "shadow.dev/pair-name";
 /// The slot (`SHADOW_ENGINE_ID`) of a hook-assembled container.
 pub const SLOT: &str = "shadow.dev/slot";
 /// Listening sockets the pair owns and hands to every engine
-/// (`tcp:0.0.0.0:8000,unix:/run/engine.sock`; see [`crate::listen`]).
-pub const LISTEN: &str = "shadow.dev/listen";
+/// (`tcp:0.0.0.0:8000,unix:/run/engine.sock`; see [`crate::listen`], which
+/// spells the key because its parser names it in its errors).
+pub const LISTEN: &str = listen::KEY;
 
 /// Every key of the set.
 pub const KEYS: [&str; 6] = [PAIR, GMS, SHADOW, PAIR_NAME, SLOT, LISTEN];
-
-/// A value the contract does not allow for its key.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("annotation {key}={value:?} is not valid; allowed: {allowed}")]
-pub struct AnnotationError {
-    pub key: String,
-    pub value: String,
-    pub allowed: String,
-}
 
 fn bad(key: &str, value: &str, allowed: &str) -> AnnotationError {
     AnnotationError {
@@ -121,7 +116,7 @@ pub struct Annotations {
     pub pair_name: Option<PairName>,
     pub slot: Option<u8>,
     /// `shadow.dev/listen`: the pair's listening sockets.
-    pub listen: Option<Vec<crate::listen::Listen>>,
+    pub listen: Option<Vec<Listen>>,
 }
 
 impl Annotations {
@@ -161,7 +156,7 @@ impl Annotations {
                 }
                 PAIR_NAME => out.pair_name = Some(PairName::new(value)?),
                 SLOT => out.slot = Some(parse_slot(value)?),
-                LISTEN => out.listen = Some(crate::listen::parse(value)?),
+                LISTEN => out.listen = Some(listen::parse(value)?),
                 _ => {
                     return Err(bad(
                         key,
@@ -217,6 +212,7 @@ mod tests {
             (SHADOW, "false"),
             (PAIR_NAME, "llama-70b_v2.1"),
             (SLOT, "1"),
+            (LISTEN, "tcp:0.0.0.0:8000"),
             ("io.kubernetes.cri.container-name", "engine"),
         ]);
         let s = Annotations::parse(&a).unwrap();
@@ -228,6 +224,10 @@ mod tests {
             Some("llama-70b_v2.1")
         );
         assert_eq!(s.slot, Some(1));
+        assert_eq!(
+            s.listen,
+            Some(vec![Listen::Tcp("0.0.0.0:8000".parse().unwrap())])
+        );
     }
 
     #[test]

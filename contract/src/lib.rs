@@ -25,6 +25,7 @@
 
 pub mod annotations;
 pub mod env;
+mod error;
 pub mod host;
 pub mod listen;
 pub mod paths;

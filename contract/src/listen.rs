@@ -15,8 +15,14 @@ use std::net::SocketAddr;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
 
-use crate::annotations::{AnnotationError, LISTEN};
 use crate::env;
+use crate::error::AnnotationError;
+
+/// The annotation (`shadow.dev/listen`, also
+/// [`crate::annotations::LISTEN`]). Spelt here, not taken from
+/// `annotations`, because that module parses its value with [`parse`]:
+/// `annotations` uses `listen`, never the other way round.
+pub(crate) const KEY: &str = "shadow.dev/listen";
 
 /// What `shadow.dev/listen` allows.
 pub const ALLOWED: &str =
@@ -63,7 +69,7 @@ impl std::fmt::Display for Listen {
 
 fn bad(value: &str, why: &str) -> AnnotationError {
     AnnotationError {
-        key: LISTEN.to_string(),
+        key: KEY.to_string(),
         value: value.to_string(),
         allowed: format!("{ALLOWED}; {why}"),
     }
@@ -253,7 +259,7 @@ mod tests {
             ("tcp:0.0.0.0:1,tcp:0.0.0.0:1", "twice"),
         ] {
             let e = parse(v).unwrap_err();
-            assert_eq!(e.key, LISTEN);
+            assert_eq!(e.key, KEY);
             let msg = e.to_string();
             assert!(
                 msg.contains(why) && msg.contains("tcp:<ipv4>"),
