@@ -7,7 +7,8 @@
 //! Layers, each in its own module:
 //! - [`lease`]: the lease state machine (pure logic);
 //! - [`backend`]: the physical memory behind allocations (`host`, `cuda`);
-//! - [`daemon`]: the accept loop, peer checks, limits, one thread per lease;
+//! - [`daemon`]: the accept loop, peer checks, limits, one thread per lease
+//!   (one file per job under `daemon/`);
 //! - [`fuzz`]: the stable-toolchain fuzzer of the decoder and lease machine;
 //! - [`parse_bytes`], [`parse_duration`]: sizes and times on the binaries'
 //!   command lines.
