@@ -1,10 +1,9 @@
 //! What the Task service needs from a container, independent of how the
-//! container is made. `plain` (runc, one process tree) implements it today;
-//! the engine pair of the next issue will be a second implementation, picked
-//! at Create from the `shadow.dev/` annotations, with no change to the
-//! service.
+//! container is made: `plain` (runc, one process tree) and `pair` (one
+//! spec as a supervised engine pair) implement it, picked at Create from
+//! the `shadow.dev/` annotations; the service does not know which it has.
 
-use std::time::SystemTime;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
@@ -12,61 +11,38 @@ use containerd_shim_protos::types::task::ProcessInfo;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
 
 use crate::error::Result;
+use crate::process::Process;
+use crate::status::{ExitInfo, ProcessState};
 
-/// Lifecycle of one process, as containerd's `task.Status` sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Status {
-    Created,
-    Running,
-    Paused,
-    Stopped,
-}
-
-/// How a process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ExitInfo {
-    pub pid: u32,
-    /// Exit code, 128+signal after a signal death.
-    pub status: u32,
-    pub at: SystemTime,
-}
-
-/// The FIFO paths (or terminal) containerd gave for a process.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Stdio {
-    pub stdin: String,
-    pub stdout: String,
-    pub stderr: String,
-    pub terminal: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProcessState {
-    pub pid: u32,
-    pub status: Status,
-    pub stdio: Stdio,
-    pub exit: Option<ExitInfo>,
-}
-
-/// A process in a container: `None` is the init process, `Some(id)` an exec.
-pub type ExecId<'a> = Option<&'a str>;
-
+/// What the Task service needs of a container: its init's lifecycle, and
+/// where its execs run. The execs themselves (their table, kill, wait,
+/// delete, terminal and stdin) are the service's, the same for every kind
+/// of container (`execs.rs`).
 #[async_trait]
 pub trait Container: Send + Sync {
     fn bundle(&self) -> &str;
     /// Pid of the init process (0 before it exists).
     fn pid(&self) -> u32;
 
-    async fn start(&self, exec: ExecId<'_>) -> Result<u32>;
-    async fn state(&self, exec: ExecId<'_>) -> Result<ProcessState>;
-    async fn kill(&self, exec: ExecId<'_>, signal: u32, all: bool) -> Result<()>;
-    /// Block until the process has exited.
-    async fn wait(&self, exec: ExecId<'_>) -> Result<ExitInfo>;
-    /// Remove a stopped (or never started) process; for init, the container.
-    async fn delete(&self, exec: ExecId<'_>) -> Result<ExitInfo>;
-    async fn exec(&self, exec_id: &str, stdio: Stdio, spec: ProcessSpec) -> Result<()>;
-    async fn resize_pty(&self, exec: ExecId<'_>, width: u32, height: u32) -> Result<()>;
-    async fn close_io(&self, exec: ExecId<'_>) -> Result<()>;
+    async fn start(&self) -> Result<u32>;
+    async fn state(&self) -> Result<ProcessState>;
+    async fn kill(&self, signal: u32, all: bool) -> Result<()>;
+    /// Block until the init (the container) has exited.
+    async fn wait(&self) -> Result<ExitInfo>;
+    /// Remove a stopped (or never started) container.
+    async fn delete(&self) -> Result<ExitInfo>;
+    /// Whether an exec may be added now (the container's state allows it).
+    async fn exec_allowed(&self, exec_id: &str) -> Result<()>;
+    /// Start the exec `proc` (added earlier) where this container runs its
+    /// execs; its pid.
+    async fn start_exec(
+        &self,
+        proc: &Arc<Process>,
+        exec_id: &str,
+        spec: ProcessSpec,
+    ) -> Result<u32>;
+    async fn resize_pty(&self, width: u32, height: u32) -> Result<()>;
+    async fn close_io(&self) -> Result<()>;
     async fn pause(&self) -> Result<()>;
     async fn resume(&self) -> Result<()>;
     async fn pids(&self) -> Result<Vec<ProcessInfo>>;

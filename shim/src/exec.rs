@@ -9,13 +9,13 @@ use std::sync::Arc;
 use containerd_shim_protos::events::task::TaskExecStarted;
 use oci_spec::runtime::Process as ProcessSpec;
 
-use crate::container::Status;
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
 use crate::io::{ChildStdio, ConsoleSocket, ProcessIo};
 use crate::process::Process;
 use crate::runc::{RuncClient, RuncStdio};
+use crate::status::Status;
 
 /// One exec start: where it runs and whom it tells.
 pub struct Exec<'a> {

@@ -20,8 +20,8 @@ use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::container::Stdio;
 use crate::error::{Error, Result};
+use crate::status::Stdio;
 
 /// The container's ends of its stdio, handed to runc for one command.
 /// Dropped (and so closed in the shim) as soon as runc has started the

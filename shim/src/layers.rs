@@ -19,7 +19,7 @@ use std::path::Path;
 /// path (so `pair::gms` is `pair`, while `pair::config`, the config file's
 /// `[pair]` section, sits with the config).
 pub const LAYERS: &[(&str, &[&str])] = &[
-    ("base", &["error", "time", "memory"]),
+    ("base", &["error", "time", "memory", "status"]),
     (
         "inputs",
         &[
@@ -44,6 +44,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "runc",
             "process",
             "exec",
+            "execs",
             "runtime",
         ],
     ),

@@ -12,6 +12,7 @@ mod container;
 mod error;
 mod events;
 mod exec;
+mod execs;
 mod exits;
 mod info;
 mod io;
@@ -30,6 +31,7 @@ mod service;
 mod shim;
 mod start;
 mod stats;
+mod status;
 mod time;
 
 pub const RUNTIME_ID: &str = "io.containerd.shadow.v1";

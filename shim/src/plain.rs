@@ -4,7 +4,6 @@
 //! failing step of Create undoes the earlier ones, so a refused container
 //! leaves no runc state, mount or open FIFO behind.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -14,13 +13,11 @@ use containerd_shim_protos::api::Mount;
 use containerd_shim_protos::events::task::{TaskOOM, TaskStart};
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::types::task::ProcessInfo;
-use nix::sys::signal::Signal;
-use nix::unistd::Pid;
 use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Process as ProcessSpec, Spec};
-use tokio::sync::{oneshot, Mutex};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
+use crate::container::Container;
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exec::Exec;
@@ -31,6 +28,7 @@ use crate::options::RuncOptions;
 use crate::process::Process;
 use crate::runc::{RuncClient, RuncStdio, INIT_PID_FILE};
 use crate::runtime::Runtime;
+use crate::status::{ExitInfo, ProcessState, Status, Stdio};
 
 /// The parts of a Create request a plain container needs.
 pub struct CreateRequest {
@@ -54,7 +52,6 @@ pub struct PlainContainer {
     init: Arc<Process>,
     /// The init pid never changes once runc created it.
     init_pid: u32,
-    execs: Mutex<HashMap<String, Arc<Process>>>,
     /// `bundle/rootfs` when the shim mounted it (Create had rootfs mounts).
     mounted_rootfs: Option<PathBuf>,
     oom: std::sync::Mutex<Option<JoinHandle<()>>>,
@@ -79,10 +76,6 @@ impl CreateUndo<'_> {
             unmount(target).await;
         }
     }
-}
-
-fn signal_of(n: u32) -> Result<Signal> {
-    Signal::try_from(n as i32).map_err(|_| Error::InvalidArgument(format!("unknown signal {n}")))
 }
 
 /// Whether the container's processes outlive its init unless the shim
@@ -150,7 +143,6 @@ impl PlainContainer {
                     events: rt.events.clone(),
                     init,
                     init_pid: pid,
-                    execs: Mutex::new(HashMap::new()),
                     mounted_rootfs: undo.mounted.clone(),
                     oom: std::sync::Mutex::new(None),
                 });
@@ -249,39 +241,6 @@ impl PlainContainer {
             Err(e) => log::warn!("container {}: no OOM events: {e}", self.id),
         }
     }
-
-    async fn process(&self, exec: ExecId<'_>) -> Result<Arc<Process>> {
-        match exec {
-            None => Ok(self.init.clone()),
-            Some(exec_id) => self
-                .execs
-                .lock()
-                .await
-                .get(exec_id)
-                .cloned()
-                .ok_or_else(|| Error::ExecNotFound {
-                    id: self.id.clone(),
-                    exec_id: exec_id.to_string(),
-                }),
-        }
-    }
-
-    async fn start_exec(
-        &self,
-        proc: &Arc<Process>,
-        exec_id: &str,
-        spec: &ProcessSpec,
-    ) -> Result<u32> {
-        let exec = Exec {
-            client: &self.client,
-            runc_id: &self.id,
-            bundle: Path::new(&self.bundle),
-            container_id: &self.id,
-            router: &self.router,
-            events: &self.events,
-        };
-        exec.start(proc, exec_id, spec).await
-    }
 }
 
 #[async_trait]
@@ -294,15 +253,7 @@ impl Container for PlainContainer {
         self.init_pid
     }
 
-    async fn start(&self, exec: ExecId<'_>) -> Result<u32> {
-        if let Some(exec_id) = exec {
-            let proc = self.process(exec).await?;
-            let spec = proc.spec.clone().ok_or_else(|| Error::ExecNotFound {
-                id: self.id.clone(),
-                exec_id: exec_id.to_string(),
-            })?;
-            return self.start_exec(&proc, exec_id, &spec).await;
-        }
+    async fn start(&self) -> Result<u32> {
         let mut st = self.init.state.lock().await;
         if st.status != Status::Created {
             return Err(Error::FailedPrecondition(format!(
@@ -320,72 +271,39 @@ impl Container for PlainContainer {
         Ok(st.pid)
     }
 
-    async fn state(&self, exec: ExecId<'_>) -> Result<ProcessState> {
-        Ok(self.process(exec).await?.snapshot().await)
+    async fn state(&self) -> Result<ProcessState> {
+        Ok(self.init.snapshot().await)
     }
 
-    async fn kill(&self, exec: ExecId<'_>, signal: u32, all: bool) -> Result<()> {
-        let proc = self.process(exec).await?;
-        let st = proc.state.lock().await;
+    async fn kill(&self, signal: u32, all: bool) -> Result<()> {
+        let st = self.init.state.lock().await;
         if st.status == Status::Stopped && !all {
             return Err(Error::Finished {
                 id: self.id.clone(),
-                process: exec.map_or("the init process".into(), |e| format!("exec {e}")),
+                process: "the init process".into(),
             });
         }
-        // The window between a death and its reap: kill(2) says ESRCH
-        // (runc's "container not running" is mapped in `RuncClient::kill`).
-        // runc-v2 answers NotFound there (`checkKillError`), which ctr
-        // takes for "already gone".
-        let finished = || Error::Finished {
-            id: self.id.clone(),
-            process: exec.map_or("the init process".into(), |e| format!("exec {e}")),
-        };
-        match exec {
-            None => self.client.kill(&self.id, signal, all).await,
-            Some(exec_id) => {
-                if st.pid == 0 {
-                    return Err(Error::FailedPrecondition(format!(
-                        "exec {exec_id} in {} is not started",
-                        self.id
-                    )));
-                }
-                match nix::sys::signal::kill(Pid::from_raw(st.pid as i32), signal_of(signal)?) {
-                    Err(nix::errno::Errno::ESRCH) => Err(finished()),
-                    r => r.map_err(|e| {
-                        Error::sys(format!("signalling exec {exec_id} pid {}", st.pid), e)
-                    }),
-                }
-            }
-        }
+        // The window between a death and its reap is NotFound, as runc-v2
+        // answers it (runc's "container not running" is mapped in
+        // `RuncClient::kill`).
+        self.client.kill(&self.id, signal, all).await
     }
 
-    async fn wait(&self, exec: ExecId<'_>) -> Result<ExitInfo> {
-        let proc = self.process(exec).await?;
-        proc.wait().await
+    async fn wait(&self) -> Result<ExitInfo> {
+        self.init.wait().await
     }
 
-    async fn delete(&self, exec: ExecId<'_>) -> Result<ExitInfo> {
-        let proc = self.process(exec).await?;
+    async fn delete(&self) -> Result<ExitInfo> {
+        let proc = &self.init;
         let (status, pid, exit) = {
             let st = proc.state.lock().await;
             (st.status, st.pid, st.exit)
         };
         if matches!(status, Status::Running | Status::Paused) {
             return Err(Error::FailedPrecondition(format!(
-                "cannot delete {} of {}: it is still running",
-                exec.unwrap_or("the init process"),
+                "cannot delete the init process of {}: it is still running",
                 self.id
             )));
-        }
-        if let Some(exec_id) = exec {
-            self.execs.lock().await.remove(exec_id);
-            proc.state.lock().await.io = None;
-            return Ok(exit.unwrap_or(ExitInfo {
-                pid,
-                status: 0,
-                at: SystemTime::now(),
-            }));
         }
         // Init: remove runc's state (this kills a never-started init).
         self.client.delete_force(&self.id).await?;
@@ -401,9 +319,6 @@ impl Container for PlainContainer {
             task.abort();
         }
         proc.state.lock().await.io = None;
-        for e in self.execs.lock().await.drain() {
-            e.1.state.lock().await.io = None;
-        }
         if let Some(target) = &self.mounted_rootfs {
             unmount(target).await;
         }
@@ -411,30 +326,43 @@ impl Container for PlainContainer {
         Ok(exit)
     }
 
-    async fn exec(&self, exec_id: &str, stdio: Stdio, spec: ProcessSpec) -> Result<()> {
+    async fn exec_allowed(&self, exec_id: &str) -> Result<()> {
         if self.init.state.lock().await.status == Status::Stopped {
             return Err(Error::FailedPrecondition(format!(
                 "container {} has exited; cannot exec {exec_id}",
                 self.id
             )));
         }
-        let mut execs = self.execs.lock().await;
-        crate::process::register_exec(&mut execs, &self.id, exec_id, stdio, spec)
+        Ok(())
     }
 
-    async fn resize_pty(&self, exec: ExecId<'_>, width: u32, height: u32) -> Result<()> {
-        let proc = self.process(exec).await?;
-        let st = proc.state.lock().await;
-        match &st.io {
+    async fn start_exec(
+        &self,
+        proc: &Arc<Process>,
+        exec_id: &str,
+        spec: ProcessSpec,
+    ) -> Result<u32> {
+        let exec = Exec {
+            client: &self.client,
+            runc_id: &self.id,
+            bundle: Path::new(&self.bundle),
+            container_id: &self.id,
+            router: &self.router,
+            events: &self.events,
+        };
+        exec.start(proc, exec_id, &spec).await
+    }
+
+    async fn resize_pty(&self, width: u32, height: u32) -> Result<()> {
+        match &self.init.state.lock().await.io {
             Some(io) => io.resize(width, height),
             // No stdio at all: nothing to resize (runc-v2 answers OK).
             None => Ok(()),
         }
     }
 
-    async fn close_io(&self, exec: ExecId<'_>) -> Result<()> {
-        let proc = self.process(exec).await?;
-        if let Some(io) = proc.state.lock().await.io.as_mut() {
+    async fn close_io(&self) -> Result<()> {
+        if let Some(io) = self.init.state.lock().await.io.as_mut() {
             io.close_stdin();
         }
         Ok(())

@@ -12,11 +12,11 @@ use containerd_shim_protos::events::task::TaskExit;
 use oci_spec::runtime::Process as ProcessSpec;
 use tokio::sync::{oneshot, watch, Mutex};
 
-use crate::container::{ExitInfo, ProcessState, Status, Stdio};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::Exit;
 use crate::io::ProcessIo;
+use crate::status::{ExitInfo, ProcessState, Status, Stdio};
 use crate::time::timestamp;
 
 /// How long an exit waits for the process's output to reach the FIFOs.
@@ -41,27 +41,6 @@ pub struct Process {
     pub spec: Option<ProcessSpec>,
     pub state: Mutex<ProcState>,
     exited: watch::Sender<Option<ExitInfo>>,
-}
-
-/// Records a new exec process of `container_id`, refusing a duplicate id.
-/// Shared by plain containers and pairs: both keep their execs by id.
-pub fn register_exec(
-    execs: &mut std::collections::HashMap<String, std::sync::Arc<Process>>,
-    container_id: &str,
-    exec_id: &str,
-    stdio: crate::container::Stdio,
-    spec: oci_spec::runtime::Process,
-) -> crate::error::Result<()> {
-    if execs.contains_key(exec_id) {
-        return Err(crate::error::Error::AlreadyExists(format!(
-            "exec {exec_id} in {container_id}"
-        )));
-    }
-    execs.insert(
-        exec_id.to_string(),
-        Process::new(container_id, Some(exec_id), stdio, Some(spec)),
-    );
-    Ok(())
 }
 
 impl Process {

@@ -28,13 +28,15 @@ use oci_spec::runtime::{LinuxResources, Process as ProcessSpec, Spec};
 use tokio::sync::Mutex;
 
 use crate::annotations::{Pairing, ShadowAnnotations};
-use crate::container::{Container, ExitInfo, Status, Stdio};
+use crate::container::Container;
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
+use crate::execs::Execs;
 use crate::options::{RuncOptions, RuntimeOptions};
 use crate::pair::{PairRequest, PairedContainer};
 use crate::plain::{CreateRequest, PlainContainer};
 use crate::runtime::Runtime;
+use crate::status::{ExitInfo, Status, Stdio};
 use crate::time::timestamp;
 
 fn exec_of(exec_id: &str) -> Option<&str> {
@@ -50,9 +52,16 @@ pub fn read_spec(bundle: &Path) -> Result<Spec> {
         .map_err(|e| Error::InvalidArgument(format!("parsing OCI spec {}: {e}", path.display())))
 }
 
+/// One container of the shim and its execs.
+#[derive(Clone)]
+struct Entry {
+    container: Arc<dyn Container>,
+    execs: Arc<Execs>,
+}
+
 pub struct TaskService {
     runtime: Runtime,
-    containers: Mutex<HashMap<String, Arc<dyn Container>>>,
+    containers: Mutex<HashMap<String, Entry>>,
     /// Serialises Creates so that an id is checked and taken atomically.
     creating: Mutex<()>,
     exit: Arc<ExitSignal>,
@@ -72,13 +81,17 @@ impl TaskService {
         &self.runtime.events
     }
 
-    async fn get(&self, id: &str) -> Result<Arc<dyn Container>> {
+    async fn entry(&self, id: &str) -> Result<Entry> {
         self.containers
             .lock()
             .await
             .get(id)
             .cloned()
             .ok_or_else(|| Error::ContainerNotFound(id.to_string()))
+    }
+
+    async fn get(&self, id: &str) -> Result<Arc<dyn Container>> {
+        Ok(self.entry(id).await?.container)
     }
 
     pub async fn do_create(&self, req: CreateTaskRequest) -> Result<u32> {
@@ -137,10 +150,11 @@ impl TaskService {
             .await?
         };
         let pid = container.pid();
+        let execs = Arc::new(Execs::new(&req.id));
         self.containers
             .lock()
             .await
-            .insert(req.id.clone(), container);
+            .insert(req.id.clone(), Entry { container, execs });
         self.events().send(Event::Create(TaskCreate {
             container_id: req.id.clone(),
             bundle: req.bundle.clone(),
@@ -161,9 +175,13 @@ impl TaskService {
     }
 
     pub async fn do_delete(&self, id: &str, exec_id: Option<&str>) -> Result<ExitInfo> {
-        let c = self.get(id).await?;
-        let exit = c.delete(exec_id).await?;
-        if exec_id.is_none() {
+        let e = self.entry(id).await?;
+        if let Some(exec_id) = exec_id {
+            return e.execs.delete(exec_id).await;
+        }
+        let exit = e.container.delete().await?;
+        e.execs.clear().await;
+        {
             self.containers.lock().await.remove(id);
             self.events().send(Event::Delete(TaskDelete {
                 container_id: id.to_string(),
@@ -177,7 +195,7 @@ impl TaskService {
     }
 
     pub async fn do_exec(&self, req: ExecProcessRequest) -> Result<()> {
-        let c = self.get(&req.id).await?;
+        let e = self.entry(&req.id).await?;
         let spec_any = req.spec.as_ref().ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "exec {} in {}: no process spec",
@@ -201,7 +219,8 @@ impl TaskService {
             stderr: req.stderr.clone(),
             terminal: req.terminal,
         };
-        c.exec(&req.exec_id, stdio, spec).await?;
+        e.container.exec_allowed(&req.exec_id).await?;
+        e.execs.add(&req.exec_id, stdio, spec).await?;
         self.events().send(Event::ExecAdded(TaskExecAdded {
             container_id: req.id.clone(),
             exec_id: req.exec_id.clone(),
@@ -211,8 +230,12 @@ impl TaskService {
     }
 
     pub async fn do_state(&self, id: &str, exec_id: Option<&str>) -> Result<StateResponse> {
-        let c = self.get(id).await?;
-        let s = c.state(exec_id).await?;
+        let e = self.entry(id).await?;
+        let c = &e.container;
+        let s = match exec_id {
+            Some(exec_id) => e.execs.state(exec_id).await?,
+            None => c.state().await?,
+        };
         let status = match s.status {
             Status::Created => ProtoStatus::CREATED,
             Status::Running => ProtoStatus::RUNNING,
@@ -262,8 +285,14 @@ impl Task for TaskService {
     }
 
     async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
-        let c = self.get(&req.id).await?;
-        let pid = c.start(exec_of(&req.exec_id)).await?;
+        let e = self.entry(&req.id).await?;
+        let pid = match exec_of(&req.exec_id) {
+            Some(exec_id) => {
+                let (proc, spec) = e.execs.spec(exec_id).await?;
+                e.container.start_exec(&proc, exec_id, spec).await?
+            }
+            None => e.container.start().await?,
+        };
         // Create and Start touched code the running container will not need.
         crate::memory::trim_when_idle();
         Ok(StartResponse {
@@ -317,8 +346,11 @@ impl Task for TaskService {
     }
 
     async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
-        let c = self.get(&req.id).await?;
-        c.kill(exec_of(&req.exec_id), req.signal, req.all).await?;
+        let e = self.entry(&req.id).await?;
+        match exec_of(&req.exec_id) {
+            Some(exec_id) => e.execs.kill(exec_id, req.signal).await?,
+            None => e.container.kill(req.signal, req.all).await?,
+        }
         Ok(Empty::new())
     }
 
@@ -328,16 +360,21 @@ impl Task for TaskService {
     }
 
     async fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> TtrpcResult<Empty> {
-        let c = self.get(&req.id).await?;
-        c.resize_pty(exec_of(&req.exec_id), req.width, req.height)
-            .await?;
+        let e = self.entry(&req.id).await?;
+        match exec_of(&req.exec_id) {
+            Some(exec_id) => e.execs.resize_pty(exec_id, req.width, req.height).await?,
+            None => e.container.resize_pty(req.width, req.height).await?,
+        }
         Ok(Empty::new())
     }
 
     async fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> TtrpcResult<Empty> {
-        let c = self.get(&req.id).await?;
+        let e = self.entry(&req.id).await?;
         if req.stdin {
-            c.close_io(exec_of(&req.exec_id)).await?;
+            match exec_of(&req.exec_id) {
+                Some(exec_id) => e.execs.close_io(exec_id).await?,
+                None => e.container.close_io().await?,
+            }
         }
         Ok(Empty::new())
     }
@@ -358,8 +395,11 @@ impl Task for TaskService {
     }
 
     async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {
-        let c = self.get(&req.id).await?;
-        let exit = c.wait(exec_of(&req.exec_id)).await?;
+        let e = self.entry(&req.id).await?;
+        let exit = match exec_of(&req.exec_id) {
+            Some(exec_id) => e.execs.wait(exec_id).await?,
+            None => e.container.wait().await?,
+        };
         Ok(WaitResponse {
             exit_status: exit.status,
             exited_at: Some(timestamp(exit.at)).into(),

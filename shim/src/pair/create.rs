@@ -28,11 +28,11 @@ use super::publish::View;
 use super::supervisor::{Parts, Supervisor};
 use super::{lock, spec};
 use crate::annotations::GmsBackend;
-use crate::container::Stdio;
 use crate::error::{Error, Result};
 use crate::events::Event;
 use crate::runc::RuncClient;
 use crate::runtime::Runtime;
+use crate::status::Stdio;
 use containerd_shim_protos::api::Mount;
 
 /// The parts of a Create request a pair needs.

@@ -29,7 +29,6 @@ pub mod state_file;
 pub mod supervisor;
 pub mod xid;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -39,7 +38,6 @@ use containerd_shim_protos::events::task::TaskStart;
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::types::task::ProcessInfo;
 use nix::sys::signal::Signal;
-use nix::unistd::Pid;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
 use shadow_pair::SlotId;
 use tokio::sync::{mpsc, watch, Mutex};
@@ -50,12 +48,13 @@ use self::engine::EngineSlot;
 use self::input::Input;
 use self::publish::View;
 use self::supervisor::Supervisor;
-use crate::container::{Container, ExecId, ExitInfo, ProcessState, Status, Stdio};
+use crate::container::Container;
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
 use crate::process::Process;
 use crate::runtime::Runtime;
+use crate::status::{ExitInfo, ProcessState, Status, Stdio};
 
 pub struct PairedContainer {
     id: String,
@@ -70,7 +69,6 @@ pub struct PairedContainer {
     /// After Start: how Kill reaches the supervisor.
     input: Mutex<Option<mpsc::UnboundedSender<Input>>>,
     made: Mutex<Made>,
-    execs: Mutex<HashMap<String, Arc<Process>>>,
     deleted: Mutex<bool>,
     /// Paused: the pair's cgroup is frozen (both engines).
     paused: AtomicBool,
@@ -93,7 +91,6 @@ impl PairedContainer {
                 waiting: Mutex::new(Some(sup)),
                 input: Mutex::new(None),
                 made: Mutex::new(made),
-                execs: Mutex::new(HashMap::new()),
                 deleted: Mutex::new(false),
                 paused: AtomicBool::new(false),
                 created_pid,
@@ -128,18 +125,6 @@ impl PairedContainer {
         }
     }
 
-    async fn process(&self, exec_id: &str) -> Result<Arc<Process>> {
-        self.execs
-            .lock()
-            .await
-            .get(exec_id)
-            .cloned()
-            .ok_or_else(|| Error::ExecNotFound {
-                id: self.id.clone(),
-                exec_id: exec_id.to_string(),
-            })
-    }
-
     /// An exec runs in the engine that serves (else any live one).
     fn exec_target(&self) -> Result<&EngineSlot> {
         let v = self.view.borrow();
@@ -155,26 +140,6 @@ impl PairedContainer {
             })?;
         Ok(&self.engines[slot.index()])
     }
-
-    async fn start_exec(&self, proc: &Arc<Process>, exec_id: &str) -> Result<u32> {
-        let mut spec = proc.spec.clone().ok_or_else(|| Error::ExecNotFound {
-            id: self.id.clone(),
-            exec_id: exec_id.to_string(),
-        })?;
-        let engine = self.exec_target()?;
-        let env =
-            spec::with_contract_env(spec.env().as_deref().unwrap_or_default(), &engine.bundle)?;
-        spec.set_env(Some(env));
-        let exec = crate::exec::Exec {
-            client: &engine.client,
-            runc_id: &engine.runc_id,
-            bundle: &engine.bundle,
-            container_id: &self.id,
-            router: &self.router,
-            events: &self.events,
-        };
-        exec.start(proc, exec_id, &spec).await
-    }
 }
 
 #[async_trait]
@@ -187,11 +152,7 @@ impl Container for PairedContainer {
         self.task_pid(self.view.borrow().pid)
     }
 
-    async fn start(&self, exec: ExecId<'_>) -> Result<u32> {
-        if let Some(exec_id) = exec {
-            let proc = self.process(exec_id).await?;
-            return self.start_exec(&proc, exec_id).await;
-        }
+    async fn start(&self) -> Result<u32> {
         let mut waiting = self.waiting.lock().await;
         if self.view.borrow().exit.is_some() {
             return Err(Error::FailedPrecondition(format!(
@@ -234,10 +195,7 @@ impl Container for PairedContainer {
         Ok(pid)
     }
 
-    async fn state(&self, exec: ExecId<'_>) -> Result<ProcessState> {
-        if let Some(exec_id) = exec {
-            return Ok(self.process(exec_id).await?.snapshot().await);
-        }
+    async fn state(&self) -> Result<ProcessState> {
         let v = self.view.borrow().clone();
         Ok(ProcessState {
             pid: self.task_pid(v.pid),
@@ -247,21 +205,7 @@ impl Container for PairedContainer {
         })
     }
 
-    async fn kill(&self, exec: ExecId<'_>, signal: u32, all: bool) -> Result<()> {
-        if let Some(exec_id) = exec {
-            let proc = self.process(exec_id).await?;
-            let st = proc.state.lock().await;
-            if st.pid == 0 || st.status == Status::Stopped {
-                return Err(Error::Finished {
-                    id: self.id.clone(),
-                    process: format!("exec {exec_id}"),
-                });
-            }
-            let sig = Signal::try_from(signal as i32)
-                .map_err(|_| Error::InvalidArgument(format!("unknown signal {signal}")))?;
-            return nix::sys::signal::kill(Pid::from_raw(st.pid as i32), sig)
-                .map_err(|e| Error::sys(format!("signalling exec {exec_id} pid {}", st.pid), e));
-        }
+    async fn kill(&self, signal: u32, all: bool) -> Result<()> {
         if self.status() == Status::Stopped {
             if all {
                 return Ok(());
@@ -315,10 +259,7 @@ impl Container for PairedContainer {
         Ok(())
     }
 
-    async fn wait(&self, exec: ExecId<'_>) -> Result<ExitInfo> {
-        if let Some(exec_id) = exec {
-            return self.process(exec_id).await?.wait().await;
-        }
+    async fn wait(&self) -> Result<ExitInfo> {
         let mut rx = self.view.clone();
         let v = rx
             .wait_for(|v| v.exit.is_some())
@@ -328,26 +269,7 @@ impl Container for PairedContainer {
             .ok_or_else(|| Error::FailedPrecondition("no exit recorded".into()))
     }
 
-    async fn delete(&self, exec: ExecId<'_>) -> Result<ExitInfo> {
-        if let Some(exec_id) = exec {
-            let proc = self.process(exec_id).await?;
-            let st = proc.state.lock().await;
-            if st.status == Status::Running {
-                return Err(Error::FailedPrecondition(format!(
-                    "cannot delete exec {exec_id} of {}: it is still running",
-                    self.id
-                )));
-            }
-            let exit = st.exit.unwrap_or(ExitInfo {
-                pid: st.pid,
-                status: 0,
-                at: SystemTime::now(),
-            });
-            drop(st);
-            proc.state.lock().await.io = None;
-            self.execs.lock().await.remove(exec_id);
-            return Ok(exit);
-        }
+    async fn delete(&self) -> Result<ExitInfo> {
         if matches!(self.status(), Status::Running | Status::Paused) {
             return Err(Error::FailedPrecondition(format!(
                 "cannot delete {}: the engine pair is still running",
@@ -374,52 +296,54 @@ impl Container for PairedContainer {
                 log::warn!("pair {}: {err}", self.id);
             }
         }
-        for (_, e) in self.execs.lock().await.drain() {
-            e.state.lock().await.io = None;
-        }
         self.made.lock().await.undo().await;
         *deleted = true;
         Ok(exit)
     }
 
-    async fn exec(&self, exec_id: &str, stdio: Stdio, spec: ProcessSpec) -> Result<()> {
+    async fn exec_allowed(&self, exec_id: &str) -> Result<()> {
         if self.status() != Status::Running {
             return Err(Error::FailedPrecondition(format!(
                 "pair {} is not running; cannot exec {exec_id}",
                 self.id
             )));
         }
-        let mut execs = self.execs.lock().await;
-        crate::process::register_exec(&mut execs, &self.id, exec_id, stdio, spec)
+        Ok(())
     }
 
-    async fn resize_pty(&self, exec: ExecId<'_>, width: u32, height: u32) -> Result<()> {
+    /// An exec runs in the engine that serves (else any live one), with
+    /// that engine's contract environment.
+    async fn start_exec(
+        &self,
+        proc: &Arc<Process>,
+        exec_id: &str,
+        mut spec: ProcessSpec,
+    ) -> Result<u32> {
+        let engine = self.exec_target()?;
+        let env =
+            spec::with_contract_env(spec.env().as_deref().unwrap_or_default(), &engine.bundle)?;
+        spec.set_env(Some(env));
+        let exec = crate::exec::Exec {
+            client: &engine.client,
+            runc_id: &engine.runc_id,
+            bundle: &engine.bundle,
+            container_id: &self.id,
+            router: &self.router,
+            events: &self.events,
+        };
+        exec.start(proc, exec_id, &spec).await
+    }
+
+    async fn resize_pty(&self, _width: u32, _height: u32) -> Result<()> {
         // An engine pair has no terminal: nothing to resize, which runc-v2
         // answers with OK for any process without one.
-        let Some(exec_id) = exec else {
-            return Ok(());
-        };
-        let proc = self.process(exec_id).await?;
-        let st = proc.state.lock().await;
-        match &st.io {
-            Some(io) => io.resize(width, height),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
-    async fn close_io(&self, exec: ExecId<'_>) -> Result<()> {
+    async fn close_io(&self) -> Result<()> {
         // The task's stdin is the first engine's (see `engine::SharedOutput`).
-        match exec {
-            Some(exec_id) => {
-                if let Some(io) = self.process(exec_id).await?.state.lock().await.io.as_mut() {
-                    io.close_stdin();
-                }
-            }
-            None => {
-                if let Some(io) = self.made.lock().await.stdin.as_mut() {
-                    io.close_stdin();
-                }
-            }
+        if let Some(io) = self.made.lock().await.stdin.as_mut() {
+            io.close_stdin();
         }
         Ok(())
     }

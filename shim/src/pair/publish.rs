@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use super::notify::DropCounts;
 use super::state_file;
 
-use crate::container::ExitInfo;
+use crate::status::ExitInfo;
 
 /// How often, at most, the files are rewritten for the counters alone
 /// (`shadow_notify_dropped_total`, `shadow_ready_refused_total`): they

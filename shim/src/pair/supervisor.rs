@@ -30,10 +30,10 @@ use super::lock::LockSeen;
 use super::notify::{DropCounts, NotifySocket, Queue};
 use super::observe::{self, Clock};
 use super::publish::{GmsStatus, Outlets, Publisher, View};
-use crate::container::ExitInfo;
 use crate::error::Result;
 use crate::events::{Event, EventSink};
 use crate::exits::ExitRouter;
+use crate::status::ExitInfo;
 use crate::time::timestamp;
 
 /// How long the pair's exit waits for the engines' output to reach the FIFOs.
