@@ -558,13 +558,16 @@ fn a_silent_or_slowloris_peer_times_out() {
 }
 
 /// Out of descriptors, `accept` fails while the connection stays queued:
-/// the daemon backs off instead of spinning on it, and serves the queued
-/// peer once descriptors are free again.
+/// the daemon backs off instead of spinning on it (each failure logs the
+/// pause that follows it: 10 ms, doubling, up to 1 s), and serves the
+/// queued peer once descriptors are free again.
 #[test]
 fn accept_failing_with_emfile_does_not_spin() {
     let logs = tempfile::tempdir().unwrap();
     let log = logs.path().join("gmsd.log");
-    let gmsd = Gmsd::start_logged(&[], &log);
+    // Only the test frees the held slot: the daemon's own deadline for a
+    // silent connection must not do it first, however slow the machine.
+    let gmsd = Gmsd::start_logged(&["--hello-timeout", "1h"], &log);
     // Room for one connection (the accepted socket and its dup), no more:
     // new descriptors take the lowest free numbers, so the limit is the
     // lowest free one plus two (inherited ones above it stay valid).
@@ -592,19 +595,53 @@ fn accept_failing_with_emfile_does_not_spin() {
     // the first is gone.
     let socket = gmsd.socket.clone();
     let queued = std::thread::spawn(move || client::status(&socket));
-    wait_for("accept to fail with EMFILE", || {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        text.contains("accept on").then_some(())
+    // The event this test is about: the back-off climbed to its ceiling,
+    // one failed accept per step. Only then is the slot freed.
+    let doubling = [
+        "10ms", "20ms", "40ms", "80ms", "160ms", "320ms", "640ms", "1s",
+    ];
+    wait_for("the accept back-off to reach its ceiling", || {
+        accept_pauses(&log)
+            .contains(&"1s".to_string())
+            .then_some(())
     });
-    std::thread::sleep(Duration::from_millis(500));
     drop(first);
     let report = queued.join().unwrap().expect("the queued peer is served");
     assert_eq!(report.state, "empty");
-    let text = std::fs::read_to_string(&log).unwrap();
-    let failures = text.lines().filter(|l| l.contains("accept on")).count();
-    // Backing off from 10 ms, doubling: a handful in half a second. A spin
-    // logs thousands.
-    assert!(failures < 50, "{failures} accept failures logged: a spin");
+    // Every failure, up to the one before the queued peer was served.
+    let pauses = accept_pauses(&log);
+    assert_eq!(
+        pauses.get(..doubling.len()),
+        Some(&doubling.map(String::from)[..]),
+        "each failed accept doubles the pause: {pauses:?}"
+    );
+    assert!(
+        pauses[doubling.len()..].iter().all(|p| p == "1s"),
+        "the pause stays at its ceiling: {pauses:?}"
+    );
+    // At the ceiling a backing-off daemon fails once a second until the
+    // slot is free, and the slot was freed as soon as the ceiling was seen;
+    // a spin fails at every poll, thousands of times.
+    assert!(
+        pauses.len() < 50,
+        "{} accept failures logged: a spin",
+        pauses.len()
+    );
+}
+
+/// The pause each failed `accept` logged, in order (`accept on …:
+/// EMFILE …; pausing accepts for 20ms`).
+fn accept_pauses(log: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines()
+        .filter(|l| l.contains("accept on"))
+        .filter_map(|l| l.split("pausing accepts for ").nth(1))
+        .map(|p| {
+            p.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '.')
+                .collect()
+        })
+        .collect()
 }
 
 /// Creating and populating memory (seconds for large sizes) happens
