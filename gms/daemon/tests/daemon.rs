@@ -475,7 +475,14 @@ fn rw_after_commit_is_refused_for_an_engine_and_only_the_supervisor_resets() {
 /// stay silent.
 #[test]
 fn an_idle_uncommitted_writer_is_dropped_and_readers_may_stay_silent() {
-    let gmsd = Gmsd::start(&["--writer-idle-timeout", "300ms"]);
+    // The hello deadline is four idle deadlines: the daemon's own clock,
+    // read below through a silent connection.
+    let gmsd = Gmsd::start(&[
+        "--writer-idle-timeout",
+        "300ms",
+        "--hello-timeout",
+        "1200ms",
+    ]);
     let (mut stalled, _) = writer(&gmsd, 2, "1M", false);
     assert_eq!(gmsd.status().state, "loading");
     let s = wait_for("the idle writer to be dropped", || {
@@ -490,8 +497,15 @@ fn an_idle_uncommitted_writer_is_dropped_and_readers_may_stay_silent() {
     let (_w, _) = writer(&gmsd, 1, "1M", true);
     let mut r = gmsd.probe(&["reader"]);
     r.expect("ready");
-    // Several idle deadlines later both leases are still there.
-    std::thread::sleep(Duration::from_millis(1200));
+    // Several idle deadlines later, as the daemon counts them (it times out
+    // a silent connection made now after four), both leases are still there.
+    let silent = UnixStream::connect(&gmsd.socket).unwrap();
+    silent.set_read_timeout(Some(DEADLINE)).unwrap();
+    let f = wire::recv(&silent, protocol::MAX_RESPONSE_BYTES).expect("an answer, not silence");
+    match protocol::decode_response(&f.body, f.fds.len()).unwrap() {
+        Response::Error { code, .. } => assert_eq!(code, ErrorCode::Timeout),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
     let s = gmsd.status();
     assert_eq!((s.state.as_str(), s.leases.len()), ("committed", 2));
     r.tell("check");
