@@ -16,7 +16,9 @@
 //!   the engine's side of taking them (`LISTEN_FDS`);
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
 //! - [`weights`]: the digest of committed weights and the exit status of
-//!   an engine that found them changed.
+//!   an engine that found them changed;
+//! - [`oci`]: what both paths read out of an OCI spec (its rootfs, its
+//!   init's PID namespace), read one way.
 //!
 //! Names only: the launcher of the GMS daemon, which lived here, is the
 //! crate `gmsd-launch` (gms/launch). The crate is synchronous and small on
@@ -28,6 +30,7 @@ pub mod env;
 mod error;
 pub mod host;
 pub mod listen;
+pub mod oci;
 pub mod paths;
 pub mod state;
 pub mod weights;

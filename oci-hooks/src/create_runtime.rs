@@ -81,17 +81,11 @@ fn bundle_spec(bundle: &Path) -> Result<serde_json::Value> {
 /// The rootfs path from the bundle's config.json (`root.path`, relative
 /// to the bundle unless absolute).
 fn rootfs_of(bundle: &Path) -> Result<PathBuf> {
-    let cfg = bundle.join("config.json");
     let spec = bundle_spec(bundle)?;
-    let root = spec
-        .get("root")
-        .and_then(|r| r.get("path"))
-        .and_then(|p| p.as_str())
-        .ok_or_else(|| Error::Shape {
-            what: "bundle config.json",
-            why: format!("{} has no root.path", cfg.display()),
-        })?;
-    Ok(bundle.join(root))
+    shadow_contract::oci::rootfs(&spec, bundle).ok_or_else(|| Error::Shape {
+        what: "bundle config.json",
+        why: format!("{} has no root.path", bundle.join("config.json").display()),
+    })
 }
 
 /// Opens (making what is missing) `rel` under `rootfs` as an `O_PATH`

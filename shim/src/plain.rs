@@ -13,10 +13,11 @@ use containerd_shim_protos::api::Mount;
 use containerd_shim_protos::events::task::{TaskOOM, TaskStart};
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::types::task::ProcessInfo;
-use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Process as ProcessSpec, Spec};
+use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::bundle::BundleSpec;
 use crate::container::Container;
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
@@ -78,22 +79,6 @@ impl CreateUndo<'_> {
     }
 }
 
-/// Whether the container's processes outlive its init unless the shim
-/// kills them: with no PID namespace of its own (the host's, or one it
-/// joins by path), the kernel does not end them when init dies. runc-v2's
-/// `ShouldKillAllOnExit` reads the spec the same way.
-fn kills_all_on_exit(spec: &Spec) -> bool {
-    let own_pid_ns = spec
-        .linux()
-        .as_ref()
-        .and_then(|l| l.namespaces().as_ref())
-        .is_some_and(|nss| {
-            nss.iter()
-                .any(|ns| ns.typ() == LinuxNamespaceType::Pid && ns.path().is_none())
-        });
-    !own_pid_ns
-}
-
 /// The init's exit, delivered only after every other process of the
 /// container was killed (`runc kill --all KILL`), as runc-v2 does before it
 /// publishes the exit: whoever waits for the exit then finds nothing left.
@@ -116,7 +101,7 @@ fn kill_rest_before_exit(
 }
 
 impl PlainContainer {
-    pub async fn create(rt: &Runtime, req: CreateRequest, spec: &Spec) -> Result<Arc<Self>> {
+    pub async fn create(rt: &Runtime, req: CreateRequest, spec: &BundleSpec) -> Result<Arc<Self>> {
         let bundle = PathBuf::from(&req.bundle);
         let client = RuncClient::new(
             &rt.config,
@@ -159,7 +144,7 @@ impl PlainContainer {
     async fn create_steps(
         rt: &Runtime,
         req: &CreateRequest,
-        spec: &Spec,
+        spec: &BundleSpec,
         bundle: &Path,
         client: &RuncClient,
         undo: &mut CreateUndo<'_>,
@@ -169,16 +154,8 @@ impl PlainContainer {
             undo.mounted = Some(target.clone());
             mount_all(&req.rootfs, &target).await?;
         }
-        let root = spec
-            .root()
-            .as_ref()
-            .map(|r| r.path().clone())
-            .unwrap_or_else(|| PathBuf::from("rootfs"));
-        let root = if root.is_absolute() {
-            root
-        } else {
-            bundle.join(root)
-        };
+        let root = shadow_contract::oci::rootfs(&spec.raw, bundle)
+            .unwrap_or_else(|| bundle.join("rootfs"));
         if !root.is_dir() {
             return Err(Error::InvalidArgument(format!(
                 "container {}: rootfs {} does not exist",
@@ -217,7 +194,7 @@ impl PlainContainer {
             st.io = io;
         }
         let exit = rt.router.watch(pid as i32);
-        let exit = match kills_all_on_exit(spec) {
+        let exit = match !shadow_contract::oci::own_pid_namespace(&spec.raw) {
             true => kill_rest_before_exit(client.clone(), req.id.clone(), exit),
             false => exit,
         };
@@ -418,32 +395,5 @@ impl Container for PlainContainer {
             )));
         }
         crate::stats::collect(&crate::stats::of_pid(pid)?)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn spec_with(namespaces: &str) -> Spec {
-        serde_json::from_str(&format!(
-            r#"{{"ociVersion":"1.0.2","root":{{"path":"rootfs"}},"linux":{{"namespaces":{namespaces}}}}}"#
-        ))
-        .unwrap()
-    }
-
-    #[test]
-    fn only_a_container_with_its_own_pid_namespace_leaves_killing_to_the_kernel() {
-        assert!(!kills_all_on_exit(&spec_with(
-            r#"[{"type":"mount"},{"type":"pid"}]"#
-        )));
-        // The host's PID namespace (none in the spec), or a joined one.
-        assert!(kills_all_on_exit(&spec_with(r#"[{"type":"mount"}]"#)));
-        assert!(kills_all_on_exit(&spec_with(
-            r#"[{"type":"pid","path":"/proc/1/ns/pid"}]"#
-        )));
-        let no_linux: Spec =
-            serde_json::from_str(r#"{"ociVersion":"1.0.2","root":{"path":"rootfs"}}"#).unwrap();
-        assert!(kills_all_on_exit(&no_linux));
     }
 }

@@ -24,10 +24,11 @@ use containerd_shim_protos::events::task::{
 use containerd_shim_protos::shim::shim::CheckpointTaskRequest;
 use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::types::task::Status as ProtoStatus;
-use oci_spec::runtime::{LinuxResources, Process as ProcessSpec, Spec};
+use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
 use tokio::sync::Mutex;
 
 use crate::annotations::{Pairing, ShadowAnnotations};
+use crate::bundle::BundleSpec;
 use crate::container::Container;
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
@@ -41,15 +42,6 @@ use crate::time::timestamp;
 
 fn exec_of(exec_id: &str) -> Option<&str> {
     Some(exec_id).filter(|s| !s.is_empty())
-}
-
-/// Read and parse `config.json` of a bundle, naming the file on failure.
-pub fn read_spec(bundle: &Path) -> Result<Spec> {
-    let path = bundle.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::InvalidArgument(format!("reading OCI spec {}: {e}", path.display())))?;
-    serde_json::from_str(&text)
-        .map_err(|e| Error::InvalidArgument(format!("parsing OCI spec {}: {e}", path.display())))
 }
 
 /// One container of the shim and its execs.
@@ -104,14 +96,14 @@ impl TaskService {
                 "checkpoint/restore is not supported".into(),
             ));
         }
-        let spec = read_spec(Path::new(&req.bundle))?;
+        let spec = BundleSpec::read(Path::new(&req.bundle))?;
         // The task's options (containerd sends the container's runtime
         // options when the task has none): runc's root, binary and flags.
         let runc = match req.options.as_ref() {
             Some(any) => RuntimeOptions::from_any(any)?.runc,
             None => RuncOptions::default(),
         };
-        let annotations = spec.annotations().clone().unwrap_or_default();
+        let annotations = spec.typed.annotations().clone().unwrap_or_default();
         let shadow = ShadowAnnotations::parse(&annotations)?;
         let stdio = Stdio {
             stdin: req.stdin.clone(),
@@ -132,6 +124,7 @@ impl TaskService {
                     single: shadow.no_shadow,
                     listen: shadow.listen.clone(),
                     runc: runc.clone(),
+                    spec: spec.raw,
                 },
             )
             .await?
@@ -448,14 +441,14 @@ mod tests {
     #[test]
     fn spec_errors_are_invalid_argument_naming_the_file() {
         let d = tempfile::tempdir().unwrap();
-        let missing = read_spec(d.path()).unwrap_err();
+        let missing = BundleSpec::read(d.path()).unwrap_err();
         assert_eq!(
             missing.code(),
             containerd_shim_protos::ttrpc::Code::INVALID_ARGUMENT
         );
         assert!(missing.to_string().contains("config.json"));
         std::fs::write(d.path().join("config.json"), "{\"ociVersion\": 3").unwrap();
-        let bad = read_spec(d.path()).unwrap_err();
+        let bad = BundleSpec::read(d.path()).unwrap_err();
         assert_eq!(
             bad.code(),
             containerd_shim_protos::ttrpc::Code::INVALID_ARGUMENT

@@ -48,6 +48,8 @@ pub struct PairRequest {
     pub listen: Option<Vec<shadow_contract::listen::Listen>>,
     /// runc settings from the task's options, for both engines.
     pub runc: crate::options::RuncOptions,
+    /// The bundle's spec as read at Create (`BundleSpec::raw`).
+    pub spec: Value,
 }
 
 /// Everything Create made, for Delete (and for undoing a failed Create).
@@ -102,14 +104,6 @@ impl Made {
             crate::mount::unmount(&r).await;
         }
     }
-}
-
-fn read_spec_value(bundle: &Path) -> Result<Value> {
-    let path = bundle.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::InvalidArgument(format!("reading OCI spec {}: {e}", path.display())))?;
-    serde_json::from_str(&text)
-        .map_err(|e| Error::InvalidArgument(format!("parsing OCI spec {}: {e}", path.display())))
 }
 
 fn mkdir(p: &Path, mode: u32) -> Result<()> {
@@ -213,9 +207,9 @@ pub(super) async fn create_steps(
                 req.id
             )));
     }
-    let spec = read_spec_value(&bundle)?;
-    let cgroup_path = spec::pair_cgroup(&spec, &rt.namespace, &req.id)?;
-    let (backend, gpus) = gms_plan(cfg, req, &spec)?;
+    let spec = &req.spec;
+    let cgroup_path = spec::pair_cgroup(spec, &rt.namespace, &req.id)?;
+    let (backend, gpus) = gms_plan(cfg, req, spec)?;
 
     // A GPU pair's gmsd socket carries the GPU's UUID: leave room for it.
     let longest_socket = if gpus.is_empty() {
@@ -260,7 +254,7 @@ pub(super) async fn create_steps(
         made.mounted_rootfs = Some(target.clone());
         crate::mount::mount_all(&req.rootfs, &target).await?;
     }
-    let rootfs = spec::rootfs_of(&spec, &bundle);
+    let rootfs = spec::rootfs_of(spec, &bundle);
     if !rootfs.is_dir() {
         return Err(Error::InvalidArgument(format!(
             "container {}: rootfs {} does not exist",
@@ -272,7 +266,7 @@ pub(super) async fn create_steps(
     let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
     let notify = NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::NOTIFY_FILE))?;
 
-    let pins = if spec::needs_pinned_namespaces(&spec) {
+    let pins = if spec::needs_pinned_namespaces(spec) {
         let p = PinnedNamespaces::pin(&dirs.ns)?;
         made.pins = Some(p);
         made.pins.as_ref()
@@ -289,14 +283,14 @@ pub(super) async fn create_steps(
     };
     let listen = match listen {
         Some(list) => {
-            spec::check_listen_pid(&spec, &req.id)?;
-            let netns = spec::network_namespace(&spec, pins.map(|p| p.net.as_path()))?;
+            spec::check_listen_pid(spec, &req.id)?;
+            let netns = spec::network_namespace(spec, pins.map(|p| p.net.as_path()))?;
             Some(ListenSockets::open(
                 &list,
                 &Site {
                     netns: netns.as_deref(),
                     dir: &dirs.root.join("listen"),
-                    may_bind_privileged: super::listen::may_bind_privileged(&spec),
+                    may_bind_privileged: super::listen::may_bind_privileged(spec),
                 },
             )?)
         }
@@ -342,9 +336,9 @@ pub(super) async fn create_steps(
         // the pod's limit. GPU memory is not, so CUDA keeps gmsd's own.
         let pod = InPod {
             cgroup: leaf,
-            oom_score_adj: spec::oom_score_adj(&spec),
+            oom_score_adj: spec::oom_score_adj(spec),
             max_bytes: match backend {
-                GmsBackend::Host => spec::memory_limit(&spec).unwrap_or(0),
+                GmsBackend::Host => spec::memory_limit(spec).unwrap_or(0),
                 _ => 0,
             },
         };
@@ -365,7 +359,7 @@ pub(super) async fn create_steps(
             listen_names: listen.as_ref().map_or(&[], |l| l.names()),
             listen_mounts: listen.as_ref().map_or(&[], |l| l.mounts()),
         };
-        let engine = spec::engine_spec(&spec, &inputs)?;
+        let engine = spec::engine_spec(spec, &inputs)?;
         let dir = &dirs.slots[slot.index()];
         let bytes = serde_json::to_vec(&engine).map_err(|e| Error::Internal {
             what: format!("engine spec for {}", dir.display()),

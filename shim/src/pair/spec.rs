@@ -46,19 +46,7 @@ pub struct EngineInputs<'a> {
 /// processes running when its main process dies: the shim kills them, as
 /// it does for a plain container (runc-v2's `ShouldKillAllOnExit`).
 pub fn kills_rest_on_exit(spec: &Value) -> bool {
-    let own_pid_ns = spec
-        .pointer("/linux/namespaces")
-        .and_then(Value::as_array)
-        .is_some_and(|nss| {
-            nss.iter().any(|ns| {
-                ns.get("type").and_then(Value::as_str) == Some("pid")
-                    && ns
-                        .get("path")
-                        .and_then(Value::as_str)
-                        .is_none_or(str::is_empty)
-            })
-        });
-    !own_pid_ns
+    !shadow_contract::oci::own_pid_namespace(spec)
 }
 
 /// The runc container id of a slot's engine.
@@ -186,16 +174,7 @@ pub fn oom_score_adj(spec: &Value) -> i32 {
 
 /// The absolute rootfs of a bundle's spec.
 pub fn rootfs_of(spec: &Value, bundle: &Path) -> PathBuf {
-    let root = spec
-        .pointer("/root/path")
-        .and_then(Value::as_str)
-        .unwrap_or("rootfs");
-    let root = Path::new(root);
-    if root.is_absolute() {
-        root.to_path_buf()
-    } else {
-        bundle.join(root)
-    }
+    shadow_contract::oci::rootfs(spec, bundle).unwrap_or_else(|| bundle.join("rootfs"))
 }
 
 /// One file (the lock) or socket bound alone and read-only: the engine can
