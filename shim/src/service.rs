@@ -51,18 +51,96 @@ struct Entry {
     execs: Arc<Execs>,
 }
 
-pub struct TaskService {
+/// Whoever makes the service's containers: given a Create and the
+/// bundle's spec, a container of whichever kind the spec asks for. The
+/// service's rules (one id once, the events that are its own, execs, the
+/// table) are the same whatever makes them; tests give it a stub.
+#[async_trait]
+pub trait Maker: Send + Sync + 'static {
+    async fn make(&self, rt: &Runtime, req: Made<'_>) -> Result<Arc<dyn Container>>;
+}
+
+/// What a [`Maker`] is given for one Create.
+pub struct Made<'a> {
+    pub req: &'a CreateTaskRequest,
+    pub spec: BundleSpec,
+    pub stdio: Stdio,
+    /// The task's runc settings (root, binary, flags) from its options.
+    pub runc: RuncOptions,
+}
+
+/// The shim's own maker: a pair when the spec's `shadow.dev/` annotations
+/// (or the config's `pair_by_default`) ask for one, else a plain runc
+/// container.
+pub struct RuncMaker;
+
+#[async_trait]
+impl Maker for RuncMaker {
+    async fn make(&self, rt: &Runtime, made: Made<'_>) -> Result<Arc<dyn Container>> {
+        let Made {
+            req,
+            spec,
+            stdio,
+            runc,
+        } = made;
+        let annotations = spec.typed.annotations().clone().unwrap_or_default();
+        let shadow = ShadowAnnotations::parse(&annotations)?;
+        let by_default = rt.config.pair.pair_by_default;
+        if shadow.pairs(&annotations, by_default) {
+            let pair = PairedContainer::create(
+                rt,
+                PairRequest {
+                    id: req.id.clone(),
+                    bundle: req.bundle.clone(),
+                    rootfs: req.rootfs.clone(),
+                    stdio,
+                    gms: shadow.gms,
+                    single: shadow.no_shadow,
+                    listen: shadow.listen.clone(),
+                    runc,
+                    spec: spec.raw,
+                },
+            )
+            .await?;
+            Ok(pair)
+        } else {
+            let plain = PlainContainer::create(
+                rt,
+                CreateRequest {
+                    id: req.id.clone(),
+                    bundle: req.bundle.clone(),
+                    rootfs: req.rootfs.clone(),
+                    stdio,
+                    runc,
+                },
+                &spec,
+            )
+            .await?;
+            Ok(plain)
+        }
+    }
+}
+
+pub struct TaskService<M: Maker = RuncMaker> {
     runtime: Runtime,
+    maker: M,
     containers: Mutex<HashMap<String, Entry>>,
     /// Serialises Creates so that an id is checked and taken atomically.
     creating: Mutex<()>,
     exit: Arc<ExitSignal>,
 }
 
-impl TaskService {
+impl TaskService<RuncMaker> {
     pub fn new(runtime: Runtime, exit: Arc<ExitSignal>) -> Self {
+        TaskService::with_maker(runtime, RuncMaker, exit)
+    }
+}
+
+impl<M: Maker> TaskService<M> {
+    pub fn with_maker(runtime: Runtime, maker: M, exit: Arc<ExitSignal>) -> Self {
         TaskService {
             runtime,
+            maker,
             containers: Mutex::new(HashMap::new()),
             creating: Mutex::new(()),
             exit,
@@ -103,45 +181,24 @@ impl TaskService {
             Some(any) => RuntimeOptions::from_any(any)?.runc,
             None => RuncOptions::default(),
         };
-        let annotations = spec.typed.annotations().clone().unwrap_or_default();
-        let shadow = ShadowAnnotations::parse(&annotations)?;
         let stdio = Stdio {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
             stderr: req.stderr.clone(),
             terminal: req.terminal,
         };
-        let by_default = self.runtime.config.pair.pair_by_default;
-        let container: Arc<dyn Container> = if shadow.pairs(&annotations, by_default) {
-            PairedContainer::create(
+        let container = self
+            .maker
+            .make(
                 &self.runtime,
-                PairRequest {
-                    id: req.id.clone(),
-                    bundle: req.bundle.clone(),
-                    rootfs: req.rootfs.clone(),
+                Made {
+                    req: &req,
+                    spec,
                     stdio,
-                    gms: shadow.gms,
-                    single: shadow.no_shadow,
-                    listen: shadow.listen.clone(),
-                    runc: runc.clone(),
-                    spec: spec.raw,
+                    runc,
                 },
             )
-            .await?
-        } else {
-            PlainContainer::create(
-                &self.runtime,
-                CreateRequest {
-                    id: req.id.clone(),
-                    bundle: req.bundle.clone(),
-                    rootfs: req.rootfs.clone(),
-                    stdio,
-                    runc: runc.clone(),
-                },
-                &spec,
-            )
-            .await?
-        };
+            .await?;
         let pid = container.pid();
         let execs = Arc::new(Execs::new(&req.id));
         self.containers
@@ -251,13 +308,46 @@ impl TaskService {
         })
     }
 
+    pub async fn do_start(&self, id: &str, exec_id: Option<&str>) -> Result<u32> {
+        let e = self.entry(id).await?;
+        match exec_id {
+            Some(exec_id) => {
+                let (proc, spec) = e.execs.spec(exec_id).await?;
+                e.container.start_exec(&proc, exec_id, spec).await
+            }
+            None => e.container.start().await,
+        }
+    }
+
+    pub async fn do_kill(
+        &self,
+        id: &str,
+        exec_id: Option<&str>,
+        signal: u32,
+        all: bool,
+    ) -> Result<()> {
+        let e = self.entry(id).await?;
+        match exec_id {
+            Some(exec_id) => e.execs.kill(exec_id, signal).await,
+            None => e.container.kill(signal, all).await,
+        }
+    }
+
+    pub async fn do_wait(&self, id: &str, exec_id: Option<&str>) -> Result<ExitInfo> {
+        let e = self.entry(id).await?;
+        match exec_id {
+            Some(exec_id) => e.execs.wait(exec_id).await,
+            None => e.container.wait().await,
+        }
+    }
+
     pub async fn container_count(&self) -> usize {
         self.containers.lock().await.len()
     }
 }
 
 #[async_trait]
-impl Task for TaskService {
+impl<M: Maker> Task for TaskService<M> {
     async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
         Ok(self.do_state(&req.id, exec_of(&req.exec_id)).await?)
     }
@@ -278,14 +368,7 @@ impl Task for TaskService {
     }
 
     async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
-        let e = self.entry(&req.id).await?;
-        let pid = match exec_of(&req.exec_id) {
-            Some(exec_id) => {
-                let (proc, spec) = e.execs.spec(exec_id).await?;
-                e.container.start_exec(&proc, exec_id, spec).await?
-            }
-            None => e.container.start().await?,
-        };
+        let pid = self.do_start(&req.id, exec_of(&req.exec_id)).await?;
         // Create and Start touched code the running container will not need.
         crate::memory::trim_when_idle();
         Ok(StartResponse {
@@ -339,11 +422,8 @@ impl Task for TaskService {
     }
 
     async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
-        let e = self.entry(&req.id).await?;
-        match exec_of(&req.exec_id) {
-            Some(exec_id) => e.execs.kill(exec_id, req.signal).await?,
-            None => e.container.kill(req.signal, req.all).await?,
-        }
+        self.do_kill(&req.id, exec_of(&req.exec_id), req.signal, req.all)
+            .await?;
         Ok(Empty::new())
     }
 
@@ -388,11 +468,7 @@ impl Task for TaskService {
     }
 
     async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {
-        let e = self.entry(&req.id).await?;
-        let exit = match exec_of(&req.exec_id) {
-            Some(exec_id) => e.execs.wait(exec_id).await?,
-            None => e.container.wait().await?,
-        };
+        let exit = self.do_wait(&req.id, exec_of(&req.exec_id)).await?;
         Ok(WaitResponse {
             exit_status: exit.status,
             exited_at: Some(timestamp(exit.at)).into(),
@@ -538,5 +614,187 @@ mod tests {
         assert_eq!(e.code(), containerd_shim_protos::ttrpc::Code::NOT_FOUND);
         let e = svc.do_delete("nope", None).await.unwrap_err();
         assert_eq!(e.code(), containerd_shim_protos::ttrpc::Code::NOT_FOUND);
+    }
+
+    /// A container that only keeps its state and emits what a real one
+    /// emits (start at Start, exit when killed), so that the real service
+    /// can be driven without root, runc or containerd.
+    struct Stub {
+        id: String,
+        bundle: String,
+        events: EventSink,
+        exit: tokio::sync::watch::Sender<Option<ExitInfo>>,
+        started: std::sync::atomic::AtomicBool,
+    }
+
+    #[async_trait]
+    impl Container for Stub {
+        fn bundle(&self) -> &str {
+            &self.bundle
+        }
+        fn pid(&self) -> u32 {
+            42
+        }
+        async fn start(&self) -> Result<u32> {
+            self.started
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            self.events.send(Event::Start(
+                containerd_shim_protos::events::task::TaskStart {
+                    container_id: self.id.clone(),
+                    pid: 42,
+                    ..Default::default()
+                },
+            ));
+            Ok(42)
+        }
+        async fn state(&self) -> Result<crate::status::ProcessState> {
+            let exit = *self.exit.borrow();
+            let status = match (exit, self.started.load(std::sync::atomic::Ordering::SeqCst)) {
+                (Some(_), _) => Status::Stopped,
+                (None, true) => Status::Running,
+                (None, false) => Status::Created,
+            };
+            Ok(crate::status::ProcessState {
+                pid: 42,
+                status,
+                stdio: Stdio::default(),
+                exit,
+            })
+        }
+        async fn kill(&self, signal: u32, _all: bool) -> Result<()> {
+            let exit = ExitInfo {
+                pid: 42,
+                status: 128 + signal,
+                at: std::time::SystemTime::now(),
+            };
+            self.exit.send_replace(Some(exit));
+            self.events.send(Event::Exit(
+                containerd_shim_protos::events::task::TaskExit {
+                    container_id: self.id.clone(),
+                    pid: 42,
+                    exit_status: exit.status,
+                    ..Default::default()
+                },
+            ));
+            Ok(())
+        }
+        async fn wait(&self) -> Result<ExitInfo> {
+            let mut rx = self.exit.subscribe();
+            let exit = *rx.wait_for(Option::is_some).await.unwrap();
+            Ok(exit.unwrap())
+        }
+        async fn delete(&self) -> Result<ExitInfo> {
+            match *self.exit.borrow() {
+                Some(exit) => Ok(exit),
+                None => Err(Error::FailedPrecondition("still running".into())),
+            }
+        }
+        async fn exec_allowed(&self, _exec_id: &str) -> Result<()> {
+            Ok(())
+        }
+        async fn start_exec(
+            &self,
+            _proc: &Arc<crate::process::Process>,
+            _exec_id: &str,
+            _spec: ProcessSpec,
+        ) -> Result<u32> {
+            Err(Error::Unimplemented("stub".into()))
+        }
+        async fn resize_pty(&self, _w: u32, _h: u32) -> Result<()> {
+            Ok(())
+        }
+        async fn close_io(&self) -> Result<()> {
+            Ok(())
+        }
+        async fn pause(&self) -> Result<()> {
+            Ok(())
+        }
+        async fn resume(&self) -> Result<()> {
+            Ok(())
+        }
+        async fn pids(&self) -> Result<Vec<containerd_shim_protos::types::task::ProcessInfo>> {
+            Ok(Vec::new())
+        }
+        async fn update(&self, _r: LinuxResources) -> Result<()> {
+            Ok(())
+        }
+        async fn stats(
+            &self,
+        ) -> Result<containerd_shim_protos::protobuf::well_known_types::any::Any> {
+            Err(Error::Unimplemented("stub".into()))
+        }
+    }
+
+    struct StubMaker;
+
+    #[async_trait]
+    impl Maker for StubMaker {
+        async fn make(&self, rt: &Runtime, made: Made<'_>) -> Result<Arc<dyn Container>> {
+            Ok(Arc::new(Stub {
+                id: made.req.id.clone(),
+                bundle: made.req.bundle.clone(),
+                events: rt.events.clone(),
+                exit: tokio::sync::watch::channel(None).0,
+                started: Default::default(),
+            }))
+        }
+    }
+
+    #[tokio::test]
+    async fn the_service_publishes_create_start_exit_delete_in_order_and_forgets_the_task() {
+        let (events, mut rx) = EventSink::channel();
+        let runtime = Runtime {
+            config: crate::config::Config::default(),
+            containerd: "/run/containerd/containerd.sock".into(),
+            namespace: "test".into(),
+            router: Arc::new(crate::exits::ExitRouter::default()),
+            events,
+        };
+        let svc = TaskService::with_maker(runtime, StubMaker, Arc::new(ExitSignal::default()));
+        let b = bundle_with("");
+        let create = |id: &str| CreateTaskRequest {
+            id: id.into(),
+            bundle: b.path().display().to_string(),
+            ..Default::default()
+        };
+        assert_eq!(svc.do_create(create("c1")).await.unwrap(), 42);
+        let again = svc.do_create(create("c1")).await.unwrap_err();
+        assert_eq!(
+            again.code(),
+            containerd_shim_protos::ttrpc::Code::ALREADY_EXISTS
+        );
+        assert_eq!(
+            svc.do_state("c1", None).await.unwrap().status,
+            ProtoStatus::CREATED.into()
+        );
+        // Delete of a running task is refused and publishes nothing.
+        assert_eq!(svc.do_start("c1", None).await.unwrap(), 42);
+        assert!(svc.do_delete("c1", None).await.is_err());
+        let waiter = {
+            let exit = svc.do_wait("c1", None);
+            svc.do_kill("c1", None, 9, false).await.unwrap();
+            exit.await.unwrap()
+        };
+        assert_eq!(waiter.status, 137);
+        let exit = svc.do_delete("c1", None).await.unwrap();
+        assert_eq!(exit.status, 137);
+        let mut topics = Vec::new();
+        while let Ok(e) = rx.try_recv() {
+            topics.push(e.topic());
+        }
+        assert_eq!(
+            topics,
+            [
+                "/tasks/create",
+                "/tasks/start",
+                "/tasks/exit",
+                "/tasks/delete"
+            ]
+        );
+        assert_eq!(svc.container_count().await, 0);
+        assert_eq!(
+            svc.do_state("c1", None).await.unwrap_err().code(),
+            containerd_shim_protos::ttrpc::Code::NOT_FOUND
+        );
     }
 }
