@@ -14,7 +14,8 @@
 //! - [`cri::Cri`], [`OciImage`]: a CRI v1 client and local OCI images, for
 //!   the Kubernetes path;
 //! - [`Runtime`] and [`runtime_arms!`]: one behaviour test, run against both
-//!   `io.containerd.runc.v2` (the reference) and `io.containerd.shadow.v1`.
+//!   `io.containerd.runc.v2` (the reference) and `io.containerd.shadow.v1`;
+//! - [`wait`]: the bounded polls every wait on real state goes through.
 
 mod containerd;
 pub mod cri;
@@ -26,6 +27,7 @@ mod leftovers;
 pub mod pair;
 mod process;
 mod rootfs;
+pub mod wait;
 
 pub use containerd::{
     assert_exit_before_delete, containerd_version, Container, Containerd, ContainerdBuilder,

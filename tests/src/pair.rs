@@ -3,6 +3,8 @@
 //! installed into the rootfs, `state.json` reading, and the TCP question
 //! "who serves?" — all waits are bounded polls on real state.
 
+/// The harness's poll, where the pair tests and binaries import it from.
+pub use crate::wait::until;
 use crate::{Containerd, Error, Result, Runtime, Spawned};
 use shadow_contract::host::{containerd_key, metrics_file_name, pair_root, HOST_SOCKETS};
 use shadow_contract::state::{PairState, FILE_NAME};
@@ -10,7 +12,7 @@ use std::io::Read;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A pair's configuration and files, under one private containerd.
 pub struct PairEnv {
@@ -100,26 +102,6 @@ pub fn ask(port: u16) -> Option<Answer> {
         ranks: get("ranks").and_then(|v| v.parse().ok()).unwrap_or(1),
         gms: get("gms").unwrap_or_default(),
     })
-}
-
-/// Poll `f` every `step` until it returns Some, or fail after `limit`.
-pub fn until<T>(
-    what: &str,
-    limit: Duration,
-    step: Duration,
-    mut f: impl FnMut() -> Option<T>,
-) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(step);
-    }
 }
 
 impl PairEnv {

@@ -1,0 +1,80 @@
+//! Bounded polls on real state: the one place the harness and the tests
+//! wait for something by looking again and again.
+//!
+//! Each poll looks at once, then every `step` until `limit` has passed, and
+//! looks once more at the limit before it gives up; a limit is how long an
+//! event may take at most, never how long a test waits for sure.
+//! - [`until`]: the condition's value, or a panic naming what was awaited;
+//! - [`within`]: the value, or None after the limit (for a wait that gives
+//!   up quietly, or whose failure says more than [`until`] would);
+//! - [`poll`]: the value, or the last thing seen instead of it (for a
+//!   failure message or a report about it).
+
+use std::time::{Duration, Instant};
+
+/// Call `f` every `step` until it returns `Ok`; once `limit` has passed,
+/// the `Err` of its last call.
+pub fn poll<T, E>(
+    limit: Duration,
+    step: Duration,
+    mut f: impl FnMut() -> Result<T, E>,
+) -> Result<T, E> {
+    let deadline = Instant::now() + limit;
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(last) if Instant::now() >= deadline => return Err(last),
+            Err(_) => std::thread::sleep(step),
+        }
+    }
+}
+
+/// Call `f` every `step` until it returns Some; None once `limit` has passed.
+pub fn within<T>(limit: Duration, step: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    poll(limit, step, || f().ok_or(())).ok()
+}
+
+/// Call `f` every `step` until it returns Some; panic, naming `what`, once
+/// `limit` has passed.
+#[track_caller]
+pub fn until<T>(what: &str, limit: Duration, step: Duration, f: impl FnMut() -> Option<T>) -> T {
+    match within(limit, step, f) {
+        Some(v) => v,
+        None => panic!("timed out after {limit:?} waiting for {what}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STEP: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn until_returns_the_first_value() {
+        let mut n = 0;
+        let v = until("n to reach 3", Duration::from_secs(60), STEP, || {
+            n += 1;
+            (n >= 3).then_some(n)
+        });
+        assert_eq!(v, 3);
+    }
+
+    #[test]
+    #[should_panic(expected = "waiting for the impossible")]
+    fn until_names_what_never_came() {
+        until("the impossible", Duration::ZERO, STEP, || None::<()>);
+    }
+
+    #[test]
+    fn a_poll_looks_at_least_once_and_gives_up_with_the_last_thing_seen() {
+        let mut n = 0;
+        let last = poll(Duration::ZERO, STEP, || {
+            n += 1;
+            Err::<(), _>(n)
+        });
+        assert_eq!(last, Err(1));
+        assert_eq!(within(Duration::ZERO, STEP, || Some(7)), Some(7));
+        assert_eq!(within(Duration::ZERO, STEP, || None::<u8>), None);
+    }
+}
