@@ -8,13 +8,13 @@ use crate::ctr::Ctr;
 use crate::leftovers::{self, Leftover, Scope};
 use crate::process::{Output, Spawned};
 use crate::rootfs::Rootfs;
-use crate::{shim_path, Error, Result, Runtime, SHIM_BINARY};
+use crate::{shim_path, wait, Error, Result, Runtime, SHIM_BINARY};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Where runc-v2 (and runc-based shims) keep runc state, per namespace.
 pub const RUNC_STATE_ROOT: &str = "/run/containerd/runc";
@@ -288,31 +288,43 @@ impl Containerd {
     /// probe is made again until one shows.
     pub fn subscribe_events(&self) -> Result<Spawned> {
         let mut events = self.ctr().spawn(&["events"], false)?;
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
-        for n in 0.. {
-            if Instant::now() > deadline {
-                break;
-            }
+        let mut n = 0;
+        // Each probe waits up to 500 ms for its own event: no pause between them.
+        let subscribed = wait::within(STARTUP_TIMEOUT, Duration::ZERO, || {
             let probe = format!("events-probe-{n}");
-            let rootfs = self.rootfs.display().to_string();
-            self.ctr()
-                .run(&["containers", "create", "--rootfs", &rootfs, &probe, "true"])?
-                .assert_success();
-            let seen = events.wait_line(Duration::from_millis(500), |l| {
-                l.contains("/containers/create") && l.contains(&probe)
-            });
-            self.ctr()
-                .run(&["containers", "delete", &probe])?
-                .assert_success();
-            if seen.is_ok() {
-                return Ok(events);
+            n += 1;
+            match self.probe_events(&mut events, &probe) {
+                Ok(false) => None,
+                seen_or_failed => Some(seen_or_failed),
+            }
+        });
+        match subscribed {
+            Some(Ok(_)) => Ok(events),
+            Some(Err(e)) => Err(e),
+            None => {
+                events.kill();
+                Err(Error::Timeout {
+                    what: "ctr events to subscribe".into(),
+                    after: STARTUP_TIMEOUT,
+                })
             }
         }
-        events.kill();
-        Err(Error::Timeout {
-            what: "ctr events to subscribe".into(),
-            after: STARTUP_TIMEOUT,
-        })
+    }
+
+    /// Create and delete the container `probe`; whether `events` printed
+    /// its create event within 500 ms.
+    fn probe_events(&self, events: &mut Spawned, probe: &str) -> Result<bool> {
+        let rootfs = self.rootfs.display().to_string();
+        self.ctr()
+            .run(&["containers", "create", "--rootfs", &rootfs, probe, "true"])?
+            .assert_success();
+        let seen = events.wait_line(Duration::from_millis(500), |l| {
+            l.contains("/containers/create") && l.contains(probe)
+        });
+        self.ctr()
+            .run(&["containers", "delete", probe])?
+            .assert_success();
+        Ok(seen.is_ok())
     }
 
     /// Stop and start again on the same root, state and sockets.
@@ -333,21 +345,21 @@ impl Containerd {
     /// running; panic listing what is left after the deadline.
     #[track_caller]
     pub fn assert_no_leftovers(&self) {
-        let deadline = Instant::now() + CLEANUP_TIMEOUT;
-        loop {
+        let Err(left) = wait::poll(CLEANUP_TIMEOUT, Duration::from_millis(50), || {
             let left = self.leftovers(false);
             if left.is_empty() {
-                return;
+                Ok(())
+            } else {
+                Err(left)
             }
-            if Instant::now() >= deadline {
-                panic!(
-                    "leftovers after the test in {}: {left:#?}\ncontainerd log tail:\n{}",
-                    self.base.display(),
-                    self.log_tail(30)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        }) else {
+            return;
+        };
+        panic!(
+            "leftovers after the test in {}: {left:#?}\ncontainerd log tail:\n{}",
+            self.base.display(),
+            self.log_tail(30)
+        );
     }
 
     /// What is left now. `after_cleanup` also counts the dirs cleanup removes.
@@ -423,24 +435,28 @@ disabled_plugins = [{disabled}]
             format!("containerd --config {}", self.config.display()),
             &self.log,
         )?;
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
         let ctr = self.ctr();
-        loop {
+        // Some(true): it answers; Some(false): it exited.
+        let up = wait::within(STARTUP_TIMEOUT, Duration::from_millis(20), || {
             if daemon.has_exited() {
+                return Some(false);
+            }
+            let answers = self.address.exists()
+                && ctr
+                    .run_timeout(&["version"], Duration::from_secs(5))
+                    .is_ok_and(|out| out.code() == 0);
+            answers.then_some(true)
+        });
+        match up {
+            Some(true) => {}
+            Some(false) => {
                 return Err(Error::Containerd {
                     address: self.address.clone(),
                     reason: format!("exited during startup:\n{}", self.log_tail(20)),
                     log: self.log.clone(),
-                });
+                })
             }
-            if self.address.exists() {
-                if let Ok(out) = ctr.run_timeout(&["version"], Duration::from_secs(5)) {
-                    if out.code() == 0 {
-                        break;
-                    }
-                }
-            }
-            if Instant::now() >= deadline {
+            None => {
                 daemon.kill();
                 return Err(Error::Containerd {
                     address: self.address.clone(),
@@ -448,7 +464,6 @@ disabled_plugins = [{disabled}]
                     log: self.log.clone(),
                 });
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
         self.daemon = Some(daemon);
         Ok(())

@@ -5,12 +5,13 @@
 //! only ever signalled when their command line names our own temp dir, so
 //! other people's containerds, shims and containers on the machine are safe.
 
+use crate::wait;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Where containerd shims put their task sockets (shared by all containerds).
 pub const SHIM_SOCKET_DIR: &str = "/run/containerd/s";
@@ -202,44 +203,48 @@ pub fn our_processes(dir: &Path, address: &Path) -> Vec<(i32, String)> {
 }
 
 /// SIGKILL every process naming our dir or address (our shims, a stray
-/// `ctr` of ours) and wait until they are gone.
+/// `ctr` of ours) and wait until they are gone, at most `timeout`.
 pub(crate) fn kill_our_processes(dir: &Path, address: &Path, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    loop {
+    let _ = wait::within(timeout, Duration::from_millis(20), || {
         let procs = our_processes(dir, address);
-        if procs.is_empty() || Instant::now() >= deadline {
-            return;
+        if procs.is_empty() {
+            return Some(());
         }
         for (pid, _) in procs {
-            // Open a pidfd first, then re-check the command line, so a pid
-            // recycled in between is never signalled.
-            // SAFETY: pidfd_open takes a pid and flags, no memory.
-            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-            if fd < 0 {
-                continue;
-            }
-            // SAFETY: a fresh fd from the kernel, owned only here.
-            let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-            let still_ours = std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|raw| {
-                    let c = String::from_utf8_lossy(&raw).replace('\0', " ");
-                    c.contains(&*dir.to_string_lossy()) || c.contains(&*address.to_string_lossy())
-                })
-                .unwrap_or(false);
-            if still_ours {
-                // SAFETY: valid pidfd, signal number, null siginfo, no flags.
-                unsafe {
-                    libc::syscall(
-                        libc::SYS_pidfd_send_signal,
-                        fd.as_raw_fd(),
-                        libc::SIGKILL,
-                        std::ptr::null::<libc::siginfo_t>(),
-                        0,
-                    );
-                }
-            }
+            kill_if_ours(pid, dir, address);
         }
-        std::thread::sleep(Duration::from_millis(20));
+        None
+    });
+}
+
+/// SIGKILL `pid` if its command line still names our dir or address.
+fn kill_if_ours(pid: i32, dir: &Path, address: &Path) {
+    // Open a pidfd first, then re-check the command line, so a pid
+    // recycled in between is never signalled.
+    // SAFETY: pidfd_open takes a pid and flags, no memory.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return;
+    }
+    // SAFETY: a fresh fd from the kernel, owned only here.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let still_ours = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| {
+            let c = String::from_utf8_lossy(&raw).replace('\0', " ");
+            c.contains(&*dir.to_string_lossy()) || c.contains(&*address.to_string_lossy())
+        })
+        .unwrap_or(false);
+    if still_ours {
+        // SAFETY: valid pidfd, signal number, null siginfo, no flags.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            );
+        }
     }
 }
 
