@@ -2,8 +2,9 @@
 //! runtimes: `runc_v2::*` proves each test right against containerd's own
 //! shim, `shadow::*` holds our shim to the same behaviour.
 
+use shadow_tests::wait::{poll, until};
 use shadow_tests::{Containerd, Runtime, Spawned};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Generous: the machine is small and shared; a wait is for an event and
 /// only fails the test when the event never comes.
@@ -32,11 +33,12 @@ fn start_detached(cd: &Containerd, rt: Runtime, id: &str) {
         .run()
         .expect("ctr run --detach")
         .assert_success();
-    let deadline = std::time::Instant::now() + WAIT;
-    while cd.ctr().task_status(id).expect("task ls").as_deref() != Some("RUNNING") {
-        assert!(std::time::Instant::now() < deadline, "{id} never RUNNING");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    until(
+        &format!("{id} RUNNING"),
+        WAIT,
+        Duration::from_millis(20),
+        || (cd.ctr().task_status(id).expect("task ls").as_deref() == Some("RUNNING")).then_some(()),
+    );
 }
 
 fn kill9(cd: &Containerd, id: &str) {
@@ -203,35 +205,35 @@ fn killing_init_in_the_host_pid_namespace_kills_the_rest(rt: Runtime) {
         .expect("ctr run --detach")
         .assert_success();
     let child_file = cd.rootfs().join("tmp/child");
-    let deadline = std::time::Instant::now() + WAIT;
-    let child: u32 = loop {
-        if let Ok(text) = std::fs::read_to_string(&child_file) {
-            break text.trim().parse().expect("child pid");
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the container never wrote its child's pid"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    // One WAIT for the pid and the stop together.
+    let started = Instant::now();
+    let child: u32 = until(
+        "the container to write its child's pid",
+        WAIT,
+        Duration::from_millis(20),
+        || {
+            let text = std::fs::read_to_string(&child_file).ok()?;
+            Some(text.trim().parse().expect("child pid"))
+        },
+    );
     assert!(runs(child), "the container's child {child} is not running");
     kill9(&cd, "hostpid");
-    while ctr.task_status("hostpid").expect("task ls").as_deref() != Some("STOPPED") {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "task never STOPPED after SIGKILL"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    until(
+        "the task STOPPED after SIGKILL",
+        WAIT.saturating_sub(started.elapsed()),
+        Duration::from_millis(20),
+        || {
+            (ctr.task_status("hostpid").expect("task ls").as_deref() == Some("STOPPED"))
+                .then_some(())
+        },
+    );
     // Reported stopped: whatever was left is dead, or being reaped.
-    let gone_by = std::time::Instant::now() + WAIT;
-    while runs(child) {
-        assert!(
-            std::time::Instant::now() < gone_by,
-            "the init's child {child} outlived the reported exit"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    until(
+        &format!("the init's child {child} to die after the reported exit"),
+        WAIT,
+        Duration::from_millis(20),
+        || (!runs(child)).then_some(()),
+    );
     ctr.run(&["task", "delete", "hostpid"])
         .expect("task delete")
         .assert_success();
@@ -327,14 +329,12 @@ fn pause_and_resume(rt: Runtime) {
         "cgroup still frozen after resume"
     );
     // It runs again: the count moves past where the freeze held it.
-    let deadline = std::time::Instant::now() + WAIT;
-    while ticks() <= at_pause {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no progress after resume (stuck at {at_pause})"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    until(
+        &format!("progress after resume (stuck at {at_pause})"),
+        WAIT,
+        Duration::from_millis(10),
+        || (ticks() > at_pause).then_some(()),
+    );
     kill9(&cd, "pz");
     assert_eq!(run.wait(WAIT).expect("ctr run ends").code(), 137);
     cd.assert_no_leftovers();
@@ -423,14 +423,12 @@ fn survives_containerd_restart(rt: Runtime) {
     let mut events = cd.subscribe_events().expect("ctr events");
     kill9(&cd, "long");
     // ctr 1.6 has no `task wait`: watch the status through the restarted daemon.
-    let deadline = std::time::Instant::now() + WAIT;
-    while ctr.task_status("long").expect("task ls").as_deref() != Some("STOPPED") {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "task never STOPPED after SIGKILL"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    until(
+        "the task STOPPED after SIGKILL",
+        WAIT,
+        Duration::from_millis(20),
+        || (ctr.task_status("long").expect("task ls").as_deref() == Some("STOPPED")).then_some(()),
+    );
     ctr.run(&["task", "delete", "long"])
         .expect("task delete")
         .assert_success();
@@ -477,14 +475,12 @@ fn an_exit_while_containerd_is_down_arrives_before_the_delete() {
     )
     .expect("kill the task's init");
     // The shim reaps it (a zombie stays in /proc until then).
-    let deadline = std::time::Instant::now() + WAIT;
-    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "pid {pid} never reaped"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    until(
+        &format!("pid {pid} to be reaped"),
+        WAIT,
+        Duration::from_millis(10),
+        || (!std::path::Path::new(&format!("/proc/{pid}")).exists()).then_some(()),
+    );
     let log_before = std::fs::read_to_string(cd.log()).unwrap_or_default().len();
     cd.restart().expect("start containerd again");
     let ctr = cd.ctr();
@@ -515,8 +511,8 @@ fn an_exit_while_containerd_is_down_arrives_before_the_delete() {
     }
     // What containerd took from the shim ("event forwarded": debug in 1.6,
     // trace in 2.x) and what it published itself ("event published").
-    let deadline = std::time::Instant::now() + WAIT;
-    let topics = loop {
+    // Until the delete shows; the check below names what was seen if never.
+    let (Ok(topics) | Err(topics)) = poll(WAIT, Duration::from_millis(20), || {
         let topics: Vec<String> = log_since()
             .lines()
             .filter(|l| l.contains("event forwarded") || l.contains("event published"))
@@ -527,11 +523,12 @@ fn an_exit_while_containerd_is_down_arrives_before_the_delete() {
             })
             .filter(|t| t.starts_with("/tasks/"))
             .collect();
-        if topics.iter().any(|t| t == "/tasks/delete") || std::time::Instant::now() > deadline {
-            break topics;
+        if topics.iter().any(|t| t == "/tasks/delete") {
+            Ok(topics)
+        } else {
+            Err(topics)
         }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    });
     let exit = topics.iter().position(|t| t == "/tasks/exit");
     let delete = topics.iter().position(|t| t == "/tasks/delete");
     assert!(

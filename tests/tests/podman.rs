@@ -13,7 +13,7 @@
 
 use serde_json::{json, Value};
 use shadow_tests::pair::{ask, free_port, install_binary, until, Answer};
-use shadow_tests::{mounts_under, our_processes, Rootfs};
+use shadow_tests::{mounts_under, our_processes, wait, Rootfs};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
@@ -173,12 +173,15 @@ impl PairWorld {
         // conmon outlives `podman rm -f` by a moment (it writes the exit
         // file after the container dies): a process still there after a
         // bounded wait is a leftover, one on its way out is not.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let mut procs = our_processes(self.tmp.path(), self.tmp.path());
-        while !procs.is_empty() && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-            procs = our_processes(self.tmp.path(), self.tmp.path());
-        }
+        let (Ok(procs) | Err(procs)) =
+            wait::poll(Duration::from_secs(10), Duration::from_millis(50), || {
+                let procs = our_processes(self.tmp.path(), self.tmp.path());
+                if procs.is_empty() {
+                    Ok(procs)
+                } else {
+                    Err(procs)
+                }
+            });
         for (pid, cmd) in procs {
             left.push(format!("process {pid}: {cmd}"));
         }

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use shadow_tests::pair::until;
+use shadow_tests::wait::{until, within};
 use shadow_tests::Containerd;
 
 use crate::control::{hostile_env, HOSTILE, LONG};
@@ -72,18 +72,14 @@ fn gmsd_runs_in_the_pods_cgroup_and_is_held_to_its_memory_limit() {
             ],
         )
         .expect("ctr run");
-    let deadline = std::time::Instant::now() + LONG;
-    let st = loop {
-        if let Some(st) = env.state(&cd, id).filter(|s| s.pair.protected) {
-            break st;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
+    let Some(st) = within(LONG, STEP, || {
+        env.state(&cd, id).filter(|s| s.pair.protected)
+    }) else {
+        panic!(
             "pair not protected; engines said:\n{}\n{}",
             ctr.stdout_so_far(),
             ctr.stderr_so_far()
         );
-        std::thread::sleep(STEP);
     };
     let gms = until("gmsd status in state.json", LONG, STEP, || {
         env.state(&cd, id).and_then(|s| s.gms)

@@ -6,9 +6,10 @@
 
 use super::control::{hostile_env, LONG};
 use shadow_contract::state::PairState;
-use shadow_tests::pair::{until, PairEnv};
+use shadow_tests::pair::PairEnv;
+use shadow_tests::wait::{poll, until, within};
 use shadow_tests::{our_processes, Containerd, Spawned};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long one `ctr task ps` / `ctr task kill` may take while an engine
 /// attacks: generous for a loaded CI machine, far below what the attacks
@@ -100,18 +101,20 @@ fn survive(id: &str, attack: &str, args: &[&str]) {
     let shim = shim_pid(&cd, id);
     let attacked = format!("attack={attack} step=attacked");
     let cpu_before = cpu_time(shim);
-    let deadline = Instant::now() + LONG;
     let mut polls = 0;
-    while !ctr.stdout_so_far().contains(&attacked) {
-        assert!(
-            Instant::now() < deadline,
-            "the attack never ended; engine output:\n{}",
-            ctr.stdout_so_far()
-        );
+    let ended = within(LONG, Duration::from_millis(250), || {
+        if ctr.stdout_so_far().contains(&attacked) {
+            return Some(());
+        }
         assert_answers(&cd, id, shim, "during the attack");
         polls += 1;
-        std::thread::sleep(Duration::from_millis(250));
-    }
+        None
+    });
+    assert!(
+        ended.is_some(),
+        "the attack never ended; engine output:\n{}",
+        ctr.stdout_so_far()
+    );
     let cpu = cpu_time(shim).saturating_sub(cpu_before);
     assert!(
         cpu <= CPU_CAP,
@@ -180,20 +183,19 @@ fn settle(
     what: &str,
     ok: impl Fn(&PairState) -> bool,
 ) -> PairState {
-    let deadline = Instant::now() + LONG;
-    loop {
-        let st = env.state(cd, id);
-        if let Some(st) = st.as_ref().filter(|s| ok(s)) {
-            return st.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
+    let waited = poll(LONG, Duration::from_millis(5), || match env.state(cd, id) {
+        Some(st) if ok(&st) => Ok(st),
+        // Boxed: a state is large, and only a failure message reads it.
+        st => Err(Box::new(st)),
+    });
+    match waited {
+        Ok(st) => st,
+        Err(st) => panic!(
             "timed out waiting for: {what}; state: {st:#?}\nengines said:\n{}{}\ncontainerd log:\n{}",
             ctr.stdout_so_far(),
             ctr.stderr_so_far(),
             cd.log_tail(40)
-        );
-        std::thread::sleep(Duration::from_millis(5));
+        ),
     }
 }
 

@@ -5,9 +5,10 @@
 //! pair fails over to it as usual and ends with nothing left.
 
 use super::control::{hostile_env, LONG};
-use shadow_tests::pair::{task_pid, until};
+use shadow_tests::pair::task_pid;
+use shadow_tests::wait::{until, within};
 use shadow_tests::Containerd;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What the shim logs (at most every 10 s) when it refuses a `READY=1`.
 const REFUSED: &str = "ignored READY=1 from slot";
@@ -37,8 +38,7 @@ fn a_shadow_that_says_ready_without_the_lock_is_not_believed() {
     });
     // The shim says when it refuses; had it believed the lie, the active
     // would move instead.
-    let deadline = Instant::now() + LONG;
-    loop {
+    let refused = within(LONG, Duration::from_millis(20), || {
         let st = env.state(&cd, id).expect("state.json");
         assert!(
             st.pair.active == Some(active) && st.pid == holder,
@@ -46,16 +46,9 @@ fn a_shadow_that_says_ready_without_the_lock_is_not_believed() {
             ctr.stdout_so_far()
         );
         let log = std::fs::read_to_string(cd.log()).unwrap_or_default();
-        if log.contains(REFUSED) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no refusal logged:\n{}",
-            cd.log_tail(30)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        log.contains(REFUSED).then_some(())
+    });
+    assert!(refused.is_some(), "no refusal logged:\n{}", cd.log_tail(30));
     // Counted in the metrics file too, within a second or so.
     until(
         "shadow_ready_refused_total > 0",

@@ -5,7 +5,8 @@
 //! the pair directory and the metrics file — so the same id can be created
 //! again and serves.
 
-use shadow_tests::pair::{ask, free_port, kill_shim, until, PairEnv};
+use shadow_tests::pair::{ask, free_port, kill_shim, PairEnv};
+use shadow_tests::wait::{until, within};
 use shadow_tests::{mounts_under, runc_containers, Containerd, RUNC_STATE_ROOT};
 use std::path::{Path, PathBuf};
 
@@ -14,20 +15,6 @@ use crate::control::LONG;
 const STEP: std::time::Duration = std::time::Duration::from_millis(20);
 
 const ENGINE: &str = env!("CARGO_BIN_EXE_test-engine");
-
-/// Poll `f` until it gives Some, for at most `limit`.
-fn until_or_none<T>(limit: std::time::Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = std::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if std::time::Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(STEP);
-    }
-}
 
 /// Alive: not gone and not a zombie waiting to be reaped.
 fn alive(pid: u32) -> bool {
@@ -117,7 +104,7 @@ fn a_killed_shims_pair_is_removed_by_containerds_cleanup_and_its_id_runs_again()
     };
     // containerd runs the cleanup when it notices the closed connection:
     // wait for it, bounded, then name anything it left.
-    let _ = until_or_none(LONG, || left().is_empty().then_some(()));
+    let _ = within(LONG, STEP, || left().is_empty().then_some(()));
     assert_eq!(left(), Vec::<String>::new(), "left after the shim's death");
     if cd.ctr().containers().expect("ls").iter().any(|c| c == id) {
         cd.ctr()
