@@ -9,13 +9,14 @@
 use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use shadow_contract::annotations::LISTEN;
 use shadow_contract::state::PairState;
-use shadow_tests::pair::{ask, free_port, task_pid, until, PairEnv};
+use shadow_tests::pair::{ask, free_port, task_pid, PairEnv};
+use shadow_tests::wait::until;
 use shadow_tests::{Containerd, Runtime, Spawned};
 
 const ENGINE: &str = env!("CARGO_BIN_EXE_test-engine");
@@ -81,9 +82,44 @@ fn attempt(port: u16) -> Outcome {
     }
 }
 
+/// How far the client has got, for the test to wait on while it runs.
+#[derive(Default)]
+struct Progress {
+    /// Connections started so far; the next one is number `started`.
+    started: AtomicU32,
+    /// 1 + the number of the latest-started connection that was answered
+    /// (0: none yet).
+    answered: AtomicU32,
+}
+
+impl Progress {
+    /// Wait until a connection the client starts from now on is answered.
+    fn next_answer(&self, what: &str) {
+        let mark = self.started.load(Ordering::Acquire);
+        until(what, LONG, STEP, || {
+            (self.answered.load(Ordering::Acquire) > mark).then_some(())
+        });
+    }
+}
+
+/// Sets the flag when dropped: a failed wait stops the client too, so the
+/// panic is not held up by a client that never ends.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 /// A new connection every millisecond (open loop: each on its own thread)
-/// until `stop`; `good` judges each answer.
-fn client(port: u16, stop: &AtomicBool, good: &(dyn Fn(&str) -> bool + Sync)) -> Tally {
+/// until `stop`, counted in `progress`; `good` judges each answer.
+fn client(
+    port: u16,
+    stop: &AtomicBool,
+    progress: &Progress,
+    good: &(dyn Fn(&str) -> bool + Sync),
+) -> Tally {
     let (tx, rx) = mpsc::channel();
     std::thread::scope(|s| {
         let start = Instant::now();
@@ -92,8 +128,13 @@ fn client(port: u16, stop: &AtomicBool, good: &(dyn Fn(&str) -> bool + Sync)) ->
             let due = start + Duration::from_millis(u64::from(i));
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
             let tx = tx.clone();
+            progress.started.store(i + 1, Ordering::Release);
             s.spawn(move || {
-                let _ = tx.send(attempt(port));
+                let o = attempt(port);
+                if matches!(o, Outcome::Answer(_)) {
+                    progress.answered.fetch_max(i + 1, Ordering::AcqRel);
+                }
+                let _ = tx.send(o);
             });
             i += 1;
         }
@@ -117,15 +158,22 @@ fn client(port: u16, stop: &AtomicBool, good: &(dyn Fn(&str) -> bool + Sync)) ->
     t
 }
 
-/// Runs `client` while `drive` does its work, and returns what it saw.
-fn under_load(port: u16, good: &(dyn Fn(&str) -> bool + Sync), drive: impl FnOnce()) -> Tally {
+/// Runs `client` while `drive` does its work, from an answer the client
+/// got before it to one the client got after it; returns what it saw.
+fn under_load(
+    port: u16,
+    good: &(dyn Fn(&str) -> bool + Sync),
+    drive: impl FnOnce(&Progress),
+) -> Tally {
     let stop = AtomicBool::new(false);
+    let progress = Progress::default();
     std::thread::scope(|s| {
-        let c = s.spawn(|| client(port, &stop, good));
-        std::thread::sleep(Duration::from_millis(50));
-        drive();
-        std::thread::sleep(Duration::from_millis(50));
-        stop.store(true, Ordering::Release);
+        let c = s.spawn(|| client(port, &stop, &progress, good));
+        let stopper = StopOnDrop(&stop);
+        progress.next_answer("the client's first answer, before the drive");
+        drive(&progress);
+        progress.next_answer("an answer to the client after the drive");
+        drop(stopper);
         c.join().expect("client thread")
     })
 }
@@ -136,8 +184,9 @@ fn active(st: &PairState) -> Option<(usize, u32)> {
 }
 
 /// SIGKILL the active engine `rounds` times, each time once the pair is
-/// protected again (a new active, a parked shadow).
-fn kill_active(env: &PairEnv, cd: &Containerd, id: &str, rounds: usize) {
+/// protected again (a new active, a parked shadow) and the client has had
+/// an answer since.
+fn kill_active(env: &PairEnv, cd: &Containerd, id: &str, rounds: usize, client: &Progress) {
     for _ in 0..rounds {
         let st = env.wait_protected(cd, id, LONG);
         let (slot, pid) = active(&st).expect("an active engine");
@@ -151,7 +200,7 @@ fn kill_active(env: &PairEnv, cd: &Containerd, id: &str, rounds: usize) {
                     .filter(|s| s.pair.protected && active(s).is_some_and(|(a, _)| a != slot))
             },
         );
-        std::thread::sleep(Duration::from_millis(20));
+        client.next_answer("an answer to the client after the failover");
     }
 }
 
@@ -220,7 +269,7 @@ fn with_the_pairs_socket_no_connection_is_refused_through_sigkills() {
     p.env.wait_protected(&cd, id, LONG);
     let first = until("an answer", LONG, STEP, || ask(port));
     let good = judge(PAIR_SLOTS, first.weights.clone(), "inherited");
-    let with = under_load(port, &good, || kill_active(&p.env, &cd, id, 4));
+    let with = under_load(port, &good, |c| kill_active(&p.env, &cd, id, 4, c));
     p.stop(&cd, id);
     // The socket is gone with the pair.
     assert!(matches!(attempt(port), Outcome::Refused));
@@ -231,7 +280,7 @@ fn with_the_pairs_socket_no_connection_is_refused_through_sigkills() {
     p.env.wait_protected(&cd, id, LONG);
     let first = until("an answer", LONG, STEP, || ask(port));
     let good = judge(PAIR_SLOTS, first.weights.clone(), "own");
-    let own = under_load(port, &good, || kill_active(&p.env, &cd, id, 4));
+    let own = under_load(port, &good, |c| kill_active(&p.env, &cd, id, 4, c));
     p.stop(&cd, id);
 
     // runc-v2, the task run again the moment it ends.
@@ -249,7 +298,7 @@ fn with_the_pairs_socket_no_connection_is_refused_through_sigkills() {
     until("runc-v2 engine answers", LONG, STEP, || ask(port));
     let good = judge(&["?"], "0000000000000000".into(), "own");
     let mut again = None;
-    let runc = under_load(port, &good, || {
+    let runc = under_load(port, &good, |_| {
         kill(task_pid(&cd, id).expect("runc-v2 task pid"));
         first_run.wait(LONG).expect("ctr run ends");
         again = Some(run());
@@ -281,7 +330,7 @@ fn the_pairs_socket_survives_a_cold_restart() {
     let first = until("an answer", LONG, STEP, || ask(port));
     let good = judge(PAIR_SLOTS, first.weights.clone(), "inherited");
     let gms_pid = p.env.gmsd_pid(&cd, id, LONG);
-    let seen = under_load(port, &good, || {
+    let seen = under_load(port, &good, |_| {
         kill(gms_pid);
         until("cold restart done", LONG, STEP, || {
             p.env
