@@ -8,7 +8,7 @@
 use crate::wait;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -221,13 +221,9 @@ pub(crate) fn kill_our_processes(dir: &Path, address: &Path, timeout: Duration) 
 fn kill_if_ours(pid: i32, dir: &Path, address: &Path) {
     // Open a pidfd first, then re-check the command line, so a pid
     // recycled in between is never signalled.
-    // SAFETY: pidfd_open takes a pid and flags, no memory.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
+    let Ok(fd) = gmsd_launch::pidfd::open(pid) else {
         return;
-    }
-    // SAFETY: a fresh fd from the kernel, owned only here.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    };
     let still_ours = std::fs::read(format!("/proc/{pid}/cmdline"))
         .map(|raw| {
             let c = String::from_utf8_lossy(&raw).replace('\0', " ");

@@ -6,7 +6,7 @@
 use crate::{Error, Result};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -109,7 +109,7 @@ impl Spawned {
             program: what.clone(),
             source,
         })?;
-        let pidfd = match pidfd_open(child.id()) {
+        let pidfd = match gmsd_launch::pidfd::open(child.id() as libc::pid_t) {
             Ok(fd) => fd,
             Err(source) => {
                 let _ = child.kill();
@@ -387,17 +387,6 @@ fn pump(stream: impl Read + Send + 'static, sink: Arc<Mutex<String>>, tx: mpsc::
         }
         let _ = tx.send(Line::Eof);
     });
-}
-
-fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1;
-    // no memory is passed.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this fd to us; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 fn pidfd_send_signal(fd: &OwnedFd, sig: libc::c_int) -> std::io::Result<()> {

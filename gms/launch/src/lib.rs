@@ -23,11 +23,16 @@
 //!
 //! Every capability is dropped in the child before exec: gmsd serves a
 //! socket in a directory its uid owns and needs none.
+//!
+//! [`pidfd`] is the workspace's one `pidfd_open(2)`: the launcher's, the
+//! shim's leftover cleanup's and the test harness's.
+
+pub mod pidfd;
 
 use std::ffi::{CString, OsString};
 use std::fs::File;
 use std::io::Read;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -307,7 +312,10 @@ impl GmsdCommand {
             source,
         })?;
         let pid = child.id();
-        let pidfd = pidfd_open(pid);
+        // None without kernel support (< 5.3), or if a reaper elsewhere
+        // already took it: then signals go by pid, and the end is learnt
+        // from the pipe alone.
+        let pidfd = pidfd::open(pid as libc::pid_t).ok();
         let Some(stdout) = child.stdout.take() else {
             // Stdio::piped() always gives a pipe; be defensive anyway.
             return Err(LaunchError::Pipe {
@@ -636,17 +644,6 @@ fn wait_child(mut child: Child) -> Option<Exit> {
         .code()
         .map(Exit::Code)
         .or_else(|| status.signal().map(Exit::Signal))
-}
-
-/// A pidfd for `pid`, or None without kernel support (or if it is gone).
-fn pidfd_open(pid: u32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open with integer arguments; it returns a new fd.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: the kernel just returned this fd to us; nobody else owns it.
-    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 /// gmsd's exit status when it could not join its cgroup (or set its OOM

@@ -11,7 +11,7 @@
 //! namespace, id, config) and what Create recorded in the pair directory,
 //! which only root can write (0711): never from a file an engine wrote.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -139,13 +139,9 @@ fn kill_gmsd(socket_dir: &Path) {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
-        // SAFETY: pidfd_open takes a pid and flags, no memory.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
+        let Ok(pidfd) = gmsd_launch::pidfd::open(pid) else {
             continue;
-        }
-        // SAFETY: a fresh fd from the kernel, owned only here.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        };
         if !serves(pid, socket_dir) {
             continue;
         }
