@@ -305,8 +305,8 @@ mod tests {
         assert!(err.to_string().contains("seals"), "{err}");
         assert_eq!(r.state(), RangeState::Reserved);
         let seals = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
-        // SAFETY: adds seals to our own memfd.
         assert_eq!(
+            // SAFETY: adds seals to our own memfd.
             unsafe { libc::fcntl(unsealed.as_raw_fd(), libc::F_ADD_SEALS, seals) },
             0
         );

@@ -483,8 +483,8 @@ mod tests {
         let r = unsafe { gms_connect(std::ptr::null(), 9, std::ptr::null(), 0, 0) };
         assert_eq!(r, -1);
         assert!(last_error().contains("mode 9"), "{}", last_error());
-        // SAFETY: NULL key is refused, not dereferenced.
         assert_eq!(
+            // SAFETY: a NULL key is refused before either pointer is read.
             unsafe { gms_put_meta(std::ptr::null(), std::ptr::null()) },
             -1
         );

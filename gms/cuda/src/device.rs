@@ -51,16 +51,16 @@ impl Driver {
     /// The device at `ordinal`.
     pub fn device_at(&self, ordinal: i32) -> Result<Device> {
         let mut handle: sys::CUdevice = 0;
-        // SAFETY: `handle` is a valid out-pointer; the driver checks the ordinal.
         check_with(
             "cuDeviceGet",
+            // SAFETY: `handle` is a valid out-pointer; the driver checks the ordinal.
             unsafe { sys::cuDeviceGet(&mut handle, ordinal) },
             || format!("device {ordinal}"),
         )?;
         let mut raw = sys::CUuuid_st { bytes: [0; 16] };
-        // SAFETY: `raw` is a valid out-pointer to a 16-byte CUuuid.
         check_with(
             "cuDeviceGetUuid",
+            // SAFETY: `raw` is a valid out-pointer to a 16-byte CUuuid.
             unsafe { sys::cuDeviceGetUuid_v2(&mut raw, handle) },
             || format!("device {ordinal}"),
         )?;

@@ -33,9 +33,9 @@ impl PhysicalMemory {
         }
         let prop = device.allocation_prop();
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: `handle` and `prop` are valid for the call; flags must be 0.
         check_with(
             "cuMemCreate",
+            // SAFETY: `handle` and `prop` are valid for the call; flags must be 0.
             unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) },
             || format!("{size} bytes on {} ({})", device.uuid(), device.name()),
         )?;
@@ -50,10 +50,10 @@ impl PhysicalMemory {
         // The driver reads the fd as an integer smuggled through the pointer
         // argument, as the API documents for POSIX fd handles.
         let os_handle = fd.as_raw_fd() as usize as *mut std::ffi::c_void;
-        // SAFETY: `handle` is a valid out-pointer and `os_handle` is an open
-        // fd kept alive by the borrow for the duration of the call.
         check_with(
             "cuMemImportFromShareableHandle",
+            // SAFETY: `handle` is a valid out-pointer and `os_handle` is an open
+            // fd kept alive by the borrow for the duration of the call.
             unsafe {
                 sys::cuMemImportFromShareableHandle(
                     &mut handle,
@@ -70,9 +70,9 @@ impl PhysicalMemory {
     /// process (sent over a Unix socket with SCM_RIGHTS).
     pub fn export_fd(&self) -> Result<OwnedFd> {
         let mut fd: std::ffi::c_int = -1;
-        // SAFETY: for POSIX fd handles the out-parameter is an `int`.
         check_with(
             "cuMemExportToShareableHandle",
+            // SAFETY: for POSIX fd handles the out-parameter is an `int`.
             unsafe {
                 sys::cuMemExportToShareableHandle(
                     (&mut fd as *mut std::ffi::c_int).cast(),

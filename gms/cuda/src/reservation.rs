@@ -43,9 +43,9 @@ impl Reservation {
             ));
         }
         let mut base: sys::CUdeviceptr = 0;
-        // SAFETY: `base` is a valid out-pointer; flags must be 0.
         check_with(
             "cuMemAddressReserve",
+            // SAFETY: `base` is a valid out-pointer; flags must be 0.
             unsafe { sys::cuMemAddressReserve(&mut base, size, alignment, hint, 0) },
             || format!("{size} bytes at hint {hint:#x}"),
         )?;
@@ -99,10 +99,10 @@ impl Reservation {
             }
         }
         let va = self.base + offset as u64;
-        // SAFETY: the range lies inside our reservation and is not mapped
-        // (checked above); the handle is live for the call.
         check_with(
             "cuMemMap",
+            // SAFETY: the range lies inside our reservation and is not mapped
+            // (checked above); the handle is live for the call.
             unsafe { sys::cuMemMap(va, len, 0, memory.handle(), 0) },
             || format!("{len} bytes at {va:#x}"),
         )?;
