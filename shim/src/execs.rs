@@ -175,21 +175,20 @@ mod tests {
         // Never started: FailedPrecondition, as runc-v2's "process not created".
         let e = execs.kill("e1", libc::SIGTERM as u32).await.unwrap_err();
         assert_eq!(e.code(), Code::FAILED_PRECONDITION, "{e}");
-        // Running (a real child), then gone before its reap: NotFound.
-        let mut child = std::process::Command::new("sleep")
-            .arg("100")
-            .spawn()
-            .unwrap();
+        // Running: Delete is refused, a signal goes to its pid (ours here,
+        // SIGCONT: harmless, and no child that another test's reaper could
+        // take).
         {
             let proc = execs.get("e1").await.unwrap();
             let mut st = proc.state.lock().await;
             st.status = Status::Running;
-            st.pid = child.id();
+            st.pid = std::process::id();
         }
         let running = execs.delete("e1").await.unwrap_err();
         assert_eq!(running.code(), Code::FAILED_PRECONDITION);
-        execs.kill("e1", libc::SIGKILL as u32).await.unwrap();
-        child.wait().unwrap();
+        execs.kill("e1", libc::SIGCONT as u32).await.unwrap();
+        // Gone before its reap (no such pid: ESRCH): NotFound.
+        execs.get("e1").await.unwrap().state.lock().await.pid = i32::MAX as u32;
         let e = execs.kill("e1", libc::SIGKILL as u32).await.unwrap_err();
         assert_eq!(e.code(), Code::NOT_FOUND, "{e}");
         // Stopped: NotFound too; then Delete removes it.

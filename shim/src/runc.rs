@@ -282,8 +282,14 @@ impl RuncClient {
     }
 
     /// `runc delete --force`: kills what still runs and removes runc's
-    /// state. A container runc does not know is already deleted.
+    /// state. A container runc does not know is already deleted, and costs
+    /// no runc run: runc keeps `<root>/<id>` from its create to its delete,
+    /// so where there is none, nothing is asked (the `delete` action looks
+    /// for a pair's engines after every container, plain ones too).
     pub async fn delete_force(&self, id: &str) -> Result<()> {
+        if !self.knows(id) {
+            return Ok(());
+        }
         let force = DeleteOpts::new().force(true);
         match self.runc.delete(id, Some(&force)).await {
             Ok(()) => Ok(()),
@@ -651,6 +657,27 @@ mod tests {
         .unwrap()
     }
 
+    #[tokio::test]
+    async fn deleting_a_container_runc_does_not_know_runs_no_runc() {
+        use std::os::unix::fs::PermissionsExt;
+        // A runc that would leave a trace; it must not run at all (and so
+        // no child is spawned here that another test's reaper could take).
+        let d = tempfile::tempdir().unwrap();
+        let calls = d.path().join("calls");
+        let runc = d.path().join("runc");
+        std::fs::write(&runc, format!("#!/bin/sh\ntouch {}\n", calls.display())).unwrap();
+        std::fs::set_permissions(&runc, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let client = client_with(&runc.display().to_string(), d.path(), d.path());
+        client.delete_force("c1-s0").await.unwrap();
+        assert!(
+            !calls.exists(),
+            "runc was run for a container it has no state for"
+        );
+        // runc's state dir is what says it knows one.
+        std::fs::create_dir_all(d.path().join("ns/c1")).unwrap();
+        assert!(client.knows("c1") && !client.knows("c1-s0"));
+    }
+
     fn command_failed(stderr: &str) -> runc::error::Error {
         runc::error::Error::CommandFailed {
             status: ExitStatus::from_raw(1 << 8),
@@ -816,13 +843,28 @@ mod tests {
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
         // In the test there is no shim reaper: reap it ourselves and route.
+        // Only our `sh`: other tests of this binary run children of their
+        // own at the same time (a look without reaping first, WNOWAIT).
         let reaper = {
             let router = router.clone();
             tokio::spawn(async move {
+                use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
                 loop {
-                    match nix::sys::wait::waitpid(None, Some(nix::sys::wait::WaitPidFlag::WNOHANG))
-                    {
-                        Ok(nix::sys::wait::WaitStatus::Exited(pid, code)) => {
+                    let seen = waitid(
+                        Id::All,
+                        WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
+                    );
+                    let ours = match seen {
+                        Ok(WaitStatus::Exited(pid, _)) => {
+                            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                                .is_ok_and(|c| c.trim() == "sh")
+                                .then_some(pid)
+                        }
+                        _ => None,
+                    };
+                    let reaped = ours.map(|pid| waitpid(pid, None));
+                    match reaped {
+                        Some(Ok(WaitStatus::Exited(pid, code))) => {
                             router.deliver(crate::exits::Exit {
                                 pid: pid.as_raw(),
                                 status: code,
