@@ -14,6 +14,7 @@ mod policy;
 mod promotion;
 #[cfg(test)]
 mod races;
+mod slot;
 
 pub use failure::{classify, ColdRestartCause, Exit, FailureClass, XidClass};
 pub use locks::{parse_proc_lock_waiters, parse_proc_locks, FileId, FlockHolder};

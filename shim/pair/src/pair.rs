@@ -26,29 +26,7 @@ use crate::{
 
 pub use shadow_contract::state::EngineState;
 
-/// Slot `0` or `1`: `SHADOW_ENGINE_ID` inside the engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub struct SlotId(u8);
-
-impl SlotId {
-    pub const ZERO: SlotId = SlotId(0);
-    pub const ONE: SlotId = SlotId(1);
-    pub const BOTH: [SlotId; 2] = [SlotId::ZERO, SlotId::ONE];
-
-    pub fn index(self) -> usize {
-        self.0 as usize
-    }
-
-    pub fn other(self) -> SlotId {
-        SlotId(1 - self.0)
-    }
-}
-
-impl std::fmt::Display for SlotId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
+pub use crate::slot::SlotId;
 
 /// One slot of the pair.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -810,7 +788,9 @@ impl Pair {
         }
         if class == FailureClass::WeightsCorrupt {
             self.weights_corrupt += 1;
-            self.last_cold_restart = Some(ColdRestartCause::WeightsCorrupt { slot: slot.0 });
+            self.last_cold_restart = Some(ColdRestartCause::WeightsCorrupt {
+                slot: slot.index() as u8,
+            });
         }
         if class.restarts_cold() {
             actions.extend(self.begin_cold_restart(true, now));

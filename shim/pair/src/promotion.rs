@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::failure::{Exit, FailureClass};
-use crate::pair::SlotId;
+use crate::slot::SlotId;
 
 pub use shadow_contract::state::DeathSign;
 
