@@ -373,6 +373,7 @@ pub(super) async fn create_steps(
             client: RuncClient::new(&rt.config, &rt.namespace, dir, rt.router.clone(), &req.runc)?,
             cgroup: spec::engine_cgroup(&cgroup_path, slot),
             kills_rest_on_exit: spec::kills_rest_on_exit(&engine),
+            contract_env: spec::contract_env(&engine),
         });
     }
     let engines: Arc<[EngineSlot; 2]> = Arc::new(

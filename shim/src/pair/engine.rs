@@ -23,6 +23,9 @@ pub struct EngineSlot {
     /// The engine has no PID namespace of its own: when its main process
     /// dies, the rest of it must be killed by the shim (`runc kill --all`).
     pub kills_rest_on_exit: bool,
+    /// The engine-contract entries of its spec's environment, for execs
+    /// (`spec::contract_env`), read once when the spec was written.
+    pub contract_env: Vec<String>,
 }
 
 /// The write ends of the task's stdout/stderr pipes, handed to every engine

@@ -320,8 +320,10 @@ impl Container for PairedContainer {
         mut spec: ProcessSpec,
     ) -> Result<u32> {
         let engine = self.exec_target()?;
-        let env =
-            spec::with_contract_env(spec.env().as_deref().unwrap_or_default(), &engine.bundle)?;
+        let env = spec::with_contract_env(
+            spec.env().as_deref().unwrap_or_default(),
+            &engine.contract_env,
+        );
         spec.set_env(Some(env));
         let exec = crate::exec::Exec {
             client: &engine.client,

@@ -200,32 +200,30 @@ fn in_contract_dirs(destination: &str) -> bool {
         .any(|dir| d == *dir || d.strip_prefix(dir).is_some_and(|r| r.starts_with('/')))
 }
 
-/// `env` with the engine-contract entries of the engine bundle at `bundle`
-/// (its derived config.json) in place of any of the same name: an exec in
-/// the active engine sees what the engine itself sees.
-pub fn with_contract_env(env: &[String], bundle: &std::path::Path) -> Result<Vec<String>> {
-    let path = bundle.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::io(format!("reading engine spec {}", path.display()), e))?;
-    let engine: Value = serde_json::from_str(&text).map_err(|e| Error::Internal {
-        what: format!("engine spec {}", path.display()),
-        reason: e.to_string(),
-    })?;
-    let is_contract = env::is_engine_entry;
-    let ours = engine
+/// The engine-contract entries of an engine's spec (`SHADOW_ENGINE_ID`,
+/// the lock, the notify socket…), kept with its slot when the spec is
+/// written, for the execs that run in that engine.
+pub fn contract_env(engine: &Value) -> Vec<String> {
+    engine
         .pointer("/process/env")
         .and_then(Value::as_array)
         .into_iter()
         .flatten()
         .filter_map(Value::as_str)
-        .filter(|kv| is_contract(kv))
-        .map(str::to_string);
-    Ok(env
-        .iter()
-        .filter(|kv| !is_contract(kv))
+        .filter(|kv| env::is_engine_entry(kv))
+        .map(str::to_string)
+        .collect()
+}
+
+/// `env` with the engine's contract entries (`contract_env`) in place of
+/// any of the same name: an exec in the active engine sees what the engine
+/// itself sees.
+pub fn with_contract_env(env: &[String], contract: &[String]) -> Vec<String> {
+    env.iter()
+        .filter(|kv| !env::is_engine_entry(kv))
+        .chain(contract)
         .cloned()
-        .chain(ours)
-        .collect())
+        .collect()
 }
 
 /// The spec of one engine. Pure: the same inputs give the same spec.
@@ -606,21 +604,19 @@ mod tests {
 
     #[test]
     fn exec_env_gets_the_engines_contract_variables() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("config.json"),
+        let engine: Value = serde_json::from_str(
             r#"{"process": {"env": ["PATH=/bin", "SHADOW_ENGINE_ID=1", "SHADOW_LOCK_PATH=/run/shadow/pair/engine.lock", "NOTIFY_SOCKET=/run/shadow/pair/notify.sock"]}}"#,
         )
         .unwrap();
+        let contract = contract_env(&engine);
         let env = with_contract_env(
             &[
                 "PATH=/usr/bin".into(),
                 "SHADOW_ENGINE_ID=9".into(),
                 "SHADOW_ENGINE_IDX=x".into(),
             ],
-            dir.path(),
-        )
-        .unwrap();
+            &contract,
+        );
         assert_eq!(
             env,
             [
@@ -631,7 +627,7 @@ mod tests {
                 "NOTIFY_SOCKET=/run/shadow/pair/notify.sock"
             ]
         );
-        assert!(with_contract_env(&[], &dir.path().join("absent")).is_err());
+        assert!(contract_env(&serde_json::json!({})).is_empty());
     }
 
     #[test]
