@@ -534,7 +534,8 @@ mod tests {
             .contains(&d.path().join("config.json").display().to_string()));
     }
 
-    fn service() -> (TaskService, crate::events::EventQueue) {
+    /// The service `maker` drives, and the events it publishes.
+    fn service_with<M: Maker>(maker: M) -> (TaskService<M>, crate::events::EventQueue) {
         let (events, rx) = EventSink::channel();
         let runtime = Runtime {
             config: crate::config::Config::default(),
@@ -543,10 +544,12 @@ mod tests {
             router: Arc::new(crate::exits::ExitRouter::default()),
             events,
         };
-        (
-            TaskService::new(runtime, Arc::new(ExitSignal::default())),
-            rx,
-        )
+        let svc = TaskService::with_maker(runtime, maker, Arc::new(ExitSignal::default()));
+        (svc, rx)
+    }
+
+    fn service() -> (TaskService, crate::events::EventQueue) {
+        service_with(RuncMaker)
     }
 
     fn bundle_with(annotations: &str) -> tempfile::TempDir {
@@ -742,15 +745,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_service_publishes_create_start_exit_delete_in_order_and_forgets_the_task() {
-        let (events, mut rx) = EventSink::channel();
-        let runtime = Runtime {
-            config: crate::config::Config::default(),
-            containerd: "/run/containerd/containerd.sock".into(),
-            namespace: "test".into(),
-            router: Arc::new(crate::exits::ExitRouter::default()),
-            events,
-        };
-        let svc = TaskService::with_maker(runtime, StubMaker, Arc::new(ExitSignal::default()));
+        let (svc, mut rx) = service_with(StubMaker);
         let b = bundle_with("");
         let create = |id: &str| CreateTaskRequest {
             id: id.into(),
