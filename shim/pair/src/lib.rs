@@ -4,6 +4,18 @@
 //! containerd, runc and sockets means every failure policy (docs/pairs.md) is a
 //! unit test over plain values, and the shim is a thin adapter that turns
 //! [`Action`]s into runc calls.
+//!
+//! Layout, each module using only those named before it: [`SlotId`]
+//! (`slot`), the failure classes (`failure`), the notify and `/proc/locks`
+//! parsers (`notify`, `locks`), the restart budget (`policy`) and a
+//! failover's timeline (`promotion`); then `vocabulary`, the words the
+//! shim and the pair speak ([`Event`], [`Action`], [`Slot`],
+//! [`Snapshot`]); then `pair`, [`Pair`]'s state and [`Pair::handle`], whose
+//! rules are `impl Pair` blocks in child modules, one per job (`spawn`,
+//! `election`, `death`, `down`, and `queries` for what the shim reads),
+//! each using `pair` while `pair` only declares them; last `metrics`,
+//! which renders a snapshot. The vocabulary is re-exported through `pair`,
+//! as it always was (`shadow_pair::Event` is `pair::Event`).
 
 mod failure;
 mod locks;
@@ -15,6 +27,7 @@ mod promotion;
 #[cfg(test)]
 mod races;
 mod slot;
+mod vocabulary;
 
 pub use failure::{classify, ColdRestartCause, Exit, FailureClass, XidClass};
 pub use locks::{parse_proc_lock_waiters, parse_proc_locks, FileId, FlockHolder};

@@ -1,8 +1,8 @@
-//! The pair's own unit tests: one rule of `pair.rs` each (the order
-//! races have theirs in `races.rs`).
+//! The pair's own unit tests: one rule of the pair (`pair.rs` and the
+//! modules in `pair/`) each (the order races have theirs in `races.rs`).
 
 use super::*;
-use crate::failure::WEIGHTS_CORRUPT_EXIT;
+use crate::failure::{FailureClass, WEIGHTS_CORRUPT_EXIT};
 
 const KILL: Exit = Exit::Signal(9);
 

@@ -1,0 +1,145 @@
+//! What the shim reads of the pair between events: the slots, who is
+//! active, the pid containerd sees, whether a pid or a `READY=1` is awaited,
+//! how closely to watch `/proc/locks`, the snapshot to publish. It exists
+//! so the questions sit apart from the rules that change the answers.
+//!
+//! What may be touched here: a new question. Everything here takes
+//! `&self`: a method that changes the pair is a rule, and goes to the
+//! module of its job.
+
+use super::Pair;
+use crate::slot::SlotId;
+use crate::vocabulary::{EngineState, LockWatch, Slot, Snapshot};
+
+impl Pair {
+    pub fn slot(&self, id: SlotId) -> &Slot {
+        &self.slots[id.index()]
+    }
+
+    pub fn active(&self) -> Option<SlotId> {
+        self.active
+    }
+
+    /// A counter of observable changes (slots, active, counters, last
+    /// promotion): the snapshot needs publishing only when it moved.
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    /// The pid containerd should see: the active engine, else a live one
+    /// (one that was not superseded first).
+    pub fn representative_pid(&self) -> Option<u32> {
+        let live = |s: &&Slot| s.alive() && s.pid.is_some();
+        self.active
+            .and_then(|s| self.slot(s).pid)
+            .or_else(|| {
+                self.slots
+                    .iter()
+                    .filter(live)
+                    .find(|s| s.state != EngineState::Superseded)
+                    .and_then(|s| s.pid)
+            })
+            .or_else(|| self.slots.iter().find(live).and_then(|s| s.pid))
+    }
+
+    /// Which slot runs `pid`, if any.
+    pub fn slot_of_pid(&self, pid: u32) -> Option<SlotId> {
+        self.slots
+            .iter()
+            .find(|s| s.pid == Some(pid) && s.alive())
+            .map(|s| s.id)
+    }
+
+    /// The spawn of `generation` of `slot` is still awaited: its pid is
+    /// wanted (false for a spawn the pair has moved past).
+    pub fn awaits_pid(&self, slot: SlotId, generation: u32) -> bool {
+        let s = self.slot(slot);
+        s.generation == generation
+            && s.pid.is_none()
+            && (s.state == EngineState::Spawning || s.alive())
+    }
+
+    /// Whether a `READY=1` from `slot` must come with the lock's holder
+    /// ([`Event::Ready`](crate::Event::Ready)): it would make a new engine active. False for the
+    /// active engine (or the one already seen holding the lock) and for an
+    /// engine whose word no longer counts (dead, superseded), so the shim
+    /// reads `/proc/locks` only when the answer matters.
+    pub fn ready_needs_proof(&self, slot: SlotId) -> bool {
+        let s = self.slot(slot);
+        let speaks = s.alive() || s.state == EngineState::Spawning;
+        speaks && s.state != EngineState::Superseded && self.active != Some(slot)
+    }
+
+    /// How many `READY=1`s were refused because their sender did not hold
+    /// the election lock.
+    pub fn ready_refused(&self) -> u64 {
+        self.ready_refused
+    }
+
+    pub fn is_ending(&self) -> bool {
+        self.ending.is_some()
+    }
+
+    /// Whether `/proc/locks` must be watched now, and how closely.
+    pub fn lock_watch(&self) -> LockWatch {
+        if self.ending.is_some() || self.cold_restart {
+            return LockWatch::Off;
+        }
+        let silent = self
+            .slots
+            .iter()
+            .any(|s| s.alive() && s.state != EngineState::Superseded && !s.speaks_notify);
+        let serving = self
+            .active
+            .is_some_and(|a| self.slot(a).state == EngineState::Active);
+        // An engine that speaks sd_notify but has not said it is parked may
+        // be waiting on the lock all the same: worth a look at the idle
+        // rate while another serves, so the pair is seen protected.
+        let unsaid = serving
+            && self
+                .slots
+                .iter()
+                .any(|s| s.state == EngineState::Starting && s.speaks_notify);
+        if !silent && !unsaid {
+            LockWatch::Off
+        } else if serving {
+            LockWatch::Idle
+        } else {
+            LockWatch::Fast
+        }
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            slots: self.slots.clone(),
+            active: self.active,
+            protected: self.protected(),
+            failovers: self.failovers,
+            cold_restarts: self.cold_restarts,
+            oom_kills: self.oom_kills,
+            weights_corrupt: self.weights_corrupt,
+            last_promotion: self.last_promotion.clone(),
+            last_cold_restart: self.last_cold_restart.clone(),
+            gms_deaths: self.gms_deaths.clone(),
+            ready_refused: self.ready_refused,
+        }
+    }
+
+    /// An engine that serves with a parked shadow, both with their pids
+    /// known (an engine may speak before runc reports its pid). One that
+    /// holds the lock and speaks sd_notify serves from its `READY=1`: until
+    /// then it may still be waking, or stuck doing so.
+    fn protected(&self) -> bool {
+        match self.active {
+            Some(a) => {
+                let active = self.slot(a);
+                let shadow = self.slot(a.other());
+                active.state == EngineState::Active
+                    && active.pid.is_some()
+                    && shadow.state == EngineState::Parked
+                    && shadow.pid.is_some()
+            }
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! The words the shim and the pair speak: what the shim observed
+//! ([`Event`], and who held the lock when it looked, [`LockHolder`]), what
+//! it must do ([`Action`], and how closely to watch `/proc/locks`,
+//! [`LockWatch`]), and what it may show of the pair ([`Slot`],
+//! [`Snapshot`]). It exists so that these types sit below every rule of
+//! the pair: the rules (`pair` and its modules) use them, they use no rule.
+//!
+//! What may be touched here: a new kind of event or action, a field the
+//! shim must see, their docs. No decision belongs here: the one fact every
+//! rule asks of a slot, [`Slot::alive`], is all the logic there is, and a
+//! new rule goes to its module below `pair`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::failure::{ColdRestartCause, Exit};
+use crate::notify::Notification;
+use crate::promotion::Promotion;
+use crate::slot::SlotId;
+
+pub use shadow_contract::state::EngineState;
+
+/// One slot of the pair.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Slot {
+    pub id: SlotId,
+    pub state: EngineState,
+    /// `None` while spawning, and for an engine that spoke before its spawn
+    /// was reported.
+    pub pid: Option<u32>,
+    /// Incremented at each spawn of this slot.
+    pub generation: u32,
+    /// The engine sent at least one sd_notify message: it will send READY=1.
+    pub speaks_notify: bool,
+    pub last_exit: Option<Exit>,
+}
+
+impl Slot {
+    pub(crate) fn new(id: SlotId) -> Slot {
+        Slot {
+            id,
+            state: EngineState::Stopped,
+            pid: None,
+            generation: 0,
+            speaks_notify: false,
+            last_exit: None,
+        }
+    }
+
+    /// Running: an exit is still to come.
+    pub(crate) fn alive(&self) -> bool {
+        matches!(
+            self.state,
+            EngineState::Starting
+                | EngineState::Parked
+                | EngineState::Active
+                | EngineState::Superseded
+        )
+    }
+}
+
+/// Who `/proc/locks` showed holding the election lock when the shim looked
+/// (see [`Event::Ready`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockHolder {
+    /// A process of the engine of this slot (one in its cgroup).
+    Slot(SlotId),
+    /// Nobody.
+    Free,
+    /// A process of no engine, an unreadable `/proc/locks`, or the shim
+    /// did not look.
+    Unknown,
+}
+
+/// What the shim observed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// The engine of `slot` is running with this pid.
+    Spawned { slot: SlotId, pid: u32 },
+    /// Starting the engine failed before it ran (runc create/start error).
+    SpawnFailed { slot: SlotId },
+    /// The engine of `slot` sent these on the notify socket. A
+    /// `READY=1` here is [`Event::Ready`] with [`LockHolder::Unknown`].
+    Notified {
+        slot: SlotId,
+        notification: Notification,
+    },
+    /// The engine of `slot` sent `READY=1`, and the election lock's holder
+    /// was `holder` when the shim looked, after the datagram arrived (an
+    /// engine takes the lock before it says `READY=1`). Engines are
+    /// untrusted: a `READY=1` that would make a new engine active
+    /// ([`Pair::ready_needs_proof`](crate::Pair::ready_needs_proof)) is believed only from the holder, so a
+    /// shadow that lies does not displace the engine that serves. It is
+    /// refused and counted ([`Pair::ready_refused`](crate::Pair::ready_refused)) instead.
+    Ready { slot: SlotId, holder: LockHolder },
+    /// `/proc/locks` shows the engine of `slot` holding the election lock.
+    LockHeld { slot: SlotId },
+    /// `/proc/locks` shows nobody holding the election lock.
+    LockFree,
+    /// `/proc/locks` shows the engine of `slot` waiting for the election
+    /// lock: it is initialised and parked, whether or not it says so.
+    LockWaiting { slot: SlotId },
+    /// The kernel reported the lock file closed for good (inotify), and
+    /// the active engine's pid was not then seen holding the lock: an
+    /// engine let go of it (dying or on purpose), which releases its flock.
+    /// Whose it was is learnt from what follows.
+    LockClosed,
+    /// The reaper collected the engine of `slot` (`now`: the reaper's time).
+    Exited { slot: SlotId, exit: Exit },
+    /// The GMS daemon of `device` (a GPU UUID, or `host`) died.
+    GmsDied { device: String },
+    /// A GMS daemon could not be started again after `RestartGms`: the
+    /// cold restart failed early, like an engine that died starting.
+    GmsStartFailed,
+    /// A `RestartGmsAfter` delay has elapsed.
+    ColdRestartDue,
+    /// An XID was reported for one of the pair's GPUs.
+    Xid(u32),
+    /// The OOM killer killed a process of the engine of `slot` (its
+    /// cgroup's `oom_kill` count), seen at its reap and sent just before
+    /// its `Exited`: the death is then of class `OutOfMemory`.
+    OomKilled { slot: SlotId },
+    /// A `SpawnAfter` delay for `slot` has elapsed.
+    BackoffElapsed { slot: SlotId },
+    /// containerd asked the task to stop (Kill): no more respawns.
+    Stop,
+}
+
+/// What the shim must do.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "action")]
+pub enum Action {
+    /// Start the engine of `slot` now.
+    Spawn { slot: SlotId },
+    /// Deliver `Event::BackoffElapsed { slot }` after `delay`.
+    SpawnAfter { slot: SlotId, delay: Duration },
+    /// Kill every engine still alive (SIGKILL).
+    KillAll,
+    /// SIGKILL the engine of `slot`: it was reported running after the
+    /// pair began to stop or to restart cold.
+    Kill { slot: SlotId },
+    /// Drop GMS state and start the daemons afresh before the next spawns.
+    RestartGms,
+    /// Deliver `Event::ColdRestartDue` after `delay`: a cold restart waits
+    /// out its backoff like a respawn.
+    RestartGmsAfter { delay: Duration },
+    /// A promotion finished: record it.
+    Promoted(Promotion),
+    /// The pair is down for good: the task exits with `status`.
+    Exit { status: u32 },
+}
+
+/// How closely the shim must watch `/proc/locks`: only engines that do not
+/// speak sd_notify are learnt from the lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockWatch {
+    /// Every live engine speaks sd_notify (or the pair is going down).
+    Off,
+    /// An engine serves; a silent one could still take the lock over.
+    Idle,
+    /// Nobody serves and a silent engine may be the next active.
+    Fast,
+}
+
+/// A pair's observable state, for metrics and `shadowctl`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Snapshot {
+    pub slots: [Slot; 2],
+    pub active: Option<SlotId>,
+    /// An active engine with a parked shadow behind it.
+    pub protected: bool,
+    /// Completed promotions (successor serving, old active reaped).
+    pub failovers: u64,
+    pub cold_restarts: u64,
+    /// Engine deaths in which the OOM killer had a hand.
+    pub oom_kills: u64,
+    /// Engines that found the committed weights changed (each began a cold
+    /// restart).
+    pub weights_corrupt: u64,
+    pub last_promotion: Option<Promotion>,
+    /// Why the pair last restarted cold (or began to).
+    pub last_cold_restart: Option<ColdRestartCause>,
+    /// Deaths of each GMS daemon (by device) since the pair was created.
+    pub gms_deaths: BTreeMap<String, u64>,
+    /// `READY=1`s refused ([`Pair::ready_refused`](crate::Pair::ready_refused)); not part of the
+    /// revision, so a liar's repeats do not republish the pair each time.
+    /// A metric only: `state.json`'s schema does not have it.
+    #[serde(skip)]
+    pub ready_refused: u64,
+}
