@@ -1,7 +1,9 @@
 //! Create of a pair, step by step, each step recorded in [`Made`] so that a
 //! failure at any point undoes exactly what was done: the pair directory,
 //! the rootfs mounts, the pinned namespaces, the pair cgroup, gmsd, the
-//! engine bundles, the output pipes and the supervisor waiting for Start.
+//! engine bundles and the output pipes. The last step hands all of it to
+//! the pair's supervisor, which creates the first engine and owns the pair
+//! from then on.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,7 +12,6 @@ use containerd_shim_protos::events::task::TaskOOM;
 use serde_json::Value;
 use shadow_pair::SlotId;
 use tokio::net::unix::pipe;
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::cgroup::PairCgroup;
@@ -22,10 +23,10 @@ use super::gpus::{self, Gpu};
 use super::host::Machine;
 use super::leftovers::{self, PairName};
 use super::listen::{ListenSockets, Site};
+use super::made::Made;
 use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
-use super::publish::View;
-use super::supervisor::{Parts, Supervisor};
+use super::supervisor::{Handle, Parts, Supervisor};
 use super::{lock, spec};
 use crate::annotations::GmsBackend;
 use crate::error::{Error, Result};
@@ -50,60 +51,6 @@ pub struct PairRequest {
     pub runc: crate::options::RuncOptions,
     /// The bundle's spec as read at Create (`BundleSpec::raw`).
     pub spec: Value,
-}
-
-/// Everything Create made, for Delete (and for undoing a failed Create).
-#[derive(Default)]
-pub(super) struct Made {
-    pub(super) dirs: Option<PairDirs>,
-    pub(super) mounted_rootfs: Option<PathBuf>,
-    pub(super) pins: Option<PinnedNamespaces>,
-    pub(super) cgroup: Option<PairCgroup>,
-    pub(super) gms: Option<Arc<std::sync::Mutex<Option<GmsDaemons>>>>,
-    pub(super) metrics_file: Option<PathBuf>,
-    /// The OOM watcher of the pair's cgroup (publishes `/tasks/oom`).
-    pub(super) oom: Option<JoinHandle<()>>,
-    /// The copier of the task's stdin FIFO into the first engine's stdin
-    /// (CloseIO closes it).
-    pub(super) stdin: Option<crate::io::ProcessIo>,
-}
-
-impl Made {
-    pub(super) async fn undo(&mut self) {
-        if let Some(w) = self.oom.take() {
-            w.abort();
-        }
-        drop(self.stdin.take());
-        if let Some(g) = self.gms.take() {
-            let taken = g.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(mut g) = taken {
-                g.terminate().await;
-            }
-        }
-        if let Some(p) = self.pins.take() {
-            p.unpin();
-        }
-        if let Some(c) = self.cgroup.take() {
-            c.remove().await;
-        }
-        if let Some(d) = self.dirs.take() {
-            if let Err(e) = std::fs::remove_dir_all(&d.root) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    log::warn!("removing pair dir {}: {e}", d.root.display());
-                }
-            }
-            // The namespace dir too, once its last pair is gone.
-            if let Some(parent) = d.root.parent() {
-                let _ = std::fs::remove_dir(parent);
-            }
-        }
-        if let Some(m) = self.metrics_file.take() {
-            let _ = std::fs::remove_file(m);
-        }
-        if let Some(r) = self.mounted_rootfs.take() {
-            crate::mount::unmount(&r).await;
-        }
-    }
 }
 
 fn mkdir(p: &Path, mode: u32) -> Result<()> {
@@ -192,13 +139,33 @@ fn gms_backend(annotation: Option<GmsBackend>, mode: GmsMode, gpus: bool) -> Gms
     }
 }
 
-/// Everything Create makes for a pair, in order; what was made so far is
-/// recorded in `made`, which the caller undoes on an error.
-pub(super) async fn create_steps(
+/// Create of a pair: its engines (for execs) and its running supervisor.
+pub(super) async fn create(
+    rt: &Runtime,
+    req: &PairRequest,
+) -> Result<(Arc<[EngineSlot; 2]>, Handle)> {
+    let mut made = Made::default();
+    match create_steps(rt, req, &mut made).await {
+        Ok((engines, mut parts)) => {
+            parts.made = made;
+            let handle = Supervisor::launch(parts).await?;
+            Ok((engines, handle))
+        }
+        Err(e) => {
+            made.undo().await;
+            Err(e)
+        }
+    }
+}
+
+/// Everything Create makes for a pair before its supervisor takes over, in
+/// order; what was made so far is recorded in `made`, which the caller
+/// undoes on an error.
+async fn create_steps(
     rt: &Runtime,
     req: &PairRequest,
     made: &mut Made,
-) -> Result<(Arc<[EngineSlot; 2]>, Supervisor, watch::Receiver<View>, u32)> {
+) -> Result<(Arc<[EngineSlot; 2]>, Parts)> {
     let cfg = &rt.config.pair;
     let bundle = PathBuf::from(&req.bundle);
     if req.stdio.terminal {
@@ -317,7 +284,6 @@ pub(super) async fn create_steps(
         }
     }
 
-    let mut gms = None;
     if backend != GmsBackend::Off {
         // One daemon per GPU the devices grant, or one `host` daemon.
         let devices: Vec<String> = match backend {
@@ -342,10 +308,13 @@ pub(super) async fn create_steps(
                 _ => 0,
             },
         };
-        // Owned by the supervisor from here; Delete gets them back.
-        gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices, &pod).await?);
+        made.gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices, &pod).await?);
     }
-    let gms_sockets = gms.as_ref().map(GmsDaemons::sockets).unwrap_or_default();
+    let gms_sockets = made
+        .gms
+        .as_ref()
+        .map(GmsDaemons::sockets)
+        .unwrap_or_default();
 
     let mut engines = Vec::new();
     for slot in SlotId::BOTH {
@@ -384,7 +353,6 @@ pub(super) async fn create_steps(
 
     let (out, out_copier) = output_pipe(&req.stdio.stdout)?;
     let (err, err_copier) = output_pipe(&req.stdio.stderr)?;
-    let (view_tx, view_rx) = watch::channel(View::default());
     let metrics_file = name.metrics_file();
     made.metrics_file = Some(metrics_file.clone());
     let stdin = if req.stdio.stdin.is_empty() {
@@ -403,46 +371,32 @@ pub(super) async fn create_steps(
         lock_file,
         listen,
     ));
-    let sup = Supervisor::new(Parts {
+    log::info!(
+        "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {listen_count})",
+        req.id,
+        dirs.root.display(),
+        pins.is_some(),
+    );
+    let parts = Parts {
         id: req.id.clone(),
         namespace: rt.namespace.clone(),
         config: cfg.clone(),
-        host: host.clone(),
+        host,
         runc_ids: [engines[0].runc_id.clone(), engines[1].runc_id.clone()],
         output,
         copiers: out_copier.into_iter().chain(err_copier).collect(),
         router: rt.router.clone(),
         events: rt.events.clone(),
-        view: view_tx,
         notify: Some(notify),
         lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
         state_json: dirs.state_json.clone(),
         containerd: rt.containerd.clone(),
         metrics_file,
-        gms,
+        made: Made::default(),
         gpu_buses: gpus.iter().map(|g| g.bus.clone()).collect(),
         single: req.single,
-    });
-    // As runc-v2's Create: the first engine exists (not started), so
-    // the task has its pid and a spec that cannot run fails here.
-    let pid = match host.create(SlotId::BOTH[0]).await {
-        Ok(pid) => pid,
-        Err(e) => {
-            made.gms = sup
-                .abandon()
-                .map(|g| Arc::new(std::sync::Mutex::new(Some(g))));
-            return Err(e);
-        }
     };
-    log::info!(
-            "pair {}: created in {} (slot {} created as pid {pid}, cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {})",
-            req.id,
-            dirs.root.display(),
-            SlotId::BOTH[0],
-            pins.is_some(),
-            listen_count
-        );
-    Ok((engines, sup, view_rx, pid))
+    Ok((engines, parts))
 }
 
 #[cfg(test)]

@@ -1,31 +1,57 @@
 //! Everything the supervisor asks of the machine, behind one small trait:
-//! start an engine, learn when a pid is reaped, signal a pid, and read
-//! `/proc` (which slot a pid belongs to, who holds the election lock).
+//! every runc call of a pair (create, start or run, kill, ps, delete), the
+//! reap of a pid, a signal to a pid, and reads of `/proc` (which slot a
+//! pid belongs to, who holds the election lock).
 //! [`Machine`] does it with runc, kill(2) and `/proc`; the supervisor's
 //! tests use a fake, so the order races of a failover run without root.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use async_trait::async_trait;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use shadow_pair::{FileId, SlotId};
-use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use super::engine::{create_engine, run_engine, EngineSlot, SharedOutput};
 use super::listen::ListenSockets;
 use super::lock::{self, LockLook};
 use crate::error::Result;
-use crate::exits::{Exit, ExitRouter};
+use crate::exits::ExitRouter;
+
+/// A reaped engine, as the supervisor sees it: its status and when the
+/// reaper collected it, on the supervisor's (tokio's) clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reaped {
+    /// Exit code, or 128+signal for a signal death.
+    pub status: i32,
+    pub at: Instant,
+}
+
+/// A future of the reap of one pid (None: the reaper is gone).
+pub type ReapFuture = Pin<Box<dyn Future<Output = Option<Reaped>> + Send>>;
 
 #[async_trait]
 pub trait Host: Send + Sync + 'static {
-    /// Start the engine of `slot` and return its pid. `fresh`: the slot
-    /// never ran, so there is no stopped container to remove first.
-    async fn spawn(&self, slot: SlotId, fresh: bool) -> Result<u32>;
+    /// Create (not start) the engine of `slot`, at the task's Create: its
+    /// pid is the task's until Start, and its first spawn starts it.
+    async fn create(&self, slot: SlotId) -> Result<u32>;
+    /// Run the engine of `slot` and return its pid: the created one is
+    /// started; otherwise whatever container the slot had is replaced.
+    async fn spawn(&self, slot: SlotId) -> Result<u32>;
+    /// Kill the engine created at Create that was never started (a Kill
+    /// before Start: it dies of SIGKILL, as a created runc init does).
+    async fn end_created(&self, slot: SlotId);
+    /// Remove the container of `slot`, whatever state it is in (Delete).
+    async fn remove(&self, slot: SlotId);
+    /// The pids of the processes in the engine of `slot`.
+    async fn ps(&self, slot: SlotId) -> Result<Vec<u32>>;
     /// The reaped exit of `pid`, stamped when the reaper collected it
     /// (also when that happened before this call).
-    fn reaped(&self, pid: u32) -> oneshot::Receiver<Exit>;
+    fn reaped(&self, pid: u32) -> ReapFuture;
     fn signal(&self, pid: u32, signal: Signal);
     /// The slot whose cgroup `pid` is in.
     fn slot_of_pid(&self, pid: u32) -> Option<SlotId>;
@@ -37,22 +63,36 @@ pub trait Host: Send + Sync + 'static {
     /// After the main process of `slot`'s engine died: kill what is left
     /// of it when no PID namespace of its own did that already.
     async fn kill_rest(&self, slot: SlotId);
+    /// The pair is gone: close what it listened on, so that clients are
+    /// refused rather than queued behind engines that will not come.
+    fn close_listen(&self);
+}
+
+/// What runc holds for a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    /// Nothing yet: the first `runc run` needs no delete before it.
+    Nothing,
+    /// Created at the task's Create (this pid), not started.
+    Created(u32),
+    /// A container that ran (or failed to): a respawn deletes it first.
+    Ran,
 }
 
 /// The real machine: runc for the engines, the shim's exit router, kill(2)
 /// and `/proc`.
 pub struct Machine {
-    pub engines: Arc<[EngineSlot; 2]>,
-    pub output: Arc<SharedOutput>,
-    pub router: Arc<ExitRouter>,
-    pub lock_file: FileId,
+    engines: Arc<[EngineSlot; 2]>,
+    output: Arc<SharedOutput>,
+    router: Arc<ExitRouter>,
+    lock_file: FileId,
     /// The pair's listening sockets, handed to every engine; closed when
-    /// the pair (its supervisor) ends.
-    pub listen: Option<ListenSockets>,
+    /// the pair ends.
+    listen: std::sync::Mutex<Option<Arc<ListenSockets>>>,
     cgroups: [String; 2],
-    /// Engines created at the task's Create and not yet started, by slot:
-    /// their first spawn is `runc start`.
-    created: std::sync::Mutex<[Option<u32>; 2]>,
+    /// What runc holds for each slot: the one record of which engine
+    /// Create made and whether a slot ran.
+    held: std::sync::Mutex<[Held; 2]>,
 }
 
 impl Machine {
@@ -69,20 +109,42 @@ impl Machine {
             output,
             router,
             lock_file,
-            listen,
+            listen: std::sync::Mutex::new(listen.map(Arc::new)),
             cgroups,
-            created: std::sync::Mutex::new([None, None]),
+            held: std::sync::Mutex::new([Held::Nothing; 2]),
         }
     }
 
-    /// `runc create` of `slot`'s engine, at the task's Create: its pid is
-    /// the task's until Start, and an engine that cannot run (a missing
-    /// binary) fails Create. What a failed create left is removed.
-    pub async fn create(&self, slot: SlotId) -> Result<u32> {
+    fn held(&self) -> std::sync::MutexGuard<'_, [Held; 2]> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn listen(&self) -> Option<Arc<ListenSockets>> {
+        self.listen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// The supervisor's instant of a reaper's wall-clock stamp, measured back
+/// from now so that a clock step since does not shift it.
+fn instant_of(at: SystemTime) -> Instant {
+    let ago = SystemTime::now().duration_since(at).unwrap_or_default();
+    let now = Instant::now();
+    now.checked_sub(ago).unwrap_or(now)
+}
+
+#[async_trait]
+impl Host for Machine {
+    /// An engine that cannot run (a missing binary) fails Create; what a
+    /// failed create left is removed.
+    async fn create(&self, slot: SlotId) -> Result<u32> {
         let e = &self.engines[slot.index()];
-        match create_engine(e, self.output.clone(), self.listen.as_ref()).await {
+        let listen = self.listen();
+        match create_engine(e, self.output.clone(), listen.as_deref()).await {
             Ok(pid) => {
-                self.created.lock().unwrap_or_else(|p| p.into_inner())[slot.index()] = Some(pid);
+                self.held()[slot.index()] = Held::Created(pid);
                 Ok(pid)
             }
             Err(err) => {
@@ -93,31 +155,53 @@ impl Machine {
             }
         }
     }
-}
 
-#[async_trait]
-impl Host for Machine {
-    async fn spawn(&self, slot: SlotId, fresh: bool) -> Result<u32> {
-        let created = self.created.lock().unwrap_or_else(|p| p.into_inner())[slot.index()].take();
-        if let Some(pid) = created.filter(|_| fresh) {
-            let e = &self.engines[slot.index()];
+    async fn spawn(&self, slot: SlotId) -> Result<u32> {
+        let held = std::mem::replace(&mut self.held()[slot.index()], Held::Ran);
+        let e = &self.engines[slot.index()];
+        if let Held::Created(pid) = held {
             e.client.start(&e.runc_id).await?;
             return Ok(pid);
         }
-        if let Some(l) = &self.listen {
+        let listen = self.listen();
+        if let Some(l) = &listen {
             l.repair();
         }
-        run_engine(
-            &self.engines[slot.index()],
-            self.output.clone(),
-            fresh,
-            self.listen.as_ref(),
-        )
-        .await
+        let fresh = held == Held::Nothing;
+        run_engine(e, self.output.clone(), fresh, listen.as_deref()).await
     }
 
-    fn reaped(&self, pid: u32) -> oneshot::Receiver<Exit> {
-        self.router.watch(pid as i32)
+    async fn end_created(&self, slot: SlotId) {
+        if !matches!(self.held()[slot.index()], Held::Created(_)) {
+            return;
+        }
+        let e = &self.engines[slot.index()];
+        if let Err(err) = e.client.kill(&e.runc_id, libc::SIGKILL as u32, false).await {
+            log::warn!("{}: killing the created engine: {err}", e.runc_id);
+        }
+    }
+
+    async fn remove(&self, slot: SlotId) {
+        let e = &self.engines[slot.index()];
+        if let Err(err) = e.client.delete_force(&e.runc_id).await {
+            log::warn!("{}: {err}", e.runc_id);
+        }
+        self.held()[slot.index()] = Held::Nothing;
+    }
+
+    async fn ps(&self, slot: SlotId) -> Result<Vec<u32>> {
+        let e = &self.engines[slot.index()];
+        e.client.ps(&e.runc_id).await
+    }
+
+    fn reaped(&self, pid: u32) -> ReapFuture {
+        let exit = self.router.watch(pid as i32);
+        Box::pin(async move {
+            exit.await.ok().map(|e| Reaped {
+                status: e.status,
+                at: instant_of(e.at),
+            })
+        })
     }
 
     fn signal(&self, pid: u32, signal: Signal) {
@@ -148,5 +232,9 @@ impl Host for Machine {
 
     fn oom_kills(&self, slot: SlotId) -> u64 {
         crate::oom::kills(&crate::stats::at(&self.cgroups[slot.index()]))
+    }
+
+    fn close_listen(&self) {
+        drop(self.listen.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 }

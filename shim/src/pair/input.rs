@@ -1,14 +1,14 @@
 //! What the pair's supervisor is told, by whom it is told: the observers
 //! (`observe.rs`: reaped exits, notify datagrams, lock closes, XIDs), the
-//! gmsd watchers (`gms.rs`), the timers and the Task service. Its own
-//! module, below all of them, so that those who send and the one who
-//! receives do not import each other.
+//! gmsd watchers (`gms.rs`) and the timers; the Task service speaks in
+//! `command.rs`. Its own module, below all of them, so that those who
+//! send and the one who receives do not import each other.
 
-use std::time::{Instant, SystemTime};
+use tokio::time::Instant;
 
 use shadow_pair::SlotId;
 
-use super::notify::Datagram;
+use super::notify::{Datagram, SenderSlot};
 
 /// What the supervisor is told.
 #[derive(Debug)]
@@ -23,9 +23,15 @@ pub enum Input {
         slot: SlotId,
         pid: u32,
         status: i32,
-        at: SystemTime,
+        at: Instant,
     },
-    Notify(Datagram, Instant),
+    /// A datagram the notify gate admitted, received at `at`, from a
+    /// sender it found in `slot`.
+    Notify {
+        datagram: Datagram,
+        at: Instant,
+        slot: SenderSlot,
+    },
     /// The notify socket dropped a datagram, the first since its counts
     /// were last written (the metrics file is due an update).
     NotifyDropped,
@@ -34,9 +40,7 @@ pub enum Input {
     Backoff {
         slot: SlotId,
     },
-    Kill {
-        signal: u32,
-    },
+    /// The stop grace of a Kill is over: SIGKILL.
     Escalate,
     /// The GMS daemon at `index` of the pair's daemons died.
     GmsDied {

@@ -33,13 +33,14 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nix::sys::socket::{recvmsg, setsockopt, sockopt, ControlMessageOwned, MsgFlags};
 use shadow_pair::{SlotId, MAX_DATAGRAM};
 use tokio::io::Interest;
 use tokio::net::UnixDatagram;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 
@@ -492,6 +493,14 @@ fn cost(bytes: &[u8]) -> u32 {
 }
 
 /// Decides which datagrams reach the supervisor; see the module doc.
+/// The slot the notify gate found a datagram's sender in, and when it
+/// looked (its lookups are kept a while).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SenderSlot {
+    pub slot: SlotId,
+    pub looked_up: Instant,
+}
+
 pub struct Gate {
     id: String,
     queue: Arc<Queue>,
@@ -530,22 +539,22 @@ impl Gate {
         d: &Datagram,
         now: Instant,
         slot_of: impl FnOnce(u32) -> Option<SlotId>,
-    ) -> std::result::Result<(), Dropped> {
+    ) -> std::result::Result<SenderSlot, Dropped> {
         let done = self.queue.taken.load(Ordering::Relaxed);
         if let Some((text, seq)) = self.last.get(&d.pid) {
             if *seq > done && *text == d.bytes {
                 return Err(Dropped::Coalesced);
             }
         }
-        let slot = match self.slots.get(&d.pid) {
-            Some((slot, at)) if now.saturating_duration_since(*at) < SLOT_TTL => *slot,
+        let (slot, looked_up) = match self.slots.get(&d.pid) {
+            Some((slot, at)) if now.saturating_duration_since(*at) < SLOT_TTL => (*slot, *at),
             _ => {
                 if self.slots.len() >= PIDS_MAX {
                     self.slots.clear();
                 }
                 let slot = slot_of(d.pid);
                 self.slots.insert(d.pid, (slot, now));
-                slot
+                (slot, now)
             }
         };
         let Some(slot) = slot else {
@@ -564,7 +573,7 @@ impl Gate {
             self.last.clear();
         }
         self.last.insert(d.pid, (d.bytes.clone(), seq));
-        Ok(())
+        Ok(SenderSlot { slot, looked_up })
     }
 
     /// Count a drop; log the counts if [`LOG_EVERY`] has passed. Says how
@@ -620,6 +629,18 @@ impl Gate {
 
 #[cfg(test)]
 mod tests {
+    impl Gate {
+        /// `admit`, as a plain verdict.
+        fn admit_ok(
+            &mut self,
+            d: &Datagram,
+            now: Instant,
+            slot_of: impl FnOnce(u32) -> Option<SlotId>,
+        ) -> std::result::Result<(), Dropped> {
+            self.admit(d, now, slot_of).map(drop)
+        }
+    }
+
     use super::*;
 
     #[tokio::test]
@@ -751,18 +772,18 @@ mod tests {
     fn repeats_still_waiting_are_coalesced_and_later_ones_pass() {
         let (mut g, q, now) = gate();
         let s0 = |_| Some(SlotId::ZERO);
-        assert_eq!(g.admit(&dg(7, b"READY=1"), now, s0), Ok(()));
+        assert_eq!(g.admit_ok(&dg(7, b"READY=1"), now, s0), Ok(()));
         assert_eq!(
-            g.admit(&dg(7, b"READY=1"), now, s0),
+            g.admit_ok(&dg(7, b"READY=1"), now, s0),
             Err(Dropped::Coalesced)
         );
         // Another text, or another sender, is not a repeat.
-        assert_eq!(g.admit(&dg(7, b"STATUS=x"), now, s0), Ok(()));
-        assert_eq!(g.admit(&dg(8, b"READY=1"), now, s0), Ok(()));
+        assert_eq!(g.admit_ok(&dg(7, b"STATUS=x"), now, s0), Ok(()));
+        assert_eq!(g.admit_ok(&dg(8, b"READY=1"), now, s0), Ok(()));
         q.taken();
         q.taken();
         q.taken();
-        assert_eq!(g.admit(&dg(7, b"STATUS=x"), now, s0), Ok(()));
+        assert_eq!(g.admit_ok(&dg(7, b"STATUS=x"), now, s0), Ok(()));
     }
 
     #[test]
@@ -771,7 +792,7 @@ mod tests {
         let mut passed = 0;
         for i in 0..10_000u32 {
             let text = format!("STATUS={i}");
-            if g.admit(&dg(7, text.as_bytes()), now, |_| Some(SlotId::ZERO)) == Ok(()) {
+            if g.admit_ok(&dg(7, text.as_bytes()), now, |_| Some(SlotId::ZERO)) == Ok(()) {
                 passed += 1;
                 q.taken();
             }
@@ -782,7 +803,8 @@ mod tests {
         let more = (0..1000)
             .filter(|i| {
                 let text = format!("STATUS=later {i}");
-                let ok = g.admit(&dg(7, text.as_bytes()), later, |_| Some(SlotId::ZERO)) == Ok(());
+                let ok =
+                    g.admit_ok(&dg(7, text.as_bytes()), later, |_| Some(SlotId::ZERO)) == Ok(());
                 if ok {
                     q.taken();
                 }
@@ -791,7 +813,7 @@ mod tests {
             .count();
         assert_eq!(more, RATE_PER_SEC as usize);
         assert_eq!(
-            g.admit(&dg(9, b"READY=1"), later, |_| Some(SlotId::ONE)),
+            g.admit_ok(&dg(9, b"READY=1"), later, |_| Some(SlotId::ONE)),
             Ok(())
         );
     }
@@ -849,21 +871,21 @@ mod tests {
         let s0 = |_| Some(SlotId::ZERO);
         let lines = "STATUS=x\n".repeat(BURST as usize + 1);
         assert_eq!(
-            g.admit(&dg(7, lines.as_bytes()), now, s0),
+            g.admit_ok(&dg(7, lines.as_bytes()), now, s0),
             Err(Dropped::RateLimited)
         );
         let half = "STATUS=y\n".repeat(BURST as usize / 2);
-        assert_eq!(g.admit(&dg(7, half.as_bytes()), now, s0), Ok(()));
+        assert_eq!(g.admit_ok(&dg(7, half.as_bytes()), now, s0), Ok(()));
         q.taken();
-        assert_eq!(g.admit(&dg(7, half.as_bytes()), now, s0), Ok(()));
+        assert_eq!(g.admit_ok(&dg(7, half.as_bytes()), now, s0), Ok(()));
         q.taken();
         assert_eq!(
-            g.admit(&dg(7, b"READY=1"), now, s0),
+            g.admit_ok(&dg(7, b"READY=1"), now, s0),
             Err(Dropped::RateLimited)
         );
         // Garbage holds no notification and costs one token.
         let later = now + Duration::from_secs(1);
-        assert_eq!(g.admit(&dg(7, b"\xff\xfe"), later, s0), Ok(()));
+        assert_eq!(g.admit_ok(&dg(7, b"\xff\xfe"), later, s0), Ok(()));
     }
 
     #[test]
@@ -872,21 +894,21 @@ mod tests {
         for i in 0..QUEUE_MAX {
             let text = format!("STATUS={i}");
             assert_eq!(
-                g.admit(&dg(7, text.as_bytes()), now, |_| Some(SlotId::ZERO)),
+                g.admit_ok(&dg(7, text.as_bytes()), now, |_| Some(SlotId::ZERO)),
                 Ok(())
             );
         }
         assert_eq!(
-            g.admit(&dg(9, b"READY=1"), now, |_| Some(SlotId::ONE)),
+            g.admit_ok(&dg(9, b"READY=1"), now, |_| Some(SlotId::ONE)),
             Err(Dropped::QueueFull)
         );
         q.taken();
         assert_eq!(
-            g.admit(&dg(9, b"READY=1"), now, |_| Some(SlotId::ONE)),
+            g.admit_ok(&dg(9, b"READY=1"), now, |_| Some(SlotId::ONE)),
             Ok(())
         );
         assert_eq!(
-            g.admit(&dg(10, b"READY=1"), now, |_| None),
+            g.admit_ok(&dg(10, b"READY=1"), now, |_| None),
             Err(Dropped::NotAnEngine)
         );
     }
@@ -897,14 +919,14 @@ mod tests {
         let mut lookups = 0;
         for i in 0..100 {
             let text = format!("STATUS={i}");
-            let _ = g.admit(&dg(7, text.as_bytes()), now, |_| {
+            let _ = g.admit_ok(&dg(7, text.as_bytes()), now, |_| {
                 lookups += 1;
                 Some(SlotId::ZERO)
             });
             q.taken();
         }
         assert_eq!(lookups, 1);
-        let _ = g.admit(&dg(7, b"x"), now + SLOT_TTL, |_| {
+        let _ = g.admit_ok(&dg(7, b"x"), now + SLOT_TTL, |_| {
             lookups += 1;
             Some(SlotId::ZERO)
         });

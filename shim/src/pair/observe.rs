@@ -9,19 +9,22 @@ use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
 
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use shadow_pair::{Exit, SlotId};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use super::host::Host;
 use super::input::Input;
 use super::notify::{DropCounts, Gate, NotifySocket, Queue, Received};
 
-/// The pair's monotonic clock: `Duration` since the supervisor started.
+/// The pair's monotonic clock: `Duration` since the supervisor started,
+/// on tokio's clock (paused in tests).
 pub struct Clock {
     start: Instant,
 }
@@ -39,13 +42,6 @@ impl Clock {
 
     pub fn since(&self, at: Instant) -> Duration {
         at.saturating_duration_since(self.start)
-    }
-
-    /// The pair time of a recent wall-clock stamp (the reaper's), measured
-    /// back from now so that an earlier clock step does not shift it.
-    pub fn of_wall(&self, at: SystemTime) -> Duration {
-        let ago = SystemTime::now().duration_since(at).unwrap_or_default();
-        self.now().saturating_sub(ago)
     }
 }
 
@@ -70,7 +66,7 @@ pub fn notify(
     queue: Arc<Queue>,
     drops: Arc<DropCounts>,
     tx: UnboundedSender<Input>,
-) {
+) -> JoinHandle<()> {
     let mut gate = Gate::new(id, queue, drops, Instant::now());
     let id = id.to_owned();
     tokio::spawn(async move {
@@ -88,8 +84,13 @@ pub fn notify(
             tokio::task::consume_budget().await;
             let verdict = match got {
                 Received::Datagram(d) => match gate.admit(&d, at, |pid| host.slot_of_pid(pid)) {
-                    Ok(()) => {
-                        if tx.send(Input::Notify(d, at)).is_err() {
+                    Ok(slot) => {
+                        let input = Input::Notify {
+                            datagram: d,
+                            at,
+                            slot,
+                        };
+                        if tx.send(input).is_err() {
                             return;
                         }
                         Ok(())
@@ -108,7 +109,7 @@ pub fn notify(
                 }
             }
         }
-    });
+    })
 }
 
 /// Forward every final close of the lock file (inotify `IN_CLOSE_*`),
@@ -116,7 +117,7 @@ pub fn notify(
 /// the closing file's flock, so a dying active is seen letting go of the
 /// lock at once, well before its reap (an exiting container init is
 /// reported only after its namespace is torn down), and without polling.
-pub fn lock_closes(path: &Path, tx: UnboundedSender<Input>) -> std::io::Result<()> {
+pub fn lock_closes(path: &Path, tx: UnboundedSender<Input>) -> std::io::Result<JoinHandle<()>> {
     let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
     inotify.add_watch(
         path,
@@ -126,7 +127,7 @@ pub fn lock_closes(path: &Path, tx: UnboundedSender<Input>) -> std::io::Result<(
     // `as_raw_fd`, and neither closes nor replaces it while the AsyncFd
     // holds it (it is closed when the AsyncFd, and the Watch in it, drop).
     let fd = unsafe { AsyncFd::register_with_interest(Watch(inotify), Interest::READABLE)? };
-    tokio::spawn(async move {
+    Ok(tokio::spawn(async move {
         loop {
             let Ok(mut ready) = fd.readable().await else {
                 return;
@@ -145,8 +146,7 @@ pub fn lock_closes(path: &Path, tx: UnboundedSender<Input>) -> std::io::Result<(
                 }
             }
         }
-    });
-    Ok(())
+    }))
 }
 
 /// An inotify instance as tokio polls it.
@@ -162,7 +162,7 @@ impl AsRawFd for Watch {
 pub fn exit(host: &dyn Host, slot: SlotId, pid: u32, tx: UnboundedSender<Input>) {
     let reaped = host.reaped(pid);
     tokio::spawn(async move {
-        if let Ok(e) = reaped.await {
+        if let Some(e) = reaped.await {
             let _ = tx.send(Input::Exited {
                 slot,
                 pid,

@@ -11,12 +11,13 @@
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use shadow_contract::state::{PairState, PromotionRecord};
 use shadow_pair::metrics::GmsFigures;
 use shadow_pair::{Pair, Promotion, SlotId};
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use super::notify::DropCounts;
 use super::state_file;
@@ -36,7 +37,11 @@ pub const COUNTERS_EVERY: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone, Default)]
 pub struct View {
     pub started: bool,
-    /// `Pair::representative_pid`, or the last one once the pair is gone.
+    /// The pair's cgroup is frozen (Pause).
+    pub paused: bool,
+    /// The task's pid: `Pair::representative_pid`, or the last one (the
+    /// engine created at Create until another is known; the last active
+    /// once the pair is gone).
     pub pid: u32,
     pub pids: [Option<u32>; 2],
     pub active: Option<SlotId>,
@@ -115,7 +120,6 @@ pub struct Outlets {
     pub containerd: String,
     /// `<metrics_dir>/shadow-<key>-<namespace>-<id>.prom`.
     pub metrics_file: PathBuf,
-    pub view: watch::Sender<View>,
     pub promotions_kept: usize,
 }
 
@@ -128,7 +132,7 @@ impl Publisher {
             state_json: o.state_json,
             containerd: o.containerd,
             metrics_file: o.metrics_file,
-            view: o.view,
+            view: watch::channel(View::default()).0,
             epoch,
             promotions: VecDeque::new(),
             promotions_kept: o.promotions_kept.max(1),
@@ -139,6 +143,27 @@ impl Publisher {
             recorded: 0,
             exit_status: None,
         }
+    }
+
+    /// The engine created at Create has `pid`: the task's until another
+    /// is known.
+    pub fn created(&mut self, pid: u32) {
+        self.last_pid = pid;
+        self.view.send_modify(|v| v.pid = pid);
+    }
+
+    /// A receiver of the view, for the Task service.
+    pub fn subscribe(&self) -> watch::Receiver<View> {
+        self.view.subscribe()
+    }
+
+    /// The view as last published.
+    pub fn view(&self) -> View {
+        self.view.borrow().clone()
+    }
+
+    pub fn set_paused(&mut self, paused: bool) {
+        self.view.send_modify(|v| v.paused = paused);
     }
 
     /// The pid containerd was last shown.
@@ -305,7 +330,6 @@ mod tests {
     use shadow_pair::RestartPolicy;
 
     fn publisher(dir: &Path, drops: Arc<DropCounts>) -> Publisher {
-        let (view, _) = watch::channel(View::default());
         Publisher::new(
             Outlets {
                 id: "p".into(),
@@ -314,7 +338,6 @@ mod tests {
                 state_json: dir.join("state.json"),
                 containerd: "/run/c.sock".into(),
                 metrics_file: dir.join("p.prom"),
-                view,
                 promotions_kept: 1,
             },
             drops,
