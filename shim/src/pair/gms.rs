@@ -17,10 +17,9 @@ use std::time::{Duration, Instant};
 
 use gmsd_launch::{Gmsd, GmsdCommand, Reaper};
 use shadow_pair::metrics::GmsFigures;
-use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use super::input::Input;
+use super::input::{Input, Inputs};
 use crate::error::{Error, Result};
 use crate::exits::ExitRouter;
 
@@ -164,12 +163,12 @@ impl GmsDaemon {
 
     /// Report this daemon's death to the supervisor; `index` is its place
     /// in the pair's [`GmsDaemons`].
-    pub fn watch(&self, index: usize, router: Arc<ExitRouter>, tx: mpsc::UnboundedSender<Input>) {
+    pub fn watch(&self, index: usize, router: Arc<ExitRouter>, tx: Inputs) {
         let generation = self.generation;
         let exit = router.watch(self.pid() as i32);
         tokio::spawn(async move {
             if exit.await.is_ok() {
-                let _ = tx.send(Input::GmsDied { index, generation });
+                let _ = tx.send(Input::GmsDied { index, generation }).await;
             }
         });
     }
@@ -270,7 +269,7 @@ impl GmsDaemons {
         self.daemons.get(index)
     }
 
-    pub fn watch(&self, router: &Arc<ExitRouter>, tx: &mpsc::UnboundedSender<Input>) {
+    pub fn watch(&self, router: &Arc<ExitRouter>, tx: &Inputs) {
         for (i, g) in self.daemons.iter().enumerate() {
             g.watch(i, router.clone(), tx.clone());
         }

@@ -4,11 +4,22 @@
 //! `command.rs`. Its own module, below all of them, so that those who
 //! send and the one who receives do not import each other.
 
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use shadow_pair::SlotId;
 
-use super::notify::{Datagram, SenderSlot};
+use super::notify::{Datagram, SenderSlot, QUEUE_MAX};
+
+/// Where the supervisor is told: a channel of [`QUEUE_MAX`] inputs. The
+/// notify reader drops a datagram that finds it full (an engine can send
+/// as fast as it likes); every other observer waits for room.
+pub type Inputs = mpsc::Sender<Input>;
+
+/// The supervisor's input channel.
+pub fn channel() -> (Inputs, mpsc::Receiver<Input>) {
+    mpsc::channel(QUEUE_MAX)
+}
 
 /// What the supervisor is told.
 #[derive(Debug)]

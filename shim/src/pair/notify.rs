@@ -22,8 +22,8 @@
 //! - **Floods.** [`Gate`] decides which datagrams reach the supervisor: a
 //!   datagram identical to one of the same sender still waiting is
 //!   coalesced, each engine has a token bucket (one token per notification
-//!   in a datagram), and at most
-//!   [`QUEUE_MAX`] datagrams wait for the supervisor at any time. What it
+//!   in a datagram), and the supervisor's input queue is bounded
+//!   ([`QUEUE_MAX`]): a datagram that finds it full is dropped. What it
 //!   drops is counted ([`DropCounts`], which the supervisor publishes as a
 //!   metric) and logged at most every [`LOG_EVERY`].
 
@@ -49,8 +49,10 @@ const SCM_MAX_FD: usize = 253;
 /// Received fds waiting for the closer thread, at most (all pairs of the
 /// shim together). Past it the socket is not read until the closer catches up.
 const CLOSER_BACKLOG: usize = 1024;
-/// Datagrams forwarded to the supervisor and not yet taken, at most.
-pub const QUEUE_MAX: u64 = 64;
+/// Inputs waiting for the supervisor, at most (the bound of its channel):
+/// a datagram that finds them all taken is dropped; the other observers
+/// wait for room (see `input.rs`).
+pub const QUEUE_MAX: usize = 64;
 /// Each engine's token bucket: sustained notifications (`KEY=VALUE` lines
 /// the shim acts on; a datagram costs at least one) per second, and burst.
 pub const RATE_PER_SEC: u32 = 50;
@@ -91,7 +93,7 @@ pub enum Dropped {
     Coalesced,
     /// Its engine's token bucket was empty.
     RateLimited,
-    /// [`QUEUE_MAX`] datagrams were already waiting.
+    /// [`QUEUE_MAX`] inputs were already waiting.
     QueueFull,
 }
 
@@ -381,7 +383,9 @@ fn close_quickly(fd: OwnedFd) {
     drop(fd);
 }
 
-/// The reader's and the supervisor's shared count of forwarded datagrams.
+/// How many datagrams the reader forwarded and the supervisor took: a
+/// datagram the same as its sender's last one, while that one still
+/// waits, is coalesced. (The queue's bound is its channel's.)
 #[derive(Default)]
 pub struct Queue {
     forwarded: AtomicU64,
@@ -392,11 +396,6 @@ impl Queue {
     /// The supervisor took one forwarded datagram.
     pub fn taken(&self) {
         self.taken.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn waiting(&self) -> u64 {
-        let taken = self.taken.load(Ordering::Relaxed);
-        self.forwarded.load(Ordering::Relaxed).saturating_sub(taken)
     }
 }
 
@@ -531,15 +530,17 @@ impl Gate {
         }
     }
 
-    /// Whether `d` goes to the supervisor (then counted as waiting) or why
-    /// not. `slot_of` looks a pid's slot up (`/proc`), at most once per
-    /// pid per [`SLOT_TTL`].
+    /// Whether `d` goes to the supervisor or why not. `slot_of` looks a
+    /// pid's slot up (`/proc`), at most once per pid per [`SLOT_TTL`];
+    /// `forward` hands the admitted datagram on, false when the queue is
+    /// full (nothing of it is then recorded).
     pub fn admit(
         &mut self,
         d: &Datagram,
         now: Instant,
         slot_of: impl FnOnce(u32) -> Option<SlotId>,
-    ) -> std::result::Result<SenderSlot, Dropped> {
+        forward: impl FnOnce(SenderSlot) -> bool,
+    ) -> std::result::Result<(), Dropped> {
         let done = self.queue.taken.load(Ordering::Relaxed);
         if let Some((text, seq)) = self.last.get(&d.pid) {
             if *seq > done && *text == d.bytes {
@@ -565,7 +566,7 @@ impl Gate {
         if bucket.refill(now) < 1.0 || !bucket.take(cost(&d.bytes), now) {
             return Err(Dropped::RateLimited);
         }
-        if self.queue.waiting() >= QUEUE_MAX {
+        if !forward(SenderSlot { slot, looked_up }) {
             return Err(Dropped::QueueFull);
         }
         let seq = self.queue.forwarded.fetch_add(1, Ordering::Relaxed) + 1;
@@ -573,7 +574,7 @@ impl Gate {
             self.last.clear();
         }
         self.last.insert(d.pid, (d.bytes.clone(), seq));
-        Ok(SenderSlot { slot, looked_up })
+        Ok(())
     }
 
     /// Count a drop; log the counts if [`LOG_EVERY`] has passed. Says how
@@ -630,14 +631,17 @@ impl Gate {
 #[cfg(test)]
 mod tests {
     impl Gate {
-        /// `admit`, as a plain verdict.
+        /// `admit` into a queue of [`QUEUE_MAX`] that the test empties
+        /// with `Queue::taken`.
         fn admit_ok(
             &mut self,
             d: &Datagram,
             now: Instant,
             slot_of: impl FnOnce(u32) -> Option<SlotId>,
         ) -> std::result::Result<(), Dropped> {
-            self.admit(d, now, slot_of).map(drop)
+            let q = self.queue.clone();
+            let waiting = q.forwarded.load(Ordering::Relaxed) - q.taken.load(Ordering::Relaxed);
+            self.admit(d, now, slot_of, |_| waiting < QUEUE_MAX as u64)
         }
     }
 

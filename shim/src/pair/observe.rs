@@ -15,12 +15,12 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use shadow_pair::{Exit, SlotId};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::error::TrySendError;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::host::Host;
-use super::input::Input;
+use super::input::{Input, Inputs};
 use super::notify::{DropCounts, Gate, NotifySocket, Queue, Received};
 
 /// The pair's monotonic clock: `Duration` since the supervisor started,
@@ -65,7 +65,7 @@ pub fn notify(
     host: Arc<dyn Host>,
     queue: Arc<Queue>,
     drops: Arc<DropCounts>,
-    tx: UnboundedSender<Input>,
+    tx: Inputs,
 ) -> JoinHandle<()> {
     let mut gate = Gate::new(id, queue, drops, Instant::now());
     let id = id.to_owned();
@@ -83,25 +83,40 @@ pub fn notify(
             // the supervisor as any other task does.
             tokio::task::consume_budget().await;
             let verdict = match got {
-                Received::Datagram(d) => match gate.admit(&d, at, |pid| host.slot_of_pid(pid)) {
-                    Ok(slot) => {
+                Received::Datagram(d) => {
+                    let mut gone = false;
+                    let forward = |slot| {
                         let input = Input::Notify {
-                            datagram: d,
+                            datagram: d.clone(),
                             at,
                             slot,
                         };
-                        if tx.send(input).is_err() {
-                            return;
+                        match tx.try_send(input) {
+                            Ok(()) => true,
+                            Err(TrySendError::Full(_)) => false,
+                            Err(TrySendError::Closed(_)) => {
+                                gone = true;
+                                false
+                            }
                         }
-                        Ok(())
+                    };
+                    let verdict = gate.admit(&d, at, |pid| host.slot_of_pid(pid), forward);
+                    if gone {
+                        return;
                     }
-                    Err(why) => Err(why),
-                },
+                    verdict
+                }
                 Received::Dropped(why) => Err(why),
             };
             if let Err(why) = verdict {
                 let after = gate.dropped(why, at);
-                if after.tell && tx.send(Input::NotifyDropped).is_err() {
+                // Only a nudge: a full queue has the supervisor busy anyway.
+                if after.tell
+                    && matches!(
+                        tx.try_send(Input::NotifyDropped),
+                        Err(TrySendError::Closed(_))
+                    )
+                {
                     return;
                 }
                 if let Some(pause) = after.pause {
@@ -117,7 +132,7 @@ pub fn notify(
 /// the closing file's flock, so a dying active is seen letting go of the
 /// lock at once, well before its reap (an exiting container init is
 /// reported only after its namespace is torn down), and without polling.
-pub fn lock_closes(path: &Path, tx: UnboundedSender<Input>) -> std::io::Result<JoinHandle<()>> {
+pub fn lock_closes(path: &Path, tx: Inputs) -> std::io::Result<JoinHandle<()>> {
     let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
     inotify.add_watch(
         path,
@@ -135,7 +150,7 @@ pub fn lock_closes(path: &Path, tx: UnboundedSender<Input>) -> std::io::Result<J
             let at = Instant::now();
             match ready.try_io(|w| w.get_ref().0.read_events().map_err(std::io::Error::from)) {
                 Ok(Ok(events)) if !events.is_empty() => {
-                    if tx.send(Input::LockClosed(at)).is_err() {
+                    if tx.send(Input::LockClosed(at)).await.is_err() {
                         return;
                     }
                 }
@@ -159,29 +174,32 @@ impl AsRawFd for Watch {
 }
 
 /// Forward the reap of the engine `pid` of `slot`, with the reaper's time.
-pub fn exit(host: &dyn Host, slot: SlotId, pid: u32, tx: UnboundedSender<Input>) {
+pub fn exit(host: &dyn Host, slot: SlotId, pid: u32, tx: Inputs) {
     let reaped = host.reaped(pid);
     tokio::spawn(async move {
         if let Some(e) = reaped.await {
-            let _ = tx.send(Input::Exited {
-                slot,
-                pid,
-                status: e.status,
-                at: e.at,
-            });
+            let _ = tx
+                .send(Input::Exited {
+                    slot,
+                    pid,
+                    status: e.status,
+                    at: e.at,
+                })
+                .await;
         }
     });
 }
 
 /// Watch the kernel log for XIDs of the pair's GPUs (by PCI bus) until `stop`.
-pub fn xids(id: &str, buses: &[String], stop: Arc<AtomicBool>, tx: UnboundedSender<Input>) {
+pub fn xids(id: &str, buses: &[String], stop: Arc<AtomicBool>, tx: Inputs) {
     if buses.is_empty() {
         return;
     }
     let buses = buses.to_vec();
     log::info!("pair {id}: watching XIDs of GPUs {buses:?}");
     super::xid::watch(buses, stop, move |xid| {
-        let _ = tx.send(Input::Xid(xid));
+        // The watcher is a thread of its own: it may wait for room.
+        let _ = tx.blocking_send(Input::Xid(xid));
     });
 }
 
@@ -194,7 +212,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("engine.lock");
         std::fs::write(&path, b"").unwrap();
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let (tx, mut rx) = crate::pair::input::channel();
         lock_closes(&path, tx).unwrap();
         let before = Instant::now();
         let held = std::fs::File::open(&path).unwrap();

@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use nix::sys::signal::Signal;
 use shadow_contract::state::{DeathSign, EngineState, Exit as FileExit, PairState};
 use shadow_pair::SlotId;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::command::{Command, Reply};
@@ -69,7 +69,7 @@ struct FakeState {
     calls: Vec<Call>,
     created: Option<u32>,
     scripts: HashMap<SlotId, Script>,
-    input: Option<mpsc::UnboundedSender<Input>>,
+    input: Option<super::input::Inputs>,
     /// Which engine `/proc/locks` shows holding the election lock.
     holder: Option<SlotId>,
     listening: bool,
@@ -147,7 +147,7 @@ impl Host for FakeHost {
         };
         if let Some(tx) = input {
             for text in script.says {
-                let _ = tx.send(notify(pid, slot, text));
+                let _ = tx.try_send(notify(pid, slot, text));
             }
         }
         if script.dies {
@@ -335,7 +335,7 @@ impl Rig {
     fn say(&self, pid: u32, text: &str) {
         let slot = self.host.state().slots.get(&pid).copied();
         let slot = slot.unwrap_or_else(|| panic!("pid {pid} is in no slot"));
-        let _ = self.handle.input.send(notify(pid, slot, text));
+        let _ = self.handle.input.try_send(notify(pid, slot, text));
     }
 
     fn state(&self) -> Option<PairState> {
@@ -534,7 +534,7 @@ async fn the_lock_files_close_dates_a_death_that_ready_reported_first() {
     let closed = Instant::now();
     tokio::time::sleep(Duration::from_millis(20)).await;
     rig.ready(shadow);
-    let _ = rig.handle.input.send(Input::LockClosed(closed));
+    let _ = rig.handle.input.send(Input::LockClosed(closed)).await;
     rig.until("superseded", |s| {
         s.pair.slots[0].state == EngineState::Superseded
     })
@@ -691,7 +691,7 @@ async fn a_gate_lookup_older_than_the_respawn_is_not_credited_to_it() {
             looked_up,
         },
     };
-    let _ = rig.handle.input.send(stale);
+    let _ = rig.handle.input.send(stale).await;
     // Given time, the stale words change nothing.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let st = rig.state().expect("state.json");

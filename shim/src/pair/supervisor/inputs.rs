@@ -29,7 +29,7 @@ impl Supervisor {
             let grace = self.config.stop_grace();
             tokio::spawn(async move {
                 tokio::time::sleep(grace).await;
-                let _ = tx.send(Input::Escalate);
+                let _ = tx.send(Input::Escalate).await;
             });
         }
         let now = self.clock.now();

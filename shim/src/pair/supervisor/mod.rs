@@ -35,7 +35,7 @@ use super::command::Command;
 use super::config::PairConfig;
 use super::engine::SharedOutput;
 use super::host::Host;
-use super::input::Input;
+use super::input::{self, Input, Inputs};
 use super::made::Made;
 use super::notify::{DropCounts, NotifySocket, Queue};
 use super::observe::{self, Clock};
@@ -85,7 +85,7 @@ pub struct Handle {
     pub view: watch::Receiver<View>,
     /// The supervisor's inputs, for tests that play the observers.
     #[cfg(test)]
-    pub input: mpsc::UnboundedSender<Input>,
+    pub input: Inputs,
 }
 
 /// Where the pair is in its life, as the Task service sees it.
@@ -128,8 +128,8 @@ pub struct Supervisor {
     gpu_buses: Vec<String>,
     /// Ends the XID watcher thread with the pair.
     xid_stop: Arc<AtomicBool>,
-    tx: mpsc::UnboundedSender<Input>,
-    rx: mpsc::UnboundedReceiver<Input>,
+    tx: Inputs,
+    rx: mpsc::Receiver<Input>,
     clock: Clock,
     publisher: Publisher,
     /// When the current generation of each slot was asked for: a notify
@@ -142,7 +142,7 @@ pub struct Supervisor {
 
 impl Supervisor {
     pub fn new(p: Parts) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = input::channel();
         let clock = Clock::start();
         let notify_drops = Arc::new(DropCounts::default());
         let publisher = Publisher::new(
@@ -388,7 +388,7 @@ impl Supervisor {
                     let tx = self.tx.clone();
                     tokio::spawn(async move {
                         tokio::time::sleep(delay).await;
-                        let _ = tx.send(Input::Backoff { slot });
+                        let _ = tx.send(Input::Backoff { slot }).await;
                     });
                 }
                 Action::KillAll => {
@@ -431,7 +431,7 @@ impl Supervisor {
                     let tx = self.tx.clone();
                     tokio::spawn(async move {
                         tokio::time::sleep(delay).await;
-                        let _ = tx.send(Input::ColdRestartDue);
+                        let _ = tx.send(Input::ColdRestartDue).await;
                     });
                 }
                 Action::Promoted(p) => self.publisher.record(p),
@@ -452,11 +452,13 @@ impl Supervisor {
         let tx = self.tx.clone();
         tokio::spawn(async move {
             let result = host.spawn(slot).await.map_err(|e| e.to_string());
-            let _ = tx.send(Input::Spawned {
-                slot,
-                generation,
-                result,
-            });
+            let _ = tx
+                .send(Input::Spawned {
+                    slot,
+                    generation,
+                    result,
+                })
+                .await;
         });
     }
 
