@@ -1,24 +1,22 @@
-//! The one place that knows how runc is driven. [`RuncClient`] is the only
-//! type that runs runc: plain containers, the pair's engines and the
-//! `delete` action call its methods, one per runc command, and nothing else
-//! touches the `runc` crate's client. It owns runc's conventions too: the
-//! pid files runc writes, the spawner that waits through the exit router
-//! (the shim's reaper takes every child, so `waitpid` on runc's own pid
-//! would race it), runc's JSON log read back to give errors runc's own
-//! words, and the classification of those words into error codes.
+//! [`RuncClient`], the only type that runs runc: plain containers, the
+//! pair's engines and the `delete` action call its methods, one per runc
+//! command, and nothing else touches the `runc` crate's client. Here are
+//! the command lines and their options, the stdio handed to runc, and the
+//! pid files runc writes; how runc is spawned (`spawner`), how
+//! `--preserve-fds` is added (`preserve`) and what a failure means
+//! (`failure`) are their own files below this one.
 
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::os::unix::process::ExitStatusExt;
+use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
-use std::process::ExitStatus;
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use oci_spec::runtime::{LinuxResources, Process as ProcessSpec};
 use runc::options::{CreateOpts, DeleteOpts, ExecOpts, GlobalOpts, KillOpts};
-use runc::{Command, Runc, Spawner};
-use tokio::io::AsyncReadExt;
+use runc::Runc;
 
+use super::failure::{self, finished_is_not_found};
+use super::preserve::PreservedFds;
+use super::spawner::ReapedSpawner;
 use crate::config::Config;
 use crate::error::{Error, Result, RuncFailure};
 use crate::exits::ExitRouter;
@@ -26,61 +24,6 @@ use crate::options::RuncOptions;
 
 /// The pid file of a container's init (or an engine), in its bundle.
 pub const INIT_PID_FILE: &str = "init.pid";
-
-/// Runs runc commands and takes their exit from the router.
-#[derive(Debug)]
-pub struct ReapedSpawner {
-    router: Arc<ExitRouter>,
-}
-
-impl std::fmt::Debug for ExitRouter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ExitRouter")
-    }
-}
-
-#[async_trait]
-impl Spawner for ReapedSpawner {
-    async fn execute(&self, mut cmd: Command) -> runc::Result<(ExitStatus, u32, String, String)> {
-        // Spawned through std so that tokio's own child reaping stays out of
-        // it: the shim's reaper is the only one. On a blocking thread: the
-        // fork and runc's exec take milliseconds, during which the shim's
-        // one runtime thread must stay free (a failover's READY=1 arrives
-        // exactly while the dead engine's respawn starts).
-        let std_cmd = std::mem::replace(cmd.as_std_mut(), std::process::Command::new("runc"));
-        let mut child = tokio::task::spawn_blocking(move || {
-            let mut std_cmd = std_cmd;
-            std_cmd.spawn()
-        })
-        .await
-        .map_err(|e| runc::error::Error::ProcessSpawnFailed(std::io::Error::other(e.to_string())))?
-        .map_err(runc::error::Error::ProcessSpawnFailed)?;
-        let pid = child.id();
-        let exit = self.router.watch(pid as i32);
-        let stdout = child.stdout.take().map(OwnedFd::from);
-        let stderr = child.stderr.take().map(OwnedFd::from);
-        drop(child);
-        let (out, err) = tokio::join!(read_all(stdout), read_all(stderr));
-        let exit = exit.await.map_err(|_| {
-            runc::error::Error::InvalidCommand(std::io::Error::other(format!(
-                "exit of runc pid {pid} was never reported"
-            )))
-        })?;
-        let status = ExitStatus::from_raw((exit.status & 0xff) << 8);
-        Ok((status, pid, out, err))
-    }
-}
-
-async fn read_all(fd: Option<OwnedFd>) -> String {
-    let Some(fd) = fd else {
-        return String::new();
-    };
-    let mut buf = Vec::new();
-    if let Ok(mut rx) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
-        let _ = rx.read_to_end(&mut buf).await;
-    }
-    String::from_utf8_lossy(&buf).into_owned()
-}
 
 /// How the process runc starts gets its stdio.
 pub enum RuncStdio<'a> {
@@ -133,7 +76,7 @@ impl RuncClient {
             .log(&log)
             .log_json()
             .systemd_cgroup(options.systemd_cgroup);
-        opts.custom_spawner(Arc::new(ReapedSpawner { router }));
+        opts.custom_spawner(Arc::new(ReapedSpawner::new(router)));
         let runc = opts.build().map_err(|e| {
             Error::FailedPrecondition(format!("runc binary {binary:?} ({source}): {e}"))
         })?;
@@ -214,7 +157,7 @@ impl RuncClient {
                     .map(|fd| fd.try_clone_to_owned())
                     .collect::<std::io::Result<Vec<_>>>()
                     .map_err(|e| Error::io(format!("duplicating the sockets {id} inherits"), e))?;
-                RuncStdio::Fds(Arc::new(PreservedFds { inner: io, fds }))
+                RuncStdio::Fds(Arc::new(PreservedFds::new(io, fds)))
             }
             RuncStdio::Console(_) if !inherit.is_empty() => {
                 return Err(Error::InvalidArgument(format!(
@@ -342,117 +285,11 @@ impl RuncClient {
         self.root.join(id).is_dir()
     }
 
-    /// Turn a runc crate error into ours, with runc's last logged error.
-    /// A command on an existing container that failed while runc keeps no
-    /// state for it failed because the container is gone: that fact beats
-    /// any reading of the message.
+    /// Turn a runc crate error into ours (see [`failure::error`]): runc's
+    /// log is this client's, and its state root says whether runc still
+    /// knows `id`.
     fn error(&self, op: &'static str, id: &str, e: runc::error::Error) -> Error {
-        let failed = matches!(e, runc::error::Error::CommandFailed { .. });
-        let message = match &e {
-            runc::error::Error::CommandFailed { stderr, .. } => last_log_error(&self.log)
-                .or_else(|| Some(stderr.trim().to_string()).filter(|s| !s.is_empty()))
-                .unwrap_or_else(|| e.to_string()),
-            _ => e.to_string(),
-        };
-        let kind = if failed && !makes_container(op) && !self.knows(id) {
-            RuncFailure::NotFound
-        } else {
-            classify(op, &message)
-        };
-        Error::Runc {
-            op,
-            id: id.to_string(),
-            kind,
-            message,
-        }
-    }
-}
-
-/// A `runc run` (or `runc create`) whose process inherits `fds` as its descriptors 3.. The
-/// runc crate has no option for `--preserve-fds`, so this wraps the stdio
-/// (the one hook it gives into the command) and rebuilds the command with
-/// the flag after the subcommand. Holds its own duplicates, closed when runc
-/// has returned.
-#[derive(Debug)]
-struct PreservedFds {
-    inner: Arc<dyn runc::io::Io>,
-    fds: Vec<OwnedFd>,
-}
-
-/// `cmd` again with `--preserve-fds n` right after its `run` or `create`
-/// subcommand.
-fn with_preserve_fds(cmd: &std::process::Command, n: usize) -> std::io::Result<Command> {
-    use std::ffi::OsStr;
-    let mut args: Vec<&OsStr> = cmd.get_args().collect();
-    let at = args
-        .windows(2)
-        .position(|w| (w[0] == "run" || w[0] == "create") && w[1] == "--bundle")
-        .ok_or_else(|| {
-            std::io::Error::other("--preserve-fds: not a `runc run|create --bundle` command")
-        })?;
-    let n = n.to_string();
-    args.splice(
-        at + 1..at + 1,
-        [OsStr::new("--preserve-fds"), OsStr::new(&n)],
-    );
-    let mut out = std::process::Command::new(cmd.get_program());
-    out.args(args);
-    for (k, v) in cmd.get_envs() {
-        match v {
-            Some(v) => out.env(k, v),
-            None => out.env_remove(k),
-        };
-    }
-    if let Some(dir) = cmd.get_current_dir() {
-        out.current_dir(dir);
-    }
-    // The runc crate's defaults; the wrapped stdio sets its own next.
-    out.stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    Ok(Command::from(out))
-}
-
-#[async_trait]
-impl runc::io::Io for PreservedFds {
-    async fn set(&self, cmd: &mut Command) -> std::io::Result<()> {
-        *cmd = with_preserve_fds(cmd.as_std(), self.fds.len())?;
-        self.inner.set(cmd).await?;
-        let from: Vec<RawFd> = self.fds.iter().map(AsRawFd::as_raw_fd).collect();
-        let mut moved: Vec<RawFd> = vec![-1; from.len()];
-        let first = shadow_contract::listen::FIRST_FD;
-        let above = first + from.len() as RawFd;
-        // SAFETY: the closure runs in the forked child before exec and
-        // calls only fcntl(2) and dup2(2), which are async-signal-safe; it
-        // allocates nothing (both vectors exist before the fork). Each
-        // descriptor is first copied above the target range (close-on-exec,
-        // so the copies vanish at exec), then onto 3+i: no target can
-        // overwrite a source not yet copied. dup2 clears close-on-exec on
-        // the target, so runc gets exactly 3..3+n. A target may replace
-        // std's close-on-exec error pipe; then an exec failure shows as runc
-        // exiting 127 instead of a spawn error, which the caller reports too.
-        unsafe {
-            cmd.pre_exec(move || {
-                for (i, &fd) in from.iter().enumerate() {
-                    let m = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, above);
-                    if m < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    moved[i] = m;
-                }
-                for (i, &m) in moved.iter().enumerate() {
-                    if libc::dup2(m, first + i as RawFd) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
-        Ok(())
-    }
-
-    async fn close_after_start(&self) {
-        self.inner.close_after_start().await
+        failure::error(op, id, e, &self.log, || self.knows(id))
     }
 }
 
@@ -481,167 +318,12 @@ fn retype<A: serde::Serialize, B: serde::de::DeserializeOwned>(value: &A) -> Res
         .map_err(|e| Error::InvalidArgument(format!("spec not accepted by runc client: {e}")))
 }
 
-/// The message of the last `"level":"error"` line in runc's JSON log.
-fn last_log_error(log: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(log).ok()?;
-    text.lines().rev().find_map(|line| {
-        let v: serde_json::Value = serde_json::from_str(line).ok()?;
-        (v.get("level")?.as_str()? == "error").then(|| v.get("msg")?.as_str().map(String::from))?
-    })
-}
-
-/// A kill that finds the container's init dead but not yet reaped: runc
-/// says "container not running". runc-v2 answers NotFound there ("process
-/// already finished", `checkKillError`), and ctr takes NotFound for a task
-/// that is already gone; a paused or otherwise wrong state stays what it is.
-fn finished_is_not_found(e: Error) -> Error {
-    match e {
-        Error::Runc {
-            op,
-            id,
-            message,
-            kind: RuncFailure::WrongState,
-        } if message
-            .to_ascii_lowercase()
-            .contains("container not running") =>
-        {
-            Error::Runc {
-                op,
-                id,
-                message: format!("process already finished: {message}"),
-                kind: RuncFailure::NotFound,
-            }
-        }
-        e => e,
-    }
-}
-
-/// Commands that make the container they name: runc keeps no state for it
-/// until they succeed, so its absence means nothing.
-fn makes_container(op: &str) -> bool {
-    matches!(op, "create" | "run")
-}
-
-/// libcontainer's words for "no such container" (`ErrNotExist`).
-const NOT_EXIST: &[&str] = &["container does not exist"];
-/// … for "that id is taken" (`ErrExist`).
-const EXIST: &[&str] = &["container with given id already exists"];
-/// … for a container in the wrong state: `ErrNotRunning`, `ErrPaused`,
-/// `ErrNotPaused`, `ErrRunning`, and the state checks of runc's start,
-/// exec, delete and kill.
-const WRONG_STATE: &[&str] = &[
-    "container not running",
-    "container paused",
-    "container not paused",
-    "container still running",
-    "cannot start an already running container",
-    "cannot start a container that has stopped",
-    "cannot start a container in the ",
-    "cannot exec in a stopped container",
-    "cannot exec in a paused container",
-    "that is not stopped",
-    "container process is already dead",
-];
-/// How runc reports that the process the spec names could not be started
-/// (runc ≥ 1.1, and the wording before it).
-const PROCESS_START: &[&str] = &[
-    "unable to start container process",
-    "starting container process caused",
-];
-/// … and the reasons that are the spec's fault: no such binary or path,
-/// not executable, a cwd that is not there.
-const SPEC_FAULT: &[&str] = &[
-    "executable file not found",
-    "no such file or directory",
-    "permission denied",
-    "chdir to cwd",
-];
-
-/// What runc's message means for the caller of `op`, read against the
-/// messages runc itself produces (libcontainer's error values and its
-/// commands' checks), not against loose words.
-pub fn classify(op: &str, message: &str) -> RuncFailure {
-    let m = message.to_ascii_lowercase();
-    let says = |phrases: &[&str]| phrases.iter().any(|p| m.contains(p));
-    if says(NOT_EXIST) {
-        RuncFailure::NotFound
-    } else if says(EXIST) {
-        RuncFailure::AlreadyExists
-    } else if says(WRONG_STATE) {
-        RuncFailure::WrongState
-    } else if matches!(op, "create" | "run" | "exec") && says(PROCESS_START) && says(SPEC_FAULT) {
-        RuncFailure::BadSpec
-    } else {
-        RuncFailure::Other
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::ExitStatus;
+
     use super::*;
-
-    #[test]
-    fn classifies_runc_messages() {
-        // What runc 1.1 says, verbatim.
-        let missing_binary = "runc create failed: unable to start container process: exec: \"nope\": executable file not found in $PATH";
-        assert_eq!(classify("create", missing_binary), RuncFailure::BadSpec);
-        assert_eq!(
-            classify(
-                "exec",
-                "exec failed: unable to start container process: exec: \"/etc\": permission denied"
-            ),
-            RuncFailure::BadSpec
-        );
-        assert_eq!(
-            classify("kill", "container does not exist"),
-            RuncFailure::NotFound
-        );
-        assert_eq!(
-            classify("create", "container with given ID already exists"),
-            RuncFailure::AlreadyExists
-        );
-        for wrong_state in [
-            "container not running",
-            "container paused",
-            "container not paused",
-            "container still running",
-            "cannot exec in a stopped container",
-            "cannot start an already running container",
-            "cannot delete container c1 that is not stopped: running",
-        ] {
-            assert_eq!(
-                classify("kill", wrong_state),
-                RuncFailure::WrongState,
-                "{wrong_state}"
-            );
-        }
-        assert_eq!(classify("create", "something else"), RuncFailure::Other);
-    }
-
-    #[test]
-    fn loose_words_are_not_a_classification() {
-        // Before: any "permission denied", "stopped" or "already" decided.
-        // A cgroup that cannot be written is not the caller's bad spec, and
-        // a message that merely mentions stopping is not a state error.
-        assert_eq!(
-            classify("create", "runc create failed: unable to apply cgroup configuration: mkdir /sys/fs/cgroup/x: permission denied"),
-            RuncFailure::Other
-        );
-        assert_eq!(
-            classify("kill", "the shim stopped waiting"),
-            RuncFailure::Other
-        );
-        assert_eq!(classify("pause", "already handled"), RuncFailure::Other);
-        // A process that cannot start only blames the spec for commands
-        // that start one.
-        assert_eq!(
-            classify(
-                "update",
-                "unable to start container process: no such file or directory"
-            ),
-            RuncFailure::Other
-        );
-    }
 
     fn client_with(binary: &str, root: &Path, bundle: &Path) -> RuncClient {
         let mut config = Config::default();
@@ -817,71 +499,5 @@ mod tests {
         let e = read_pid(&p).unwrap_err();
         assert_eq!(e.code(), containerd_shim_protos::ttrpc::Code::INTERNAL);
         assert!(e.to_string().contains(&p.display().to_string()), "{e}");
-    }
-
-    #[test]
-    fn reads_last_error_from_json_log() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("log.json");
-        std::fs::write(
-            &p,
-            "{\"level\":\"error\",\"msg\":\"first\"}\n{\"level\":\"info\",\"msg\":\"x\"}\n{\"level\":\"error\",\"msg\":\"second\"}\n{\"level\":\"warning\",\"msg\":\"y\"}\n",
-        )
-        .unwrap();
-        assert_eq!(last_log_error(&p).as_deref(), Some("second"));
-        assert_eq!(last_log_error(&dir.path().join("none")), None);
-    }
-
-    #[tokio::test]
-    async fn spawner_reports_exit_code_through_router() {
-        let router = Arc::new(ExitRouter::default());
-        let spawner = ReapedSpawner {
-            router: router.clone(),
-        };
-        let mut cmd = Command::new("/bin/sh");
-        cmd.args(["-c", "echo out; echo err >&2; exit 3"])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        // In the test there is no shim reaper: reap it ourselves and route.
-        // Only our `sh`: other tests of this binary run children of their
-        // own at the same time (a look without reaping first, WNOWAIT).
-        let reaper = {
-            let router = router.clone();
-            tokio::spawn(async move {
-                use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
-                loop {
-                    let seen = waitid(
-                        Id::All,
-                        WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
-                    );
-                    let ours = match seen {
-                        Ok(WaitStatus::Exited(pid, _)) => {
-                            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                                .is_ok_and(|c| c.trim() == "sh")
-                                .then_some(pid)
-                        }
-                        _ => None,
-                    };
-                    let reaped = ours.map(|pid| waitpid(pid, None));
-                    match reaped {
-                        Some(Ok(WaitStatus::Exited(pid, code))) => {
-                            router.deliver(crate::exits::Exit {
-                                pid: pid.as_raw(),
-                                status: code,
-                                at: std::time::SystemTime::now(),
-                            });
-                            return;
-                        }
-                        _ => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
-                    }
-                }
-            })
-        };
-        let (status, pid, out, err) = spawner.execute(cmd).await.unwrap();
-        reaper.await.unwrap();
-        assert!(pid > 0);
-        assert_eq!(status.code(), Some(3));
-        assert_eq!(out, "out\n");
-        assert_eq!(err, "err\n");
     }
 }
