@@ -4,7 +4,7 @@
 //! pair directory with the election lock and the notify socket, the GMS
 //! socket directory, and the four `SHADOW_*`/`NOTIFY_SOCKET`/`GMS_*`
 //! variables. The pair's resource limits move to a parent cgroup (see
-//! `cgroup.rs`), so each engine keeps only its device rules.
+//! `cgroup/`), so each engine keeps only its device rules.
 //!
 //! The derivation works on the JSON value rather than on typed `oci_spec`
 //! structs so that fields this shim does not know survive untouched.

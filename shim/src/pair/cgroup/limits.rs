@@ -1,92 +1,41 @@
-//! The pair's cgroup: the spec's resource limits apply to the pair as a
-//! whole, so they go on a parent cgroup (the spec's `cgroupsPath`) and each
-//! engine runs in a child (`s0`, `s1`) that runc creates without limits.
-//! Made, limited (at Create and by Update), read for stats and removed
-//! through cgroups-rs, on cgroup v1 and v2 alike. The limits are written
-//! with cgroups-rs's per-controller setters rather than `Cgroup::apply`
-//! (which drops memory errors) or containerd-shim's `update_resources`
-//! (which writes shares as a v2 weight and `-1` pids as a number), so a
-//! refused value fails with the setting's name.
+//! The spec's resource limits written into the pair's cgroup, at Create
+//! and by Update: `linux.resources` translated, setting by setting, into
+//! cgroups-rs's per-controller setters, on cgroup v1 and v2 alike, in
+//! runc's order and with runc's conversions. Not `Cgroup::apply` (which
+//! drops memory errors) nor containerd-shim's `update_resources` (which
+//! writes shares as a v2 weight and `-1` pids as a number), so a refused
+//! value fails with the setting's name. Only that translation belongs
+//! here; the cgroup's tree is `tree`'s.
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
 use cgroups_rs::fs::blkio::BlkIoController;
 use cgroups_rs::fs::cpu::CpuController;
 use cgroups_rs::fs::cpuset::CpuSetController;
-use cgroups_rs::fs::freezer::FreezerController;
 use cgroups_rs::fs::hugetlb::HugeTlbController;
 use cgroups_rs::fs::memory::MemController;
 use cgroups_rs::fs::pid::PidController;
 use cgroups_rs::fs::{Cgroup, Controller, MaxValue};
-use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use oci_spec::runtime::{LinuxBlockIo, LinuxCpu, LinuxMemory, LinuxResources};
-use serde_json::Value;
 
+use super::tree::{failed, LEAVES, UNIFIED_ROOT};
 use crate::error::{Error, Result};
-use shadow_pair::SlotId;
 
-/// How long removal retries while the last engine processes leave.
-const REMOVE_WAIT: Duration = Duration::from_secs(2);
-/// Where cgroup v2 is mounted on a v2 host.
-const UNIFIED_ROOT: &str = "/sys/fs/cgroup";
-/// How long Pause waits for every engine process to be frozen.
-const FREEZE_WAIT: Duration = Duration::from_secs(5);
-/// cgroup v1 hosts in hybrid mode also mount cgroup2 here.
-const HYBRID_UNIFIED: &str = "/sys/fs/cgroup/unified";
-
-/// The leaf gmsd runs in, beside the engines' `s0` and `s1`: its memory
-/// (the weights) is charged to the pair, under the pod's limit.
-pub const GMS_LEAF: &str = "gms";
-
-/// The pair's parent cgroup, as created.
-#[derive(Debug)]
-pub struct PairCgroup {
+/// The pair's cgroup as its limits see it: the cgroup written, and its
+/// path for the messages.
+pub struct Limits<'a> {
     /// `cgroupsPath` of the pair (`/ns/id`).
-    pub path: String,
-    cgroup: Cgroup,
-    /// The engines' cgroups below it (`s0`, `s1`), as runc makes them.
-    engines: [(String, Cgroup); 2],
+    pub path: &'a str,
+    /// The pair's own cgroup (both engines and gmsd are below it).
+    pub cgroup: &'a Cgroup,
 }
 
-impl PairCgroup {
-    /// Create the parent and write the spec's limits into it.
-    pub fn create(path: &str, resources: Option<&Value>) -> Result<Self> {
-        let cg = PairCgroup::open(path);
-        let resources = resources
-            .map(|r| serde_json::from_value::<LinuxResources>(r.clone()))
-            .transpose()
-            .map_err(|e| Error::InvalidArgument(format!("linux.resources of {path}: {e}")))?;
-        cg.cgroup
-            .create()
-            .map_err(|e| failed(format!("creating pair cgroup {path}"), e))?;
-        if let Some(r) = resources {
-            if let Err(e) = cg.update(&r) {
-                cg.remove_blocking(Duration::ZERO);
-                return Err(e);
-            }
-        }
-        Ok(cg)
-    }
-
-    /// The pair cgroup at `path` as a dead shim left it, for its removal.
-    pub fn open(path: &str) -> Self {
-        PairCgroup {
-            path: path.to_string(),
-            cgroup: crate::stats::at(path),
-            engines: SlotId::BOTH.map(|slot| {
-                let p = super::spec::engine_cgroup(path, slot);
-                let cg = crate::stats::at(&p);
-                (p, cg)
-            }),
-        }
-    }
-
+impl Limits<'_> {
     /// Apply `r` to the pair (both engines are below it). Values left out,
     /// or 0, keep what the cgroup has.
     pub fn update(&self, r: &LinuxResources) -> Result<()> {
         let what = |s: String| format!("pair cgroup {}: setting {s}", self.path);
-        let cg = &self.cgroup;
+        let cg = self.cgroup;
         if let (Some(m), Some(mc)) = (r.memory(), cg.controller_of::<MemController>()) {
             set_memory(mc, m, cg.v2()).map_err(|(s, e)| failed(what(s), e))?;
         }
@@ -164,7 +113,7 @@ impl PairCgroup {
         let children: Vec<Cgroup> = if self.cgroup.v2() {
             Vec::new()
         } else {
-            ["s0", "s1", GMS_LEAF]
+            LEAVES
                 .iter()
                 .map(|s| crate::stats::at(&format!("{}/{s}", self.path)))
                 .filter(Cgroup::exists)
@@ -222,156 +171,9 @@ impl PairCgroup {
         }
         Ok(())
     }
-
-    /// Watch the pair for OOM events (both engines are below it, and the
-    /// spec's memory limit is on it); `on_oom` runs for each.
-    pub fn watch_oom(
-        &self,
-        on_oom: impl Fn() + Send + 'static,
-    ) -> Result<Option<tokio::task::JoinHandle<()>>> {
-        crate::oom::watch(&self.cgroup, on_oom)
-    }
-
-    /// Freeze both engines (Pause): the cgroups of the engines (`s0`,
-    /// `s1`), not the pair's own, whose gmsd leaf keeps serving (the
-    /// supervisor polls its status). The freezer is hierarchical, so every
-    /// process of an engine freezes. Returns once all are frozen; a freeze
-    /// that does not complete is undone.
-    pub async fn freeze(&self) -> Result<()> {
-        let engines = self.engine_freezers()?;
-        for (path, fc) in &engines {
-            if let Err(e) = fc.freeze() {
-                self.thaw_all(&engines);
-                return Err(failed(format!("freezing engine cgroup {path}"), e));
-            }
-        }
-        let deadline = Instant::now() + FREEZE_WAIT;
-        while !engines.iter().all(|(_, fc)| self.frozen(fc)) {
-            if Instant::now() >= deadline {
-                self.thaw_all(&engines);
-                return Err(Error::Internal {
-                    what: format!("freezing the engines of pair cgroup {}", self.path),
-                    reason: format!("not frozen after {FREEZE_WAIT:?}; thawed again"),
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        Ok(())
-    }
-
-    /// Thaw both engines (Resume, or Kill of a paused pair).
-    pub fn thaw(&self) -> Result<()> {
-        for (path, fc) in self.engine_freezers()? {
-            fc.thaw()
-                .map_err(|e| failed(format!("thawing engine cgroup {path}"), e))?;
-        }
-        Ok(())
-    }
-
-    fn thaw_all(&self, engines: &[(String, &FreezerController)]) {
-        for (path, fc) in engines {
-            if let Err(e) = fc.thaw() {
-                log::warn!("thawing engine cgroup {path}: {e}");
-            }
-        }
-    }
-
-    /// The freezers of the engines' cgroups that exist now (a slot between
-    /// two engines has none).
-    fn engine_freezers(&self) -> Result<Vec<(String, &FreezerController)>> {
-        let mut out = Vec::new();
-        for (path, cg) in &self.engines {
-            let fc = cg.controller_of::<FreezerController>().ok_or_else(|| {
-                Error::FailedPrecondition(format!(
-                    "engine cgroup {path}: no freezer controller to pause the pair with"
-                ))
-            })?;
-            if fc.path().is_dir() {
-                out.push((path.clone(), fc));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Whether the freeze has completed: v1 says FROZEN (not FREEZING);
-    /// v2's `cgroup.events` says `frozen 1`.
-    fn frozen(&self, fc: &FreezerController) -> bool {
-        if self.cgroup.v2() {
-            crate::stats::keyed(fc.path(), "cgroup.events").get("frozen") == Some(&1)
-        } else {
-            matches!(fc.state(), Ok(cgroups_rs::FreezerState::Frozen))
-        }
-    }
-
-    /// Create the pair's gmsd leaf ([`GMS_LEAF`]) and return the
-    /// `cgroup.procs` files a process writes itself into to join it (one
-    /// per hierarchy on cgroup v1, one on v2).
-    pub fn gms_leaf(&self) -> Result<Vec<PathBuf>> {
-        let path = format!("{}/{GMS_LEAF}", self.path);
-        let leaf = crate::stats::at(&path);
-        leaf.create()
-            .map_err(|e| failed(format!("creating gmsd's cgroup {path}"), e))?;
-        let mut files: Vec<PathBuf> = leaf
-            .subsystems()
-            .iter()
-            .map(|s| s.to_controller().path().join("cgroup.procs"))
-            .collect();
-        files.sort();
-        files.dedup();
-        Ok(files)
-    }
-
-    /// The pair's metrics: its cgroup holds both engines.
-    pub fn stats(&self) -> Result<Any> {
-        crate::stats::collect(&self.cgroup)
-    }
-
-    /// Remove the parent (and children runc left), retrying while processes
-    /// are still leaving; logs what would not go.
-    pub async fn remove(self) {
-        // cgroups-rs sleeps between its own retries: off the runtime thread.
-        let _ = tokio::task::spawn_blocking(move || self.remove_blocking(REMOVE_WAIT)).await;
-    }
-
-    fn remove_blocking(&self, wait: Duration) {
-        let deadline = Instant::now() + wait;
-        let children =
-            ["s0", "s1", GMS_LEAF].map(|s| crate::stats::at(&format!("{}/{s}", self.path)));
-        // A hybrid host's cgroup2 mount, where runc puts the engines too:
-        // not one of cgroups-rs's v1 hierarchies.
-        let hybrid = Path::new(HYBRID_UNIFIED).join(self.path.trim_start_matches('/'));
-        let hybrid = [hybrid.join("s0"), hybrid.join("s1"), hybrid];
-        loop {
-            let mut left = Vec::new();
-            for cg in children.iter().chain([&self.cgroup]) {
-                if let Err(e) = cg.delete() {
-                    left.push(format!("{}: {e}", cg.path()));
-                }
-            }
-            for d in hybrid.iter().filter(|d| !self.cgroup.v2() && d.is_dir()) {
-                if let Err(e) = std::fs::remove_dir(d) {
-                    left.push(format!("{}: {e}", d.display()));
-                }
-            }
-            if left.is_empty() {
-                return;
-            }
-            if Instant::now() >= deadline {
-                log::warn!("pair cgroup {}: could not remove {left:?}", self.path);
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
 }
 
 type SetResult = std::result::Result<(), (String, cgroups_rs::fs::error::Error)>;
-
-fn failed(what: String, e: cgroups_rs::fs::error::Error) -> Error {
-    use std::error::Error as _;
-    let reason = e.source().map_or_else(|| e.to_string(), |s| s.to_string());
-    Error::Internal { what, reason }
-}
 
 /// OCI: a positive count, else (negative) no limit.
 fn pids_max(limit: i64) -> MaxValue {
@@ -522,6 +324,8 @@ fn set_cpu(cg: &Cgroup, c: &LinuxCpu) -> SetResult {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{read, root};
+    use super::super::PairCgroup;
     use super::*;
     use serde_json::json;
 
@@ -532,91 +336,6 @@ mod tests {
         assert_eq!(weight_of_shares(262_144), 10_000);
         assert_eq!(pids_max(20), MaxValue::Value(20));
         assert_eq!(pids_max(-1), MaxValue::Max);
-    }
-
-    #[test]
-    fn a_resources_object_that_is_not_oci_is_refused() {
-        let e = PairCgroup::create("/shadow-test/never", Some(&json!({"memory": 5}))).unwrap_err();
-        assert!(e.to_string().contains("linux.resources"), "{e}");
-    }
-
-    fn root() -> bool {
-        nix::unistd::Uid::effective().is_root()
-    }
-
-    fn read(cg: &PairCgroup, ctrl: &str, v1_file: &str, v2_file: &str) -> String {
-        let (dir, file) = if cg.cgroup.v2() {
-            (std::path::PathBuf::from("/sys/fs/cgroup"), v2_file)
-        } else {
-            (std::path::Path::new("/sys/fs/cgroup").join(ctrl), v1_file)
-        };
-        let p = dir.join(cg.path.trim_start_matches('/')).join(file);
-        std::fs::read_to_string(&p)
-            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-            .trim()
-            .to_string()
-    }
-
-    /// Create → limits → Update → stats → remove, on a real cgroup under a
-    /// test-owned path (root only; skipped otherwise).
-    #[tokio::test]
-    #[ignore = "needs root: `make test` runs it (--include-ignored)"]
-    async fn a_real_pair_cgroup_is_limited_updated_read_and_removed() {
-        assert!(root(), "this test makes real cgroups: run it as root");
-        let path = format!("/shadow-unit-{}/pair", std::process::id());
-        let spec = json!({"memory": {"limit": 67108864}, "pids": {"limit": 20},
-                          "cpu": {"quota": 50000, "period": 100000, "shares": 512},
-                          "devices": [{"allow": false, "access": "rwm"}]});
-        let cg = PairCgroup::create(&path, Some(&spec)).expect("create");
-        let v2 = cg.cgroup.v2();
-        let mem = |cg: &PairCgroup| read(cg, "memory", "memory.limit_in_bytes", "memory.max");
-        assert_eq!(mem(&cg), "67108864");
-        assert_eq!(read(&cg, "pids", "pids.max", "pids.max"), "20");
-        assert_eq!(
-            read(&cg, "cpu", "cpu.shares", "cpu.weight"),
-            if v2 { "20" } else { "512" }
-        );
-        if !v2 {
-            assert_eq!(read(&cg, "cpu", "cpu.cfs_quota_us", ""), "50000");
-        }
-
-        let update: LinuxResources = serde_json::from_value(json!({
-            "memory": {"limit": 134217728}, "pids": {"limit": -1}, "cpu": {"quota": 20000}
-        }))
-        .unwrap();
-        cg.update(&update).expect("update");
-        assert_eq!(mem(&cg), "134217728");
-        assert_eq!(read(&cg, "pids", "pids.max", "pids.max"), "max");
-        if v2 {
-            assert_eq!(read(&cg, "", "", "cpu.max"), "20000 100000");
-        } else {
-            assert_eq!(read(&cg, "cpu", "cpu.cfs_quota_us", ""), "20000");
-        }
-
-        // A limit the kernel refuses names the setting.
-        let bad: LinuxResources =
-            serde_json::from_value(json!({"cpu": {"quota": 500, "period": 10}})).unwrap();
-        let e = cg.update(&bad).unwrap_err().to_string();
-        assert!(e.contains(&path) && e.contains("cpu quota/period"), "{e}");
-
-        let any = cg.stats().expect("stats");
-        let url = if v2 { "v2" } else { "v1" };
-        assert_eq!(any.type_url, format!("io.containerd.cgroups.{url}.Metrics"));
-
-        // On a hybrid host runc also makes the engines' cgroups in cgroup2.
-        let top = format!("/shadow-unit-{}", std::process::id());
-        let hybrid = Path::new(HYBRID_UNIFIED).join(&top[1..]);
-        let made_hybrid = !v2 && std::fs::create_dir_all(hybrid.join("pair/s0")).is_ok();
-        let left = cg.cgroup.clone();
-        cg.remove().await;
-        assert!(!left.exists(), "pair cgroup left");
-        assert!(!hybrid.join("pair").exists(), "hybrid cgroup2 dir left");
-        if made_hybrid {
-            std::fs::remove_dir(&hybrid).expect("remove the test's hybrid dir");
-        }
-        crate::stats::at(&top)
-            .delete()
-            .expect("remove the test's top cgroup");
     }
 
     /// A block device of this machine (`major:minor`), for throttles.
