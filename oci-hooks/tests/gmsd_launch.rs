@@ -5,11 +5,16 @@
 //! detached one; `poststop` keeps a pair directory while its lock is held.
 
 use serde_json::Value;
+use shadow_wait::until;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const HOOK: &str = env!("CARGO_BIN_EXE_shadow-oci-hook");
+/// How long gmsd may take at most to answer on its socket (a bound, not a wait).
+const LIMIT: Duration = Duration::from_secs(20);
+/// How often a wait on gmsd looks again.
+const STEP: Duration = Duration::from_millis(5);
 
 fn gmsd() -> PathBuf {
     let p = Path::new(HOOK).with_file_name("gmsd");
@@ -19,17 +24,6 @@ fn gmsd() -> PathBuf {
         p.display()
     );
     p
-}
-
-fn until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 fn status_pid(sock: &Path) -> Option<u64> {
@@ -92,7 +86,9 @@ fn unit_exec_start_runs_gmsd_in_place_and_stops_on_sigterm() {
         .stderr(Stdio::null());
     let mut child = Child(cmd.spawn().expect("spawn ExecStart"));
     let sock = root.join("unit-pair/gms/gms-host.sock");
-    let pid = until("gmsd socket from ExecStart", || status_pid(&sock));
+    let pid = until("gmsd socket from ExecStart", LIMIT, STEP, || {
+        status_pid(&sock)
+    });
     assert_eq!(
         pid,
         child.0.id() as u64,

@@ -27,7 +27,8 @@ mod leftovers;
 pub mod pair;
 mod process;
 mod rootfs;
-pub mod wait;
+
+pub use shadow_wait as wait;
 
 pub use containerd::{
     assert_exit_before_delete, containerd_version, Container, Containerd, ContainerdBuilder,

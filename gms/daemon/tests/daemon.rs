@@ -9,31 +9,23 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gms::client::{self, Client};
 use gms::protocol::{self, ErrorCode, LeaseKind, Mode, Request, Response};
 use gms::status::StatusReport;
 use gms::wire;
 use serde_json::Value;
+use shadow_wait::{poll, until};
 
+/// How long an event in the daemon may take at most (a bound, not a wait).
 const DEADLINE: Duration = Duration::from_secs(20);
+/// How often a wait on the daemon's state looks again.
+const STEP: Duration = Duration::from_millis(5);
 const MIB: u64 = 1 << 20;
 
 fn kill(pid: u32, sig: nix::sys::signal::Signal) {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
-}
-
-/// Polls `cond` until it holds or the deadline passes (then panics with `what`).
-fn wait_for<T>(what: &str, mut cond: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(v) = cond() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 struct Gmsd {
@@ -120,26 +112,24 @@ impl Gmsd {
     /// Waits until the daemon holds exactly the descriptors it had before
     /// its first connection (connection threads close theirs shortly after
     /// the peer does, so this polls with a deadline).
+    #[track_caller]
     fn assert_fds_back_to_idle(&self) {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            let now = self.open_fds();
-            if now == self.idle_fds {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
+        let back = poll(DEADLINE, STEP, || match self.open_fds() {
+            now if now == self.idle_fds => Ok(()),
+            now => Err(now),
+        });
+        if let Err(now) = back {
+            panic!(
                 "daemon holds {now} descriptors, {} when idle",
                 self.idle_fds
             );
-            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
     /// Waits until no connection is open (a closed peer is noticed by the
     /// daemon's connection thread, not synchronously with the close).
     fn wait_idle(&self) -> StatusReport {
-        wait_for("all connections to end", || {
+        until("all connections to end", DEADLINE, STEP, || {
             let s = self.status();
             // The status connection itself is the one left.
             (s.connections == 1).then_some(s)
@@ -280,7 +270,7 @@ fn writer_killed_before_commit_has_everything_discarded() {
     );
     let status = w.sigkill();
     assert_eq!(status.signal(), Some(libc::SIGKILL));
-    let s = wait_for("the writer's lease to end", || {
+    let s = until("the writer's lease to end", DEADLINE, STEP, || {
         let s = gmsd.status();
         s.leases.is_empty().then_some(s)
     });
@@ -300,7 +290,7 @@ fn writer_killed_after_commit_leaves_the_layout_for_a_new_reader() {
     let gmsd = Gmsd::start(&[]);
     let (mut w, written) = writer(&gmsd, 2, "2M", true);
     w.sigkill();
-    let s = wait_for("the writer's lease to end", || {
+    let s = until("the writer's lease to end", DEADLINE, STEP, || {
         let s = gmsd.status();
         s.leases.is_empty().then_some(s)
     });
@@ -321,7 +311,7 @@ fn a_killed_reader_loses_only_its_own_lease() {
     r1.expect("ready");
     r2.expect("ready");
     r1.sigkill();
-    let s = wait_for("two leases left", || {
+    let s = until("two leases left", DEADLINE, STEP, || {
         let s = gmsd.status();
         (s.leases.len() == 2).then_some(s)
     });
@@ -351,7 +341,7 @@ fn a_reader_writing_to_its_mapping_dies_of_sigsegv_alone() {
         written["checksum"],
         "bytes unchanged"
     );
-    let s = wait_for("the vandal's lease to end", || {
+    let s = until("the vandal's lease to end", DEADLINE, STEP, || {
         let s = gmsd.status();
         (s.leases.len() == 2).then_some(s)
     });
@@ -485,7 +475,7 @@ fn an_idle_uncommitted_writer_is_dropped_and_readers_may_stay_silent() {
     ]);
     let (mut stalled, _) = writer(&gmsd, 2, "1M", false);
     assert_eq!(gmsd.status().state, "loading");
-    let s = wait_for("the idle writer to be dropped", || {
+    let s = until("the idle writer to be dropped", DEADLINE, STEP, || {
         let s = gmsd.status();
         (s.state == "empty").then_some(s)
     });
@@ -533,7 +523,7 @@ fn a_peer_is_held_to_its_connection_limit() {
         "{err}"
     );
     drop(held);
-    wait_for("the held connections to close", || {
+    until("the held connections to close", DEADLINE, STEP, || {
         client::status(&gmsd.socket).ok()
     });
     // Two engines fill the total of 2; a third is refused; the supervisor
@@ -614,11 +604,16 @@ fn accept_failing_with_emfile_does_not_spin() {
     let doubling = [
         "10ms", "20ms", "40ms", "80ms", "160ms", "320ms", "640ms", "1s",
     ];
-    wait_for("the accept back-off to reach its ceiling", || {
-        accept_pauses(&log)
-            .contains(&"1s".to_string())
-            .then_some(())
-    });
+    until(
+        "the accept back-off to reach its ceiling",
+        DEADLINE,
+        STEP,
+        || {
+            accept_pauses(&log)
+                .contains(&"1s".to_string())
+                .then_some(())
+        },
+    );
     drop(first);
     let report = queued.join().unwrap().expect("the queued peer is served");
     assert_eq!(report.state, "empty");

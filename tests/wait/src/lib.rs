@@ -1,5 +1,9 @@
-//! Bounded polls on real state: the one place the harness and the tests
-//! wait for something by looking again and again.
+//! Bounded polls on real state: the one place the workspace's tests wait
+//! for something by looking again and again.
+//!
+//! A crate of its own, with no dependencies, so that every crate's tests
+//! can take it (gmsd's, the OCI hook's) and not only those that can afford
+//! the containerd harness, which re-exports it as `shadow_tests::wait`.
 //!
 //! Each poll looks at once, then every `step` until `limit` has passed, and
 //! looks once more at the limit before it gives up; a limit is how long an
