@@ -259,17 +259,23 @@ mod tests {
                 .unwrap()
         });
         let me = std::process::id();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            let text = read_proc_locks().unwrap();
-            // Threads share our tgid: the waiter's pid is ours too.
-            let look = look_in(&text, id, &|pid| (pid == me).then_some(SlotId::ONE));
-            if look.waiting == [false, true] {
-                assert_eq!(look.seen, LockSeen::Held(SlotId::ONE));
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "no waiter in {text}");
-            std::thread::sleep(std::time::Duration::from_millis(5));
+        let found = shadow_wait::poll(
+            std::time::Duration::from_secs(10),
+            std::time::Duration::from_millis(5),
+            || {
+                let text = read_proc_locks().unwrap();
+                // Threads share our tgid: the waiter's pid is ours too.
+                let look = look_in(&text, id, &|pid| (pid == me).then_some(SlotId::ONE));
+                if look.waiting == [false, true] {
+                    Ok(look)
+                } else {
+                    Err(text)
+                }
+            },
+        );
+        match found {
+            Ok(look) => assert_eq!(look.seen, LockSeen::Held(SlotId::ONE)),
+            Err(text) => panic!("no waiter in {text}"),
         }
         drop(held);
         drop(waiter.join().unwrap());

@@ -381,17 +381,8 @@ impl Rig {
 
 /// `f`'s first Some, looked for every 5 ms of the paused clock for
 /// [`LIMIT`]; None after it.
-async fn within<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+async fn within<T>(f: impl FnMut() -> Option<T>) -> Option<T> {
+    shadow_wait::on_tokio::within(LIMIT, Duration::from_millis(5), f).await
 }
 
 #[tokio::test(start_paused = true)]

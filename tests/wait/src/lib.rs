@@ -13,6 +13,10 @@
 //!   up quietly, or whose failure says more than [`until`] would);
 //! - [`poll`]: the value, or the last thing seen instead of it (for a
 //!   failure message or a report about it).
+//!
+//! With the `tokio` feature, [`on_tokio`] has the same polls for async
+//! tests, on tokio's clock: under a paused clock (`start_paused`) a limit
+//! is virtual time, and a test that waits takes no real time.
 
 use std::time::{Duration, Instant};
 
@@ -45,6 +49,64 @@ pub fn until<T>(what: &str, limit: Duration, step: Duration, f: impl FnMut() -> 
     match within(limit, step, f) {
         Some(v) => v,
         None => panic!("timed out after {limit:?} waiting for {what}"),
+    }
+}
+
+/// The same polls for async code, sleeping on tokio's clock.
+#[cfg(feature = "tokio")]
+pub mod on_tokio {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    /// Call `f` every `step` until it returns `Ok`; once `limit` has
+    /// passed, the `Err` of its last call.
+    pub async fn poll<T, E>(
+        limit: Duration,
+        step: Duration,
+        mut f: impl FnMut() -> Result<T, E>,
+    ) -> Result<T, E> {
+        let deadline = Instant::now() + limit;
+        loop {
+            match f() {
+                Ok(v) => return Ok(v),
+                Err(last) if Instant::now() >= deadline => return Err(last),
+                Err(_) => tokio::time::sleep(step).await,
+            }
+        }
+    }
+
+    /// Call `f` every `step` until it returns Some; None once `limit` has
+    /// passed.
+    pub async fn within<T>(
+        limit: Duration,
+        step: Duration,
+        mut f: impl FnMut() -> Option<T>,
+    ) -> Option<T> {
+        poll(limit, step, || f().ok_or(())).await.ok()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[tokio::test(start_paused = true)]
+        async fn a_limit_is_the_clocks_time() {
+            let start = Instant::now();
+            let none = within(Duration::from_secs(3600), Duration::from_secs(1), || {
+                None::<()>
+            })
+            .await;
+            assert_eq!(none, None);
+            assert!(start.elapsed() >= Duration::from_secs(3600));
+            let mut n = 0;
+            let v = within(Duration::from_secs(60), Duration::from_millis(5), || {
+                n += 1;
+                (n == 3).then_some(n)
+            })
+            .await;
+            assert_eq!(v, Some(3));
+        }
     }
 }
 
