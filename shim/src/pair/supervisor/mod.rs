@@ -13,12 +13,13 @@
 //! end publishes exactly one TaskExit; what it is made of goes only at
 //! Delete, by this task, after which it ends.
 //!
-//! `commands.rs` answers the Task service, `inputs.rs` the observers.
+//! `commands.rs` answers the Task service, `inputs.rs` the observers,
+//! `actions.rs` carries out what the pair decides.
 
+mod actions;
 mod commands;
 mod inputs;
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -26,7 +27,7 @@ use std::time::{Duration, SystemTime};
 
 use containerd_shim_protos::events::task::{TaskExit, TaskStart};
 use nix::sys::signal::Signal;
-use shadow_pair::{Action, Event as PairEvent, LockWatch, Pair, SlotId};
+use shadow_pair::{Action, LockWatch, Pair, SlotId};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -373,96 +374,7 @@ impl Supervisor {
         [lock, gms, counters].into_iter().flatten().min()
     }
 
-    /// Carries out actions (and those they lead to); true once the pair is gone.
-    async fn carry_out(&mut self, actions: Vec<Action>) -> bool {
-        let mut queue: VecDeque<Action> = actions.into();
-        while let Some(action) = queue.pop_front() {
-            match action {
-                Action::Spawn { slot } => self.spawn(slot),
-                Action::SpawnAfter { slot, delay } => {
-                    log::info!(
-                        "pair {}: slot {slot} respawns in {} ms",
-                        self.id,
-                        delay.as_millis()
-                    );
-                    let tx = self.tx.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(delay).await;
-                        let _ = tx.send(Input::Backoff { slot }).await;
-                    });
-                }
-                Action::KillAll => {
-                    let sig = match self.stop_signal {
-                        Some(s) if self.pair.is_ending() => {
-                            Signal::try_from(s as i32).unwrap_or(Signal::SIGKILL)
-                        }
-                        _ => Signal::SIGKILL,
-                    };
-                    self.kill_all(sig);
-                }
-                Action::Kill { slot } => {
-                    if let Some(pid) = self.pair.slot(slot).pid {
-                        log::info!("pair {}: slot {slot} pid {pid} killed on arrival", self.id);
-                        self.host.signal(pid, Signal::SIGKILL);
-                    }
-                }
-                Action::RestartGms => {
-                    if let Some(g) = self.made.gms.as_mut() {
-                        match g.restart().await {
-                            Ok(()) => g.watch(&self.router, &self.tx),
-                            Err(e) => {
-                                // A failed cold restart, judged by the
-                                // restart budget: backoff, then a crash
-                                // loop. The spawns queued behind this are
-                                // killed as they land.
-                                log::error!("pair {}: restarting gmsd: {e}", self.id);
-                                let now = self.clock.now();
-                                queue.extend(self.pair.handle(PairEvent::GmsStartFailed, now));
-                            }
-                        }
-                    }
-                }
-                Action::RestartGmsAfter { delay } => {
-                    log::warn!(
-                        "pair {}: cold restart in {} ms (restart backoff)",
-                        self.id,
-                        delay.as_millis()
-                    );
-                    let tx = self.tx.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(delay).await;
-                        let _ = tx.send(Input::ColdRestartDue).await;
-                    });
-                }
-                Action::Promoted(p) => self.publisher.record(p),
-                Action::Exit { status } => {
-                    self.finish(status).await;
-                    return true;
-                }
-            }
-        }
-        false
-    }
-
-    /// Start the engine of `slot` in the background; `Input::Spawned` reports it.
-    fn spawn(&mut self, slot: SlotId) {
-        let generation = self.pair.slot(slot).generation;
-        self.spawned_at[slot.index()] = Instant::now();
-        let host = self.host.clone();
-        let tx = self.tx.clone();
-        tokio::spawn(async move {
-            let result = host.spawn(slot).await.map_err(|e| e.to_string());
-            let _ = tx
-                .send(Input::Spawned {
-                    slot,
-                    generation,
-                    result,
-                })
-                .await;
-        });
-    }
-
-    async fn finish(&mut self, status: u32) {
+    pub(super) async fn finish(&mut self, status: u32) {
         self.output.close();
         let copiers = std::mem::take(&mut self.copiers);
         let _ = tokio::time::timeout(OUTPUT_DRAIN, async {
