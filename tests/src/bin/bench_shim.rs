@@ -111,7 +111,7 @@ fn run(runs: usize) -> Result<(), Box<dyn std::error::Error>> {
     for rt in runtimes {
         match shim_rss(&cd, rt) {
             Ok(list) if !list.is_empty() => {
-                for (pid, kib) in list {
+                for (pid, kib, anon, file) in list {
                     let verdict = if rt == Runtime::Shadow {
                         if kib <= TARGET_RSS_KIB {
                             " (target <= 8 MiB: met)"
@@ -121,10 +121,13 @@ fn run(runs: usize) -> Result<(), Box<dyn std::error::Error>> {
                     } else {
                         ""
                     };
+                    let mib = |k: Option<u64>| k.map_or("?".into(), |k| format!("{:.2}", k as f64 / 1024.0));
                     println!(
-                        "{:<26} shim pid {pid}: VmRSS {:.2} MiB{verdict}",
+                        "{:<26} shim pid {pid}: VmRSS {:.2} MiB (anonymous {}, file {}){verdict}",
                         rt.shim_binary(),
-                        kib as f64 / 1024.0
+                        kib as f64 / 1024.0,
+                        mib(anon),
+                        mib(file),
                     );
                 }
             }
@@ -154,7 +157,10 @@ fn once(cd: &Containerd, rt: Runtime, id: &str) -> Result<Duration, String> {
 }
 
 /// Start an idle container, read VmRSS of the shim(s) serving it, stop it.
-fn shim_rss(cd: &Containerd, rt: Runtime) -> Result<Vec<(i32, u64)>, Box<dyn std::error::Error>> {
+/// Each shim's pid, VmRSS, RssAnon and RssFile (KiB).
+type Rss = (i32, u64, Option<u64>, Option<u64>);
+
+fn shim_rss(cd: &Containerd, rt: Runtime) -> Result<Vec<Rss>, Box<dyn std::error::Error>> {
     let id = format!("rss-{}", rt.shim_binary());
     let mut run = cd
         .container(rt, &id)
@@ -168,13 +174,15 @@ fn shim_rss(cd: &Containerd, rt: Runtime) -> Result<Vec<(i32, u64)>, Box<dyn std
             cmdline.contains(&format!("-id {id} ")) || cmdline.ends_with(&format!("-id {id}"));
         if cmdline.contains(rt.shim_binary()) && serves_it && Some(pid as u32) != cd.pid() {
             let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-            if let Some(kib) = status
-                .lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-            {
-                found.push((pid, kib));
+            let field = |name: &str| -> Option<u64> {
+                status
+                    .lines()
+                    .find(|l| l.starts_with(name))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse().ok())
+            };
+            if let Some(kib) = field("VmRSS:") {
+                found.push((pid, kib, field("RssAnon:"), field("RssFile:")));
             }
         }
     }
