@@ -121,7 +121,9 @@ fn run(runs: usize) -> Result<(), Box<dyn std::error::Error>> {
                     } else {
                         ""
                     };
-                    let mib = |k: Option<u64>| k.map_or("?".into(), |k| format!("{:.2}", k as f64 / 1024.0));
+                    let mib = |k: Option<u64>| {
+                        k.map_or("?".into(), |k| format!("{:.2}", k as f64 / 1024.0))
+                    };
                     println!(
                         "{:<26} shim pid {pid}: VmRSS {:.2} MiB (anonymous {}, file {}){verdict}",
                         rt.shim_binary(),
