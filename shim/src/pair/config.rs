@@ -21,9 +21,10 @@ pub enum GmsMode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PairConfig {
-    /// Per-pair directories: `<state_dir>/<namespace>/<id>/`.
+    /// Per-pair directories: `<state_dir>/<key>/<namespace>/<id>/`, `<key>`
+    /// the containerd's (`shadow_contract::host::containerd_key`).
     pub state_dir: PathBuf,
-    /// Prometheus textfiles: `<metrics_dir>/shadow-<namespace>-<id>.prom`.
+    /// Prometheus textfiles: `<metrics_dir>/shadow-<key>-<namespace>-<id>.prom`.
     pub metrics_dir: PathBuf,
     /// The `gmsd` binary; empty: next to the shim binary, else on PATH.
     pub gmsd: String,
