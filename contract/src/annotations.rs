@@ -14,6 +14,7 @@
 use std::fmt;
 
 pub use crate::error::AnnotationError;
+use crate::hang;
 use crate::listen::{self, Listen};
 
 /// The prefix every key here lives under (also what a CRI runtime passes
@@ -36,6 +37,39 @@ pub const LISTEN: &str = listen::KEY;
 
 /// Every key of the set.
 pub const KEYS: [&str; 6] = [PAIR, GMS, SHADOW, PAIR_NAME, SLOT, LISTEN];
+
+// Hang detection (issue 22), parsed by [`crate::hang::HangSettings`], which
+// spells the keys because its errors name them.
+
+/// The systemd watchdog interval every engine gets as `WATCHDOG_USEC`
+/// (`100ms`, `2s`; at least 50ms). Config key `pair.watchdog`.
+pub const WATCHDOG: &str = hang::WATCHDOG;
+/// The probe the shim runs against the serving engine:
+/// `http://<host>:<port>[/<path>]` (healthy: a 2xx status) or
+/// `tcp://<host>:<port>` (healthy: the connect succeeds).
+pub const PROBE: &str = hang::PROBE;
+/// From one probe's start to the next's (default 1s, at least 50ms).
+pub const PROBE_PERIOD: &str = hang::PROBE_PERIOD;
+/// How long one probe may take (default and most: the period).
+pub const PROBE_TIMEOUT: &str = hang::PROBE_TIMEOUT;
+/// Probe failures in a row that end the serving engine (default 3, 1 to 100).
+pub const PROBE_FAILURES: &str = hang::PROBE_FAILURES;
+/// How long an engine may take to park or serve before it is ended as an
+/// early death (default 1h; `EXTEND_TIMEOUT_USEC=` extends it).
+pub const START_TIMEOUT: &str = hang::START_TIMEOUT;
+
+/// The hang-detection keys. Not yet in [`KEYS`]: until the shim acts on
+/// them, [`Annotations::parse`] refuses them as unknown keys, so that no
+/// one believes an engine watched when it is not. Wiring them in adds
+/// them to `KEYS` and hands them to [`crate::hang::HangSettings::parse`].
+pub const HANG_KEYS: [&str; 6] = [
+    WATCHDOG,
+    PROBE,
+    PROBE_PERIOD,
+    PROBE_TIMEOUT,
+    PROBE_FAILURES,
+    START_TIMEOUT,
+];
 
 fn bad(key: &str, value: &str, allowed: &str) -> AnnotationError {
     AnnotationError {

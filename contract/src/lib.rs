@@ -12,6 +12,8 @@
 //!   the GMS sockets are inside a container;
 //! - [`host`]: where a pair's files are on the host, per containerd;
 //! - [`annotations`]: the `shadow.dev/` keys, one set that both paths parse;
+//! - [`hang`]: the values of the hang-detection knobs (watchdog, probe,
+//!   start timeout), typed and validated;
 //! - [`listen`]: the pair's listening sockets (`shadow.dev/listen`) and
 //!   the engine's side of taking them (`LISTEN_FDS`);
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
@@ -28,6 +30,7 @@
 pub mod annotations;
 pub mod env;
 mod error;
+pub mod hang;
 pub mod host;
 pub mod listen;
 pub mod oci;
