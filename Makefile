@@ -19,6 +19,8 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := build
 
 CARGO  ?= cargo
+# Where cargo builds: $CARGO_TARGET_DIR when set, as cargo itself honours it.
+TARGET := $(or $(CARGO_TARGET_DIR),target)
 PREFIX ?= /usr/local
 BINDIR := $(PREFIX)/bin
 
@@ -32,7 +34,7 @@ DEB_PACKAGES := containerd runc busybox-static podman bsdutils procps util-linux
 # GMS daemon the shim starts per pair, and the OCI hook for other runtimes.
 # Taken from $(INSTALL_FROM); cargo runs only when one of them is missing.
 INSTALL_BINS := containerd-shim-shadow-v1 shadowctl gmsd shadow-oci-hook
-INSTALL_FROM ?= target/release
+INSTALL_FROM ?= $(TARGET)/release
 # The shim's config file; installed only where none exists yet.
 CONFDIR ?= /etc/containerd
 
@@ -86,13 +88,13 @@ test: deps lint build
 DEMO_MIB ?= 256
 demo: deps check-cargo
 	$(CARGO) build -q --release -p shadow-shim -p gmsd -p shadow-engine -p failover-bench
-	./target/release/failover-bench --mib $(DEMO_MIB) --arms cold,gms,shadow --out target/shadow-bench
+	$(TARGET)/release/failover-bench --mib $(DEMO_MIB) --arms cold,gms,shadow --out $(TARGET)/shadow-bench
 
 # The ratio at 2 GiB of weights, and 5 closely spaced kills (repeated failures).
 bench-recovery: deps check-cargo
 	$(CARGO) build -q --release -p shadow-shim -p gmsd -p shadow-engine -p failover-bench
-	./target/release/failover-bench --mib 2048 --out target/shadow-bench/2g
-	./target/release/failover-bench --mib $(DEMO_MIB) --kills 5 --gap-ms 300 --out target/shadow-bench/repeat
+	$(TARGET)/release/failover-bench --mib 2048 --out $(TARGET)/shadow-bench/2g
+	$(TARGET)/release/failover-bench --mib $(DEMO_MIB) --kills 5 --gap-ms 300 --out $(TARGET)/shadow-bench/repeat
 
 bench-shim: deps release
 	$(CARGO) run -q --release -p shadow-tests --bin bench-shim
@@ -112,7 +114,7 @@ soak: deps release
 install: check-root
 	@for b in $(INSTALL_BINS); do \
 	  if [ ! -x $(INSTALL_FROM)/$$b ]; then \
-	    if [ "$(INSTALL_FROM)" != target/release ]; then echo "install: no $(INSTALL_FROM)/$$b" >&2; exit 1; fi; \
+	    if [ "$(INSTALL_FROM)" != $(TARGET)/release ]; then echo "install: no $(INSTALL_FROM)/$$b" >&2; exit 1; fi; \
 	    $(MAKE) --no-print-directory release; break; \
 	  fi; \
 	done
@@ -135,11 +137,11 @@ uninstall: check-root
 # CTR names the client (e.g. CTR="ctr --address /run/other.sock").
 CTR ?= ctr
 EXAMPLE_PROFILE ?= release
-EXAMPLE_OUT ?= target/example
+EXAMPLE_OUT ?= $(TARGET)/example
 example: deps check-cargo
 	$(CARGO) build -q $(if $(filter release,$(EXAMPLE_PROFILE)),--release) -p shadow-engine
 	$(CARGO) build -q -p shadow-tests --bin shadow-example-image
-	archive=$$(./target/debug/shadow-example-image --engine target/$(EXAMPLE_PROFILE)/shadow-engine --out $(EXAMPLE_OUT)) && \
+	archive=$$($(TARGET)/debug/shadow-example-image --engine $(TARGET)/$(EXAMPLE_PROFILE)/shadow-engine --out $(EXAMPLE_OUT)) && \
 	  $(CTR) images import "$$archive"
 	@# The import's own output differs between ctr 1.x and 2.x (Transfer
 	@# API): the last line is the image as containerd lists it.
@@ -166,7 +168,7 @@ fuzz: check-cargo
 # the writer's load throughput (scales down if MemAvailable is too small).
 bench-gms: check-cargo
 	$(CARGO) build -q -p gmsd --release --bins
-	./target/release/gms-bench --gib 16
+	$(TARGET)/release/gms-bench --gib 16
 
 # --- GPU targets (gpu-bundle, test-gpu) ---
 .PHONY: gpu-bundle test-gpu
@@ -183,12 +185,12 @@ GPU_RUNTIME_TOOLS = containerd ctr runc containerd-shim-runc-v2
 gpu-bundle: check-cargo
 	$(CARGO) build --release -p gmsd -p gms-capi -p shadow-shim
 	@mkdir -p $(GPU_BIN_DIR)
-	cp target/release/gmsd target/release/gms-cuda-bench target/release/gms-cuda-probe \
-	   target/release/libgms.so $(GPU_BIN_DIR)/
+	cp $(TARGET)/release/gmsd $(TARGET)/release/gms-cuda-bench $(TARGET)/release/gms-cuda-probe \
+	   $(TARGET)/release/libgms.so $(GPU_BIN_DIR)/
 	@rm -rf $(GPU_BIN_DIR)/runtime && mkdir -p $(GPU_BIN_DIR)/runtime/bin $(GPU_BIN_DIR)/runtime/lib
 	for t in $(GPU_RUNTIME_TOOLS); do cp "$$(command -v $$t)" $(GPU_BIN_DIR)/runtime/bin/ || exit 1; done
 	cp -L "$$(ldd "$$(command -v runc)" | awk '/libseccomp/ {print $$3}')" $(GPU_BIN_DIR)/runtime/lib/
-	cp target/release/containerd-shim-shadow-v1 target/release/shadowctl target/release/gmsd \
+	cp $(TARGET)/release/containerd-shim-shadow-v1 $(TARGET)/release/shadowctl $(TARGET)/release/gmsd \
 	   $(GPU_BIN_DIR)/runtime/bin/
 	tar -C $(GPU_BIN_DIR) -cf - runtime | xz -T0 -6 > $(GPU_BIN_DIR)/runtime.tar.xz
 	@rm -rf $(GPU_BIN_DIR)/runtime

@@ -9,7 +9,8 @@
 //! - `ctr` talks to the private containerd in the test's namespace, and
 //!   `ctr run` gets `--env PORT=<free port>` (the example image's port), so
 //!   two runs of the suite never meet on port 8000;
-//! - `make install` installs into the test's temp dir from `target/debug`,
+//! - `make install` installs into the test's temp dir from the test build's
+//!   `debug` directory (`target/debug`, or under `$CARGO_TARGET_DIR`),
 //!   and `make example` builds the image in the test's temp dir and imports
 //!   it through that `ctr` without running cargo (the test build made the
 //!   binaries);
@@ -260,6 +261,9 @@ fn run_guide(guide: &str, steps: &[Step], host: &[Block]) {
 
     let ctr = which("ctr");
     let make = which("make");
+    // The test build's binaries, wherever cargo put them ($CARGO_TARGET_DIR).
+    let shim = shadow_tests::shim_path("debug").expect("the test build's shim");
+    let built = shim.parent().expect("the shim's directory").to_path_buf();
     write_script(
         &bin.join("ctr"),
         &format!(
@@ -281,13 +285,14 @@ fn run_guide(guide: &str, steps: &[Step], host: &[Block]) {
         &bin.join("make"),
         &format!(
             "#!/bin/sh\nm='{make} -C {repo} --no-print-directory'\ncase \"$*\" in\n\
-             install) exec $m install PREFIX={prefix} CONFDIR={confdir} INSTALL_FROM=target/debug ;;\n\
+             install) exec $m install PREFIX={prefix} CONFDIR={confdir} INSTALL_FROM={built} ;;\n\
              example) exec $m example EXAMPLE_PROFILE=debug EXAMPLE_OUT={example} CARGO=true CTR={bin}/ctr ;;\n\
              *) echo \"docs test: 'make $*' is not part of the guide's test\" >&2; exit 2 ;;\nesac\n",
             make = make.display(),
             repo = repo.display(),
             prefix = prefix.display(),
             confdir = confdir.display(),
+            built = built.display(),
             bin = bin.display(),
             example = cd.dir().join("example").display(),
         ),
