@@ -15,6 +15,21 @@ use serde::Serialize;
 pub use shadow_contract::state::{ColdRestartCause, Exit, FailureClass};
 pub use shadow_contract::weights::CORRUPT_EXIT as WEIGHTS_CORRUPT_EXIT;
 
+/// Why the pair ended an engine as hung (issue 22). A hang is not a class
+/// of [`FailureClass`] yet (that enum is `state.json`'s, in
+/// `shadow_contract`): the reaped exit of a hung engine is classed as any
+/// kill on a healthy device (the shadow takes over, the slot is
+/// respawned, GMS is kept), and the cause is kept beside it
+/// ([`Slot::last_hang`](crate::Slot::last_hang)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HangCause {
+    /// Its armed watchdog was not pinged (`WATCHDOG=1`) within its interval.
+    Watchdog,
+    /// It asked to be ended (`WATCHDOG=trigger`).
+    Trigger,
+}
+
 /// The class of an NVIDIA XID for the pair's GPUs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

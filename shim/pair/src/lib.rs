@@ -7,12 +7,13 @@
 //!
 //! Layout, each module using only those named before it: [`SlotId`]
 //! (`slot`), the failure classes (`failure`), the notify and `/proc/locks`
-//! parsers (`notify`, `locks`), the restart budget (`policy`) and a
-//! failover's timeline (`promotion`); then `vocabulary`, the words the
+//! parsers (`notify`, `locks`), the restart budget (`policy`), a
+//! failover's timeline (`promotion`) and one engine's watchdog clock
+//! (`watchdog`); then `vocabulary`, the words the
 //! shim and the pair speak ([`Event`], [`Action`], [`Slot`],
 //! [`Snapshot`]); then `pair`, [`Pair`]'s state and [`Pair::handle`], whose
 //! rules are `impl Pair` blocks in child modules, one per job (`spawn`,
-//! `election`, `death`, `down`, and `queries` for what the shim reads),
+//! `election`, `death`, `down`, `hang`, and `queries` for what the shim reads),
 //! each using `pair` while `pair` only declares them; last `metrics`,
 //! which renders a snapshot. The vocabulary is re-exported through `pair`,
 //! as it always was (`shadow_pair::Event` is `pair::Event`).
@@ -28,8 +29,9 @@ mod promotion;
 mod races;
 mod slot;
 mod vocabulary;
+mod watchdog;
 
-pub use failure::{classify, ColdRestartCause, Exit, FailureClass, XidClass};
+pub use failure::{classify, ColdRestartCause, Exit, FailureClass, HangCause, XidClass};
 pub use locks::{parse_proc_lock_waiters, parse_proc_locks, FileId, FlockHolder};
 pub use notify::{parse_notify, Notification, MAX_DATAGRAM};
 pub use pair::{Action, EngineState, Event, LockHolder, LockWatch, Pair, Slot, SlotId, Snapshot};

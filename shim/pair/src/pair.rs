@@ -25,6 +25,9 @@
 //!   comes back;
 //! - `down`: both engines stopped, for good (Stop, a crash loop, a clean
 //!   finish) or for a cold restart (GMS, an XID, corrupt weights);
+//! - `hang`: an engine ended because it hung: its sd_notify watchdog (`WATCHDOG=1`,
+//!   `WATCHDOG=trigger`, `WATCHDOG_USEC=`) and the check that ends the
+//!   engines that hung;
 //! - `queries`: what the shim reads between events (`&self` only).
 //!
 //! The words they speak ([`Event`], [`Action`], [`Slot`], [`Snapshot`]) are
@@ -42,10 +45,11 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::{
-    failure::{ColdRestartCause, Exit},
+    failure::{ColdRestartCause, Exit, HangCause},
     notify::Notification,
     policy::{RestartBudget, RestartPolicy},
     promotion::{Handover, Promotion},
+    watchdog::Watchdog,
 };
 
 pub use crate::slot::SlotId;
@@ -54,6 +58,7 @@ pub use crate::vocabulary::{Action, EngineState, Event, LockHolder, LockWatch, S
 mod death;
 mod down;
 mod election;
+mod hang;
 mod queries;
 mod spawn;
 
@@ -80,6 +85,7 @@ struct Observable {
     weights_corrupt: u64,
     last_promotion: Option<u64>,
     last_cold_restart: Option<ColdRestartCause>,
+    hangs: u64,
 }
 
 /// The supervisor's decisions for one pair.
@@ -108,6 +114,18 @@ pub struct Pair {
     ready_refused: u64,
     /// The current engine of each slot was OOM-killed (until its reap).
     oom_killed: [bool; 2],
+    /// The watchdog interval every engine is given, if any
+    /// ([`Pair::with_watchdog`]); `None`: no watchdog, and the engines'
+    /// `WATCHDOG` messages are ignored.
+    watchdog: Option<Duration>,
+    /// The current engine of each slot's watchdog (reset at each spawn).
+    /// Kept off the slots: a ping is no observable change.
+    watchdogs: [Watchdog; 2],
+    /// The current engine of each slot was ended as hung, and why (until
+    /// its reap, which records it).
+    hung: [Option<HangCause>; 2],
+    /// Engines ended as hung, counted at their reap.
+    hangs: u64,
     /// Set while both engines are being stopped for a cold restart, and
     /// while it waits out its backoff.
     cold_restart: bool,
@@ -146,6 +164,10 @@ impl Pair {
             weights_corrupt: 0,
             ready_refused: 0,
             oom_killed: [false, false],
+            watchdog: None,
+            watchdogs: [Watchdog::default(), Watchdog::default()],
+            hung: [None, None],
+            hangs: 0,
             cold_restart: false,
             cold_useful: false,
             cold_waiting: false,
@@ -163,6 +185,19 @@ impl Pair {
         Pair {
             slots_in_use: 1,
             ..Pair::new(policy)
+        }
+    }
+
+    /// The pair with a watchdog of `interval` for every engine (systemd's
+    /// `WatchdogSec=`; `None`, as [`Pair::new`] and [`Pair::single`] make
+    /// it: no watchdog). An engine's watchdog is armed by its first
+    /// `WATCHDOG=1`; once armed, a gap longer than the interval (or the
+    /// engine's own, from `WATCHDOG_USEC=`) ends it at the next
+    /// [`Event::WatchdogCheck`]. A zero interval is no watchdog.
+    pub fn with_watchdog(self, interval: Option<Duration>) -> Pair {
+        Pair {
+            watchdog: interval.filter(|i| !i.is_zero()),
+            ..self
         }
     }
 
@@ -202,6 +237,7 @@ impl Pair {
             Event::Xid(xid) => self.on_xid(xid, now),
             Event::BackoffElapsed { slot } => self.on_backoff_elapsed(slot),
             Event::Stop => self.on_stop(now),
+            Event::WatchdogCheck => self.on_watchdog_check(now),
         }
     }
 
@@ -215,6 +251,7 @@ impl Pair {
             weights_corrupt: self.weights_corrupt,
             last_promotion: self.last_promotion.as_ref().map(|p| p.number),
             last_cold_restart: self.last_cold_restart.clone(),
+            hangs: self.hangs,
         }
     }
 }

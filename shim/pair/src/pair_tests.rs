@@ -12,7 +12,11 @@ fn t(ms: u64) -> Duration {
 
 /// A pair with slot 0 active and slot 1 parked, both speaking sd_notify.
 fn running() -> Pair {
-    let mut p = Pair::new(RestartPolicy::default());
+    started(Pair::new(RestartPolicy::default()))
+}
+
+/// `p` started as [`running`] makes it: slot 0 active, slot 1 parked.
+fn started(mut p: Pair) -> Pair {
     assert_eq!(
         p.start(),
         vec![
@@ -753,4 +757,318 @@ fn stop_during_a_cold_restart_backoff_ends_the_pair() {
         vec![Action::Exit { status: 0 }]
     );
     assert!(p.handle(Event::ColdRestartDue, t(300)).is_empty());
+}
+
+// The watchdog (issue 22): pings, triggers, WATCHDOG_USEC, and the check.
+
+const WD: Duration = Duration::from_millis(100);
+
+/// [`running`] with a 100 ms watchdog; nothing armed yet.
+fn watched() -> Pair {
+    let p = started(Pair::new(RestartPolicy::default()).with_watchdog(Some(WD)));
+    assert_eq!(p.watchdog(), Some(WD));
+    assert_eq!(p.watchdog_deadline(), None, "nobody pinged");
+    p
+}
+
+fn say(p: &mut Pair, slot: SlotId, notification: Notification, at: u64) -> Vec<Action> {
+    p.handle(Event::Notified { slot, notification }, t(at))
+}
+
+fn ping(p: &mut Pair, slot: SlotId, at: u64) -> Vec<Action> {
+    say(p, slot, Notification::WatchdogPing, at)
+}
+
+fn check(p: &mut Pair, at: u64) -> Vec<Action> {
+    p.handle(Event::WatchdogCheck, t(at))
+}
+
+#[test]
+fn a_watchdog_is_armed_by_the_first_ping_only() {
+    let mut p = watched();
+    assert!(check(&mut p, 10_000).is_empty(), "unarmed: never expires");
+    // The interval an engine sets arms nothing either.
+    say(
+        &mut p,
+        SlotId::ONE,
+        Notification::WatchdogUsec(t(10)),
+        10_000,
+    );
+    assert_eq!(p.watchdog_deadline(), None);
+    assert!(check(&mut p, 20_000).is_empty());
+    assert!(ping(&mut p, SlotId::ZERO, 20_000).is_empty());
+    assert_eq!(p.watchdog_deadline(), Some(t(20_100)));
+    assert_eq!(p.active(), Some(SlotId::ZERO));
+}
+
+#[test]
+fn a_gap_longer_than_the_interval_ends_the_engine_one_at_it_does_not() {
+    let mut p = watched();
+    let revision = p.revision();
+    ping(&mut p, SlotId::ZERO, 1000);
+    assert_eq!(p.revision(), revision, "a ping is no observable change");
+    assert!(check(&mut p, 1050).is_empty());
+    assert!(
+        check(&mut p, 1100).is_empty(),
+        "a gap of the interval is fine"
+    );
+    assert_eq!(
+        check(&mut p, 1101),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+    assert_eq!(p.watchdog_deadline(), None, "ended once, not again");
+    assert!(check(&mut p, 5000).is_empty());
+    assert!(ping(&mut p, SlotId::ZERO, 5000).is_empty());
+    assert_eq!(p.watchdog_deadline(), None, "a ping from the killed engine");
+    // Until its reap, it is what it was: the reap decides its death.
+    assert_eq!(p.slot(SlotId::ZERO).state, EngineState::Active);
+}
+
+#[test]
+fn pings_every_half_interval_keep_an_engine_alive() {
+    let mut p = watched();
+    for ms in (1000..3000).step_by(10) {
+        if ms % 50 == 0 {
+            ping(&mut p, SlotId::ZERO, ms);
+            ping(&mut p, SlotId::ONE, ms);
+        }
+        assert!(check(&mut p, ms).is_empty(), "at {ms} ms");
+        assert!(p.watchdog_deadline().is_some_and(|d| d > t(ms)));
+    }
+    // A ping seen late (out of time order) does not move the clock back.
+    ping(&mut p, SlotId::ZERO, 2000);
+    assert_eq!(p.watchdog_deadline(), Some(t(2950 + 100)));
+    assert_eq!(p.active(), Some(SlotId::ZERO));
+    assert!(p.snapshot().protected);
+}
+
+#[test]
+fn watchdog_usec_changes_only_that_engines_interval() {
+    let mut p = watched();
+    ping(&mut p, SlotId::ZERO, 1000);
+    ping(&mut p, SlotId::ONE, 1000);
+    say(
+        &mut p,
+        SlotId::ONE,
+        Notification::WatchdogUsec(t(500)),
+        1000,
+    );
+    assert_eq!(p.watchdog_deadline(), Some(t(1100)));
+    assert_eq!(
+        check(&mut p, 1200),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+    assert_eq!(p.watchdog_deadline(), Some(t(1500)));
+    assert!(check(&mut p, 1500).is_empty());
+    assert_eq!(
+        check(&mut p, 1501),
+        vec![Action::Kill { slot: SlotId::ONE }]
+    );
+    // A new interval restarts the timer of an armed watchdog (systemd's
+    // reset), shorter or longer.
+    let mut p = watched();
+    ping(&mut p, SlotId::ZERO, 1000);
+    say(
+        &mut p,
+        SlotId::ZERO,
+        Notification::WatchdogUsec(t(30)),
+        1090,
+    );
+    assert_eq!(p.watchdog_deadline(), Some(t(1120)));
+    // An interval past any clock: never expires, never overflows.
+    say(
+        &mut p,
+        SlotId::ZERO,
+        Notification::WatchdogUsec(Duration::MAX),
+        1100,
+    );
+    assert_eq!(p.watchdog_deadline(), None);
+    assert!(check(&mut p, u64::MAX).is_empty());
+}
+
+#[test]
+fn a_trigger_ends_the_engine_at_once_and_a_hung_shadow_is_respawned() {
+    let mut p = watched();
+    let a = say(&mut p, SlotId::ONE, Notification::WatchdogTrigger, 1000);
+    assert_eq!(a, vec![Action::Kill { slot: SlotId::ONE }]);
+    assert!(
+        say(&mut p, SlotId::ONE, Notification::WatchdogTrigger, 1001).is_empty(),
+        "ended once"
+    );
+    assert_eq!(
+        died(&mut p, SlotId::ONE, KILL, 1005),
+        vec![Action::Spawn { slot: SlotId::ONE }]
+    );
+    let snap = p.snapshot();
+    assert_eq!(snap.slots[1].last_hang, Some(HangCause::Trigger));
+    assert_eq!(snap.slots[1].last_exit, Some(KILL));
+    assert_eq!(snap.slots[0].last_hang, None);
+    assert_eq!(snap.hangs, 1);
+    assert_eq!(snap.failovers, 0);
+    assert_eq!(p.active(), Some(SlotId::ZERO), "the active kept serving");
+    assert_eq!(p.slot(SlotId::ZERO).state, EngineState::Active);
+    spawned(&mut p, SlotId::ONE, 201, 1010);
+    parked(&mut p, SlotId::ONE, 1500);
+    assert!(p.snapshot().protected);
+}
+
+#[test]
+fn a_respawned_engine_starts_unarmed() {
+    let mut p = watched();
+    ping(&mut p, SlotId::ONE, 1000);
+    say(&mut p, SlotId::ONE, Notification::WatchdogUsec(t(20)), 1000);
+    assert_eq!(
+        check(&mut p, 1021),
+        vec![Action::Kill { slot: SlotId::ONE }]
+    );
+    assert_eq!(p.slot(SlotId::ONE).generation, 1);
+    assert_eq!(
+        died(&mut p, SlotId::ONE, KILL, 1030),
+        vec![Action::Spawn { slot: SlotId::ONE }]
+    );
+    assert_eq!(p.slot(SlotId::ONE).generation, 2);
+    spawned(&mut p, SlotId::ONE, 201, 1040);
+    parked(&mut p, SlotId::ONE, 1050);
+    assert_eq!(p.watchdog_deadline(), None);
+    assert!(check(&mut p, 60_000).is_empty());
+    // Armed again, at the pair's interval, not the last engine's own.
+    ping(&mut p, SlotId::ONE, 60_000);
+    assert_eq!(p.watchdog_deadline(), Some(t(60_100)));
+    // A later death that was no hang clears the slot's cause.
+    assert_eq!(p.snapshot().slots[1].last_hang, Some(HangCause::Watchdog));
+    died(&mut p, SlotId::ONE, Exit::Code(1), 60_050);
+    assert_eq!(p.snapshot().slots[1].last_hang, None);
+    assert_eq!(p.snapshot().hangs, 1);
+}
+
+#[test]
+fn without_a_watchdog_its_messages_change_nothing() {
+    for mut p in [
+        running(),
+        started(Pair::new(RestartPolicy::default()).with_watchdog(None)),
+        started(Pair::new(RestartPolicy::default()).with_watchdog(Some(Duration::ZERO))),
+    ] {
+        assert_eq!(p.watchdog(), None);
+        let before = format!("{:?}", p.snapshot());
+        let revision = p.revision();
+        for n in [
+            Notification::WatchdogPing,
+            Notification::WatchdogUsec(t(1)),
+            Notification::WatchdogTrigger,
+        ] {
+            for s in SlotId::BOTH {
+                assert!(say(&mut p, s, n.clone(), 1000).is_empty());
+            }
+        }
+        assert_eq!(p.watchdog_deadline(), None);
+        assert!(check(&mut p, 100_000).is_empty());
+        assert_eq!(format!("{:?}", p.snapshot()), before);
+        assert_eq!(p.revision(), revision);
+    }
+    // Not even the sign that a spawning engine runs.
+    let mut p = Pair::new(RestartPolicy::default());
+    p.start();
+    ping(&mut p, SlotId::ZERO, 1);
+    assert_eq!(p.slot(SlotId::ZERO).state, EngineState::Spawning);
+    assert!(!p.slot(SlotId::ZERO).speaks_notify);
+}
+
+#[test]
+fn a_hung_active_fails_over_with_its_cause_in_the_snapshot() {
+    let mut p = watched();
+    ping(&mut p, SlotId::ZERO, 1000);
+    ping(&mut p, SlotId::ONE, 1000);
+    ping(&mut p, SlotId::ONE, 1090);
+    assert_eq!(
+        check(&mut p, 1150),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+    assert_eq!(p.watchdog_deadline(), Some(t(1190)), "the shadow's alone");
+    // Its death is decided at its reap, as any death of the active.
+    assert_eq!(
+        died(&mut p, SlotId::ZERO, KILL, 1152),
+        vec![Action::Spawn { slot: SlotId::ZERO }]
+    );
+    assert_eq!(p.active(), None);
+    p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1153));
+    let a = p.handle(
+        Event::Ready {
+            slot: SlotId::ONE,
+            holder: LockHolder::Slot(SlotId::ONE),
+        },
+        t(1160),
+    );
+    let [Action::Promoted(pr)] = a.as_slice() else {
+        panic!("{a:?}")
+    };
+    assert_eq!((pr.from, pr.to), (SlotId::ZERO, Some(SlotId::ONE)));
+    assert_eq!(pr.class, FailureClass::DevicePreserving);
+    assert_eq!(pr.exit, KILL);
+    assert_eq!(p.active(), Some(SlotId::ONE));
+    let snap = p.snapshot();
+    assert_eq!(snap.slots[0].last_hang, Some(HangCause::Watchdog));
+    assert_eq!(snap.hangs, 1);
+    assert_eq!(snap.failovers, 1);
+    // The new active is still watched; the respawned slot is not yet.
+    spawned(&mut p, SlotId::ZERO, 200, 1170);
+    assert_eq!(p.watchdog_deadline(), Some(t(1190)));
+    assert_eq!(
+        check(&mut p, 1191),
+        vec![Action::Kill { slot: SlotId::ONE }]
+    );
+}
+
+#[test]
+fn a_hung_active_superseded_before_its_reap_is_not_ended_twice() {
+    let mut p = watched();
+    ping(&mut p, SlotId::ZERO, 1000);
+    assert_eq!(
+        check(&mut p, 1101),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+    // The kill releases its flock: the shadow takes the lock first.
+    p.handle(Event::LockHeld { slot: SlotId::ONE }, t(1102));
+    assert_eq!(p.slot(SlotId::ZERO).state, EngineState::Superseded);
+    assert!(check(&mut p, 2000).is_empty());
+    p.handle(
+        Event::Ready {
+            slot: SlotId::ONE,
+            holder: LockHolder::Slot(SlotId::ONE),
+        },
+        t(1105),
+    );
+    let a = died(&mut p, SlotId::ZERO, KILL, 1110);
+    assert!(a.iter().any(|a| matches!(a, Action::Promoted(_))), "{a:?}");
+    assert!(a.contains(&Action::Spawn { slot: SlotId::ZERO }), "{a:?}");
+    assert_eq!(p.snapshot().slots[0].last_hang, Some(HangCause::Watchdog));
+    assert_eq!(p.snapshot().hangs, 1);
+}
+
+#[test]
+fn a_hung_single_engine_restarts_in_place() {
+    let mut p = Pair::single(RestartPolicy::default()).with_watchdog(Some(WD));
+    assert!(p.is_single());
+    assert_eq!(p.start(), vec![Action::Spawn { slot: SlotId::ZERO }]);
+    spawned(&mut p, SlotId::ZERO, 100, 1);
+    ping(&mut p, SlotId::ZERO, 2);
+    assert_eq!(
+        check(&mut p, 103),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+    let a = died(&mut p, SlotId::ZERO, KILL, 104);
+    assert_eq!(a, vec![Action::Spawn { slot: SlotId::ZERO }]);
+    assert_eq!(p.snapshot().slots[0].last_hang, Some(HangCause::Watchdog));
+}
+
+#[test]
+fn a_pair_going_down_ends_nobody_as_hung() {
+    let mut p = watched();
+    ping(&mut p, SlotId::ZERO, 1000);
+    p.handle(Event::Stop, t(1050));
+    assert_eq!(p.watchdog_deadline(), None);
+    assert!(check(&mut p, 5000).is_empty());
+    assert!(say(&mut p, SlotId::ONE, Notification::WatchdogTrigger, 5000).is_empty());
+    died(&mut p, SlotId::ZERO, KILL, 5001);
+    assert_eq!(p.snapshot().slots[0].last_hang, None);
+    assert_eq!(p.snapshot().hangs, 0);
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::failure::{ColdRestartCause, Exit};
+use crate::failure::{ColdRestartCause, Exit, HangCause};
 use crate::notify::Notification;
 use crate::promotion::Promotion;
 use crate::slot::SlotId;
@@ -35,6 +35,11 @@ pub struct Slot {
     /// The engine sent at least one sd_notify message: it will send READY=1.
     pub speaks_notify: bool,
     pub last_exit: Option<Exit>,
+    /// The pair ended this slot's last engine as hung, and why (beside
+    /// `last_exit`, which it explains; `None` for any other death). Not in
+    /// `state.json` yet: its schema does not have it.
+    #[serde(skip)]
+    pub last_hang: Option<HangCause>,
 }
 
 impl Slot {
@@ -46,6 +51,7 @@ impl Slot {
             generation: 0,
             speaks_notify: false,
             last_exit: None,
+            last_hang: None,
         }
     }
 
@@ -126,6 +132,10 @@ pub enum Event {
     BackoffElapsed { slot: SlotId },
     /// containerd asked the task to stop (Kill): no more respawns.
     Stop,
+    /// Time to look at the engines' watchdogs (the shim sends it at
+    /// [`Pair::watchdog_deadline`](crate::Pair::watchdog_deadline)): every
+    /// armed engine not pinged within its interval before `now` is ended.
+    WatchdogCheck,
 }
 
 /// What the shim must do.
@@ -139,7 +149,9 @@ pub enum Action {
     /// Kill every engine still alive (SIGKILL).
     KillAll,
     /// SIGKILL the engine of `slot`: it was reported running after the
-    /// pair began to stop or to restart cold.
+    /// pair began to stop or to restart cold, or it hung (its watchdog
+    /// expired or it sent `WATCHDOG=trigger`). Its death is decided at its
+    /// reap, as any other.
     Kill { slot: SlotId },
     /// Drop GMS state and start the daemons afresh before the next spawns.
     RestartGms,
@@ -189,4 +201,9 @@ pub struct Snapshot {
     /// A metric only: `state.json`'s schema does not have it.
     #[serde(skip)]
     pub ready_refused: u64,
+    /// Engines the pair ended as hung (counted at their reap; each slot's
+    /// cause is its `last_hang`). Not in `state.json` yet: its schema does
+    /// not have it.
+    #[serde(skip)]
+    pub hangs: u64,
 }

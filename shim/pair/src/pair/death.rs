@@ -1,5 +1,6 @@
 //! An engine's death (its reap, or a spawn that failed): its class (an
-//! OOM kill, an XID, GMS gone, corrupt weights), the handover it begins or
+//! OOM kill, an XID, GMS gone, corrupt weights; a hang is recorded beside
+//! it), the handover it begins or
 //! completes, and what follows: a respawn now or after a backoff, as the
 //! restart budget says, a cold restart, or the end of the pair (a crash
 //! loop, or every engine finished cleanly). It exists because a death is
@@ -56,6 +57,12 @@ impl Pair {
             s.state = EngineState::Stopped;
             s.pid = None;
             s.last_exit = Some(exit);
+            // A hang the pair ended is classed as the kill it was (device
+            // preserving), its cause kept beside the exit.
+            s.last_hang = self.hung[slot.index()].take();
+            if s.last_hang.is_some() {
+                self.hangs += 1;
+            }
         }
         if was_active {
             self.active = None;

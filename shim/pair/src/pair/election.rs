@@ -27,6 +27,11 @@ impl Pair {
         holder: LockHolder,
         now: Duration,
     ) -> Vec<Action> {
+        if n.is_watchdog() {
+            // Apart from the rest: no watchdog configured, no change at
+            // all; and a ping says nothing of readiness.
+            return self.on_watchdog_notify(slot, n, now);
+        }
         let s = &mut self.slots[slot.index()];
         if s.state == EngineState::Spawning {
             // It speaks, so it runs: its spawn is reported later.

@@ -7,6 +7,8 @@
 //! `&self`: a method that changes the pair is a rule, and goes to the
 //! module of its job.
 
+use std::time::Duration;
+
 use super::Pair;
 use crate::slot::SlotId;
 use crate::vocabulary::{EngineState, LockWatch, Slot, Snapshot};
@@ -76,6 +78,26 @@ impl Pair {
         self.ready_refused
     }
 
+    /// When the shim must next send [`Event::WatchdogCheck`](crate::Event::WatchdogCheck): the earliest
+    /// expiry among the armed watchdogs of live engines, `None` when none
+    /// is armed (or the pair is going down). An engine expires once `now`
+    /// passes this, not at it: a check exactly then ends nobody.
+    pub fn watchdog_deadline(&self) -> Option<Duration> {
+        if self.ending.is_some() || self.cold_restart {
+            return None;
+        }
+        SlotId::BOTH
+            .iter()
+            .filter_map(|s| self.watchdog_expiry(*s))
+            .min()
+    }
+
+    /// The configured watchdog interval ([`Pair::with_watchdog`]), before
+    /// any engine's own `WATCHDOG_USEC=`.
+    pub fn watchdog(&self) -> Option<Duration> {
+        self.watchdog
+    }
+
     pub fn is_ending(&self) -> bool {
         self.ending.is_some()
     }
@@ -122,6 +144,7 @@ impl Pair {
             last_cold_restart: self.last_cold_restart.clone(),
             gms_deaths: self.gms_deaths.clone(),
             ready_refused: self.ready_refused,
+            hangs: self.hangs,
         }
     }
 

@@ -3,13 +3,14 @@
 //! exists because every rule that brings a slot back (a death, a cold
 //! restart, a backoff) goes through the same `Pair::spawn`.
 //!
-//! What may be touched here: what a spawn resets, how a reported pid is
-//! taken. When a slot comes back is decided elsewhere (`death`, `down`);
+//! What may be touched here: what a spawn resets (its watchdog among
+//! them), how a reported pid is taken. When a slot comes back is decided elsewhere (`death`, `down`);
 //! this only carries it out.
 
 use super::Pair;
 use crate::slot::SlotId;
 use crate::vocabulary::{Action, EngineState};
+use crate::watchdog::Watchdog;
 
 impl Pair {
     /// The first actions: start the engines (both, or slot 0 of a single).
@@ -28,6 +29,9 @@ impl Pair {
         s.speaks_notify = false;
         s.generation += 1;
         self.oom_killed[slot.index()] = false;
+        // A new engine starts unarmed, at the configured interval.
+        self.watchdogs[slot.index()] = Watchdog::default();
+        self.hung[slot.index()] = None;
         Action::Spawn { slot }
     }
 
