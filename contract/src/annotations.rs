@@ -62,14 +62,7 @@ pub const START_TIMEOUT: &str = hang::START_TIMEOUT;
 /// them, [`Annotations::parse`] refuses them as unknown keys, so that no
 /// one believes an engine watched when it is not. Wiring them in adds
 /// them to `KEYS` and hands them to [`crate::hang::HangSettings::parse`].
-pub const HANG_KEYS: [&str; 6] = [
-    WATCHDOG,
-    PROBE,
-    PROBE_PERIOD,
-    PROBE_TIMEOUT,
-    PROBE_FAILURES,
-    START_TIMEOUT,
-];
+pub const HANG_KEYS: [&str; 6] = hang::KEYS;
 
 fn bad(key: &str, value: &str, allowed: &str) -> AnnotationError {
     AnnotationError {

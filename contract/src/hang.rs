@@ -36,6 +36,16 @@ pub(crate) const PROBE_FAILURES: &str = "shadow.dev/probe-failures";
 /// `shadow.dev/start-timeout` (also [`crate::annotations::START_TIMEOUT`]).
 pub(crate) const START_TIMEOUT: &str = "shadow.dev/start-timeout";
 
+/// The six keys, in the order they are checked.
+pub(crate) const KEYS: [&str; 6] = [
+    WATCHDOG,
+    PROBE,
+    PROBE_PERIOD,
+    PROBE_TIMEOUT,
+    PROBE_FAILURES,
+    START_TIMEOUT,
+];
+
 /// The shortest watchdog interval and probe period: the bound
 /// ("intervals down to 50 ms"), at which the notify gate must still pass
 /// every ping of a correct engine (one each half interval).
@@ -314,16 +324,8 @@ impl HangSettings {
         V: AsRef<str> + ?Sized + 'a,
     {
         let mut given: [Option<&str>; 6] = [None; 6];
-        let keys = [
-            WATCHDOG,
-            PROBE,
-            PROBE_PERIOD,
-            PROBE_TIMEOUT,
-            PROBE_FAILURES,
-            START_TIMEOUT,
-        ];
         for (k, v) in annotations {
-            if let Some(i) = keys.iter().position(|key| *key == k.as_ref()) {
+            if let Some(i) = KEYS.iter().position(|key| *key == k.as_ref()) {
                 given[i] = Some(v.as_ref());
             }
         }
