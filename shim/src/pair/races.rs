@@ -683,12 +683,17 @@ async fn a_gate_lookup_older_than_the_respawn_is_not_credited_to_it() {
         },
     };
     let _ = rig.handle.input.send(stale).await;
-    // Given time, the stale words change nothing.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Inputs are taken in order: once the respawn's own READY=1 (refused:
+    // it does not hold the lock) is counted, the stale words were taken,
+    // and they changed nothing.
+    let respawn = st.pids[0].unwrap_or(0);
+    rig.say(respawn, "READY=1");
+    let taken = within(|| (rig.refused() == 1).then_some(())).await;
+    assert!(taken.is_some(), "refused: {}", rig.refused());
     let st = rig.state().expect("state.json");
     assert!(!st.pair.protected, "{st:#?}");
     assert_eq!(st.pair.slots[0].state, EngineState::Starting, "{st:#?}");
-    rig.say(st.pids[0].unwrap_or(0), "STATUS=parked");
+    rig.say(respawn, "STATUS=parked");
     rig.until("protected by the respawn", |s| s.pair.protected)
         .await;
 }
