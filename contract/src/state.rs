@@ -114,6 +114,106 @@ pub struct PairSnapshot {
     /// Deaths of each GMS daemon, by device (a GPU UUID, or `host`).
     #[serde(default)]
     pub gms_deaths: std::collections::BTreeMap<String, u64>,
+    /// Engines the pair ended as hung, by cause (absent from files
+    /// written before it existed: none).
+    #[serde(default)]
+    pub hangs: Hangs,
+}
+
+/// Why the pair ended an engine as hung: a live engine that stopped
+/// doing its work, which never dies on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HangCause {
+    /// Its armed watchdog (`WATCHDOG=1`) was not pinged within its interval.
+    Watchdog,
+    /// It asked to be ended (`WATCHDOG=trigger`).
+    Trigger,
+    /// The runtime's probe of the serving engine failed
+    /// `shadow.dev/probe-failures` times in a row.
+    Probe,
+    /// It neither parked nor served within `shadow.dev/start-timeout`
+    /// (extended by its `EXTEND_TIMEOUT_USEC=`).
+    StartTimeout,
+}
+
+impl HangCause {
+    /// Every cause, in the order a metric lists them.
+    pub const ALL: [HangCause; 4] = [
+        HangCause::Watchdog,
+        HangCause::Trigger,
+        HangCause::Probe,
+        HangCause::StartTimeout,
+    ];
+
+    /// The name as the file spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HangCause::Watchdog => "watchdog",
+            HangCause::Trigger => "trigger",
+            HangCause::Probe => "probe",
+            HangCause::StartTimeout => "start_timeout",
+        }
+    }
+}
+
+impl std::fmt::Display for HangCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Engines ended as hung, counted at their reap, one count per cause:
+/// `{"watchdog": 1, "trigger": 0, "probe": 2, "start_timeout": 0}`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Hangs {
+    pub watchdog: u64,
+    pub trigger: u64,
+    pub probe: u64,
+    pub start_timeout: u64,
+}
+
+impl Hangs {
+    /// The count of `cause`.
+    pub fn of(&self, cause: HangCause) -> u64 {
+        match cause {
+            HangCause::Watchdog => self.watchdog,
+            HangCause::Trigger => self.trigger,
+            HangCause::Probe => self.probe,
+            HangCause::StartTimeout => self.start_timeout,
+        }
+    }
+
+    /// Counts one hang of `cause`.
+    pub fn count(&mut self, cause: HangCause) {
+        let n = match cause {
+            HangCause::Watchdog => &mut self.watchdog,
+            HangCause::Trigger => &mut self.trigger,
+            HangCause::Probe => &mut self.probe,
+            HangCause::StartTimeout => &mut self.start_timeout,
+        };
+        *n += 1;
+    }
+
+    /// Every hang, whatever its cause.
+    pub fn total(&self) -> u64 {
+        HangCause::ALL.iter().map(|c| self.of(*c)).sum()
+    }
+}
+
+/// How the pair ended an engine that hung: why, when it saw the hang, and
+/// when it had killed every process of the engine (the first two steps of
+/// a hang's timeline: detected → killed → lock taken → ready).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hang {
+    pub cause: HangCause,
+    /// When the hang was decided (the watchdog's check past its expiry,
+    /// the probe failure that reached the count, the trigger's arrival,
+    /// the start timeout's check).
+    pub detected_at: Duration,
+    /// When every process of the engine had been sent SIGKILL.
+    pub killed_at: Option<Duration>,
 }
 
 /// Why the pair last restarted cold (a device-invalidating failure, or
@@ -143,6 +243,11 @@ pub struct SlotState {
     /// Whether its engine spoke sd_notify since it was spawned.
     pub speaks_notify: bool,
     pub last_exit: Option<Exit>,
+    /// The pair ended this slot's last engine as hung, and why (beside
+    /// `last_exit`, which it explains; absent for any other death, and
+    /// from files written before it existed).
+    #[serde(default)]
+    pub last_hang: Option<HangCause>,
 }
 
 /// Where one slot's engine is in its life.
@@ -253,6 +358,12 @@ pub enum FailureClass {
     /// state, restart the pair cold, as for
     /// [`FailureClass::DeviceInvalidating`], and counted apart.
     WeightsCorrupt,
+    /// The pair ended the engine because it hung (its cause is the
+    /// slot's `last_hang` and the promotion's `hang`) on a healthy device:
+    /// handled as device-preserving (promote, respawn, keep GMS), and
+    /// counted apart. A hung engine that had not parked yet (a start
+    /// timeout) is an early death, judged by the restart budget as any.
+    Hung,
     /// The restart budget is spent: stop and report the exit.
     CrashLoop,
 }
@@ -273,6 +384,7 @@ impl FailureClass {
             FailureClass::DeviceInvalidating => "device_invalidating",
             FailureClass::OutOfMemory => "out_of_memory",
             FailureClass::WeightsCorrupt => "weights_corrupt",
+            FailureClass::Hung => "hung",
             FailureClass::CrashLoop => "crash_loop",
         }
     }
@@ -294,6 +406,9 @@ pub enum DeathSign {
     /// The successor said `READY=1` (it can only hold the lock if the old
     /// active let go of it).
     Ready,
+    /// The pair decided the active engine hung (the promotion's `hang`
+    /// says why), before any sign of its death: it was killed for it.
+    Hang,
 }
 
 impl DeathSign {
@@ -304,6 +419,7 @@ impl DeathSign {
             DeathSign::LockFree => "lock_free",
             DeathSign::LockTaken => "lock_taken",
             DeathSign::Ready => "ready",
+            DeathSign::Hang => "hang",
         }
     }
 }
@@ -329,6 +445,10 @@ pub struct Promotion {
     pub ready_at: Option<Duration>,
     pub exit: Exit,
     pub class: FailureClass,
+    /// Set when the old active was ended as hung: why, when that was
+    /// seen and when it was killed (then `death_at` is `detected_at`).
+    #[serde(default)]
+    pub hang: Option<Hang>,
 }
 
 impl Promotion {
@@ -351,6 +471,12 @@ pub struct PromotionRecord {
     pub reaped_unix_us: u64,
     pub lock_unix_us: Option<u64>,
     pub ready_unix_us: Option<u64>,
+    /// When the hang was detected and the engine killed, for a promotion
+    /// after a hang (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hang_detected_unix_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hang_killed_unix_us: Option<u64>,
     /// [`Promotion::total`] in milliseconds.
     pub total_ms: Option<f64>,
 }
@@ -402,7 +528,12 @@ mod tests {
             lock_at: Some(Duration::from_micros(1_500_040)),
             ready_at: Some(Duration::from_micros(1_502_000)),
             exit: Exit::Signal(9),
-            class: FailureClass::DevicePreserving,
+            class: FailureClass::Hung,
+            hang: Some(Hang {
+                cause: HangCause::Watchdog,
+                detected_at: Duration::from_millis(1499),
+                killed_at: Some(Duration::from_micros(1_499_100)),
+            }),
         };
         let slot = |id, state, pid| SlotState {
             id,
@@ -411,6 +542,7 @@ mod tests {
             generation: 2,
             speaks_notify: true,
             last_exit: Some(Exit::Code(3)),
+            last_hang: (id == 0).then_some(HangCause::StartTimeout),
         };
         PairState {
             containerd: "/run/containerd/containerd.sock".into(),
@@ -433,6 +565,11 @@ mod tests {
                 last_promotion: Some(promotion.clone()),
                 last_cold_restart: None,
                 gms_deaths: Default::default(),
+                hangs: Hangs {
+                    watchdog: 1,
+                    probe: 2,
+                    ..Hangs::default()
+                },
             },
             promotions: vec![PromotionRecord {
                 total_ms: promotion.total().map(|d| d.as_secs_f64() * 1e3),
@@ -441,6 +578,8 @@ mod tests {
                 reaped_unix_us: 1_700_000_000_000_000,
                 lock_unix_us: Some(1_700_000_000_000_040),
                 ready_unix_us: None,
+                hang_detected_unix_us: Some(1_699_999_999_999_000),
+                hang_killed_unix_us: Some(1_699_999_999_999_100),
             }],
             gms: Some(gms.clone()),
             gms_daemons: vec![gms],
@@ -469,7 +608,21 @@ mod tests {
         let p = &v["promotions"][0];
         assert_eq!(p["reaped_at"], json!({"secs": 1, "nanos": 500_000_000}));
         assert_eq!(p["exit"], json!({"signal": 9}));
-        assert_eq!(p["class"], FailureClass::DevicePreserving.as_str());
+        assert_eq!(p["class"], FailureClass::Hung.as_str());
+        assert_eq!(
+            p["hang"],
+            json!({"cause": "watchdog", "detected_at": {"secs": 1, "nanos": 499_000_000},
+                   "killed_at": {"secs": 1, "nanos": 499_100_000}})
+        );
+        assert_eq!(v["pair"]["slots"][0]["last_hang"], "start_timeout");
+        assert_eq!(v["pair"]["slots"][1]["last_hang"], json!(null));
+        assert_eq!(
+            v["pair"]["hangs"],
+            json!({"watchdog": 1, "trigger": 0, "probe": 2, "start_timeout": 0})
+        );
+        for c in HangCause::ALL {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
         for e in EngineState::ALL {
             assert_eq!(serde_json::to_value(e).unwrap(), e.as_str());
         }
@@ -478,6 +631,7 @@ mod tests {
             DeathSign::LockFree,
             DeathSign::LockTaken,
             DeathSign::Ready,
+            DeathSign::Hang,
         ] {
             assert_eq!(serde_json::to_value(d).unwrap(), d.as_str());
         }
@@ -485,6 +639,7 @@ mod tests {
         for c in [
             FailureClass::DeviceInvalidating,
             FailureClass::OutOfMemory,
+            FailureClass::Hung,
             FailureClass::CrashLoop,
         ] {
             assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
@@ -492,6 +647,28 @@ mod tests {
         assert_eq!(p["number"], 1, "the promotion is flattened into the record");
         assert_eq!(p["total_ms"], 2.0);
         assert_eq!(v["gms"]["resident_bytes"], 4096, "gmsd's other fields kept");
+    }
+
+    /// A file written before hangs existed still reads, with none.
+    #[test]
+    fn files_without_hangs_read() {
+        let mut v = serde_json::to_value(sample()).unwrap();
+        let pair = v["pair"].as_object_mut().unwrap();
+        pair.remove("hangs");
+        for slot in pair["slots"].as_array_mut().unwrap() {
+            slot.as_object_mut().unwrap().remove("last_hang");
+        }
+        v["promotions"][0].as_object_mut().unwrap().remove("hang");
+        let back: PairState = serde_json::from_value(v).unwrap();
+        assert_eq!(back.pair.hangs, Hangs::default());
+        assert_eq!(back.pair.slots[0].last_hang, None);
+        assert_eq!(back.promotions[0].promotion.hang, None);
+        let mut h = Hangs::default();
+        h.count(HangCause::Probe);
+        h.count(HangCause::Probe);
+        h.count(HangCause::Trigger);
+        assert_eq!((h.of(HangCause::Probe), h.total()), (2, 3));
+        assert!(!FailureClass::Hung.restarts_cold());
     }
 
     #[test]

@@ -6,29 +6,16 @@
 //! shared state cannot be trusted: both engines stop and the pair starts cold.
 //! So does an engine that found the committed weights changed (it exits with
 //! [`WEIGHTS_CORRUPT_EXIT`]): what every engine maps is wrong, and only a
-//! fresh load from the source mends it.
+//! fresh load from the source mends it. An engine the pair ended because
+//! it hung ([`HangCause`]) is [`FailureClass::Hung`], handled as
+//! device-preserving unless the device says worse.
 
 use serde::Serialize;
 
 // One definition of each, with state.json's spelling: the pair decides
 // with the types the file records.
-pub use shadow_contract::state::{ColdRestartCause, Exit, FailureClass};
+pub use shadow_contract::state::{ColdRestartCause, Exit, FailureClass, Hang, HangCause, Hangs};
 pub use shadow_contract::weights::CORRUPT_EXIT as WEIGHTS_CORRUPT_EXIT;
-
-/// Why the pair ended an engine as hung (issue 22). A hang is not a class
-/// of [`FailureClass`] yet (that enum is `state.json`'s, in
-/// `shadow_contract`): the reaped exit of a hung engine is classed as any
-/// kill on a healthy device (the shadow takes over, the slot is
-/// respawned, GMS is kept), and the cause is kept beside it
-/// ([`Slot::last_hang`](crate::Slot::last_hang)).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HangCause {
-    /// Its armed watchdog was not pinged (`WATCHDOG=1`) within its interval.
-    Watchdog,
-    /// It asked to be ended (`WATCHDOG=trigger`).
-    Trigger,
-}
 
 /// The class of an NVIDIA XID for the pair's GPUs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -61,12 +48,21 @@ impl XidClass {
 /// the weights, so it wins. The restart budget is the policy's business, so
 /// this never answers [`FailureClass::CrashLoop`].
 pub fn classify(exit: Exit, xids: &[u32], gms_alive: bool) -> FailureClass {
+    classify_death(exit, xids, gms_alive, false)
+}
+
+/// [`classify`], for an engine the pair ended as hung when `hung`: a bad
+/// device still explains more; otherwise the death is [`FailureClass::Hung`]
+/// whatever its exit (the kill's, or the engine's own if it beat the kill).
+pub fn classify_death(exit: Exit, xids: &[u32], gms_alive: bool, hung: bool) -> FailureClass {
     if !gms_alive
         || xids
             .iter()
             .any(|x| XidClass::of(*x) == XidClass::DeviceInvalidating)
     {
         FailureClass::DeviceInvalidating
+    } else if hung {
+        FailureClass::Hung
     } else if exit == Exit::Code(WEIGHTS_CORRUPT_EXIT) {
         FailureClass::WeightsCorrupt
     } else {
@@ -127,5 +123,19 @@ mod tests {
             assert!(c.restarts_cold());
         }
         assert!(!FailureClass::OutOfMemory.restarts_cold());
+        // A hang: its own class, unless the device is bad.
+        assert_eq!(classify_death(kill, &[], true, true), FailureClass::Hung);
+        assert_eq!(
+            classify_death(corrupt, &[13], true, true),
+            FailureClass::Hung
+        );
+        assert_eq!(
+            classify_death(kill, &[79], true, true),
+            FailureClass::DeviceInvalidating
+        );
+        assert_eq!(
+            classify_death(kill, &[], false, true),
+            FailureClass::DeviceInvalidating
+        );
     }
 }

@@ -31,7 +31,10 @@ mod slot;
 mod vocabulary;
 mod watchdog;
 
-pub use failure::{classify, ColdRestartCause, Exit, FailureClass, HangCause, XidClass};
+pub use failure::{
+    classify, classify_death, ColdRestartCause, Exit, FailureClass, Hang, HangCause, Hangs,
+    XidClass,
+};
 pub use locks::{parse_proc_lock_waiters, parse_proc_locks, FileId, FlockHolder};
 pub use notify::{parse_notify, Notification, MAX_DATAGRAM};
 pub use pair::{Action, EngineState, Event, LockHolder, LockWatch, Pair, Slot, SlotId, Snapshot};

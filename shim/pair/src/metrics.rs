@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use crate::failure::ColdRestartCause;
+use crate::failure::{ColdRestartCause, HangCause};
 use crate::pair::{EngineState, Snapshot};
 
 /// What one GMS daemon of the pair holds, as its status reports it.
@@ -77,6 +77,21 @@ pub fn render(
         "Engine deaths in which the kernel's OOM killer killed a process of the engine.",
         &one(snap.oom_kills.to_string()),
     );
+    let hangs: Vec<_> = HangCause::ALL
+        .iter()
+        .map(|c| {
+            (
+                format!(",cause=\"{}\"", c.as_str()),
+                snap.hangs.of(*c).to_string(),
+            )
+        })
+        .collect();
+    metric(
+        "shadow_pair_hangs_total",
+        "counter",
+        "Engines the pair ended because they hung, by cause (watchdog, trigger, probe, start_timeout).",
+        &hangs,
+    );
     let dropped: Vec<_> = notify_dropped
         .iter()
         .map(|(reason, n)| (format!(",reason=\"{}\"", label(reason)), n.to_string()))
@@ -135,6 +150,9 @@ pub fn render(
             ",phase=\"death_to_reap\"".to_string(),
             since_death(p.reaped_at),
         )];
+        if let Some(k) = p.hang.and_then(|h| h.killed_at) {
+            phases.push((",phase=\"death_to_kill\"".to_string(), since_death(k)));
+        }
         if let Some(l) = p.lock_at {
             phases.push((",phase=\"death_to_lock\"".to_string(), since_death(l)));
         }
@@ -144,9 +162,17 @@ pub fn render(
         metric(
             "shadow_pair_last_promotion_seconds",
             "gauge",
-            "Phases of the last promotion, from the first sign that the active engine was gone.",
+            "Phases of the last promotion, from the first sign that the active engine was gone (its hang's detection, for a hung one).",
             &phases,
         );
+        if let Some(h) = p.hang {
+            metric(
+                "shadow_pair_last_promotion_hang_info",
+                "gauge",
+                "The last promotion followed a hang of the active engine: its cause.",
+                &[(format!(",cause=\"{}\"", h.cause.as_str()), "1".into())],
+            );
+        }
         if let Some(total) = p.total() {
             metric(
                 "shadow_pair_last_promotion_total_seconds",
@@ -299,6 +325,8 @@ mod tests {
         let base = "containerd=\"/run/c.sock\",namespace=\"default\",pair=\"llm\\\"1\"";
         for line in [
             format!("shadow_pair_failovers_total{{{base}}} 1"),
+            format!("shadow_pair_hangs_total{{{base},cause=\"watchdog\"}} 0"),
+            format!("shadow_pair_hangs_total{{{base},cause=\"start_timeout\"}} 0"),
             format!("shadow_pair_protected{{{base}}} 1"),
             format!("shadow_engine_state{{{base},slot=\"1\",state=\"active\"}} 1"),
             format!("shadow_engine_state{{{base},slot=\"0\",state=\"parked\"}} 1"),
@@ -334,6 +362,30 @@ mod tests {
             text.lines().any(|l| l == line),
             "missing {line:?} in\n{text}"
         );
+    }
+
+    #[test]
+    fn a_hang_is_counted_by_cause_and_its_promotion_says_so() {
+        let mut snap = snapshot_after_one_failover();
+        snap.hangs.count(HangCause::Probe);
+        let p = snap.last_promotion.as_mut().unwrap();
+        p.hang = Some(crate::failure::Hang {
+            cause: HangCause::Probe,
+            detected_at: p.death_at,
+            killed_at: Some(p.death_at + Duration::from_micros(250)),
+        });
+        let text = render("c", "n", "p", &snap, &[], &[]);
+        let base = "containerd=\"c\",namespace=\"n\",pair=\"p\"";
+        for line in [
+            format!("shadow_pair_hangs_total{{{base},cause=\"probe\"}} 1"),
+            format!("shadow_pair_hangs_total{{{base},cause=\"trigger\"}} 0"),
+            format!(
+                "shadow_pair_last_promotion_seconds{{{base},phase=\"death_to_kill\"}} 0.000250"
+            ),
+            format!("shadow_pair_last_promotion_hang_info{{{base},cause=\"probe\"}} 1"),
+        ] {
+            assert_has_line(&text, &line);
+        }
     }
 
     #[test]

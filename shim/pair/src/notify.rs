@@ -31,6 +31,10 @@ pub enum Notification {
     /// microseconds. Never zero: `0`, a value that is not a whole number
     /// of microseconds or one past `u64` is ignored.
     WatchdogUsec(Duration),
+    /// `EXTEND_TIMEOUT_USEC=n`: a starting engine asks for more time
+    /// before its start timeout (systemd's meaning: it will send another
+    /// message within `n` µs). Never zero, parsed as `WATCHDOG_USEC=`.
+    ExtendTimeout(Duration),
 }
 
 impl Notification {
@@ -74,6 +78,7 @@ pub fn parse_notify(datagram: &[u8]) -> Vec<Notification> {
                 "WATCHDOG" if value == "1" => Some(Notification::WatchdogPing),
                 "WATCHDOG" if value == "trigger" => Some(Notification::WatchdogTrigger),
                 "WATCHDOG_USEC" => watchdog_usec(value).map(Notification::WatchdogUsec),
+                "EXTEND_TIMEOUT_USEC" => watchdog_usec(value).map(Notification::ExtendTimeout),
                 _ => None,
             }
         })
@@ -123,6 +128,12 @@ mod tests {
         assert_eq!(
             parse_notify(b"WATCHDOG=1\nFDSTORE=1"),
             vec![Notification::WatchdogPing]
+        );
+        assert_eq!(
+            parse_notify(
+                b"EXTEND_TIMEOUT_USEC=5000000\nEXTEND_TIMEOUT_USEC=0\nEXTEND_TIMEOUT_USEC=-1"
+            ),
+            vec![Notification::ExtendTimeout(Duration::from_secs(5))]
         );
         assert_eq!(
             parse_notify(b"WATCHDOG=trigger\n"),

@@ -26,8 +26,9 @@
 //! - `down`: both engines stopped, for good (Stop, a crash loop, a clean
 //!   finish) or for a cold restart (GMS, an XID, corrupt weights);
 //! - `hang`: an engine ended because it hung: its sd_notify watchdog (`WATCHDOG=1`,
-//!   `WATCHDOG=trigger`, `WATCHDOG_USEC=`) and the check that ends the
-//!   engines that hung;
+//!   `WATCHDOG=trigger`, `WATCHDOG_USEC=`), the runtime's probe of the
+//!   serving engine, the start timeout (`EXTEND_TIMEOUT_USEC=`), and the
+//!   check that ends the engines that hung;
 //! - `queries`: what the shim reads between events (`&self` only).
 //!
 //! The words they speak ([`Event`], [`Action`], [`Slot`], [`Snapshot`]) are
@@ -45,11 +46,11 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::{
-    failure::{ColdRestartCause, Exit, HangCause},
+    failure::{ColdRestartCause, Exit, Hang, Hangs},
     notify::Notification,
     policy::{RestartBudget, RestartPolicy},
     promotion::{Handover, Promotion},
-    watchdog::Watchdog,
+    watchdog::{StartClock, Watchdog},
 };
 
 pub use crate::slot::SlotId;
@@ -85,7 +86,7 @@ struct Observable {
     weights_corrupt: u64,
     last_promotion: Option<u64>,
     last_cold_restart: Option<ColdRestartCause>,
-    hangs: u64,
+    hangs: Hangs,
 }
 
 /// The supervisor's decisions for one pair.
@@ -121,11 +122,24 @@ pub struct Pair {
     /// The current engine of each slot's watchdog (reset at each spawn).
     /// Kept off the slots: a ping is no observable change.
     watchdogs: [Watchdog; 2],
-    /// The current engine of each slot was ended as hung, and why (until
-    /// its reap, which records it).
-    hung: [Option<HangCause>; 2],
-    /// Engines ended as hung, counted at their reap.
-    hangs: u64,
+    /// The current engine of each slot was ended as hung: why, when, and
+    /// when it was killed (until its reap, which records it).
+    hung: [Option<Hang>; 2],
+    /// Engines ended as hung, by cause, counted at their reap.
+    hangs: Hangs,
+    /// Probe failures in a row that end the serving engine
+    /// ([`Pair::with_probe`]); `None`: no probe, its results are ignored.
+    probe_failures_max: Option<u32>,
+    /// Probe failures in a row of the current engine of each slot.
+    probe_failed: [u32; 2],
+    /// How long an engine may take to park or serve
+    /// ([`Pair::with_start_timeout`]); `None`: forever.
+    start_timeout: Option<Duration>,
+    /// The current engine of each slot's start clock (set when it starts).
+    starts: [StartClock; 2],
+    /// The pair's cgroup is frozen (Pause) since then: nobody can ping,
+    /// answer a probe or start, so nobody is judged.
+    paused_at: Option<Duration>,
     /// Set while both engines are being stopped for a cold restart, and
     /// while it waits out its backoff.
     cold_restart: bool,
@@ -167,7 +181,12 @@ impl Pair {
             watchdog: None,
             watchdogs: [Watchdog::default(), Watchdog::default()],
             hung: [None, None],
-            hangs: 0,
+            hangs: Hangs::default(),
+            probe_failures_max: None,
+            probe_failed: [0, 0],
+            start_timeout: None,
+            starts: [StartClock::default(), StartClock::default()],
+            paused_at: None,
             cold_restart: false,
             cold_useful: false,
             cold_waiting: false,
@@ -193,10 +212,30 @@ impl Pair {
     /// it: no watchdog). An engine's watchdog is armed by its first
     /// `WATCHDOG=1`; once armed, a gap longer than the interval (or the
     /// engine's own, from `WATCHDOG_USEC=`) ends it at the next
-    /// [`Event::WatchdogCheck`]. A zero interval is no watchdog.
+    /// [`Event::HangCheck`]. A zero interval is no watchdog.
     pub fn with_watchdog(self, interval: Option<Duration>) -> Pair {
         Pair {
             watchdog: interval.filter(|i| !i.is_zero()),
+            ..self
+        }
+    }
+
+    /// The pair whose serving engine is probed by the shim, ended after
+    /// `failures` failed probes in a row ([`Event::Probed`]); `None` or 0:
+    /// no probe.
+    pub fn with_probe(self, failures: Option<u32>) -> Pair {
+        Pair {
+            probe_failures_max: failures.filter(|n| *n > 0),
+            ..self
+        }
+    }
+
+    /// The pair whose engines must park or serve within `timeout` of
+    /// starting (`shadow.dev/start-timeout`), extended by their
+    /// `EXTEND_TIMEOUT_USEC=`; `None`: no limit.
+    pub fn with_start_timeout(self, timeout: Option<Duration>) -> Pair {
+        Pair {
+            start_timeout: timeout,
             ..self
         }
     }
@@ -219,7 +258,7 @@ impl Pair {
     /// Sends `event` to the rule that handles it.
     fn apply(&mut self, event: Event, now: Duration) -> Vec<Action> {
         match event {
-            Event::Spawned { slot, pid } => self.on_spawned(slot, pid),
+            Event::Spawned { slot, pid } => self.on_spawned(slot, pid, now),
             Event::SpawnFailed { slot } => self.on_death(slot, Exit::Code(255), false, now),
             Event::Notified { slot, notification } => {
                 self.on_notify(slot, notification, LockHolder::Unknown, now)
@@ -237,7 +276,15 @@ impl Pair {
             Event::Xid(xid) => self.on_xid(xid, now),
             Event::BackoffElapsed { slot } => self.on_backoff_elapsed(slot),
             Event::Stop => self.on_stop(now),
-            Event::WatchdogCheck => self.on_watchdog_check(now),
+            Event::HangCheck => self.on_hang_check(now),
+            Event::Probed {
+                slot,
+                generation,
+                healthy,
+            } => self.on_probed(slot, generation, healthy, now),
+            Event::Killed { slot } => self.on_killed(slot, now),
+            Event::Paused => self.on_paused(now),
+            Event::Resumed => self.on_resumed(now),
         }
     }
 

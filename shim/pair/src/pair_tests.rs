@@ -2,7 +2,8 @@
 //! modules in `pair/`) each (the order races have theirs in `races.rs`).
 
 use super::*;
-use crate::failure::{FailureClass, WEIGHTS_CORRUPT_EXIT};
+use crate::failure::{FailureClass, HangCause, WEIGHTS_CORRUPT_EXIT};
+use crate::promotion::DeathSign;
 
 const KILL: Exit = Exit::Signal(9);
 
@@ -767,7 +768,7 @@ const WD: Duration = Duration::from_millis(100);
 fn watched() -> Pair {
     let p = started(Pair::new(RestartPolicy::default()).with_watchdog(Some(WD)));
     assert_eq!(p.watchdog(), Some(WD));
-    assert_eq!(p.watchdog_deadline(), None, "nobody pinged");
+    assert_eq!(p.hang_deadline(), None, "nobody pinged");
     p
 }
 
@@ -780,7 +781,7 @@ fn ping(p: &mut Pair, slot: SlotId, at: u64) -> Vec<Action> {
 }
 
 fn check(p: &mut Pair, at: u64) -> Vec<Action> {
-    p.handle(Event::WatchdogCheck, t(at))
+    p.handle(Event::HangCheck, t(at))
 }
 
 #[test]
@@ -794,10 +795,10 @@ fn a_watchdog_is_armed_by_the_first_ping_only() {
         Notification::WatchdogUsec(t(10)),
         10_000,
     );
-    assert_eq!(p.watchdog_deadline(), None);
+    assert_eq!(p.hang_deadline(), None);
     assert!(check(&mut p, 20_000).is_empty());
     assert!(ping(&mut p, SlotId::ZERO, 20_000).is_empty());
-    assert_eq!(p.watchdog_deadline(), Some(t(20_100)));
+    assert_eq!(p.hang_deadline(), Some(t(20_100)));
     assert_eq!(p.active(), Some(SlotId::ZERO));
 }
 
@@ -816,10 +817,10 @@ fn a_gap_longer_than_the_interval_ends_the_engine_one_at_it_does_not() {
         check(&mut p, 1101),
         vec![Action::Kill { slot: SlotId::ZERO }]
     );
-    assert_eq!(p.watchdog_deadline(), None, "ended once, not again");
+    assert_eq!(p.hang_deadline(), None, "ended once, not again");
     assert!(check(&mut p, 5000).is_empty());
     assert!(ping(&mut p, SlotId::ZERO, 5000).is_empty());
-    assert_eq!(p.watchdog_deadline(), None, "a ping from the killed engine");
+    assert_eq!(p.hang_deadline(), None, "a ping from the killed engine");
     // Until its reap, it is what it was: the reap decides its death.
     assert_eq!(p.slot(SlotId::ZERO).state, EngineState::Active);
 }
@@ -833,11 +834,11 @@ fn pings_every_half_interval_keep_an_engine_alive() {
             ping(&mut p, SlotId::ONE, ms);
         }
         assert!(check(&mut p, ms).is_empty(), "at {ms} ms");
-        assert!(p.watchdog_deadline().is_some_and(|d| d > t(ms)));
+        assert!(p.hang_deadline().is_some_and(|d| d > t(ms)));
     }
     // A ping seen late (out of time order) does not move the clock back.
     ping(&mut p, SlotId::ZERO, 2000);
-    assert_eq!(p.watchdog_deadline(), Some(t(2950 + 100)));
+    assert_eq!(p.hang_deadline(), Some(t(2950 + 100)));
     assert_eq!(p.active(), Some(SlotId::ZERO));
     assert!(p.snapshot().protected);
 }
@@ -853,12 +854,12 @@ fn watchdog_usec_changes_only_that_engines_interval() {
         Notification::WatchdogUsec(t(500)),
         1000,
     );
-    assert_eq!(p.watchdog_deadline(), Some(t(1100)));
+    assert_eq!(p.hang_deadline(), Some(t(1100)));
     assert_eq!(
         check(&mut p, 1200),
         vec![Action::Kill { slot: SlotId::ZERO }]
     );
-    assert_eq!(p.watchdog_deadline(), Some(t(1500)));
+    assert_eq!(p.hang_deadline(), Some(t(1500)));
     assert!(check(&mut p, 1500).is_empty());
     assert_eq!(
         check(&mut p, 1501),
@@ -874,7 +875,7 @@ fn watchdog_usec_changes_only_that_engines_interval() {
         Notification::WatchdogUsec(t(30)),
         1090,
     );
-    assert_eq!(p.watchdog_deadline(), Some(t(1120)));
+    assert_eq!(p.hang_deadline(), Some(t(1120)));
     // An interval past any clock: never expires, never overflows.
     say(
         &mut p,
@@ -882,7 +883,7 @@ fn watchdog_usec_changes_only_that_engines_interval() {
         Notification::WatchdogUsec(Duration::MAX),
         1100,
     );
-    assert_eq!(p.watchdog_deadline(), None);
+    assert_eq!(p.hang_deadline(), None);
     assert!(check(&mut p, u64::MAX).is_empty());
 }
 
@@ -903,7 +904,7 @@ fn a_trigger_ends_the_engine_at_once_and_a_hung_shadow_is_respawned() {
     assert_eq!(snap.slots[1].last_hang, Some(HangCause::Trigger));
     assert_eq!(snap.slots[1].last_exit, Some(KILL));
     assert_eq!(snap.slots[0].last_hang, None);
-    assert_eq!(snap.hangs, 1);
+    assert_eq!(snap.hangs.total(), 1);
     assert_eq!(snap.failovers, 0);
     assert_eq!(p.active(), Some(SlotId::ZERO), "the active kept serving");
     assert_eq!(p.slot(SlotId::ZERO).state, EngineState::Active);
@@ -929,16 +930,16 @@ fn a_respawned_engine_starts_unarmed() {
     assert_eq!(p.slot(SlotId::ONE).generation, 2);
     spawned(&mut p, SlotId::ONE, 201, 1040);
     parked(&mut p, SlotId::ONE, 1050);
-    assert_eq!(p.watchdog_deadline(), None);
+    assert_eq!(p.hang_deadline(), None);
     assert!(check(&mut p, 60_000).is_empty());
     // Armed again, at the pair's interval, not the last engine's own.
     ping(&mut p, SlotId::ONE, 60_000);
-    assert_eq!(p.watchdog_deadline(), Some(t(60_100)));
+    assert_eq!(p.hang_deadline(), Some(t(60_100)));
     // A later death that was no hang clears the slot's cause.
     assert_eq!(p.snapshot().slots[1].last_hang, Some(HangCause::Watchdog));
     died(&mut p, SlotId::ONE, Exit::Code(1), 60_050);
     assert_eq!(p.snapshot().slots[1].last_hang, None);
-    assert_eq!(p.snapshot().hangs, 1);
+    assert_eq!(p.snapshot().hangs.total(), 1);
 }
 
 #[test]
@@ -960,7 +961,7 @@ fn without_a_watchdog_its_messages_change_nothing() {
                 assert!(say(&mut p, s, n.clone(), 1000).is_empty());
             }
         }
-        assert_eq!(p.watchdog_deadline(), None);
+        assert_eq!(p.hang_deadline(), None);
         assert!(check(&mut p, 100_000).is_empty());
         assert_eq!(format!("{:?}", p.snapshot()), before);
         assert_eq!(p.revision(), revision);
@@ -983,7 +984,13 @@ fn a_hung_active_fails_over_with_its_cause_in_the_snapshot() {
         check(&mut p, 1150),
         vec![Action::Kill { slot: SlotId::ZERO }]
     );
-    assert_eq!(p.watchdog_deadline(), Some(t(1190)), "the shadow's alone");
+    assert_eq!(p.hang_deadline(), Some(t(1190)), "the shadow's alone");
+    assert_eq!(
+        p.hang_of(SlotId::ZERO).map(|h| h.cause),
+        Some(HangCause::Watchdog)
+    );
+    p.handle(Event::Killed { slot: SlotId::ZERO }, t(1151));
+    p.handle(Event::Killed { slot: SlotId::ZERO }, t(1158));
     // Its death is decided at its reap, as any death of the active.
     assert_eq!(
         died(&mut p, SlotId::ZERO, KILL, 1152),
@@ -1002,16 +1009,30 @@ fn a_hung_active_fails_over_with_its_cause_in_the_snapshot() {
         panic!("{a:?}")
     };
     assert_eq!((pr.from, pr.to), (SlotId::ZERO, Some(SlotId::ONE)));
-    assert_eq!(pr.class, FailureClass::DevicePreserving);
+    assert_eq!(pr.class, FailureClass::Hung);
     assert_eq!(pr.exit, KILL);
+    // The timeline: detected → killed → lock taken → ready.
+    assert_eq!(
+        pr.hang,
+        Some(Hang {
+            cause: HangCause::Watchdog,
+            detected_at: t(1150),
+            killed_at: Some(t(1151)),
+        })
+    );
+    assert_eq!((pr.death_at, pr.death_seen), (t(1150), DeathSign::Hang));
+    assert_eq!((pr.lock_at, pr.ready_at), (Some(t(1153)), Some(t(1160))));
+    assert_eq!(pr.total(), Some(t(10)));
     assert_eq!(p.active(), Some(SlotId::ONE));
+    assert_eq!(p.hang_of(SlotId::ZERO), None, "kept until the reap only");
     let snap = p.snapshot();
     assert_eq!(snap.slots[0].last_hang, Some(HangCause::Watchdog));
-    assert_eq!(snap.hangs, 1);
+    assert_eq!(snap.hangs.watchdog, 1);
+    assert_eq!(snap.hangs.total(), 1);
     assert_eq!(snap.failovers, 1);
     // The new active is still watched; the respawned slot is not yet.
     spawned(&mut p, SlotId::ZERO, 200, 1170);
-    assert_eq!(p.watchdog_deadline(), Some(t(1190)));
+    assert_eq!(p.hang_deadline(), Some(t(1190)));
     assert_eq!(
         check(&mut p, 1191),
         vec![Action::Kill { slot: SlotId::ONE }]
@@ -1038,10 +1059,22 @@ fn a_hung_active_superseded_before_its_reap_is_not_ended_twice() {
         t(1105),
     );
     let a = died(&mut p, SlotId::ZERO, KILL, 1110);
-    assert!(a.iter().any(|a| matches!(a, Action::Promoted(_))), "{a:?}");
+    let pr = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Promoted(pr) => Some(pr),
+            _ => None,
+        })
+        .expect("promoted");
+    assert_eq!((pr.death_at, pr.death_seen), (t(1101), DeathSign::Hang));
+    assert_eq!(pr.class, FailureClass::Hung);
+    assert_eq!(
+        pr.hang.map(|h| (h.cause, h.killed_at)),
+        Some((HangCause::Watchdog, None))
+    );
     assert!(a.contains(&Action::Spawn { slot: SlotId::ZERO }), "{a:?}");
     assert_eq!(p.snapshot().slots[0].last_hang, Some(HangCause::Watchdog));
-    assert_eq!(p.snapshot().hangs, 1);
+    assert_eq!(p.snapshot().hangs.total(), 1);
 }
 
 #[test]
@@ -1065,10 +1098,233 @@ fn a_pair_going_down_ends_nobody_as_hung() {
     let mut p = watched();
     ping(&mut p, SlotId::ZERO, 1000);
     p.handle(Event::Stop, t(1050));
-    assert_eq!(p.watchdog_deadline(), None);
+    assert_eq!(p.hang_deadline(), None);
     assert!(check(&mut p, 5000).is_empty());
     assert!(say(&mut p, SlotId::ONE, Notification::WatchdogTrigger, 5000).is_empty());
     died(&mut p, SlotId::ZERO, KILL, 5001);
     assert_eq!(p.snapshot().slots[0].last_hang, None);
-    assert_eq!(p.snapshot().hangs, 0);
+    assert_eq!(p.snapshot().hangs.total(), 0);
+}
+
+/// [`running`] probed, ended after 2 failures in a row.
+fn probed() -> Pair {
+    let p = started(Pair::new(RestartPolicy::default()).with_probe(Some(2)));
+    assert_eq!(p.probe_target(), Some((SlotId::ZERO, 1)));
+    p
+}
+
+fn probe(p: &mut Pair, slot: SlotId, generation: u32, healthy: bool, at: u64) -> Vec<Action> {
+    p.handle(
+        Event::Probed {
+            slot,
+            generation,
+            healthy,
+        },
+        t(at),
+    )
+}
+
+#[test]
+fn failed_probes_in_a_row_end_the_serving_engine() {
+    let mut p = probed();
+    assert!(probe(&mut p, SlotId::ZERO, 1, false, 100).is_empty());
+    assert!(
+        probe(&mut p, SlotId::ZERO, 1, true, 200).is_empty(),
+        "reset"
+    );
+    assert!(probe(&mut p, SlotId::ZERO, 1, false, 300).is_empty());
+    // Results for an engine that does not serve count for nothing.
+    assert!(probe(&mut p, SlotId::ONE, 1, false, 310).is_empty());
+    assert!(probe(&mut p, SlotId::ONE, 1, false, 320).is_empty());
+    assert_eq!(
+        probe(&mut p, SlotId::ZERO, 1, false, 400),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+    assert_eq!(p.probe_target(), None, "nobody serves that may be probed");
+    assert!(
+        probe(&mut p, SlotId::ZERO, 1, false, 500).is_empty(),
+        "once"
+    );
+    p.handle(Event::Killed { slot: SlotId::ZERO }, t(401));
+    // The shadow takes over; the dead one's death is a hang by probe.
+    p.handle(
+        Event::Ready {
+            slot: SlotId::ONE,
+            holder: LockHolder::Slot(SlotId::ONE),
+        },
+        t(403),
+    );
+    let a = died(&mut p, SlotId::ZERO, KILL, 402);
+    let pr = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Promoted(pr) => Some(pr.clone()),
+            _ => None,
+        })
+        .expect("promoted");
+    assert_eq!(pr.class, FailureClass::Hung);
+    assert_eq!(
+        pr.hang,
+        Some(Hang {
+            cause: HangCause::Probe,
+            detected_at: t(400),
+            killed_at: Some(t(401)),
+        })
+    );
+    assert_eq!(pr.total(), Some(t(3)));
+    assert_eq!(p.snapshot().hangs.probe, 1);
+    // The new active is probed, from zero failures.
+    assert_eq!(p.probe_target(), Some((SlotId::ONE, 1)));
+    assert!(probe(&mut p, SlotId::ONE, 1, false, 500).is_empty());
+}
+
+#[test]
+fn a_probe_of_an_earlier_generation_counts_for_nothing() {
+    let mut p = probed();
+    assert!(probe(&mut p, SlotId::ZERO, 1, false, 100).is_empty());
+    // Slot 0 dies and comes back (generation 2) and serves again.
+    died(&mut p, SlotId::ZERO, KILL, 110);
+    p.handle(
+        Event::Ready {
+            slot: SlotId::ONE,
+            holder: LockHolder::Slot(SlotId::ONE),
+        },
+        t(111),
+    );
+    spawned(&mut p, SlotId::ZERO, 200, 120);
+    parked(&mut p, SlotId::ZERO, 121);
+    died(&mut p, SlotId::ONE, KILL, 130);
+    p.handle(
+        Event::Ready {
+            slot: SlotId::ZERO,
+            holder: LockHolder::Slot(SlotId::ZERO),
+        },
+        t(131),
+    );
+    assert_eq!(p.probe_target(), Some((SlotId::ZERO, 2)));
+    assert!(probe(&mut p, SlotId::ZERO, 1, false, 140).is_empty());
+    assert!(probe(&mut p, SlotId::ZERO, 1, false, 150).is_empty());
+    assert!(
+        probe(&mut p, SlotId::ZERO, 2, false, 160).is_empty(),
+        "its first"
+    );
+    assert_eq!(
+        probe(&mut p, SlotId::ZERO, 2, false, 170),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+}
+
+#[test]
+fn without_a_probe_results_are_ignored() {
+    let mut p = running();
+    assert_eq!(p.probe_target(), None);
+    for at in 0..10 {
+        assert!(probe(&mut p, SlotId::ZERO, 1, false, at).is_empty());
+    }
+    let p = started(Pair::new(RestartPolicy::default()).with_probe(Some(0)));
+    assert_eq!(p.probe_target(), None, "0 failures is no probe");
+}
+
+const START: Duration = Duration::from_millis(1000);
+
+#[test]
+fn an_engine_stuck_starting_is_ended_as_an_early_death() {
+    let mut p = Pair::new(RestartPolicy::default()).with_start_timeout(Some(START));
+    p.start();
+    assert_eq!(p.hang_deadline(), None, "not running yet");
+    spawned(&mut p, SlotId::ZERO, 100, 10);
+    spawned(&mut p, SlotId::ONE, 101, 20);
+    assert_eq!(p.hang_deadline(), Some(t(1010)));
+    parked(&mut p, SlotId::ZERO, 500);
+    assert_eq!(p.hang_deadline(), Some(t(1020)), "a parked engine started");
+    assert!(
+        check(&mut p, 1020).is_empty(),
+        "at the deadline, not past it"
+    );
+    assert_eq!(
+        check(&mut p, 1021),
+        vec![Action::Kill { slot: SlotId::ONE }]
+    );
+    assert_eq!(p.hang_deadline(), None);
+    // An early death: the restart budget's backoff, as for a crash.
+    let a = died(&mut p, SlotId::ONE, KILL, 1022);
+    assert!(
+        matches!(
+            a.as_slice(),
+            [Action::SpawnAfter {
+                slot: SlotId::ONE,
+                ..
+            }] | [Action::Spawn { slot: SlotId::ONE }]
+        ),
+        "{a:?}"
+    );
+    let snap = p.snapshot();
+    assert_eq!(snap.slots[1].last_hang, Some(HangCause::StartTimeout));
+    assert_eq!(snap.hangs.start_timeout, 1);
+    assert_eq!(snap.failovers, 0);
+}
+
+#[test]
+fn extend_timeout_usec_extends_the_start_as_systemd_does() {
+    let mut p = Pair::new(RestartPolicy::default()).with_start_timeout(Some(START));
+    p.start();
+    spawned(&mut p, SlotId::ZERO, 100, 0);
+    let extend = |ms| Notification::ExtendTimeout(t(ms));
+    assert!(say(&mut p, SlotId::ZERO, extend(300), 100).is_empty());
+    assert_eq!(p.hang_deadline(), Some(START), "never before the timeout");
+    say(&mut p, SlotId::ZERO, extend(3000), 900);
+    assert_eq!(p.hang_deadline(), Some(t(3900)));
+    assert!(check(&mut p, 3000).is_empty());
+    say(&mut p, SlotId::ZERO, extend(3000), 3800);
+    assert!(check(&mut p, 4000).is_empty());
+    assert_eq!(
+        check(&mut p, 6801),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+    // Holding the lock (waking), it is past starting.
+    let mut p = Pair::single(RestartPolicy::default()).with_start_timeout(Some(START));
+    p.start();
+    spawned(&mut p, SlotId::ZERO, 100, 0);
+    say(
+        &mut p,
+        SlotId::ZERO,
+        Notification::Status("loading".into()),
+        1,
+    );
+    p.handle(Event::LockHeld { slot: SlotId::ZERO }, t(2));
+    assert_eq!(p.hang_deadline(), None);
+    assert!(check(&mut p, 10_000).is_empty());
+}
+
+#[test]
+fn a_paused_pair_judges_nobody_and_its_clocks_go_on_from_the_resume() {
+    let mut p = Pair::new(RestartPolicy::default())
+        .with_watchdog(Some(WD))
+        .with_probe(Some(1))
+        .with_start_timeout(Some(START));
+    p.start();
+    spawned(&mut p, SlotId::ZERO, 100, 0);
+    spawned(&mut p, SlotId::ONE, 101, 0);
+    parked(&mut p, SlotId::ZERO, 1);
+    p.handle(
+        Event::Ready {
+            slot: SlotId::ZERO,
+            holder: LockHolder::Slot(SlotId::ZERO),
+        },
+        t(2),
+    );
+    ping(&mut p, SlotId::ZERO, 10);
+    p.handle(Event::Paused, t(50));
+    assert_eq!(p.hang_deadline(), None);
+    assert_eq!(p.probe_target(), None);
+    assert!(check(&mut p, 5000).is_empty());
+    assert!(probe(&mut p, SlotId::ZERO, 1, false, 5000).is_empty());
+    p.handle(Event::Resumed, t(6000));
+    // The watchdog counts from the resume; slot 1's start from its pause.
+    assert_eq!(p.hang_deadline(), Some(t(6100)));
+    assert_eq!(
+        check(&mut p, 6101),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+    assert_eq!(p.hang_deadline(), Some(t(1000 + 5950)));
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::failure::{Exit, FailureClass};
+use crate::failure::{Exit, FailureClass, Hang};
 use crate::slot::SlotId;
 
 pub use shadow_contract::state::DeathSign;
@@ -39,6 +39,9 @@ pub struct Promotion {
     pub ready_at: Option<Duration>,
     pub exit: Exit,
     pub class: FailureClass,
+    /// The old active was ended as hung: why, when that was seen (then
+    /// the death: `death_seen` is `hang`) and when it was killed.
+    pub hang: Option<Hang>,
 }
 
 impl Promotion {
@@ -68,6 +71,8 @@ pub(crate) struct Handover {
     reap: Option<Reap>,
     lock_at: Option<Duration>,
     ready_at: Option<Duration>,
+    /// The old active was ended as hung.
+    hang: Option<Hang>,
     /// The successor serves: `READY=1`, or the lock for an engine that
     /// does not speak sd_notify.
     serving: bool,
@@ -83,8 +88,16 @@ impl Handover {
             reap: None,
             lock_at: None,
             ready_at: None,
+            hang: None,
             serving: false,
         }
+    }
+
+    /// The old active was ended as hung: the hang's detection is the
+    /// first sign of its end (it came before the kill).
+    pub(crate) fn hung(&mut self, hang: Hang) {
+        self.hang = Some(hang);
+        self.sign(hang.detected_at, DeathSign::Hang);
     }
 
     pub(crate) fn from(&self) -> SlotId {
@@ -147,6 +160,7 @@ impl Handover {
             ready_at: self.ready_at,
             exit: reap.exit,
             class: reap.class,
+            hang: self.hang,
         })
     }
 }

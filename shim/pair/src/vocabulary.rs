@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::failure::{ColdRestartCause, Exit, HangCause};
+use crate::failure::{ColdRestartCause, Exit, HangCause, Hangs};
 use crate::notify::Notification;
 use crate::promotion::Promotion;
 use crate::slot::SlotId;
@@ -36,9 +36,7 @@ pub struct Slot {
     pub speaks_notify: bool,
     pub last_exit: Option<Exit>,
     /// The pair ended this slot's last engine as hung, and why (beside
-    /// `last_exit`, which it explains; `None` for any other death). Not in
-    /// `state.json` yet: its schema does not have it.
-    #[serde(skip)]
+    /// `last_exit`, which it explains; `None` for any other death).
     pub last_hang: Option<HangCause>,
 }
 
@@ -132,10 +130,29 @@ pub enum Event {
     BackoffElapsed { slot: SlotId },
     /// containerd asked the task to stop (Kill): no more respawns.
     Stop,
-    /// Time to look at the engines' watchdogs (the shim sends it at
-    /// [`Pair::watchdog_deadline`](crate::Pair::watchdog_deadline)): every
-    /// armed engine not pinged within its interval before `now` is ended.
-    WatchdogCheck,
+    /// Time to look for hung engines (the shim sends it at
+    /// [`Pair::hang_deadline`](crate::Pair::hang_deadline)): every armed
+    /// engine not pinged within its interval before `now`, and every engine
+    /// still starting past its start timeout, is ended.
+    HangCheck,
+    /// The shim's probe of the engine of `slot` (generation `generation`,
+    /// the one that served when the probe began) ended: `healthy` or not.
+    /// Only the serving engine's results count; enough failures in a row
+    /// end it.
+    Probed {
+        slot: SlotId,
+        generation: u32,
+        healthy: bool,
+    },
+    /// The shim sent SIGKILL to every process of the engine of `slot`
+    /// (after [`Action::Kill`]): the hang's timeline records when.
+    Killed { slot: SlotId },
+    /// The pair's cgroup was frozen (Pause): no hang is judged until
+    /// [`Event::Resumed`].
+    Paused,
+    /// The pair's cgroup was thawed (Resume): watchdogs and start clocks
+    /// go on from now, as if the pause had not been.
+    Resumed,
 }
 
 /// What the shim must do.
@@ -148,10 +165,11 @@ pub enum Action {
     SpawnAfter { slot: SlotId, delay: Duration },
     /// Kill every engine still alive (SIGKILL).
     KillAll,
-    /// SIGKILL the engine of `slot`: it was reported running after the
-    /// pair began to stop or to restart cold, or it hung (its watchdog
-    /// expired or it sent `WATCHDOG=trigger`). Its death is decided at its
-    /// reap, as any other.
+    /// SIGKILL every process of the engine of `slot`: it was reported
+    /// running after the pair began to stop or to restart cold, or it hung
+    /// ([`Pair::hang_of`](crate::Pair::hang_of) says why). Its death is
+    /// decided at its reap, as any other; the shim reports the kill
+    /// ([`Event::Killed`]).
     Kill { slot: SlotId },
     /// Drop GMS state and start the daemons afresh before the next spawns.
     RestartGms,
@@ -201,9 +219,7 @@ pub struct Snapshot {
     /// A metric only: `state.json`'s schema does not have it.
     #[serde(skip)]
     pub ready_refused: u64,
-    /// Engines the pair ended as hung (counted at their reap; each slot's
-    /// cause is its `last_hang`). Not in `state.json` yet: its schema does
-    /// not have it.
-    #[serde(skip)]
-    pub hangs: u64,
+    /// Engines the pair ended as hung, by cause (counted at their reap;
+    /// each slot's cause is its `last_hang`).
+    pub hangs: Hangs,
 }

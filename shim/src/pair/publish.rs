@@ -181,8 +181,15 @@ impl Publisher {
             d.map(|d| format!("{:.3}", d.saturating_sub(p.death_at).as_secs_f64() * 1e3))
                 .unwrap_or_else(|| "-".into())
         };
+        let hang = p.hang.map_or(String::new(), |h| {
+            format!(
+                "hang ({}) detected → killed {} ms, ",
+                h.cause,
+                ms(h.killed_at)
+            )
+        });
         log::info!(
-            "pair {}: promotion {} slot {} -> {}: death seen by {:?}; death → reap {} ms, → lock {} ms, → ready {} ms ({:?}, {:?})",
+            "pair {}: promotion {} slot {} -> {}: death seen by {:?}; {hang}death → reap {} ms, → lock {} ms, → ready {} ms ({:?}, {:?})",
             self.id,
             p.number,
             p.from,
@@ -199,6 +206,8 @@ impl Publisher {
             reaped_unix_us: self.wall(p.reaped_at),
             lock_unix_us: p.lock_at.map(|d| self.wall(d)),
             ready_unix_us: p.ready_at.map(|d| self.wall(d)),
+            hang_detected_unix_us: p.hang.map(|h| self.wall(h.detected_at)),
+            hang_killed_unix_us: p.hang.and_then(|h| h.killed_at).map(|d| self.wall(d)),
             total_ms: p.total().map(|d| d.as_secs_f64() * 1e3),
             promotion: state_file::promotion(&p),
         };

@@ -21,6 +21,7 @@ fn slot(s: &Slot) -> file::SlotState {
         generation: s.generation,
         speaks_notify: s.speaks_notify,
         last_exit: s.last_exit,
+        last_hang: s.last_hang,
     }
 }
 
@@ -36,6 +37,7 @@ pub fn promotion(p: &Promotion) -> file::Promotion {
         ready_at: p.ready_at,
         exit: p.exit,
         class: p.class,
+        hang: p.hang,
     }
 }
 
@@ -51,6 +53,7 @@ pub fn snapshot(s: &Snapshot) -> file::PairSnapshot {
         last_promotion: s.last_promotion.as_ref().map(promotion),
         last_cold_restart: s.last_cold_restart.clone(),
         gms_deaths: s.gms_deaths.clone(),
+        hangs: s.hangs,
     }
 }
 

@@ -1,6 +1,6 @@
 //! An engine's death (its reap, or a spawn that failed): its class (an
-//! OOM kill, an XID, GMS gone, corrupt weights; a hang is recorded beside
-//! it), the handover it begins or
+//! OOM kill, an XID, GMS gone, corrupt weights, a hang the pair ended),
+//! the handover it begins or
 //! completes, and what follows: a respawn now or after a backoff, as the
 //! restart budget says, a cold restart, or the end of the pair (a crash
 //! loop, or every engine finished cleanly). It exists because a death is
@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use super::{Ending, Pair};
-use crate::failure::{classify, ColdRestartCause, Exit, FailureClass};
+use crate::failure::{classify_death, ColdRestartCause, Exit, FailureClass};
 use crate::policy::Verdict;
 use crate::promotion::{DeathSign, Handover};
 use crate::slot::SlotId;
@@ -52,17 +52,18 @@ impl Pair {
     ) -> Vec<Action> {
         let was_active = self.active == Some(slot);
         let superseded = self.slot(slot).state == EngineState::Superseded;
+        // A hang the pair ended: its own class (unless the device says
+        // worse), its cause kept beside the exit.
+        let hang = self.hung[slot.index()].take();
         {
             let s = &mut self.slots[slot.index()];
             s.state = EngineState::Stopped;
             s.pid = None;
             s.last_exit = Some(exit);
-            // A hang the pair ended is classed as the kill it was (device
-            // preserving), its cause kept beside the exit.
-            s.last_hang = self.hung[slot.index()].take();
-            if s.last_hang.is_some() {
-                self.hangs += 1;
-            }
+            s.last_hang = hang.map(|h| h.cause);
+        }
+        if let Some(h) = hang {
+            self.hangs.count(h.cause);
         }
         if was_active {
             self.active = None;
@@ -70,7 +71,7 @@ impl Pair {
             // Another engine's end: a lock-file close just before was its.
             self.closed_at = None;
         }
-        let mut class = classify(exit, &self.xids, self.gms_alive);
+        let mut class = classify_death(exit, &self.xids, self.gms_alive, hang.is_some());
         if std::mem::take(&mut self.oom_killed[slot.index()]) {
             self.oom_kills += 1;
             // A bad device still decides what happens next.
@@ -87,6 +88,9 @@ impl Pair {
                 .filter(|h| h.from() == slot && h.awaits_reap())
             {
                 h.reaped(now, exit, class);
+                if let Some(hang) = hang {
+                    h.hung(hang);
+                }
             }
             actions.extend(self.complete_handover());
         }
@@ -101,6 +105,9 @@ impl Pair {
         if was_active {
             let mut h = Handover::begin(slot, now, DeathSign::Reap);
             h.reaped(now, exit, class);
+            if let Some(hang) = hang {
+                h.hung(hang);
+            }
             if let Some(closed) = self.closed_at.take() {
                 h.sign(closed, DeathSign::LockFree);
             }

@@ -32,11 +32,12 @@ impl Pair {
             // all; and a ping says nothing of readiness.
             return self.on_watchdog_notify(slot, n, now);
         }
-        let s = &mut self.slots[slot.index()];
-        if s.state == EngineState::Spawning {
-            // It speaks, so it runs: its spawn is reported later.
-            s.state = EngineState::Starting;
+        // It speaks, so it runs: its spawn is reported later.
+        self.starting(slot, now);
+        if let Notification::ExtendTimeout(by) = n {
+            self.starts[slot.index()].extend(by, now);
         }
+        let s = &mut self.slots[slot.index()];
         if !s.alive() || s.state == EngineState::Superseded {
             return Vec::new();
         }

@@ -1,31 +1,54 @@
-//! An engine ended because it hung. For now the one sign is its watchdog,
-//! as systemd defines it (sd_notify(3), `WatchdogSec=`; issue 22): the
-//! pair's interval ([`Pair::with_watchdog`]), armed by the engine's first
-//! `WATCHDOG=1`; once armed, a gap longer than the interval ends the
-//! engine at the next [`Event::WatchdogCheck`](crate::Event::WatchdogCheck),
-//! and `WATCHDOG=trigger` ends it at once. `WATCHDOG_USEC=` sets that engine's
-//! own interval. It exists because a hung engine never dies on its own:
-//! this is the one place a live engine is ended for what it did not do.
+//! An engine ended because it hung: a live engine that stopped doing its
+//! work, which never dies on its own. Four signs (issue 22):
 //!
-//! Ending is [`Action::Kill`]; the pair records why ([`HangCause`]) and
-//! decides nothing else until the reap, so a hung engine's death takes the
-//! path of every death (`death`): a hung active fails over, a hung shadow
-//! is respawned while the active serves, a single engine restarts in place.
+//! - its watchdog, as systemd defines it (sd_notify(3), `WatchdogSec=`):
+//!   the pair's interval ([`Pair::with_watchdog`]), armed by the engine's
+//!   first `WATCHDOG=1`; once armed, a gap longer than the interval ends
+//!   the engine at the next [`Event::HangCheck`](crate::Event::HangCheck).
+//!   `WATCHDOG_USEC=` sets that engine's own interval;
+//! - `WATCHDOG=trigger`: the engine knows it is broken, and is ended at once;
+//! - the shim's probe of the serving engine ([`Pair::with_probe`]): enough
+//!   failed probes in a row ([`Event::Probed`](crate::Event::Probed)) end it;
+//! - its start timeout ([`Pair::with_start_timeout`]): an engine that
+//!   neither parked nor served within it (extended by its
+//!   `EXTEND_TIMEOUT_USEC=`) is ended at the next check.
+//!
+//! Ending is [`Action::Kill`]; the pair records why and when ([`Hang`]),
+//! and when the shim had killed it ([`Event::Killed`](crate::Event::Killed)),
+//! and decides nothing else until the reap, so a hung engine's death takes
+//! the path of every death (`death`): a hung active fails over, a hung
+//! shadow is respawned while the active serves, a single engine restarts
+//! in place, and an engine that never started is an early death for the
+//! restart budget. While the pair is paused (its cgroup frozen) nobody is
+//! judged, and the clocks go on from the resume.
 //!
 //! What may be touched here: which engines are watched, when a hang ends
-//! one, and a new sign of a hang (issue 22's probe and start timeout go
-//! here). How one engine's watchdog keeps time is `crate::watchdog`'s;
-//! what the death then means is `death`'s.
+//! one, and a new sign of a hang. How one engine's clocks keep time is
+//! `crate::watchdog`'s; what the death then means is `death`'s.
 
 use std::time::Duration;
 
 use super::Pair;
-use crate::failure::HangCause;
+use crate::failure::{Hang, HangCause};
 use crate::notify::Notification;
 use crate::slot::SlotId;
 use crate::vocabulary::{Action, EngineState};
 
 impl Pair {
+    /// Whether the pair judges hangs now: not while it goes down (it ends
+    /// every engine anyway), restarts cold, or is paused.
+    fn judges_hangs(&self) -> bool {
+        self.ending.is_none() && !self.cold_restart && self.paused_at.is_none()
+    }
+
+    /// Whether the current engine of `slot` may still be ended as hung:
+    /// live, not superseded (its successor serves; it is going), and not
+    /// ended already.
+    fn may_hang(&self, slot: SlotId) -> bool {
+        let s = self.slot(slot);
+        s.alive() && s.state != EngineState::Superseded && self.hung[slot.index()].is_none()
+    }
+
     /// A watchdog message from the engine of `slot`. Ignored without a
     /// configured watchdog, from an engine whose word no longer counts
     /// (dead, superseded), already ended as hung, or while the pair goes
@@ -39,53 +62,145 @@ impl Pair {
         if self.watchdog.is_none() || self.ending.is_some() || self.cold_restart {
             return Vec::new();
         }
-        let s = &mut self.slots[slot.index()];
-        if s.state == EngineState::Spawning {
-            // It speaks, so it runs: its spawn is reported later.
-            s.state = EngineState::Starting;
-        }
-        if !s.alive() || s.state == EngineState::Superseded || self.hung[slot.index()].is_some() {
+        // It speaks, so it runs: its spawn is reported later.
+        self.starting(slot, now);
+        if !self.may_hang(slot) {
             return Vec::new();
         }
         let w = &mut self.watchdogs[slot.index()];
         match n {
             Notification::WatchdogPing => w.ping(now),
             Notification::WatchdogUsec(interval) => w.set_interval(interval, now),
-            Notification::WatchdogTrigger => return vec![self.end_hung(slot, HangCause::Trigger)],
+            Notification::WatchdogTrigger => {
+                return vec![self.end_hung(slot, HangCause::Trigger, now)]
+            }
             _ => {}
         }
         Vec::new()
     }
 
-    /// Ends every engine whose armed watchdog expired before `now`.
-    pub(super) fn on_watchdog_check(&mut self, now: Duration) -> Vec<Action> {
-        if self.ending.is_some() || self.cold_restart {
+    /// Ends every engine whose armed watchdog expired, or whose start
+    /// timeout passed, before `now`.
+    pub(super) fn on_hang_check(&mut self, now: Duration) -> Vec<Action> {
+        if !self.judges_hangs() {
             return Vec::new();
         }
-        SlotId::BOTH
+        let mut ended = Vec::new();
+        for slot in SlotId::BOTH {
+            if self.watchdog_expiry(slot).is_some_and(|e| now > e) {
+                ended.push((slot, HangCause::Watchdog));
+            } else if self.start_expiry(slot).is_some_and(|e| now > e) {
+                ended.push((slot, HangCause::StartTimeout));
+            }
+        }
+        ended
             .into_iter()
-            .filter(|s| self.watchdog_expiry(*s).is_some_and(|e| now > e))
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|s| self.end_hung(s, HangCause::Watchdog))
+            .map(|(slot, cause)| self.end_hung(slot, cause, now))
             .collect()
     }
 
+    /// A probe of the engine of `slot` ended. It counts only for the
+    /// engine that serves (active, `READY=1` said or the lock held
+    /// without sd_notify) and only if it is the same generation the probe
+    /// began with: a result that arrives after a failover is nobody's.
+    pub(super) fn on_probed(
+        &mut self,
+        slot: SlotId,
+        generation: u32,
+        healthy: bool,
+        now: Duration,
+    ) -> Vec<Action> {
+        let Some(max) = self.probe_failures_max else {
+            return Vec::new();
+        };
+        if !self.judges_hangs()
+            || !self.probe_counts(slot)
+            || self.slot(slot).generation != generation
+        {
+            return Vec::new();
+        }
+        let failed = &mut self.probe_failed[slot.index()];
+        if healthy {
+            *failed = 0;
+            return Vec::new();
+        }
+        *failed += 1;
+        if *failed >= max {
+            vec![self.end_hung(slot, HangCause::Probe, now)]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The shim killed every process of the engine of `slot`: the hang's
+    /// timeline has its second step.
+    pub(super) fn on_killed(&mut self, slot: SlotId, now: Duration) -> Vec<Action> {
+        if let Some(h) = self.hung[slot.index()].as_mut() {
+            h.killed_at.get_or_insert(now);
+        }
+        Vec::new()
+    }
+
+    pub(super) fn on_paused(&mut self, now: Duration) -> Vec<Action> {
+        self.paused_at.get_or_insert(now);
+        Vec::new()
+    }
+
+    /// The pause is over: every clock goes on as if it had not been. An
+    /// armed watchdog counts from now (a frozen engine could not ping),
+    /// start clocks move on by the pause, probe failures start over.
+    pub(super) fn on_resumed(&mut self, now: Duration) -> Vec<Action> {
+        let Some(at) = self.paused_at.take() else {
+            return Vec::new();
+        };
+        let paused = now.saturating_sub(at);
+        for slot in SlotId::BOTH {
+            let i = slot.index();
+            self.watchdogs[i].rearm(now);
+            self.starts[i].shift(paused);
+            self.probe_failed[i] = 0;
+        }
+        Vec::new()
+    }
+
     /// When the watchdog of the engine of `slot` expires: `None` unless it
-    /// is armed, on a live engine not superseded nor already ended (or the
-    /// expiry is past any clock).
+    /// is armed, on an engine that may still hang (or the expiry is past
+    /// any clock).
     pub(super) fn watchdog_expiry(&self, slot: SlotId) -> Option<Duration> {
-        let s = self.slot(slot);
-        if !s.alive() || s.state == EngineState::Superseded || self.hung[slot.index()].is_some() {
+        if !self.may_hang(slot) {
             return None;
         }
         self.watchdogs[slot.index()].expiry(self.watchdog?)
     }
 
-    /// The engine of `slot` hung (`cause`): kill it, and keep why for its
-    /// reap. Its watchdog stops: it is not ended twice.
-    fn end_hung(&mut self, slot: SlotId, cause: HangCause) -> Action {
-        self.hung[slot.index()] = Some(cause);
+    /// When the start clock of the engine of `slot` expires: `None` once
+    /// it parked or serves (or holds the lock, waking), and without a
+    /// start timeout.
+    pub(super) fn start_expiry(&self, slot: SlotId) -> Option<Duration> {
+        if !self.may_hang(slot)
+            || self.slot(slot).state != EngineState::Starting
+            || self.active == Some(slot)
+        {
+            return None;
+        }
+        self.starts[slot.index()].expiry()
+    }
+
+    /// Whether a probe of `slot` now would be of the engine that serves.
+    pub(super) fn probe_counts(&self, slot: SlotId) -> bool {
+        self.active == Some(slot)
+            && self.slot(slot).state == EngineState::Active
+            && self.may_hang(slot)
+    }
+
+    /// The engine of `slot` hung (`cause`, seen at `now`): kill it, and
+    /// keep why for its reap. Its clocks stop: it is not ended twice.
+    fn end_hung(&mut self, slot: SlotId, cause: HangCause, now: Duration) -> Action {
+        self.hung[slot.index()] = Some(Hang {
+            cause,
+            detected_at: now,
+            killed_at: None,
+        });
         self.watchdogs[slot.index()].disarm();
         Action::Kill { slot }
     }

@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use super::Pair;
+use crate::failure::Hang;
 use crate::slot::SlotId;
 use crate::vocabulary::{EngineState, LockWatch, Slot, Snapshot};
 
@@ -78,18 +79,38 @@ impl Pair {
         self.ready_refused
     }
 
-    /// When the shim must next send [`Event::WatchdogCheck`](crate::Event::WatchdogCheck): the earliest
-    /// expiry among the armed watchdogs of live engines, `None` when none
-    /// is armed (or the pair is going down). An engine expires once `now`
-    /// passes this, not at it: a check exactly then ends nobody.
-    pub fn watchdog_deadline(&self) -> Option<Duration> {
-        if self.ending.is_some() || self.cold_restart {
+    /// When the shim must next send [`Event::HangCheck`](crate::Event::HangCheck):
+    /// the earliest expiry among the armed watchdogs and the start clocks of
+    /// live engines, `None` when nothing runs out (or the pair is going
+    /// down, or paused). An engine expires once `now` passes this, not at
+    /// it: a check exactly then ends nobody.
+    pub fn hang_deadline(&self) -> Option<Duration> {
+        if self.ending.is_some() || self.cold_restart || self.paused_at.is_some() {
             return None;
         }
         SlotId::BOTH
             .iter()
-            .filter_map(|s| self.watchdog_expiry(*s))
+            .flat_map(|s| [self.watchdog_expiry(*s), self.start_expiry(*s)])
+            .flatten()
             .min()
+    }
+
+    /// Why and when the current engine of `slot` was ended as hung, until
+    /// its reap (then it is the slot's `last_hang`).
+    pub fn hang_of(&self, slot: SlotId) -> Option<Hang> {
+        self.hung[slot.index()]
+    }
+
+    /// The engine to probe now, and its generation (for
+    /// [`Event::Probed`](crate::Event::Probed)): the serving engine, while
+    /// the pair has a probe and judges hangs; `None` otherwise.
+    pub fn probe_target(&self) -> Option<(SlotId, u32)> {
+        self.probe_failures_max?;
+        if self.ending.is_some() || self.cold_restart || self.paused_at.is_some() {
+            return None;
+        }
+        let a = self.active?;
+        self.probe_counts(a).then(|| (a, self.slot(a).generation))
     }
 
     /// The configured watchdog interval ([`Pair::with_watchdog`]), before

@@ -10,7 +10,8 @@
 use super::Pair;
 use crate::slot::SlotId;
 use crate::vocabulary::{Action, EngineState};
-use crate::watchdog::Watchdog;
+use crate::watchdog::{StartClock, Watchdog};
+use std::time::Duration;
 
 impl Pair {
     /// The first actions: start the engines (both, or slot 0 of a single).
@@ -32,20 +33,32 @@ impl Pair {
         // A new engine starts unarmed, at the configured interval.
         self.watchdogs[slot.index()] = Watchdog::default();
         self.hung[slot.index()] = None;
+        self.probe_failed[slot.index()] = 0;
+        self.starts[slot.index()] = StartClock::default();
         Action::Spawn { slot }
+    }
+
+    /// The engine of `slot` runs (its pid came, or it spoke first): its
+    /// start clock begins at `now`.
+    pub(super) fn starting(&mut self, slot: SlotId, now: Duration) {
+        let s = &mut self.slots[slot.index()];
+        if s.state == EngineState::Spawning {
+            s.state = EngineState::Starting;
+            if let Some(timeout) = self.start_timeout {
+                self.starts[slot.index()] = StartClock::started(now, timeout);
+            }
+        }
     }
 
     /// runc reported the pid. The engine may have spoken already (runc
     /// returns after the engine runs): it keeps the state it reached.
-    pub(super) fn on_spawned(&mut self, slot: SlotId, pid: u32) -> Vec<Action> {
-        let s = &mut self.slots[slot.index()];
+    pub(super) fn on_spawned(&mut self, slot: SlotId, pid: u32, now: Duration) -> Vec<Action> {
+        let s = &self.slots[slot.index()];
         if s.pid.is_some() || !(s.state == EngineState::Spawning || s.alive()) {
             return Vec::new();
         }
-        if s.state == EngineState::Spawning {
-            s.state = EngineState::Starting;
-        }
-        s.pid = Some(pid);
+        self.starting(slot, now);
+        self.slots[slot.index()].pid = Some(pid);
         if self.ending.is_some() || self.cold_restart {
             // Asked for before the pair began to go down: it must not live.
             return vec![Action::Kill { slot }];
