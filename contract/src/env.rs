@@ -20,12 +20,26 @@ pub const LISTEN_PID: &str = "LISTEN_PID";
 /// systemd socket activation: the sockets' names, `:`-separated.
 pub const LISTEN_FDNAMES: &str = "LISTEN_FDNAMES";
 
+/// systemd's watchdog (`sd_watchdog_enabled(3)`, set with
+/// `shadow.dev/watchdog`): the interval, in microseconds, within which an
+/// engine whose watchdog is armed (by its first `WATCHDOG=1`) must ping
+/// again; see [`crate::watchdog`].
+pub const WATCHDOG_USEC: &str = "WATCHDOG_USEC";
+/// systemd's watchdog: the pid the interval is meant for; `1`, the
+/// engine's main process (its other processes inherit the variables and
+/// must not ping).
+pub const WATCHDOG_PID: &str = "WATCHDOG_PID";
+
 /// The variables an engine gets today, in the order they are added.
 pub const ENGINE: [&str; 4] = [ENGINE_ID, LOCK_PATH, NOTIFY_SOCKET, GMS_SOCKET_DIR];
 
 /// The socket-activation variables, set only with `shadow.dev/listen`; an
 /// exec never gets them (it inherits no socket and is not pid 1).
 pub const LISTEN: [&str; 3] = [LISTEN_FDS, LISTEN_PID, LISTEN_FDNAMES];
+
+/// The watchdog's variables, set only with `shadow.dev/watchdog`; an exec
+/// never gets them (it is not the engine's main process and must not ping).
+pub const WATCHDOG: [&str; 2] = [WATCHDOG_USEC, WATCHDOG_PID];
 
 /// Whether a `KEY=value` entry sets one of [`ENGINE`]'s variables (the
 /// entries a runtime replaces with its own).
@@ -54,6 +68,14 @@ mod tests {
         assert!(!is_engine_entry("SHADOW_ENGINE_IDX=1"));
         assert!(!is_engine_entry("SHADOW_ENGINE_ID"));
         assert!(!is_engine_entry("LISTEN_FDS=3"), "never copied to an exec");
+        assert!(
+            !is_engine_entry("WATCHDOG_USEC=1000000"),
+            "never copied to an exec"
+        );
+        assert!(
+            !is_engine_entry("WATCHDOG_PID=1"),
+            "never copied to an exec"
+        );
         assert_eq!(entry(LOCK_PATH, "/x"), "SHADOW_LOCK_PATH=/x");
     }
 }

@@ -16,6 +16,8 @@
 //!   start timeout), typed and validated;
 //! - [`listen`]: the pair's listening sockets (`shadow.dev/listen`) and
 //!   the engine's side of taking them (`LISTEN_FDS`);
+//! - [`watchdog`]: the engine's side of the watchdog (`WATCHDOG_USEC`):
+//!   when a ping is due, and whether every rank advanced since the last;
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
 //! - [`weights`]: the digest of committed weights and the exit status of
 //!   an engine that found them changed;
@@ -36,4 +38,5 @@ pub mod listen;
 pub mod oci;
 pub mod paths;
 pub mod state;
+pub mod watchdog;
 pub mod weights;
