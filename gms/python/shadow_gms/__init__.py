@@ -11,6 +11,9 @@ Engine authors use three things from here:
   whose pages are materialised only on promotion.
 - ``FailoverLock`` and ``notify``: the engine contract of docs/engine-contract.md
   (flock on SHADOW_LOCK_PATH, STATUS=parked / READY=1 on NOTIFY_SOCKET).
+- ``Watchdog``, ``Progress`` and ``extend_start``: the watchdog's pings
+  (``shadow.dev/watchdog``: WATCHDOG_USEC) from the loops that work, and
+  more time before the start timeout (EXTEND_TIMEOUT_USEC).
 - ``listen_socket()``: the pair's listening socket when the runtime hands
   one down (``shadow.dev/listen``: LISTEN_FDS), else None.
 - ``Gms.verify_weights()``: the digest its writer recorded at commit,
@@ -18,10 +21,12 @@ Engine authors use three things from here:
   exits with ``CORRUPT_EXIT`` on ``WeightsCorrupt``.
 
 Only torch and the standard library are needed; the contract helpers
-(``FailoverLock``, ``notify``, ``listen_socket``) need no torch.
+(``FailoverLock``, ``notify``, ``listen_socket``, ``Watchdog``, ``Progress``,
+``extend_start``) need no torch.
 """
 
-from .contract import CORRUPT_EXIT, FailoverLock, listen_socket, listen_sockets, notify
+from .contract import (CORRUPT_EXIT, FailoverLock, Progress, Watchdog, extend_start, listen_socket, listen_sockets,
+                       notify, watchdog_interval)
 
 _CLIENT = ("Gms", "GmsError", "KvCache", "WeightsCorrupt", "find_library")
 
@@ -37,5 +42,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'shadow_gms' has no attribute {name!r}")
 
 
-__all__ = ["CORRUPT_EXIT", "FailoverLock", "Gms", "GmsError", "KvCache", "WeightsCorrupt",
-           "find_library", "listen_socket", "listen_sockets", "notify"]
+__all__ = ["CORRUPT_EXIT", "FailoverLock", "Gms", "GmsError", "KvCache", "Progress", "Watchdog", "WeightsCorrupt",
+           "extend_start", "find_library", "listen_socket", "listen_sockets", "notify", "watchdog_interval"]

@@ -8,11 +8,23 @@ test) learns who is parked and who is ready. A pair with
 ``shadow.dev/listen`` hands its listening sockets down by systemd's socket
 activation (LISTEN_FDS, LISTEN_PID, LISTEN_FDNAMES, descriptors from 3):
 ``listen_socket()`` takes them.
+
+A pair with ``shadow.dev/watchdog`` gives its engines systemd's watchdog
+(WATCHDOG_USEC, WATCHDOG_PID): once armed by a first ``WATCHDOG=1``, an
+engine that lets a gap longer than the interval pass between two pings is
+ended and failed over. ``Watchdog`` paces the pings; they must come from
+the loops that do the work (the serving loop, the decode steps, the wait
+for the lock), never from a timer thread, so that a stuck loop stops them.
+``Progress`` tells a group's main process whether every rank advanced since
+its last ping. ``extend_start()`` asks for more time before the start
+timeout (``shadow.dev/start-timeout``) ends an engine still starting.
 """
 
 import fcntl
 import os
 import socket
+import threading
+import time
 
 # The exit status of an engine that found the committed weights changed
 # (shadow_contract::weights::CORRUPT_EXIT): the runtime restarts the pair cold.
@@ -42,14 +54,42 @@ class FailoverLock:
         self.path = path or os.environ.get("SHADOW_LOCK_PATH", "/run/shadow/pair/engine.lock")
         self.fd = None
 
-    def acquire(self):
-        """Blocks until this engine is the active one."""
+    def acquire(self, watchdog=None):
+        """Blocks until this engine is the active one.
+
+        With a ``watchdog`` that is enabled (a ``Watchdog``, or anything with
+        its ``enabled``, ``wait()`` and ``ping()``), the parked engine keeps
+        pinging while it waits: the flock blocks in a thread of its own and
+        this thread waits for it with a timeout of ``watchdog.wait()``,
+        pinging at each timeout. The wait ends the moment the lock is taken,
+        so the wake never waits for a ping.
+        """
         fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except BaseException:
+        if watchdog is None or not watchdog.enabled:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+            return self
+        taken = threading.Event()
+        failed = []
+
+        def take():
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException as e:  # handed to the waiting thread
+                failed.append(e)
+            finally:
+                taken.set()
+
+        threading.Thread(target=take, name="failover-lock", daemon=True).start()
+        while not taken.wait(watchdog.wait()):
+            watchdog.ping()
+        if failed:
             os.close(fd)
-            raise
+            raise failed[0]
         self.fd = fd
         return self
 
@@ -112,3 +152,134 @@ def listen_socket(name=None):
         if name is None or n == name:
             return sock
     return None
+
+
+WATCHDOG_USEC = "WATCHDOG_USEC"
+WATCHDOG_PID = "WATCHDOG_PID"
+
+
+def _digits(value):
+    """A number of decimal digits only (no sign, no space), else None."""
+    if value is None or not value or not all("0" <= c <= "9" for c in value):
+        return None
+    return int(value)
+
+
+def watchdog_interval(environ=None, pid=None):
+    """The watchdog's interval in seconds, or None when this process has none.
+
+    As ``sd_watchdog_enabled(3)`` reads it (and shadow_contract::watchdog):
+    WATCHDOG_USEC of digits only and more than zero, WATCHDOG_PID unset or
+    this process's pid. Under the shim WATCHDOG_PID is 1, the engine's main
+    process; its ranks and helpers inherit the variables and get None.
+    """
+    environ = os.environ if environ is None else environ
+    pid = os.getpid() if pid is None else pid
+    if WATCHDOG_PID in environ and _digits(environ[WATCHDOG_PID]) != pid:
+        return None
+    usec = _digits(environ.get(WATCHDOG_USEC))
+    if not usec or usec >= 1 << 64:
+        return None
+    return usec / 1e6
+
+
+class Watchdog:
+    """Paces an engine's ``WATCHDOG=1`` pings: one each half interval
+    (systemd's advice), the first at the first chance, which arms the
+    runtime's watchdog.
+
+    Disabled (``enabled`` False, ``interval`` None) when the process has no
+    watchdog: ``ping()`` then sends nothing and ``wait()`` is None, which
+    ``select`` and ``Event.wait`` take as "no timeout". Call ``ping()`` from
+    the loops that do the work: it sends only when a ping is due.
+    """
+
+    def __init__(self, environ=None, pid=None, clock=time.monotonic):
+        environ = os.environ if environ is None else environ
+        self.interval = watchdog_interval(environ, pid)
+        self._path = environ.get("NOTIFY_SOCKET")
+        self._clock = clock
+        self._last = None
+
+    @property
+    def enabled(self):
+        return self.interval is not None
+
+    def wait(self, now=None):
+        """Seconds until the next ping is due (0 when it is), for a select or
+        poll timeout; None when disabled."""
+        if not self.enabled:
+            return None
+        if self._last is None:
+            return 0.0
+        now = self._clock() if now is None else now
+        return max(0.0, self._last + self.interval / 2 - now)
+
+    def due(self, now=None):
+        """Whether a ping is due now (never while disabled)."""
+        return self.enabled and self.wait(now) == 0
+
+    def ping(self, now=None):
+        """Sends ``WATCHDOG=1`` if a ping is due; returns whether it sent one.
+
+        A send that fails (no NOTIFY_SOCKET, or the socket refused it)
+        counts as this period's ping all the same, so that a loop whose
+        timeout is ``wait()`` does not spin on a socket that refuses."""
+        now = self._clock() if now is None else now
+        if not self.due(now):
+            return False
+        self._last = now
+        try:
+            return notify("WATCHDOG=1", path=self._path)
+        except OSError:
+            return False
+
+    def trigger(self):
+        """Sends ``WATCHDOG=trigger``: the runtime ends the engine at once
+        (an engine that knows it is broken). Returns whether it sent."""
+        try:
+            return notify("WATCHDOG=trigger", path=self._path)
+        except OSError:
+            return False
+
+
+def extend_start(seconds, path=None):
+    """Sends ``EXTEND_TIMEOUT_USEC=``: an engine still starting (neither
+    parked nor serving) asks for ``seconds`` more before the start timeout
+    ends it. As in systemd, once past the original timeout it must send
+    again within that time. Returns whether a datagram was sent."""
+    usec = int(seconds * 1e6)
+    if usec <= 0:
+        raise ValueError(f"extend_start: {seconds!r} is not a positive number of seconds")
+    try:
+        return notify(f"EXTEND_TIMEOUT_USEC={usec}", path=path)
+    except OSError:
+        return False
+
+
+class Progress:
+    """Which ranks of a group advanced since the last ping.
+
+    The group's main process marks a rank when it reports progress and
+    pings only when ``watchdog.due() and progress.all_advanced()``, then
+    ``reset()``s: a rank stuck in a collective or a kernel stops reporting,
+    so the pings stop and the runtime ends the whole group. A rank out of
+    range changes nothing.
+    """
+
+    def __init__(self, ranks):
+        self._advanced = [False] * ranks
+
+    @property
+    def ranks(self):
+        return len(self._advanced)
+
+    def advanced(self, rank):
+        if 0 <= rank < len(self._advanced):
+            self._advanced[rank] = True
+
+    def all_advanced(self):
+        return all(self._advanced)
+
+    def reset(self):
+        self._advanced = [False] * len(self._advanced)
