@@ -25,6 +25,7 @@ pub mod made;
 pub mod netns;
 pub mod notify;
 pub mod observe;
+pub mod probe;
 pub mod publish;
 #[cfg(test)]
 mod races;

@@ -19,7 +19,8 @@ pub struct PinnedNamespaces {
     pub ipc: PathBuf,
 }
 
-fn lo_up() -> std::io::Result<()> {
+/// Brings `lo` up in the calling thread's network namespace.
+pub(crate) fn lo_up() -> std::io::Result<()> {
     // SAFETY: plain socket(2); the fd is owned by OwnedFd right after.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
