@@ -3,6 +3,9 @@
 //!
 //! - `shadow.dev/pair`, `shadow.dev/gms`, `shadow.dev/shadow`,
 //!   `shadow.dev/listen` ask the shim to make (and shape) an engine pair;
+//! - `shadow.dev/watchdog`, `shadow.dev/probe` (with `-period`, `-timeout`,
+//!   `-failures`) and `shadow.dev/start-timeout` tell the shim how to find
+//!   a hung engine ([`crate::hang`]);
 //! - `shadow.dev/pair-name`, `shadow.dev/slot` place a container in a pair
 //!   that the hooks assemble from two containers (podman, CRI-O, runc).
 //!
@@ -14,7 +17,7 @@
 use std::fmt;
 
 pub use crate::error::AnnotationError;
-use crate::hang;
+use crate::hang::{self, HangSettings};
 use crate::listen::{self, Listen};
 
 /// The prefix every key here lives under (also what a CRI runtime passes
@@ -36,7 +39,20 @@ pub const SLOT: &str = "shadow.dev/slot";
 pub const LISTEN: &str = listen::KEY;
 
 /// Every key of the set.
-pub const KEYS: [&str; 6] = [PAIR, GMS, SHADOW, PAIR_NAME, SLOT, LISTEN];
+pub const KEYS: [&str; 12] = [
+    PAIR,
+    GMS,
+    SHADOW,
+    PAIR_NAME,
+    SLOT,
+    LISTEN,
+    WATCHDOG,
+    PROBE,
+    PROBE_PERIOD,
+    PROBE_TIMEOUT,
+    PROBE_FAILURES,
+    START_TIMEOUT,
+];
 
 // Hang detection (issue 22), parsed by [`crate::hang::HangSettings`], which
 // spells the keys because its errors name them.
@@ -58,10 +74,8 @@ pub const PROBE_FAILURES: &str = hang::PROBE_FAILURES;
 /// early death (default 1h; `EXTEND_TIMEOUT_USEC=` extends it).
 pub const START_TIMEOUT: &str = hang::START_TIMEOUT;
 
-/// The hang-detection keys. Not yet in [`KEYS`]: until the shim acts on
-/// them, [`Annotations::parse`] refuses them as unknown keys, so that no
-/// one believes an engine watched when it is not. Wiring them in adds
-/// them to `KEYS` and hands them to [`crate::hang::HangSettings::parse`].
+/// The hang-detection keys (a part of [`KEYS`]), which
+/// [`Annotations::parse`] hands to [`crate::hang::HangSettings::parse`].
 pub const HANG_KEYS: [&str; 6] = hang::KEYS;
 
 fn bad(key: &str, value: &str, allowed: &str) -> AnnotationError {
@@ -144,6 +158,12 @@ pub struct Annotations {
     pub slot: Option<u8>,
     /// `shadow.dev/listen`: the pair's listening sockets.
     pub listen: Option<Vec<Listen>>,
+    /// The hang-detection keys ([`HANG_KEYS`]), validated; the defaults
+    /// when none is given.
+    pub hang: HangSettings,
+    /// Whether any of [`HANG_KEYS`] was given (a runtime that cannot act
+    /// on them refuses them).
+    pub hang_given: bool,
 }
 
 impl Annotations {
@@ -163,7 +183,17 @@ impl Annotations {
             .collect();
         ours.sort();
         let mut out = Annotations::default();
+        // The hang keys are read as one set (a probe knob needs the
+        // probe), after every other key has been checked in order.
+        let hang: Vec<(&str, &str)> = ours
+            .iter()
+            .copied()
+            .filter(|(k, _)| HANG_KEYS.contains(k))
+            .collect();
         for (key, value) in ours {
+            if HANG_KEYS.contains(&key) {
+                continue;
+            }
             match key {
                 PAIR => out.pair = parse_pair(value)?,
                 GMS => {
@@ -193,6 +223,8 @@ impl Annotations {
                 }
             }
         }
+        out.hang_given = !hang.is_empty();
+        out.hang = HangSettings::parse(hang.iter().map(|(k, v)| (*k, *v)))?;
         Ok(out)
     }
 }
@@ -275,6 +307,31 @@ mod tests {
     }
 
     #[test]
+    fn hang_keys_are_part_of_the_set() {
+        let a = Annotations::parse(&map(&[
+            (PAIR, "true"),
+            (WATCHDOG, "100ms"),
+            (PROBE, "http://127.0.0.1:8000/health"),
+            (PROBE_PERIOD, "100ms"),
+            (PROBE_FAILURES, "2"),
+            (START_TIMEOUT, "90s"),
+        ]))
+        .unwrap();
+        assert!(a.hang_given);
+        assert_eq!(a.hang.watchdog, Some(std::time::Duration::from_millis(100)));
+        let probe = a.hang.probe.unwrap();
+        assert_eq!(probe.failures, 2);
+        assert_eq!(probe.timeout, std::time::Duration::from_millis(100));
+        assert_eq!(a.hang.start_timeout, std::time::Duration::from_secs(90));
+        let none = Annotations::parse(&map(&[(PAIR, "true")])).unwrap();
+        assert!(!none.hang_given);
+        assert_eq!(none.hang, HangSettings::default());
+        for k in HANG_KEYS {
+            assert!(KEYS.contains(&k), "{k}");
+        }
+    }
+
+    #[test]
     fn a_vec_of_str_pairs_parses_too() {
         let v = [(PAIR_NAME, "p")];
         let s = Annotations::parse(v.iter().map(|(k, v)| (*k, *v))).unwrap();
@@ -295,6 +352,11 @@ mod tests {
             (PAIR_NAME, ".x", "[A-Za-z0-9_.-]"),
             (PAIR_NAME, "", "[A-Za-z0-9_.-]"),
             ("shadow.dev/colour", "blue", PAIR_NAME),
+            ("shadow.dev/colour", "blue", START_TIMEOUT),
+            (WATCHDOG, "10ms", "from 50ms to 24h"),
+            (PROBE, "udp://x:1", "tcp://"),
+            (PROBE_FAILURES, "3", "only together with"),
+            (START_TIMEOUT, "5", "a duration such as"),
         ] {
             let e = Annotations::parse(&map(&[(k, v)])).unwrap_err();
             let msg = e.to_string();

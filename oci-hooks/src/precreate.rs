@@ -26,6 +26,27 @@ pub fn annotations_of(spec: &Value) -> Result<Annotations> {
     Ok(Annotations::parse(strings)?)
 }
 
+/// A pair the hooks assemble has no supervisor to end a hung engine: the
+/// hang-detection keys are the shim's alone, so one here is refused rather
+/// than left to do nothing.
+fn refuse_hang_keys(spec: &Value) -> Result<()> {
+    let given = spec
+        .get("annotations")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .find(|(k, _)| shadow_contract::annotations::HANG_KEYS.contains(&k.as_str()));
+    match given {
+        Some((key, value)) => Err(shadow_contract::annotations::AnnotationError {
+            key: key.clone(),
+            value: value.as_str().unwrap_or_default().to_string(),
+            allowed: "nothing here: hang detection needs the shim runtime (io.containerd.shadow.v1); a pair assembled by the OCI hooks has no supervisor to end a hung engine".into(),
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
 /// Returns the edited spec, or the spec unchanged when its annotations do
 /// not name a pair (a hooks.d `when` clause should already have filtered).
 /// A container that names a pair it was not admitted to (see `admission`)
@@ -35,6 +56,7 @@ pub fn edit_spec(mut spec: Value, root: &Path) -> Result<Value> {
     let Some(name) = annotations.pair_name else {
         return Ok(spec);
     };
+    refuse_hang_keys(&spec)?;
     let layout = PairLayout::of(root, &name);
     let slot = annotations.slot;
     let all: HashMap<String, String> = spec
@@ -175,6 +197,16 @@ mod tests {
         // The shim's keys are validated the same way here.
         let e = edit_spec(spec(json!({PAIR_NAME: "p", GMS: "tpu"})), t.path()).unwrap_err();
         assert!(e.to_string().contains("cuda|host|off"), "{e}");
+        // Hang detection is the shim's: a valid value is refused, a bad
+        // one too (with the parser's words).
+        let watchdog = shadow_contract::annotations::WATCHDOG;
+        let e = edit_spec(spec(json!({PAIR_NAME: "p", watchdog: "100ms"})), t.path()).unwrap_err();
+        assert!(e.to_string().contains("io.containerd.shadow.v1"), "{e}");
+        let e = edit_spec(spec(json!({PAIR_NAME: "p", watchdog: "1ms"})), t.path()).unwrap_err();
+        assert!(e.to_string().contains("from 50ms"), "{e}");
+        // Without a pair name the hook leaves the spec to the shim.
+        let s = spec(json!({watchdog: "100ms"}));
+        assert_eq!(edit_spec(s.clone(), t.path()).unwrap(), s);
     }
 
     /// Naming a pair is not enough to join it: the operator must have

@@ -97,6 +97,7 @@ impl Maker for RuncMaker {
                     gms: shadow.gms,
                     single: shadow.no_shadow,
                     listen: shadow.listen.clone(),
+                    hang: shadow.hang.clone(),
                     runc,
                     spec: spec.raw,
                 },

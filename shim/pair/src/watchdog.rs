@@ -52,6 +52,11 @@ impl Watchdog {
         self.last_ping = None;
     }
 
+    /// Its interval: the engine's own, else the pair's.
+    pub(crate) fn interval(&self, pair_interval: Duration) -> Duration {
+        self.interval.unwrap_or(pair_interval)
+    }
+
     /// When it expires, given the pair's interval: `None` while unarmed,
     /// or when the expiry is past any clock. It has expired once `now`
     /// passes this (a gap of exactly the interval is fine).

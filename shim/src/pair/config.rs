@@ -60,6 +60,10 @@ pub struct PairConfig {
     /// `shadow.dev/listen` (same syntax, e.g. `"tcp:0.0.0.0:8000"`); empty:
     /// none, engines bind their own ports.
     pub listen: String,
+    /// The watchdog interval every pair's engines get as `WATCHDOG_USEC`
+    /// when its spec has no `shadow.dev/watchdog` (same syntax, e.g.
+    /// `"2s"`); empty: none. An engine is watched once it pings.
+    pub watchdog: String,
 }
 
 impl Default for PairConfig {
@@ -70,6 +74,7 @@ impl Default for PairConfig {
             gmsd: String::new(),
             pair_by_default: false,
             listen: String::new(),
+            watchdog: String::new(),
             gms: GmsMode::Auto,
             gms_max_bytes: 0,
             gms_max_allocations: 0,
@@ -104,6 +109,10 @@ impl PairConfig {
             shadow_contract::listen::parse(&self.listen)
                 .map_err(|e| format!("pair.listen = {:?}: {}", self.listen, e.allowed))?;
         }
+        if !self.watchdog.is_empty() {
+            shadow_contract::hang::parse_watchdog("pair.watchdog", &self.watchdog)
+                .map_err(|e| e.to_string())?;
+        }
         if self.lock_poll_fast_ms == 0 || self.lock_poll_idle_ms == 0 {
             return Err("pair.lock_poll_fast_ms and pair.lock_poll_idle_ms must be ≥ 1".into());
         }
@@ -115,6 +124,11 @@ impl PairConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The configured `pair.watchdog` (validated at load).
+    pub fn watchdog(&self) -> Option<Duration> {
+        shadow_contract::hang::parse_watchdog("pair.watchdog", &self.watchdog).ok()
     }
 
     pub fn stop_grace(&self) -> Duration {
@@ -162,6 +176,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("t.toml") && e.contains("state_dirr"), "{e}");
+    }
+
+    #[test]
+    fn the_watchdog_key_reads_as_the_annotation_does() {
+        let c = Config::parse("[pair]\nwatchdog = \"2s\"\n", Path::new("t.toml")).unwrap();
+        assert_eq!(c.pair.watchdog(), Some(Duration::from_secs(2)));
+        assert_eq!(PairConfig::default().watchdog(), None);
+        for bad in ["2", "10ms", "1.5s", "25h"] {
+            let e = Config::parse(
+                &format!("[pair]\nwatchdog = \"{bad}\"\n"),
+                Path::new("t.toml"),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("pair.watchdog") && e.contains("50ms"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -26,7 +26,8 @@ use super::listen::{ListenSockets, Site};
 use super::made::Made;
 use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
-use super::supervisor::{Handle, Parts, Supervisor};
+use super::probe::{self, Prober};
+use super::supervisor::{Handle, Hang, PairProbe, Parts, Supervisor};
 use super::{lock, spec};
 use crate::annotations::GmsBackend;
 use crate::error::{Error, Result};
@@ -47,6 +48,8 @@ pub struct PairRequest {
     pub single: bool,
     /// `shadow.dev/listen`: the sockets the pair owns (else the config's).
     pub listen: Option<Vec<shadow_contract::listen::Listen>>,
+    /// The hang-detection annotations (the watchdog else the config's).
+    pub hang: shadow_contract::hang::HangSettings,
     /// runc settings from the task's options, for both engines.
     pub runc: crate::options::RuncOptions,
     /// The bundle's spec as read at Create (`BundleSpec::raw`).
@@ -264,6 +267,27 @@ async fn create_steps(
         None => None,
     };
 
+    // The probe runs from the pair's network namespace (the sandbox's, or
+    // the pinned one), opened now: nothing is opened by path later.
+    let probe = match &req.hang.probe {
+        Some(p) => {
+            let ns = spec::network_namespace(spec, pins.map(|p| p.net.as_path())).map_err(|e| {
+                Error::FailedPrecondition(format!(
+                    "container {}: {} needs the engines' network namespace: {e}",
+                    req.id,
+                    shadow_contract::annotations::PROBE
+                ))
+            })?;
+            let fd = ns.as_deref().map(probe::open_netns).transpose()?;
+            Some(PairProbe {
+                prober: Prober::start(&req.id, fd, p.target.clone())?,
+                settings: p.clone(),
+            })
+        }
+        None => None,
+    };
+    let watchdog = req.hang.watchdog.or_else(|| cfg.watchdog());
+
     made.cgroup = Some(PairCgroup::create(
         &cgroup_path,
         spec.pointer("/linux/resources"),
@@ -327,6 +351,7 @@ async fn create_steps(
             cgroup_parent: &cgroup_path,
             listen_names: listen.as_ref().map_or(&[], |l| l.names()),
             listen_mounts: listen.as_ref().map_or(&[], |l| l.mounts()),
+            watchdog,
         };
         let engine = spec::engine_spec(spec, &inputs)?;
         let dir = &dirs.slots[slot.index()];
@@ -395,6 +420,11 @@ async fn create_steps(
         made: Made::default(),
         gpu_buses: gpus.iter().map(|g| g.bus.clone()).collect(),
         single: req.single,
+        hang: Hang {
+            watchdog,
+            probe,
+            start_timeout: req.hang.start_timeout,
+        },
     };
     Ok((engines, parts))
 }

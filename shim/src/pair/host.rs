@@ -63,10 +63,18 @@ pub trait Host: Send + Sync + 'static {
     /// After the main process of `slot`'s engine died: kill what is left
     /// of it when no PID namespace of its own did that already.
     async fn kill_rest(&self, slot: SlotId);
+    /// SIGKILL every process of the engine of `slot` now (a hung engine:
+    /// every rank of a group, whatever PID namespace it has): its main
+    /// process `pid` when known, then its cgroup as a whole. Never waits.
+    fn kill_engine(&self, slot: SlotId, pid: Option<u32>);
     /// The pair is gone: close what it listened on, so that clients are
     /// refused rather than queued behind engines that will not come.
     fn close_listen(&self);
 }
+
+/// Where the unified cgroup hierarchy is mounted (engine cgroup paths are
+/// below it).
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 /// What runc holds for a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -227,6 +235,41 @@ impl Host for Machine {
         }
         if let Err(err) = e.client.kill(&e.runc_id, libc::SIGKILL as u32, true).await {
             log::warn!("{}: killing what its main process left: {err}", e.runc_id);
+        }
+    }
+
+    fn kill_engine(&self, slot: SlotId, pid: Option<u32>) {
+        if let Some(pid) = pid {
+            self.signal(pid, Signal::SIGKILL);
+        }
+        // cgroup v2's `cgroup.kill` (Linux 5.14+) signals every process of
+        // the cgroup at once, in the kernel; the file is the kernel's (no
+        // link can stand there), under a root only the shim writes.
+        let kill = std::path::Path::new(CGROUP_ROOT)
+            .join(self.cgroups[slot.index()].trim_start_matches('/'))
+            .join("cgroup.kill");
+        match std::fs::write(&kill, b"1") {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && pid.is_none() => {}
+            Err(e) => {
+                // cgroup v1, an older kernel, or the cgroup already gone:
+                // runc signals what it finds, off the supervisor's task.
+                let engines = self.engines.clone();
+                tokio::spawn(async move {
+                    let e2 = &engines[slot.index()];
+                    if let Err(err) = e2
+                        .client
+                        .kill(&e2.runc_id, libc::SIGKILL as u32, true)
+                        .await
+                    {
+                        log::debug!(
+                            "{}: runc kill --all after {}: {err} (cgroup.kill: {e})",
+                            e2.runc_id,
+                            kill.display()
+                        );
+                    }
+                });
+            }
         }
     }
 

@@ -62,4 +62,10 @@ pub enum Input {
     ColdRestartDue,
     /// An XID on one of the pair's GPUs (kernel log).
     Xid(u32),
+    /// A probe of the engine of `slot` (its generation `generation`) ended.
+    Probed {
+        slot: SlotId,
+        generation: u32,
+        outcome: super::probe::Outcome,
+    },
 }

@@ -32,10 +32,6 @@
 //! accepts still connects while its backlog has room. `http://` catches
 //! those.
 
-// Until the supervisor runs probes (issue 22, wired in next), only the
-// tests use this module; that allow goes with the wiring.
-#![cfg_attr(not(test), allow(dead_code))]
-
 use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};

@@ -27,7 +27,7 @@ use super::lock::{LockLook, LockSeen};
 use super::made::Made;
 use super::notify::{Datagram, SenderSlot};
 use super::publish::View;
-use super::supervisor::{Handle, Parts, Supervisor};
+use super::supervisor::{Handle, Hang, Parts, Supervisor};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::exits::ExitRouter;
@@ -57,6 +57,7 @@ enum Call {
     Run(SlotId),
     EndCreated(SlotId),
     Remove(SlotId),
+    KillEngine(SlotId),
 }
 
 #[derive(Default)]
@@ -200,6 +201,14 @@ impl Host for FakeHost {
 
     async fn kill_rest(&self, _slot: SlotId) {}
 
+    fn kill_engine(&self, slot: SlotId, pid: Option<u32>) {
+        let mut s = self.state();
+        s.calls.push(Call::KillEngine(slot));
+        if let Some(pid) = pid {
+            s.signals.push((pid, Signal::SIGKILL));
+        }
+    }
+
     fn signal(&self, pid: u32, signal: Signal) {
         self.state().signals.push((pid, signal));
     }
@@ -246,6 +255,16 @@ struct Rig {
 impl Rig {
     /// A pair as Create leaves it: the first engine created, nothing run.
     async fn created() -> Rig {
+        Rig::created_with(Hang {
+            watchdog: None,
+            probe: None,
+            start_timeout: shadow_contract::hang::DEFAULT_START_TIMEOUT,
+        })
+        .await
+    }
+
+    /// [`Rig::created`], finding hangs as `hang` says.
+    async fn created_with(hang: Hang) -> Rig {
         let dir = tempfile::tempdir().expect("tempdir");
         let host = Arc::new(FakeHost::default());
         let (events, _) = EventSink::channel();
@@ -267,6 +286,7 @@ impl Rig {
             made: Made::default(),
             gpu_buses: Vec::new(),
             single: false,
+            hang,
         })
         .await
         .expect("launch");
@@ -696,4 +716,108 @@ async fn a_gate_lookup_older_than_the_respawn_is_not_credited_to_it() {
     rig.say(respawn, "STATUS=parked");
     rig.until("protected by the respawn", |s| s.pair.protected)
         .await;
+}
+
+/// [`Rig::serving`] with a 100 ms watchdog.
+async fn watched() -> Rig {
+    let rig = Rig::created_with(Hang {
+        watchdog: Some(Duration::from_millis(100)),
+        probe: None,
+        start_timeout: Duration::from_secs(5),
+    })
+    .await;
+    rig.ask(Command::Start).await.expect("start");
+    for pid in rig.pids() {
+        rig.say(pid, "STATUS=parked");
+    }
+    rig.ready(rig.pids()[0]);
+    rig.until("protected", |s| s.pair.protected).await;
+    rig
+}
+
+/// The serving engine pings every 50 ms and then stops (SIGSTOP): the
+/// supervisor kills every process of it past the interval, on its own
+/// clock, and the shadow's READY=1 completes a promotion that starts at
+/// the hang's detection.
+#[tokio::test(start_paused = true)]
+async fn a_silent_watchdog_ends_the_serving_engine_and_the_shadow_takes_over() {
+    let rig = watched().await;
+    let [active, shadow] = rig.pids();
+    let started = Instant::now();
+    for _ in 0..10 {
+        rig.say(active, "WATCHDOG=1");
+        rig.say(shadow, "WATCHDOG=1");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !rig.host.calls().contains(&Call::KillEngine(S0)),
+        "pinged: alive"
+    );
+    // The active stops pinging; the shadow goes on.
+    let stopped = Instant::now();
+    let mut killed_after = None;
+    for _ in 0..6 {
+        rig.say(shadow, "WATCHDOG=1");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        if killed_after.is_none() && rig.host.calls().contains(&Call::KillEngine(S0)) {
+            killed_after = Some(stopped.elapsed());
+        }
+    }
+    let after = killed_after.expect("the silent engine is killed");
+    // Its last ping was 50 ms before it stopped: expiry 50 ms after.
+    assert!(after <= Duration::from_millis(75), "{after:?}");
+    assert!(!rig.host.calls().contains(&Call::KillEngine(S1)));
+    assert!(rig.host.signals().contains(&(active, Signal::SIGKILL)));
+    // The kernel drops its lock: the shadow serves, then the reap.
+    rig.ready(shadow);
+    rig.host.reap(active, 137, Instant::now());
+    let st = rig.until("promoted", |s| !s.promotions.is_empty()).await;
+    let p = &st.promotions[0].promotion;
+    assert_eq!(p.class, shadow_contract::state::FailureClass::Hung);
+    assert_eq!(p.death_seen, DeathSign::Hang);
+    let hang = p.hang.expect("a hang");
+    assert_eq!(hang.cause, shadow_contract::state::HangCause::Watchdog);
+    assert!(hang.killed_at.is_some_and(|k| k >= hang.detected_at));
+    assert_eq!(p.death_at, hang.detected_at);
+    assert_eq!(st.pair.hangs.watchdog, 1);
+    assert_eq!(
+        st.pair.slots[0].last_hang,
+        Some(shadow_contract::state::HangCause::Watchdog)
+    );
+    assert!(started.elapsed() < LIMIT);
+}
+
+/// `WATCHDOG=trigger` ends the engine at once, whatever its watchdog's
+/// time; the other engine is left alone.
+#[tokio::test(start_paused = true)]
+async fn a_trigger_ends_the_engine_at_once() {
+    let rig = watched().await;
+    let [active, shadow] = rig.pids();
+    rig.say(active, "WATCHDOG=1");
+    rig.say(shadow, "WATCHDOG=1");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let sent = Instant::now();
+    rig.say(shadow, "WATCHDOG=trigger");
+    let killed = within(|| {
+        rig.host
+            .calls()
+            .contains(&Call::KillEngine(S1))
+            .then_some(())
+    })
+    .await;
+    assert!(killed.is_some(), "{:?}", rig.host.calls());
+    assert!(
+        sent.elapsed() < Duration::from_millis(10),
+        "{:?}",
+        sent.elapsed()
+    );
+    assert!(!rig.host.calls().contains(&Call::KillEngine(S0)));
+    // The shadow's death is a hang; the active keeps serving.
+    rig.host.reap(shadow, 137, Instant::now());
+    let st = rig
+        .until("respawned", |s| s.pair.slots[1].generation == 2)
+        .await;
+    assert_eq!(st.pair.active, Some(0));
+    assert_eq!(st.pair.hangs.trigger, 1);
+    assert!(st.promotions.is_empty(), "no failover");
 }

@@ -39,6 +39,8 @@ pub struct EngineInputs<'a> {
     pub listen_names: &'a [String],
     /// Unix listening sockets: (host path, path in the container).
     pub listen_mounts: &'a [(PathBuf, PathBuf)],
+    /// The watchdog interval (`WATCHDOG_USEC`), if the pair has one.
+    pub watchdog: Option<std::time::Duration>,
 }
 
 /// Whether an engine of this spec has no PID namespace of its own (the
@@ -252,6 +254,15 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     if !e.listen_names.is_empty() {
         ours.extend(shadow_contract::listen::env_entries(e.listen_names));
     }
+    if let Some(w) = e.watchdog {
+        ours.push(env::entry(env::WATCHDOG_USEC, w.as_micros()));
+        // systemd's WATCHDOG_PID: the engine is pid 1 of its own PID
+        // namespace. Without one its pid is unknown here, and the variable
+        // is left out (a library then takes the watchdog as its own).
+        if shadow_contract::oci::own_pid_namespace(spec) {
+            ours.push(env::entry(env::WATCHDOG_PID, 1));
+        }
+    }
     let process = obj
         .get_mut("process")
         .and_then(Value::as_object_mut)
@@ -377,7 +388,40 @@ mod tests {
             cgroup_parent: "/ns1/c1",
             listen_names: &[],
             listen_mounts: &[],
+            watchdog: None,
         }
+    }
+
+    fn env_of(e: &Value) -> Vec<&str> {
+        e["process"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .collect()
+    }
+
+    #[test]
+    fn a_watchdog_gives_systemds_variables() {
+        let mut i = inputs(SlotId::ZERO, None);
+        i.watchdog = Some(std::time::Duration::from_millis(100));
+        let mut s = spec();
+        s["process"]["env"] = json!(["WATCHDOG_USEC=5", "PATH=/bin"]);
+        let e = engine_spec(&s, &i).unwrap();
+        let env = env_of(&e);
+        assert!(env.contains(&"WATCHDOG_USEC=100000"), "{env:?}");
+        assert!(env.contains(&"WATCHDOG_PID=1"), "{env:?}");
+        assert!(!env.contains(&"WATCHDOG_USEC=5"), "ours replace the spec's");
+        // Sharing the host's PID namespace, the engine is not pid 1.
+        s["linux"]["namespaces"] = json!([{"type": "network"}, {"type": "mount"}]);
+        let env = env_of(&engine_spec(&s, &i).unwrap()).join(" ");
+        assert!(
+            env.contains("WATCHDOG_USEC=100000") && !env.contains("WATCHDOG_PID"),
+            "{env}"
+        );
+        // No watchdog, no variables.
+        let env = env_of(&engine_spec(&spec(), &inputs(SlotId::ZERO, None)).unwrap()).join(" ");
+        assert!(!env.contains("WATCHDOG"), "{env}");
     }
 
     #[test]

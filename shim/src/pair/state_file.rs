@@ -90,6 +90,7 @@ mod tests {
             ready_at: Some(std::time::Duration::from_millis(9)),
             exit: Exit::Signal(9),
             class: FailureClass::DevicePreserving,
+            hang: None,
         };
         assert_eq!(
             serde_json::to_value(promotion(&p)).unwrap(),

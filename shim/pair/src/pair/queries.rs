@@ -113,6 +113,12 @@ impl Pair {
         self.probe_counts(a).then(|| (a, self.slot(a).generation))
     }
 
+    /// The watchdog interval of the current engine of `slot`: its own
+    /// (`WATCHDOG_USEC=`), else the pair's; `None` without a watchdog.
+    pub fn watchdog_interval(&self, slot: SlotId) -> Option<Duration> {
+        Some(self.watchdogs[slot.index()].interval(self.watchdog?))
+    }
+
     /// The configured watchdog interval ([`Pair::with_watchdog`]), before
     /// any engine's own `WATCHDOG_USEC=`.
     pub fn watchdog(&self) -> Option<Duration> {

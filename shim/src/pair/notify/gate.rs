@@ -27,6 +27,13 @@ pub const QUEUE_MAX: usize = 64;
 /// the shim acts on; a datagram costs at least one) per second, and burst.
 pub const RATE_PER_SEC: u32 = 50;
 pub const BURST: u32 = 200;
+/// Each engine's second bucket, for datagrams that are only watchdog pings
+/// (`WATCHDOG=1`): they never take from the first, so no other message of
+/// an engine can starve its pings. A correct engine pings every half
+/// interval, 40 a second at the shortest interval (50 ms); this allows
+/// two and a half times that.
+pub const PING_RATE_PER_SEC: u32 = 100;
+pub const PING_BURST: u32 = 20;
 /// Datagrams dropped in one second past which the reader pauses for the
 /// rest of that second, leaving the flood in the kernel's queue (which
 /// then blocks or refuses the flooder) instead of spending the shim's CPU.
@@ -108,13 +115,21 @@ pub struct AfterDrop {
 struct Bucket {
     tokens: f64,
     at: Instant,
+    rate: u32,
+    burst: u32,
 }
 
 impl Bucket {
     fn full(now: Instant) -> Bucket {
+        Bucket::full_of(now, RATE_PER_SEC, BURST)
+    }
+
+    fn full_of(now: Instant, rate: u32, burst: u32) -> Bucket {
         Bucket {
-            tokens: f64::from(BURST),
+            tokens: f64::from(burst),
             at: now,
+            rate,
+            burst,
         }
     }
 
@@ -122,7 +137,7 @@ impl Bucket {
     fn refill(&mut self, now: Instant) -> f64 {
         let dt = now.saturating_duration_since(self.at).as_secs_f64();
         self.at = now;
-        self.tokens = (self.tokens + dt * f64::from(RATE_PER_SEC)).min(f64::from(BURST));
+        self.tokens = (self.tokens + dt * f64::from(self.rate)).min(f64::from(self.burst));
         self.tokens
     }
 
@@ -138,13 +153,23 @@ impl Bucket {
 }
 
 /// What a datagram costs: one token per `KEY=VALUE` line (what the
-/// supervisor may act on), at least one; counted without parsing.
-fn cost(bytes: &[u8]) -> u32 {
-    let lines = bytes
-        .split(|b| *b == b'\n')
-        .filter(|l| l.contains(&b'='))
-        .count();
-    lines.clamp(1, BURST as usize + 1) as u32
+/// supervisor may act on) other than a watchdog ping, at least one;
+/// counted without parsing. `None`: it holds pings and nothing else, and
+/// costs one token of the ping bucket.
+fn cost(bytes: &[u8]) -> Option<u32> {
+    let mut pings = 0usize;
+    let mut others = 0usize;
+    for line in bytes.split(|b| *b == b'\n') {
+        if line == b"WATCHDOG=1" {
+            pings += 1;
+        } else if line.contains(&b'=') {
+            others += 1;
+        }
+    }
+    if pings > 0 && others == 0 {
+        return None;
+    }
+    Some(others.clamp(1, BURST as usize + 1) as u32)
 }
 
 /// Decides which datagrams reach the supervisor; see the module doc.
@@ -160,6 +185,8 @@ pub struct Gate {
     id: String,
     queue: Arc<Queue>,
     buckets: [Bucket; 2],
+    /// Each engine's bucket for watchdog pings ([`PING_RATE_PER_SEC`]).
+    ping_buckets: [Bucket; 2],
     /// pid -> (slot, when looked up).
     slots: HashMap<u32, (Option<SlotId>, Instant)>,
     /// pid -> (its last forwarded text, that datagram's sequence number).
@@ -177,6 +204,10 @@ impl Gate {
             id: id.to_owned(),
             queue,
             buckets: [Bucket::full(now), Bucket::full(now)],
+            ping_buckets: [
+                Bucket::full_of(now, PING_RATE_PER_SEC, PING_BURST),
+                Bucket::full_of(now, PING_RATE_PER_SEC, PING_BURST),
+            ],
             slots: HashMap::new(),
             last: HashMap::new(),
             drops,
@@ -218,8 +249,11 @@ impl Gate {
             return Err(Dropped::NotAnEngine);
         };
         // An empty bucket refuses before the datagram is even looked at.
-        let bucket = &mut self.buckets[slot.index()];
-        if bucket.refill(now) < 1.0 || !bucket.take(cost(&d.bytes), now) {
+        let (bucket, cost) = match cost(&d.bytes) {
+            Some(n) => (&mut self.buckets[slot.index()], n),
+            None => (&mut self.ping_buckets[slot.index()], 1),
+        };
+        if bucket.refill(now) < 1.0 || !bucket.take(cost, now) {
             return Err(Dropped::RateLimited);
         }
         if !forward(SenderSlot { slot, looked_up }) {
@@ -365,6 +399,52 @@ mod tests {
             g.admit_ok(&dg(9, b"READY=1"), later, |_| Some(SlotId::ONE)),
             Ok(())
         );
+    }
+
+    /// The bound: pings every half interval at the shortest
+    /// interval (50 ms) all pass, however the same engine floods its other
+    /// messages; a ping flood is limited on its own.
+    #[test]
+    fn no_other_message_starves_an_engines_pings() {
+        let (mut g, q, start) = gate();
+        let s0 = |_| Some(SlotId::ZERO);
+        let mut pings = 0;
+        for tick in 0..400u32 {
+            // Every 5 ms for 2 s: a flood of status lines, a ping each 25 ms.
+            let now = start + Duration::from_millis(u64::from(tick) * 5);
+            for i in 0..20 {
+                let text = format!("STATUS={tick}.{i}");
+                if g.admit_ok(&dg(7, text.as_bytes()), now, s0).is_ok() {
+                    q.taken();
+                }
+            }
+            if tick % 5 == 0 {
+                assert_eq!(
+                    g.admit_ok(&dg(7, b"WATCHDOG=1\n"), now, s0),
+                    Ok(()),
+                    "tick {tick}"
+                );
+                q.taken();
+                pings += 1;
+            }
+        }
+        assert_eq!(pings, 80);
+        // A ping mixed with another line costs the other line only.
+        assert_eq!(cost(b"WATCHDOG=1\nSTATUS=x"), Some(1));
+        assert_eq!(cost(b"WATCHDOG=1\nWATCHDOG=1\n"), None);
+        assert_eq!(cost(b"WATCHDOG=trigger"), Some(1));
+        // Pings alone, as fast as they come: the burst, then the rate.
+        let (mut g, q, now) = gate();
+        let passed = (0..1000)
+            .filter(|_| {
+                let ok = g.admit_ok(&dg(7, b"WATCHDOG=1"), now, s0).is_ok();
+                if ok {
+                    q.taken();
+                }
+                ok
+            })
+            .count();
+        assert_eq!(passed, PING_BURST as usize);
     }
 
     #[test]

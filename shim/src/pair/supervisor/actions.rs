@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 
 use nix::sys::signal::Signal;
-use shadow_pair::{Action, Event as PairEvent, SlotId};
+use shadow_pair::{Action, Event as PairEvent, HangCause, SlotId};
 use tokio::time::Instant;
 
 use super::super::input::Input;
@@ -41,10 +41,22 @@ impl Supervisor {
                     self.kill_all(sig);
                 }
                 Action::Kill { slot } => {
-                    if let Some(pid) = self.pair.slot(slot).pid {
-                        log::info!("pair {}: slot {slot} pid {pid} killed on arrival", self.id);
-                        self.host.signal(pid, Signal::SIGKILL);
+                    let pid = self.pair.slot(slot).pid;
+                    match self.pair.hang_of(slot) {
+                        Some(h) => log::warn!(
+                            "pair {}: slot {slot} pid {} hung: {}; killing every process of it",
+                            self.id,
+                            pid.map_or("-".to_string(), |p| p.to_string()),
+                            self.why_hung(h.cause, slot)
+                        ),
+                        None => log::info!(
+                            "pair {}: slot {slot} pid {pid:?} killed on arrival",
+                            self.id
+                        ),
                     }
+                    self.host.kill_engine(slot, pid);
+                    let now = self.clock.now();
+                    queue.extend(self.pair.handle(PairEvent::Killed { slot }, now));
                 }
                 Action::RestartGms => {
                     if let Some(g) = self.made.gms.as_mut() {
@@ -82,6 +94,29 @@ impl Supervisor {
             }
         }
         false
+    }
+
+    /// Why the engine of `slot` was found hung, in words for the log.
+    fn why_hung(&self, cause: HangCause, slot: SlotId) -> String {
+        let ms = |d: std::time::Duration| format!("{} ms", d.as_millis());
+        match cause {
+            HangCause::Watchdog => format!(
+                "no WATCHDOG=1 within its watchdog interval ({})",
+                self.pair.watchdog_interval(slot).map_or("-".into(), ms)
+            ),
+            HangCause::Trigger => "it sent WATCHDOG=trigger".into(),
+            HangCause::Probe => match &self.probing {
+                Some(p) => format!(
+                    "{} probes of {} failed in a row (the last: {})",
+                    p.settings.failures, p.settings.target, p.last_failure
+                ),
+                None => "its probes failed".into(),
+            },
+            HangCause::StartTimeout => format!(
+                "it neither parked nor served within its start timeout ({}, or as EXTEND_TIMEOUT_USEC= extended it)",
+                shadow_contract::hang::Written(self.start_timeout)
+            ),
+        }
     }
 
     /// Start the engine of `slot` in the background; `Input::Spawned` reports it.

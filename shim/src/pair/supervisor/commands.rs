@@ -122,6 +122,8 @@ impl Supervisor {
         self.cgroup()?.freeze().await?;
         self.paused = true;
         self.publisher.set_paused(true);
+        let now = self.clock.now();
+        self.pair.handle(shadow_pair::Event::Paused, now);
         Ok(())
     }
 
@@ -135,6 +137,8 @@ impl Supervisor {
         self.cgroup()?.thaw()?;
         self.paused = false;
         self.publisher.set_paused(false);
+        let now = self.clock.now();
+        self.pair.handle(shadow_pair::Event::Resumed, now);
         Ok(())
     }
 

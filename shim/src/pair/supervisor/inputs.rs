@@ -13,6 +13,7 @@ use super::super::input::Input;
 use super::super::lock::LockSeen;
 use super::super::notify::{Datagram, SenderSlot};
 use super::super::observe;
+use super::super::probe::Outcome;
 use super::{Supervisor, REFUSED_LOG_PERIOD};
 
 impl Supervisor {
@@ -229,6 +230,11 @@ impl Supervisor {
                 let now = self.clock.now();
                 self.pair.handle(PairEvent::ColdRestartDue, now)
             }
+            Input::Probed {
+                slot,
+                generation,
+                outcome,
+            } => self.on_probed(slot, generation, outcome),
             Input::GmsDied { index, generation } => {
                 let Some(g) = self
                     .made
@@ -248,6 +254,57 @@ impl Supervisor {
                 self.pair.handle(PairEvent::GmsDied { device }, now)
             }
         }
+    }
+
+    /// A probe's outcome: the pair counts it (for the engine and
+    /// generation it was for); the log says when a streak of failures
+    /// begins and ends, not each failure.
+    fn on_probed(&mut self, slot: SlotId, generation: u32, outcome: Outcome) -> Vec<Action> {
+        let Some(p) = self.probing.as_mut() else {
+            return Vec::new();
+        };
+        p.in_flight = false;
+        let ours = p.target == Some((slot, generation));
+        let healthy = outcome.is_healthy();
+        if ours {
+            match outcome {
+                Outcome::Healthy => {
+                    if p.failing > 0 {
+                        log::info!(
+                            "pair {}: probe {} of slot {slot} healthy again after {} failures",
+                            self.id,
+                            p.settings.target,
+                            p.failing
+                        );
+                    }
+                    p.failing = 0;
+                }
+                Outcome::Unhealthy(why) => {
+                    p.failing += 1;
+                    if p.failing == 1 {
+                        log::warn!(
+                            "pair {}: probe {} of slot {slot} failed: {why} (1 of {} in a row ends the engine)",
+                            self.id,
+                            p.settings.target,
+                            p.settings.failures
+                        );
+                    }
+                    p.last_failure = why;
+                }
+            }
+        }
+        let now = self.clock.now();
+        let actions = self.pair.handle(
+            PairEvent::Probed {
+                slot,
+                generation,
+                healthy,
+            },
+            now,
+        );
+        // The next probe may be due already (this one took its timeout).
+        self.launch_probe();
+        actions
     }
 
     /// Signal every engine whose pid is known; one still being spawned is

@@ -53,6 +53,9 @@ const OUTPUT_DRAIN: Duration = Duration::from_secs(1);
 const GMS_STATUS_PERIOD: Duration = Duration::from_secs(1);
 /// Refused `READY=1`s are logged at most this often per pair.
 const REFUSED_LOG_PERIOD: Duration = Duration::from_secs(10);
+/// How long after a hang deadline its check runs: the pair ends an engine
+/// once the time is past the deadline, not at it.
+const HANG_TICK: Duration = Duration::from_millis(1);
 
 /// The parts a Supervisor is made of, gathered by Create.
 pub struct Parts {
@@ -78,6 +81,37 @@ pub struct Parts {
     pub gpu_buses: Vec<String>,
     /// One engine, restarted in place, no shadow.
     pub single: bool,
+    /// How the pair finds a hung engine.
+    pub hang: Hang,
+}
+
+/// How a pair finds a hung engine: its engines' watchdog interval, the
+/// probe of its serving engine and the start timeout (issue 22).
+pub struct Hang {
+    pub watchdog: Option<Duration>,
+    pub probe: Option<PairProbe>,
+    pub start_timeout: Duration,
+}
+
+/// The probe of a pair's serving engine: what it checks, how often, and
+/// the thread in the pair's network namespace that checks it.
+pub struct PairProbe {
+    pub prober: super::probe::Prober,
+    pub settings: shadow_contract::hang::Probe,
+}
+
+/// The probe while the pair runs: when the next is due, whether one is
+/// in flight, whom it is for, and how the last ones went (for the log).
+struct Probing {
+    prober: Arc<super::probe::Prober>,
+    settings: shadow_contract::hang::Probe,
+    /// The engine (slot, generation) the schedule is for.
+    target: Option<(SlotId, u32)>,
+    next: Option<Instant>,
+    in_flight: bool,
+    /// Failures in a row, and the last one's reason.
+    failing: u32,
+    last_failure: String,
 }
 
 /// How the Task service reaches a pair's supervisor.
@@ -139,6 +173,10 @@ pub struct Supervisor {
     stop_signal: Option<u32>,
     /// When a refused `READY=1` was last logged, and the count then.
     refused_logged: Option<(Instant, u64)>,
+    /// The probe of the serving engine, if the pair has one.
+    probing: Option<Probing>,
+    /// The engines' start timeout (for the log; the pair keeps time).
+    start_timeout: Duration,
 }
 
 impl Supervisor {
@@ -160,14 +198,27 @@ impl Supervisor {
             SystemTime::now(),
         );
         let now = Instant::now();
+        let pair = if p.single {
+            Pair::single(p.config.restart.clone())
+        } else {
+            Pair::new(p.config.restart.clone())
+        }
+        .with_watchdog(p.hang.watchdog)
+        .with_probe(p.hang.probe.as_ref().map(|p| p.settings.failures))
+        .with_start_timeout(Some(p.hang.start_timeout));
+        let probing = p.hang.probe.map(|p| Probing {
+            prober: Arc::new(p.prober),
+            settings: p.settings,
+            target: None,
+            next: None,
+            in_flight: false,
+            failing: 0,
+            last_failure: String::new(),
+        });
         Supervisor {
             phase: Phase::Created,
             paused: false,
-            pair: if p.single {
-                Pair::single(p.config.restart.clone())
-            } else {
-                Pair::new(p.config.restart.clone())
-            },
+            pair,
             id: p.id,
             config: p.config,
             host: p.host,
@@ -190,6 +241,8 @@ impl Supervisor {
             spawned_at: [now, now],
             stop_signal: None,
             refused_logged: None,
+            probing,
+            start_timeout: p.hang.start_timeout,
         }
     }
 
@@ -238,10 +291,11 @@ impl Supervisor {
                     continue;
                 }
                 Some(input) = self.rx.recv(), if running => self.on_input(input).await,
-                _ = sleep_or_never(wake), if running => self.poll_lock(),
+                _ = sleep_or_never(wake), if running => self.on_wake(),
             };
             self.carry_out(actions).await;
             if self.phase == Phase::Running {
+                self.schedule_probe();
                 self.publish(false);
             }
         }
@@ -370,8 +424,118 @@ impl Supervisor {
         }
         .map(Duration::from_millis);
         let gms = self.made.gms.as_ref().map(|_| GMS_STATUS_PERIOD);
-        let counters = self.publisher.counters_due(&self.pair, Instant::now());
-        [lock, gms, counters].into_iter().flatten().min()
+        let now = Instant::now();
+        let counters = self.publisher.counters_due(&self.pair, now);
+        let hang = self.hang_wait();
+        let probe = self
+            .probing
+            .as_ref()
+            .filter(|p| !p.in_flight)
+            .and_then(|p| p.next)
+            .map(|at| at.saturating_duration_since(now));
+        [lock, gms, counters, hang, probe]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// How long until the pair's next hang deadline has passed (a check
+    /// exactly at it ends nobody: one tick later).
+    fn hang_wait(&self) -> Option<Duration> {
+        let deadline = self.pair.hang_deadline()?;
+        Some(deadline.saturating_sub(self.clock.now()) + HANG_TICK)
+    }
+
+    /// A wake without an input: the lock's poll, a hang deadline passed,
+    /// a probe due (the counters and gmsd's status are the publish's).
+    fn on_wake(&mut self) -> Vec<Action> {
+        let mut actions = Vec::new();
+        if self
+            .pair
+            .hang_deadline()
+            .is_some_and(|d| self.clock.now() > d)
+        {
+            actions.extend(self.check_hangs());
+        }
+        self.launch_probe();
+        actions.extend(self.poll_lock());
+        actions
+    }
+
+    /// Ends the engines that hung (the pair decides). An engine about to
+    /// be ended for its start timeout may be parked without saying so: the
+    /// lock is looked at first, and one seen waiting on it is parked.
+    fn check_hangs(&mut self) -> Vec<Action> {
+        let now = self.clock.now();
+        let mut actions = Vec::new();
+        let starting = SlotId::BOTH
+            .iter()
+            .any(|s| self.pair.slot(*s).state == shadow_pair::EngineState::Starting);
+        if starting {
+            let look = self.host.lock();
+            for slot in SlotId::BOTH {
+                if look.waiting[slot.index()] {
+                    actions.extend(
+                        self.pair
+                            .handle(shadow_pair::Event::LockWaiting { slot }, now),
+                    );
+                }
+            }
+        }
+        actions.extend(self.pair.handle(shadow_pair::Event::HangCheck, now));
+        actions
+    }
+
+    /// Keeps the probe's schedule on the engine the pair would have
+    /// probed now: a new serving engine is first probed one period after
+    /// it began to serve.
+    fn schedule_probe(&mut self) {
+        let target = self.pair.probe_target();
+        let Some(p) = self.probing.as_mut() else {
+            return;
+        };
+        if p.target != target {
+            p.target = target;
+            p.failing = 0;
+            p.next = target.map(|_| Instant::now() + p.settings.period);
+        }
+    }
+
+    /// Starts the probe if it is due and none is in flight; its outcome
+    /// comes back as `Input::Probed`.
+    fn launch_probe(&mut self) {
+        let Some(p) = self.probing.as_mut() else {
+            return;
+        };
+        let now = Instant::now();
+        let (Some((slot, generation)), Some(next)) = (p.target, p.next) else {
+            return;
+        };
+        if p.in_flight || next > now {
+            return;
+        }
+        p.in_flight = true;
+        // From the start of one probe to the start of the next (from now,
+        // if the one due is a period late already).
+        let after = next + p.settings.period;
+        p.next = Some(if after <= now {
+            now + p.settings.period
+        } else {
+            after
+        });
+        let prober = p.prober.clone();
+        let timeout = p.settings.timeout;
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            let outcome = prober.check(timeout).await;
+            let _ = tx
+                .send(Input::Probed {
+                    slot,
+                    generation,
+                    outcome,
+                })
+                .await;
+        });
     }
 
     pub(super) async fn finish(&mut self, status: u32) {
@@ -414,6 +578,9 @@ impl Supervisor {
         // Whatever an observer still holds cannot reach a pair that is gone.
         self.rx.close();
         self.host.close_listen();
+        // The probe's thread ends with the pair (one in flight holds it
+        // until its timeout).
+        self.probing = None;
     }
 
     fn gms_status(&self) -> Option<GmsStatus> {
