@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use shadow_contract::host::{containerd_key, is_containerd_key};
-use shadow_contract::state::{ColdRestartCause, PairState, FILE_NAME};
+use shadow_contract::state::{ColdRestartCause, HangCause, PairState, FILE_NAME};
 
 const DEFAULT_STATE_DIR: &str = "/run/shadow";
 
@@ -203,23 +203,35 @@ fn show(
     }
     println!("pair {ns}/{id}");
     println!(
-        "  task pid {}  active slot {}  protected {}  failovers {}  cold restarts {}  oom kills {}",
+        "  task pid {}  active slot {}  protected {}  failovers {}  cold restarts {}  oom kills {}  hangs {}",
         s.pid,
         or_dash(s.pair.active),
         s.pair.protected,
         s.pair.failovers,
         s.pair.cold_restarts,
-        s.pair.oom_kills
+        s.pair.oom_kills,
+        s.pair.hangs.total()
     );
+    if s.pair.hangs.total() > 0 {
+        let by: Vec<String> = HangCause::ALL
+            .iter()
+            .filter(|c| s.pair.hangs.of(**c) > 0)
+            .map(|c| format!("{} {}", c.as_str(), s.pair.hangs.of(*c)))
+            .collect();
+        println!("  hung engines ended: {}", by.join(", "));
+    }
     for slot in &s.pair.slots {
         println!(
-            "  slot {}: {:<9} pid {:<8} generation {:<5} notify {} last exit {}",
+            "  slot {}: {:<9} pid {:<8} generation {:<5} notify {} last exit {}{}",
             slot.id,
             slot.state.as_str(),
             or_dash(slot.pid),
             slot.generation,
             slot.speaks_notify,
-            or_dash(slot.last_exit)
+            or_dash(slot.last_exit),
+            slot.last_hang
+                .map(|c| format!(" (hung: {c})"))
+                .unwrap_or_default()
         );
     }
     match s.promotions.last() {
@@ -247,6 +259,22 @@ fn show(
             );
         }
         None => println!("  no failover yet"),
+    }
+    if let Some(h) = s.promotions.last().and_then(|r| r.promotion.hang) {
+        // The hang's own steps: detected → killed (→ lock → ready above).
+        let killed = h
+            .killed_at
+            .map(|k| {
+                format!(
+                    "{:.3} ms",
+                    k.saturating_sub(h.detected_at).as_secs_f64() * 1e3
+                )
+            })
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "  that failover followed a hang ({}): detected → killed {killed}",
+            h.cause
+        );
     }
     // Every daemon (one per GPU); a file of an older shim has `gms` only.
     let daemons: Vec<_> = if s.gms_daemons.is_empty() {
