@@ -137,9 +137,13 @@ pub struct Pair {
     start_timeout: Option<Duration>,
     /// The current engine of each slot's start clock (set when it starts).
     starts: [StartClock; 2],
-    /// The pair's cgroup is frozen (Pause) since then: nobody can ping,
-    /// answer a probe or start, so nobody is judged.
+    /// Since when the pair cannot judge hangs, and why: its cgroup is
+    /// frozen (Pause: nobody can ping, answer a probe or start), and/or
+    /// its notify socket's reader stopped reading a flood (the engines'
+    /// pings wait unread in the kernel). `None`: it sees.
     paused_at: Option<Duration>,
+    /// The reasons of `paused_at`: [frozen, notify stalled].
+    blind: [bool; 2],
     /// Set while both engines are being stopped for a cold restart, and
     /// while it waits out its backoff.
     cold_restart: bool,
@@ -187,6 +191,7 @@ impl Pair {
             start_timeout: None,
             starts: [StartClock::default(), StartClock::default()],
             paused_at: None,
+            blind: [false, false],
             cold_restart: false,
             cold_useful: false,
             cold_waiting: false,
@@ -283,8 +288,10 @@ impl Pair {
                 healthy,
             } => self.on_probed(slot, generation, healthy, now),
             Event::Killed { slot } => self.on_killed(slot, now),
-            Event::Paused => self.on_paused(now),
-            Event::Resumed => self.on_resumed(now),
+            Event::Paused => self.on_blind(0, true, now),
+            Event::Resumed => self.on_blind(0, false, now),
+            Event::NotifyStalled => self.on_blind(1, true, now),
+            Event::NotifyResumed => self.on_blind(1, false, now),
         }
     }
 

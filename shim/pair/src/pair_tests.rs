@@ -1328,3 +1328,20 @@ fn a_paused_pair_judges_nobody_and_its_clocks_go_on_from_the_resume() {
     );
     assert_eq!(p.hang_deadline(), Some(t(1000 + 5950)));
 }
+
+#[test]
+fn a_stalled_notify_reader_judges_no_watchdog_until_it_reads_again() {
+    let mut p = watched();
+    ping(&mut p, SlotId::ZERO, 1000);
+    p.handle(Event::NotifyStalled, t(1050));
+    p.handle(Event::Paused, t(1060));
+    assert!(check(&mut p, 2000).is_empty());
+    p.handle(Event::NotifyResumed, t(2000));
+    assert_eq!(p.hang_deadline(), None, "still frozen");
+    p.handle(Event::Resumed, t(2100));
+    assert_eq!(p.hang_deadline(), Some(t(2200)), "from the last resume");
+    assert_eq!(
+        check(&mut p, 2201),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+}

@@ -153,6 +153,12 @@ pub enum Event {
     /// The pair's cgroup was thawed (Resume): watchdogs and start clocks
     /// go on from now, as if the pause had not been.
     Resumed,
+    /// The notify socket's reader stopped reading for a while (a flood):
+    /// pings wait unread, so no watchdog is judged until
+    /// [`Event::NotifyResumed`], as for a pause.
+    NotifyStalled,
+    /// The notify socket's reader reads again.
+    NotifyResumed,
 }
 
 /// What the shim must do.

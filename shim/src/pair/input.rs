@@ -46,6 +46,9 @@ pub enum Input {
     /// The notify socket dropped a datagram, the first since its counts
     /// were last written (the metrics file is due an update).
     NotifyDropped,
+    /// The notify reader stopped reading a flood for a while (`true`), or
+    /// reads again (`false`).
+    NotifyStalled(bool),
     /// The lock file was closed for good (inotify), at this time.
     LockClosed(Instant),
     Backoff {

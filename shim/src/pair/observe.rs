@@ -120,7 +120,15 @@ pub fn notify(
                     return;
                 }
                 if let Some(pause) = after.pause {
+                    // The other engine's pings wait unread meanwhile: no
+                    // watchdog is judged until the reader reads again.
+                    if tx.send(Input::NotifyStalled(true)).await.is_err() {
+                        return;
+                    }
                     tokio::time::sleep(pause).await;
+                    if tx.send(Input::NotifyStalled(false)).await.is_err() {
+                        return;
+                    }
                 }
             }
         }

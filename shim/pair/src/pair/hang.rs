@@ -141,15 +141,21 @@ impl Pair {
         Vec::new()
     }
 
-    pub(super) fn on_paused(&mut self, now: Duration) -> Vec<Action> {
-        self.paused_at.get_or_insert(now);
-        Vec::new()
-    }
-
-    /// The pause is over: every clock goes on as if it had not been. An
-    /// armed watchdog counts from now (a frozen engine could not ping),
-    /// start clocks move on by the pause, probe failures start over.
-    pub(super) fn on_resumed(&mut self, now: Duration) -> Vec<Action> {
+    /// The pair stops (`blind`) or starts again seeing its engines, for
+    /// one reason (`why`: 0 a frozen cgroup, 1 a stalled notify reader).
+    /// Once no reason is left, every clock goes on as if the blindness had
+    /// not been: an armed watchdog counts from now (its pings could not
+    /// arrive), start clocks move on by its length, probe failures start
+    /// over.
+    pub(super) fn on_blind(&mut self, why: usize, blind: bool, now: Duration) -> Vec<Action> {
+        self.blind[why] = blind;
+        if blind {
+            self.paused_at.get_or_insert(now);
+            return Vec::new();
+        }
+        if self.blind.iter().any(|b| *b) {
+            return Vec::new();
+        }
         let Some(at) = self.paused_at.take() else {
             return Vec::new();
         };

@@ -202,6 +202,22 @@ impl Supervisor {
             }
             // Written by the `publish` that follows this input, or when due.
             Input::NotifyDropped => Vec::new(),
+            Input::NotifyStalled(stalled) => {
+                if stalled {
+                    // The gate logs the flood itself (every LOG_EVERY).
+                    log::debug!(
+                        "pair {}: the notify socket's reader pauses on a flood; no watchdog is judged until it reads again",
+                        self.id
+                    );
+                }
+                let event = if stalled {
+                    PairEvent::NotifyStalled
+                } else {
+                    PairEvent::NotifyResumed
+                };
+                let now = self.clock.now();
+                self.pair.handle(event, now)
+            }
             Input::LockClosed(at) => {
                 // Whose close it was, the pair learns from what follows:
                 // reading /proc/locks now would stall on the exiting
