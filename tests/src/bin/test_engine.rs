@@ -23,6 +23,18 @@
 //!    loaded=<bool> lock_us=<t> ready_us=<t> ranks=<n> gms=<socket names,
 //!    comma-separated> listen=inherited|own`.
 //!
+//! With `WATCHDOG_USEC` (a pair with `shadow.dev/watchdog`) it pings
+//! (`WATCHDOG=1`) every half interval from the loop that waits for the
+//! lock and from the loop that serves, never from a thread of its own, so
+//! a stopped or stuck engine stops pinging. `--health-port P` answers
+//! HTTP on P from the same serving loop (for `shadow.dev/probe`): `GET
+//! /hang` stops that loop for good (the stand-in for a decode step that
+//! never returns), `GET /trigger` sends `WATCHDOG=trigger` and then stops
+//! it, anything else is `200 OK`. `--stall-start-ms N` stays starting N ms
+//! before it parks (no `STATUS=parked`, no lock), sending
+//! `EXTEND_TIMEOUT_USEC=X` every second with `--extend-start-us X`;
+//! `--watchdog-usec X` sets its own interval (`WATCHDOG_USEC=X`).
+//!
 //! A reader whose imported weights do not sum as the seed says, or that
 //! is promoted while `/weights-corrupt` exists in the shared rootfs (the
 //! tests' stand-in for weights changed under it), exits with the contract's
@@ -78,6 +90,82 @@ struct Cli {
     /// Run as rank I of a group (started by the main process).
     #[arg(long, hide = true)]
     rank: Option<u32>,
+    /// Answer HTTP on this port too (127.0.0.1, SO_REUSEPORT), from the
+    /// serving loop: `/hang`, `/trigger`, else 200.
+    #[arg(long)]
+    health_port: Option<u16>,
+    /// Stay starting this long before parking.
+    #[arg(long, default_value_t = 0)]
+    stall_start_ms: u64,
+    /// While stalling, send EXTEND_TIMEOUT_USEC=X every second.
+    #[arg(long)]
+    extend_start_us: Option<u64>,
+    /// Send WATCHDOG_USEC=X: this engine's own watchdog interval.
+    #[arg(long)]
+    watchdog_usec: Option<u64>,
+}
+
+/// The watchdog's pings, paced from whichever loop the engine is in.
+struct Pings(Option<shadow_contract::watchdog::Pacer>);
+
+impl Pings {
+    /// Pings if one is due; says how long the caller may wait before the
+    /// next is due (forever without a watchdog).
+    fn tick(&mut self) -> Option<Duration> {
+        let pacer = self.0.as_mut()?;
+        let now = std::time::Instant::now();
+        if pacer.due(now) {
+            notify(sd_notify::NotifyState::Watchdog);
+            pacer.pinged(now);
+        }
+        Some(pacer.wait(now))
+    }
+}
+
+/// A socket bound on 127.0.0.1:`port` with SO_REUSEPORT, not listening.
+fn bound(port: u16) -> OwnedFd {
+    let sock = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap_or_else(|e| fail("socket", e));
+    setsockopt(&sock, sockopt::ReusePort, &true).unwrap_or_else(|e| fail("SO_REUSEPORT", e));
+    setsockopt(&sock, sockopt::ReuseAddr, &true).unwrap_or_else(|e| fail("SO_REUSEADDR", e));
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&sock),
+        &SockaddrIn::new(127, 0, 0, 1, port),
+    )
+    .unwrap_or_else(|e| fail("bind", e));
+    sock
+}
+
+/// The serving loop stops here for good: no answer, no ping.
+fn stop_serving() -> ! {
+    loop {
+        std::thread::park();
+    }
+}
+
+/// One HTTP request on the health port, answered from the serving loop.
+fn health(mut c: std::net::TcpStream) {
+    use std::io::Read;
+    let _ = c.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut buf = [0u8; 512];
+    let n = c.read(&mut buf).unwrap_or(0);
+    let line = String::from_utf8_lossy(&buf[..n]);
+    let path = line.split_whitespace().nth(1).unwrap_or("/");
+    match path {
+        "/hang" => stop_serving(),
+        "/trigger" => {
+            notify(sd_notify::NotifyState::WatchdogTrigger);
+            stop_serving()
+        }
+        _ => {
+            let _ = c.write_all(b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nok\n");
+        }
+    }
 }
 
 fn notify(state: sd_notify::NotifyState<'_>) {
@@ -289,6 +377,10 @@ fn main() {
         seed,
         ranks,
         rank,
+        health_port,
+        stall_start_ms,
+        extend_start_us,
+        watchdog_usec,
     } = Cli::parse();
     if let Some(r) = rank {
         run_rank(r);
@@ -316,6 +408,29 @@ fn main() {
     }
     let weights = std::env::var_os(env::GMS_SOCKET_DIR)
         .and_then(|d| attach_gms(Path::new(&d), &slot, mib, seed));
+    let mut pings = Pings(
+        shadow_contract::watchdog::interval_from_env().map(shadow_contract::watchdog::Pacer::new),
+    );
+    if let (Some(us), Some(pacer)) = (watchdog_usec, pings.0.as_mut()) {
+        notify(sd_notify::NotifyState::Custom(&format!(
+            "WATCHDOG_USEC={us}"
+        )));
+        pacer.set_interval(Duration::from_micros(us));
+    }
+    // Stuck starting (a test's stand-in for an engine that never parks),
+    // asking for more time every second if told to.
+    let stall_until = std::time::Instant::now() + Duration::from_millis(stall_start_ms);
+    while std::time::Instant::now() < stall_until {
+        if let Some(us) = extend_start_us {
+            notify(sd_notify::NotifyState::Custom(&format!(
+                "EXTEND_TIMEOUT_USEC={us}"
+            )));
+        }
+        std::thread::sleep(
+            Duration::from_secs(1)
+                .min(stall_until.saturating_duration_since(std::time::Instant::now())),
+        );
+    }
 
     // The pair's socket (already listening: connections wait in its backlog
     // until an active engine accepts), else one bound now and listening
@@ -328,26 +443,9 @@ fn main() {
     };
     let sock: OwnedFd = match inherited {
         Some(s) => s.fd,
-        None => {
-            let sock = socket(
-                AddressFamily::Inet,
-                SockType::Stream,
-                SockFlag::SOCK_CLOEXEC,
-                None,
-            )
-            .unwrap_or_else(|e| fail("socket", e));
-            setsockopt(&sock, sockopt::ReusePort, &true)
-                .unwrap_or_else(|e| fail("SO_REUSEPORT", e));
-            setsockopt(&sock, sockopt::ReuseAddr, &true)
-                .unwrap_or_else(|e| fail("SO_REUSEADDR", e));
-            bind(
-                std::os::fd::AsRawFd::as_raw_fd(&sock),
-                &SockaddrIn::new(127, 0, 0, 1, port),
-            )
-            .unwrap_or_else(|e| fail("bind", e));
-            sock
-        }
+        None => bound(port),
     };
+    let health_sock = health_port.map(bound);
 
     if speak {
         notify(sd_notify::NotifyState::Status("parked"));
@@ -358,10 +456,31 @@ fn main() {
             .exists()
             .then(|| paths::LOCK_PATH.to_string())
     });
+    // The flock blocks in a thread; this loop waits for it and pings
+    // meanwhile, and goes on the moment the lock is taken.
     let _held = lock_path.map(|lock_path| {
         let lock = std::fs::File::open(&lock_path).unwrap_or_else(|e| fail(&lock_path, e));
-        nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
-            .unwrap_or_else(|(_, e)| fail("flock", e))
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(nix::fcntl::Flock::lock(
+                lock,
+                nix::fcntl::FlockArg::LockExclusive,
+            ));
+        });
+        loop {
+            let got = match pings.tick() {
+                Some(wait) => match rx.recv_timeout(wait) {
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                    got => got.map_err(|e| e.to_string()),
+                },
+                None => rx.recv().map_err(|e| e.to_string()),
+            };
+            match got {
+                Ok(Ok(held)) => break held,
+                Ok(Err((_, e))) => fail("flock", e),
+                Err(e) => fail("flock", e),
+            }
+        }
     });
     let lock_us = now_us();
     // The test's stand-in for a failed digest check on promotion: the host
@@ -379,7 +498,12 @@ fn main() {
         listen(&sock, Backlog::new(128).unwrap_or(Backlog::MAXCONN))
             .unwrap_or_else(|e| fail("listen", e));
     }
+    if let Some(h) = &health_sock {
+        listen(h, Backlog::new(128).unwrap_or(Backlog::MAXCONN))
+            .unwrap_or_else(|e| fail("listen", e));
+    }
     let listener = TcpListener::from(sock);
+    let health_listener = health_sock.map(TcpListener::from);
     if speak {
         notify(sd_notify::NotifyState::Ready);
     }
@@ -393,11 +517,38 @@ fn main() {
         .as_ref()
         .map(|w| (w.sum, w.loaded, w.names.as_str()))
         .unwrap_or((0, false, ""));
-    for conn in listener.incoming() {
-        let Ok(mut c) = conn else { continue };
-        let _ = writeln!(
-            c,
-            "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us} ranks={ranks} gms={names} listen={listen_kind}"
-        );
+    // The serving loop: one poll over the sockets, its timeout the next
+    // ping's, so that pings come from here and stop when this loop does.
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    loop {
+        let wait = pings.tick();
+        let timeout = wait.map_or(PollTimeout::NONE, |w| {
+            PollTimeout::try_from(w.as_millis().min(60_000) as u64 + 1).unwrap_or(PollTimeout::MAX)
+        });
+        let mut fds = vec![PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        if let Some(h) = &health_listener {
+            fds.push(PollFd::new(h.as_fd(), PollFlags::POLLIN));
+        }
+        if poll(&mut fds, timeout).unwrap_or(0) == 0 {
+            continue;
+        }
+        let ready: Vec<bool> = fds
+            .iter()
+            .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
+            .collect();
+        if ready[0] {
+            if let Ok((mut c, _)) = listener.accept() {
+                let _ = writeln!(
+                    c,
+                    "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us} ranks={ranks} gms={names} listen={listen_kind}"
+                );
+            }
+        }
+        if ready.get(1) == Some(&true) {
+            if let Some(Ok((c, _))) = health_listener.as_ref().map(TcpListener::accept) {
+                health(c);
+            }
+        }
     }
 }
