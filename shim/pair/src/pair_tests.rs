@@ -1320,10 +1320,11 @@ fn a_paused_pair_judges_nobody_and_its_clocks_go_on_from_the_resume() {
     assert!(check(&mut p, 5000).is_empty());
     assert!(probe(&mut p, SlotId::ZERO, 1, false, 5000).is_empty());
     p.handle(Event::Resumed, t(6000));
-    // The watchdog counts from the resume; slot 1's start from its pause.
-    assert_eq!(p.hang_deadline(), Some(t(6100)));
+    // The paused time is taken out: the watchdog keeps its 60 ms left,
+    // slot 1's start clock what it had.
+    assert_eq!(p.hang_deadline(), Some(t(6060)));
     assert_eq!(
-        check(&mut p, 6101),
+        check(&mut p, 6061),
         vec![Action::Kill { slot: SlotId::ZERO }]
     );
     assert_eq!(p.hang_deadline(), Some(t(1000 + 5950)));
@@ -1339,9 +1340,45 @@ fn a_stalled_notify_reader_judges_no_watchdog_until_it_reads_again() {
     p.handle(Event::NotifyResumed, t(2000));
     assert_eq!(p.hang_deadline(), None, "still frozen");
     p.handle(Event::Resumed, t(2100));
-    assert_eq!(p.hang_deadline(), Some(t(2200)), "from the last resume");
+    // Blind from 1050 to 2100: the 50 ms it had left remain.
+    assert_eq!(p.hang_deadline(), Some(t(2150)));
     assert_eq!(
-        check(&mut p, 2201),
+        check(&mut p, 2151),
+        vec![Action::Kill { slot: SlotId::ZERO }]
+    );
+}
+
+/// A flood that stalls the notify reader every second cannot keep a hung
+/// engine alive: each second's seeing time counts, and the probe is not
+/// blinded at all.
+#[test]
+fn a_flood_each_second_slows_a_watchdog_but_never_stops_it() {
+    let mut p = watched();
+    ping(&mut p, SlotId::ZERO, 1000);
+    ping(&mut p, SlotId::ONE, 1000);
+    p.handle(Event::NotifyStalled, t(1000));
+    let mut ended = None;
+    for second in 1..100u64 {
+        let start = 1000 + second * 1000;
+        // Blind until `start`, then 10 ms of reading (the other engine's
+        // queued ping among them), then blind again.
+        p.handle(Event::NotifyResumed, t(start));
+        ping(&mut p, SlotId::ONE, start + 5);
+        if check(&mut p, start + 9) == vec![Action::Kill { slot: SlotId::ZERO }] {
+            ended = Some(second);
+            break;
+        }
+        p.handle(Event::NotifyStalled, t(start + 10));
+    }
+    assert!(
+        ended.is_some_and(|s| s <= 12),
+        "ended after {ended:?} seconds"
+    );
+    let mut p = started(Pair::new(RestartPolicy::default()).with_probe(Some(2)));
+    p.handle(Event::NotifyStalled, t(10));
+    assert!(probe(&mut p, SlotId::ZERO, 1, false, 20).is_empty());
+    assert_eq!(
+        probe(&mut p, SlotId::ZERO, 1, false, 30),
         vec![Action::Kill { slot: SlotId::ZERO }]
     );
 }

@@ -38,12 +38,11 @@ impl Watchdog {
         }
     }
 
-    /// An armed watchdog counts from `now` (the pair was frozen: no engine
-    /// could ping); an unarmed one stays unarmed.
-    pub(crate) fn rearm(&mut self, now: Duration) {
-        if self.last_ping.is_some() {
-            self.last_ping = Some(now);
-        }
+    /// Moves an armed watchdog's last ping `by` later (time the pair could
+    /// not see the engine's pings is not held against it); an unarmed one
+    /// stays unarmed.
+    pub(crate) fn shift(&mut self, by: Duration) {
+        self.last_ping = self.last_ping.and_then(|p| p.checked_add(by));
     }
 
     /// Stops the clock (its engine is being ended): no expiry until the
@@ -134,11 +133,11 @@ mod tests {
         );
         w.set_interval(t(1000), t(30));
         assert_eq!(w.expiry(t(100)), Some(t(1030)), "restarted from now");
-        w.rearm(t(2000));
-        assert_eq!(w.expiry(t(100)), Some(t(3000)), "rearmed at the resume");
+        w.shift(t(2000));
+        assert_eq!(w.expiry(t(100)), Some(t(3030)), "the blind time taken out");
         w.disarm();
         assert_eq!(w.expiry(t(100)), None);
-        w.rearm(t(3000));
+        w.shift(t(3000));
         assert_eq!(w.expiry(t(100)), None, "an unarmed one stays unarmed");
         let mut w = Watchdog::default();
         w.ping(t(1));

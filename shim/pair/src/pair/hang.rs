@@ -19,8 +19,9 @@
 //! the path of every death (`death`): a hung active fails over, a hung
 //! shadow is respawned while the active serves, a single engine restarts
 //! in place, and an engine that never started is an early death for the
-//! restart budget. While the pair is paused (its cgroup frozen) nobody is
-//! judged, and the clocks go on from the resume.
+//! restart budget. While the pair is paused (its cgroup frozen), or its
+//! notify reader stalls on a flood, no watchdog or start clock is judged
+//! and that time is taken out of them; a pause also stops the probe.
 //!
 //! What may be touched here: which engines are watched, when a hang ends
 //! one, and a new sign of a hang. How one engine's clocks keep time is
@@ -36,9 +37,17 @@ use crate::vocabulary::{Action, EngineState};
 
 impl Pair {
     /// Whether the pair judges hangs now: not while it goes down (it ends
-    /// every engine anyway), restarts cold, or is paused.
+    /// every engine anyway), restarts cold, or cannot see (paused, or its
+    /// notify reader stalled on a flood).
     fn judges_hangs(&self) -> bool {
         self.ending.is_none() && !self.cold_restart && self.paused_at.is_none()
+    }
+
+    /// Whether probe results count now: as [`Pair::judges_hangs`], except
+    /// that a stalled notify reader does not blind the probe (so a flood
+    /// cannot hide a hung engine from it).
+    fn judges_probes(&self) -> bool {
+        self.ending.is_none() && !self.cold_restart && !self.blind[0]
     }
 
     /// Whether the current engine of `slot` may still be ended as hung:
@@ -113,7 +122,7 @@ impl Pair {
         let Some(max) = self.probe_failures_max else {
             return Vec::new();
         };
-        if !self.judges_hangs()
+        if !self.judges_probes()
             || !self.probe_counts(slot)
             || self.slot(slot).generation != generation
         {
@@ -148,6 +157,10 @@ impl Pair {
     /// arrive), start clocks move on by its length, probe failures start
     /// over.
     pub(super) fn on_blind(&mut self, why: usize, blind: bool, now: Duration) -> Vec<Action> {
+        if why == 0 && !blind && self.blind[0] {
+            // A frozen engine could not answer: its failures start over.
+            self.probe_failed = [0, 0];
+        }
         self.blind[why] = blind;
         if blind {
             self.paused_at.get_or_insert(now);
@@ -159,12 +172,15 @@ impl Pair {
         let Some(at) = self.paused_at.take() else {
             return Vec::new();
         };
-        let paused = now.saturating_sub(at);
+        // The time it could not see is taken out of every clock, not
+        // restarted: an engine keeps the budget it had when the pair went
+        // blind, so blindness that comes back again and again (a flood
+        // each second) slows the detection of a hung engine, never stops it.
+        let blind = now.saturating_sub(at);
         for slot in SlotId::BOTH {
             let i = slot.index();
-            self.watchdogs[i].rearm(now);
-            self.starts[i].shift(paused);
-            self.probe_failed[i] = 0;
+            self.watchdogs[i].shift(blind);
+            self.starts[i].shift(blind);
         }
         Vec::new()
     }
