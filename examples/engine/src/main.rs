@@ -17,25 +17,40 @@
 //!    `POST /v1/completions` (`{"prompt": "...", "max_tokens": n}`) and
 //!    `GET /health`.
 //!
+//! With a watchdog (`WATCHDOG_USEC`, `shadow.dev/watchdog`) it pings
+//! `WATCHDOG=1` each half interval from the loops that work, never from a
+//! timer: while parked from the wait for the lock (the flock blocks in a
+//! thread of its own, so a wake never waits for a ping), and while serving
+//! from the accept loop, but only when every worker that is computing an
+//! answer made a decode step since the last ping. A worker stuck in a step
+//! stops the pings and the runtime ends the engine; one waiting on its
+//! client (reading the request, writing the answer) is not stuck.
+//!
 //! Usage: `shadow-engine serve --weights FILE [--port N] [--kv-mib N]`,
 //! `shadow-engine generate --out FILE --mib N [--seed N]` (`--help`).
 
+use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
 use gms::client::{host_socket, Client, Imported, KvCache, Weights};
 use gms::protocol::{LeaseKind, Mode};
+use nix::fcntl::{Flock, FlockArg};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{
     bind, listen, setsockopt, socket, sockopt, AddressFamily, Backlog, SockFlag, SockType,
     SockaddrIn,
 };
 use serde_json::{json, Value};
 use shadow_contract::env;
+use shadow_contract::watchdog::{self, Pacer, Progress};
 use shadow_engine::model::{generate, verify, Model};
 use shadow_engine::{Error, Result};
 
@@ -58,6 +73,21 @@ fn now_us() -> u128 {
 fn notify(state: sd_notify::NotifyState<'_>) {
     // Optional by the contract: no socket, or a full one, only loses the hint.
     let _ = sd_notify::notify(&[state]);
+}
+
+/// Sends `WATCHDOG=1` without ever blocking: a full notify socket (a
+/// runtime that is not reading) loses the ping instead of stalling the loop
+/// that sends it, as the socket's own gate drops what goes beyond its rate.
+fn ping() {
+    let Some(path) = std::env::var_os(env::NOTIFY_SOCKET) else {
+        return;
+    };
+    let Ok(sock) = UnixDatagram::unbound() else {
+        return;
+    };
+    if sock.set_nonblocking(true).is_ok() {
+        let _ = sock.send_to(b"WATCHDOG=1\n", path);
+    }
 }
 
 /// The GMS connection: held, never read, because closing it ends the lease.
@@ -260,15 +290,9 @@ fn serve(args: Args) -> Result<()> {
     let own = address.starts_with("127.");
     notify(sd_notify::NotifyState::Status("parked"));
 
+    let mut pacer = watchdog::interval_from_env().map(Pacer::new);
     let _held = match std::env::var_os(env::LOCK_PATH) {
-        Some(p) => {
-            let path = PathBuf::from(p);
-            let f = std::fs::File::open(&path).map_err(io("open lock", &path))?;
-            Some(
-                nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
-                    .map_err(|(_, e)| Error::Usage(format!("flock {}: {e}", path.display())))?,
-            )
-        }
+        Some(p) => Some(take_lock(&PathBuf::from(p), pacer.as_mut())?),
         None => None,
     };
     let lock_us = now_us();
@@ -305,24 +329,235 @@ fn serve(args: Args) -> Result<()> {
     });
     let bytes = source.bytes();
     let kv = Mutex::new(kv_mem);
+    let live = Live::new(pacer);
+    let (to_workers, from_acceptor) = mpsc::channel::<TcpStream>();
+    let from_acceptor = Mutex::new(from_acceptor);
     std::thread::scope(|s| {
-        for _ in 0..WORKERS {
-            s.spawn(|| loop {
-                // accept errors (ECONNABORTED, EMFILE) concern one peer.
-                if let Ok((conn, _)) = listener.accept() {
-                    answer(conn, &model, bytes, &kv, &info);
-                }
+        for worker in 0..WORKERS {
+            let (model, kv, info, live, from_acceptor) =
+                (&model, &kv, &info, &live, &from_acceptor);
+            s.spawn(move || loop {
+                // A worker that panicked poisons nothing the others need.
+                let next = from_acceptor
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .recv();
+                let Ok(conn) = next else { return };
+                answer(conn, model, bytes, kv, info, live, worker);
+                live.idle();
             });
         }
+        accept_loop(&listener, &to_workers, &live);
     });
     Ok(())
 }
 
+/// Takes the election lock, blocking until this engine is the active one.
+/// With a watchdog the engine pings while parked: the flock blocks in a
+/// thread that hands the lock over a channel, and this thread waits on it
+/// with the pacer's timeout, pinging at each; the lock taken, the wake goes
+/// on at once.
+fn take_lock(path: &Path, pacer: Option<&mut Pacer>) -> Result<Flock<File>> {
+    let f = File::open(path).map_err(io("open lock", path))?;
+    let flock_err = |e: nix::Error| Error::Usage(format!("flock {}: {e}", path.display()));
+    let Some(pacer) = pacer else {
+        return Flock::lock(f, FlockArg::LockExclusive).map_err(|(_, e)| flock_err(e));
+    };
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(Flock::lock(f, FlockArg::LockExclusive).map_err(|(_, e)| e));
+    });
+    loop {
+        match rx.recv_timeout(pacer.wait(Instant::now())) {
+            Ok(taken) => return taken.map_err(flock_err),
+            Err(RecvTimeoutError::Timeout) => {
+                let now = Instant::now();
+                if pacer.due(now) {
+                    pacer.pinged(now);
+                    ping();
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(Error::Usage(format!(
+                    "flock {}: the thread taking it ended",
+                    path.display()
+                )))
+            }
+        }
+    }
+}
+
+/// What the watchdog needs to know of the workers, and the count of idle
+/// ones (the acceptor accepts only for an idle worker, so that connections
+/// beyond them wait in the listening socket's backlog, which outlives this
+/// engine, rather than in this process).
+struct Live {
+    state: Mutex<LiveState>,
+    /// A worker became idle.
+    freed: Condvar,
+}
+
+struct LiveState {
+    /// None: no watchdog.
+    pacer: Option<Pacer>,
+    /// Which workers advanced since the last ping.
+    progress: Progress,
+    /// Which workers are computing an answer (only those can be stuck).
+    computing: [bool; WORKERS],
+    idle: usize,
+}
+
+impl Live {
+    fn new(pacer: Option<Pacer>) -> Live {
+        Live {
+            state: Mutex::new(LiveState {
+                pacer,
+                progress: Progress::new(WORKERS),
+                computing: [false; WORKERS],
+                idle: WORKERS,
+            }),
+            freed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LiveState> {
+        // A panicked worker poisons nothing that matters here: counts and flags.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How long the acceptor may block before a ping is due (None: forever).
+    fn wait(&self) -> Option<Duration> {
+        self.lock().wait()
+    }
+
+    /// Pings if one is due and every computing worker advanced.
+    fn tick(&self) {
+        let due = self.lock().take_ping();
+        if due {
+            ping();
+        }
+    }
+
+    /// Runs `f` as worker `worker`'s computation of an answer, given a
+    /// step hook: each call marks a decode step done (and may ping).
+    fn computing<R>(&self, worker: usize, f: impl FnOnce(&mut dyn FnMut()) -> R) -> R {
+        self.lock().computing[worker] = true;
+        let out = f(&mut || {
+            let due = self.lock().stepped(worker);
+            if due {
+                ping();
+            }
+        });
+        let mut st = self.lock();
+        st.computing[worker] = false;
+        st.progress.advanced(worker);
+        out
+    }
+
+    /// A worker is done with its connection.
+    fn idle(&self) {
+        self.lock().idle += 1;
+        self.freed.notify_one();
+    }
+}
+
+impl LiveState {
+    fn wait(&self) -> Option<Duration> {
+        self.pacer.as_ref().map(|p| p.wait(Instant::now()))
+    }
+
+    /// `worker` made a decode step; whether to ping now, as [`take_ping`](Self::take_ping).
+    fn stepped(&mut self, worker: usize) -> bool {
+        self.progress.advanced(worker);
+        self.take_ping()
+    }
+
+    /// Whether to ping now (and, if so, records it): due, and every worker
+    /// either not computing or past a step since the last ping.
+    fn take_ping(&mut self) -> bool {
+        let now = Instant::now();
+        let Some(pacer) = self.pacer.as_mut() else {
+            return false;
+        };
+        if !pacer.due(now) {
+            return false;
+        }
+        for (w, &busy) in self.computing.iter().enumerate() {
+            if !busy {
+                self.progress.advanced(w);
+            }
+        }
+        if !self.progress.all_advanced() {
+            return false;
+        }
+        pacer.pinged(now);
+        self.progress.reset();
+        true
+    }
+}
+
+/// `poll`'s timeout for `wait`, rounded up to a whole millisecond so that
+/// a wait shorter than one does not spin (None: forever).
+fn poll_timeout(wait: Option<Duration>) -> PollTimeout {
+    match wait {
+        None => PollTimeout::NONE,
+        Some(d) => {
+            let ms = d.as_micros().div_ceil(1000);
+            PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
+        }
+    }
+}
+
+/// The serving loop: waits for an idle worker, accepts one connection for
+/// it, hands it over; between these, and at least each half interval, it
+/// pings when the workers' progress allows.
+fn accept_loop(listener: &TcpListener, to_workers: &mpsc::Sender<TcpStream>, live: &Live) {
+    loop {
+        {
+            let mut st = live.lock();
+            while st.idle == 0 {
+                st = match st.wait() {
+                    None => live.freed.wait(st).unwrap_or_else(|e| e.into_inner()),
+                    Some(t) => {
+                        let st = live.freed.wait_timeout(st, t);
+                        st.unwrap_or_else(|e| e.into_inner()).0
+                    }
+                };
+                if st.take_ping() {
+                    ping();
+                }
+            }
+        }
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        // EINTR or a timeout: the tick below, then again.
+        if poll(&mut fds, poll_timeout(live.wait())).is_ok_and(|n| n > 0) {
+            // accept errors (ECONNABORTED, EMFILE) concern one peer.
+            if let Ok((conn, _)) = listener.accept() {
+                live.lock().idle -= 1;
+                if to_workers.send(conn).is_err() {
+                    return; // every worker is gone
+                }
+            }
+        }
+        live.tick();
+    }
+}
+
 /// One request, one response, connection closed.
-fn answer(mut conn: TcpStream, model: &Model, bytes: &[u8], kv: &Mutex<&mut [u8]>, info: &Value) {
+fn answer(
+    mut conn: TcpStream,
+    model: &Model,
+    bytes: &[u8],
+    kv: &Mutex<&mut [u8]>,
+    info: &Value,
+    live: &Live,
+    worker: usize,
+) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
     let (status, body) = match read_request(&mut conn) {
-        Ok((method, path, body)) => route(&method, &path, &body, model, bytes, kv, info),
+        Ok((method, path, body)) => live.computing(worker, |step| {
+            route(&method, &path, &body, model, bytes, kv, info, step)
+        }),
         Err(reason) => (400, json!({ "error": reason })),
     };
     let text = body.to_string();
@@ -388,6 +623,7 @@ fn read_request(conn: &mut TcpStream) -> std::result::Result<(String, String, Ve
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn route(
     method: &str,
     path: &str,
@@ -396,6 +632,7 @@ fn route(
     bytes: &[u8],
     kv: &Mutex<&mut [u8]>,
     info: &Value,
+    step: &mut dyn FnMut(),
 ) -> (u16, Value) {
     match (method, path) {
         ("GET", "/health") => (200, json!({ "status": "ok", "engine": info })),
@@ -414,7 +651,7 @@ fn route(
                     json!({ "error": format!("max_tokens is at most {MAX_TOKENS}") }),
                 );
             }
-            let c = model.complete(bytes, prompt, max_tokens);
+            let c = model.complete_with(bytes, prompt, max_tokens, step);
             // The KV cache holds the sequence's state; a real engine keeps
             // pages per sequence, here one page is rewritten per request.
             if let Ok(mut kv) = kv.lock() {
@@ -434,5 +671,78 @@ fn route(
             )
         }
         _ => (404, json!({ "error": format!("no route {method} {path}") })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A watchdog always due (an interval too short to halve): only the
+    /// workers' progress decides.
+    fn always_due() -> Live {
+        Live::new(Some(Pacer::new(Duration::from_nanos(1))))
+    }
+
+    #[test]
+    fn idle_workers_never_hold_a_ping_back() {
+        let live = always_due();
+        assert!(live.lock().take_ping());
+        assert!(live.lock().take_ping());
+        let none = Live::new(None);
+        assert!(!none.lock().take_ping(), "no watchdog, no ping");
+        assert_eq!(none.wait(), None);
+    }
+
+    #[test]
+    fn a_computing_worker_must_step_before_the_next_ping() {
+        let live = always_due();
+        assert!(live.lock().take_ping());
+        live.computing(2, |_| {
+            assert!(
+                !live.lock().take_ping(),
+                "no step yet: worker 2 may be stuck"
+            );
+            assert!(live.lock().stepped(2), "its step was the one missing");
+            assert!(!live.lock().take_ping(), "and each ping needs another");
+            assert!(live.lock().stepped(2));
+        });
+        // Done computing: idle again, never in the way.
+        assert!(live.lock().take_ping());
+        assert!(live.lock().take_ping());
+    }
+
+    #[test]
+    fn a_stuck_worker_stops_the_pings_while_others_step() {
+        let live = always_due();
+        live.computing(0, |_| {
+            assert!(live.lock().stepped(0));
+            // Worker 0 is stuck from here on; worker 1 steps on.
+            live.computing(1, |_| {
+                for _ in 0..3 {
+                    assert!(!live.lock().stepped(1), "worker 0 made no step since");
+                    assert!(!live.lock().take_ping());
+                }
+            });
+        });
+        assert!(live.lock().take_ping(), "worker 0 done: the pings resume");
+    }
+
+    #[test]
+    fn poll_timeouts_round_up() {
+        assert_eq!(poll_timeout(None), PollTimeout::NONE);
+        assert_eq!(poll_timeout(Some(Duration::ZERO)), PollTimeout::from(0u16));
+        assert_eq!(
+            poll_timeout(Some(Duration::from_micros(1))),
+            PollTimeout::from(1u16)
+        );
+        assert_eq!(
+            poll_timeout(Some(Duration::from_micros(2001))),
+            PollTimeout::from(3u16)
+        );
+        assert_eq!(
+            poll_timeout(Some(Duration::from_secs(u64::MAX))),
+            PollTimeout::MAX
+        );
     }
 }

@@ -263,6 +263,20 @@ impl Model {
     /// the next word from the result. `bytes` must be the buffer the model
     /// was built from.
     pub fn complete(&self, bytes: &[u8], prompt: &str, max_tokens: usize) -> Completion {
+        self.complete_with(bytes, prompt, max_tokens, || {})
+    }
+
+    /// [`complete`](Self::complete), calling `step` after each decode step:
+    /// the engine's watchdog hears of progress from the step loop itself,
+    /// so a generation longer than the interval keeps it fed and a stuck
+    /// step starves it. The answer is the same.
+    pub fn complete_with(
+        &self,
+        bytes: &[u8],
+        prompt: &str,
+        max_tokens: usize,
+        mut step: impl FnMut(),
+    ) -> Completion {
         let mut x = vec![0f32; COLS];
         let mut state = name_hash(prompt);
         for &b in prompt.as_bytes() {
@@ -293,6 +307,7 @@ impl Model {
             for (c, xc) in x.iter_mut().enumerate() {
                 *xc += f32_at(row, c);
             }
+            step();
         }
         Completion {
             text: words.join(" "),
@@ -355,6 +370,10 @@ mod tests {
         assert_eq!(x, m.complete(&a, "hello", 12));
         assert_eq!(x.tokens, 12);
         assert_ne!(x.fingerprint, m.complete(&a, "hullo", 12).fingerprint);
+        // The step hook sees every decode step and changes nothing.
+        let mut steps = 0;
+        assert_eq!(m.complete_with(&a, "hello", 12, || steps += 1), x);
+        assert_eq!(steps, 12);
     }
 
     #[test]
