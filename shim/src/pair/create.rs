@@ -271,9 +271,9 @@ async fn create_steps(
     // the pinned one), opened now: nothing is opened by path later.
     let probe = match &req.hang.probe {
         Some(p) => {
-            let ns = spec::network_namespace(spec, pins.map(|p| p.net.as_path())).map_err(|e| {
+            let ns = spec::network_namespace(spec, pins.map(|p| p.net.as_path())).map_err(|_| {
                 Error::FailedPrecondition(format!(
-                    "container {}: {} needs the engines' network namespace: {e}",
+                    "container {}: {} probes from the network namespace both engines share; with a user namespace in the spec the shim pins none, so name one by path (a sandbox's) or use the host's",
                     req.id,
                     shadow_contract::annotations::PROBE
                 ))
