@@ -819,6 +819,93 @@ def weights_changed_under_the_pair(rt, cid, port, reference, run_events, tp):
            "cold restart -> first correct answer", mended_ms, "ms")
 
 
+def test_containerd_pair_hang():
+    """A hung active engine through containerd (issue 22): the torch engine
+    pings its watchdog (shadow.dev/watchdog=100ms) from its serving loop.
+    SIGSTOP of the active, then a GPU kernel that never finishes (the
+    engine's SHADOW_TEST_HANG request): each -> the pair kills it, the
+    shadow takes the lock, wakes and serves. Figures: the total and its
+    parts (detected, killed, lock taken, wake, first answer)."""
+    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
+    STATE["rt"] = Session.runtime = rt
+    cid, port = "hang", 19500 + os.getpid() % 100
+    layers, kv = (2, 2) if QUICK else (8, 8)
+    env = ctr_pair.engine_env(port, layers, kv, BIN)
+    env["SHADOW_TEST_HANG"] = "1"
+    args = rt.run_args(ctr_pair.SHIM_RUNTIME, cid, env, [sys.executable, ENGINE],
+                       extra=["--runtime-config-path", rt.shim_config, "--annotation", "shadow.dev/pair=true",
+                              "--annotation", f"shadow.dev/listen=tcp:127.0.0.1:{port}",
+                              "--annotation", "shadow.dev/watchdog=100ms"])
+    run = Proc(f"ctr-run-{cid}", args, stdin=False)
+    run_events = json_events(run)
+
+    def up(failovers):
+        def check():
+            if run.p.poll() is not None:
+                raise AssertionError(f"the pair ended (ctr run rc {run.p.poll()})")
+            return protected(rt, cid, failovers)
+        return check
+    try:
+        poll_until(up(0), 180, "pair protected (active + parked shadow)")
+    except AssertionError:
+        raise AssertionError(f"{run.stderr_tail()}\ncontainerd: {rt.log_tail()}") from None
+    reference = request(port)["choices"][0]["tokens"]
+    stop, results = threading.Event(), []
+    th = threading.Thread(target=stream_requests, args=(port, results, stop), daemon=True)
+    th.start()
+    rows, failovers = [], 0
+    try:
+        time.sleep(1.0)
+        st = rt.state(cid)
+        assert st["pair"]["hangs"]["watchdog"] == 0, f"a healthy engine was ended: {st['pair']}"
+        for how in ("sigstop", "sigstop", "gpu-kernel", "gpu-kernel"):
+            st = protected(rt, cid, failovers)
+            slot = st["pair"]["active"]
+            victim = st["pids"][slot]
+            poll_until(lambda: sum(1 for r in list(results) if r[2] == str(slot)) >= 5, 60, "answers")
+            at = time.time()
+            if how == "sigstop":
+                os.kill(victim, signal.SIGSTOP)
+            else:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("POST", "/test/hang", "{}", {"Content-Type": "application/json"})
+                c.getresponse().read()
+                c.close()
+                at = time.time()
+            first = poll_until(lambda: next((r for r in list(results)
+                                             if r[2] == str(1 - slot) and r[1] > at), None),
+                               60, f"an answer from the shadow after a hang ({how})")
+            assert first[3] == reference, f"{how}: {first[3]} is not {reference}"
+            failovers += 1
+            st = poll_until(up(failovers), 120, f"{how}: the hung slot back, parked")
+            rec = st["promotions"][-1]
+            p = rec
+            assert p["class"] == "hung" and p["hang"]["cause"] == "watchdog", p
+            detected, killed = p["hang_detected_unix_us"] / 1e6, p["hang_killed_unix_us"] / 1e6
+            ready = p["ready_unix_us"] / 1e6
+            woke = [o["woke_at"] for o in list(run_events) if o.get("event") == "active"
+                    and str(o.get("engine")) == str(1 - slot) and o.get("woke_at", 0) > at]
+            lock = min(woke) if woke else None
+            ms = lambda a, b: None if a is None or b is None else round((b - a) * 1e3, 1)
+            rows.append({"how": how, "total": ms(at, first[1]), "detected": ms(at, detected),
+                         "killed": ms(detected, killed), "lock": ms(killed, lock),
+                         "wake": ms(lock, ready), "answer": ms(ready, first[1])})
+            print(f"  {how}: {rows[-1]}", flush=True)
+            assert not os.path.exists(f"/proc/{victim}"), f"the hung engine {victim} is still there"
+    finally:
+        stop.set()
+        th.join(10)
+    for how in ("sigstop", "gpu-kernel"):
+        figure(f"hang ({how}) of the active, watchdog 100 ms, through containerd: hang -> first correct "
+               "answer, and its parts (detected, killed, lock taken, wake to READY, READY to answer), per round",
+               [r for r in rows if r["how"] == how], "ms", "detection bound (100 ms) + wake")
+    rt.ctr("task", "kill", "--signal", "SIGKILL", cid)
+    assert run.wait(60) != 0
+    markers = [rt.address, rt.state_dir, ENGINE]
+    poll_until(lambda: (lambda p: None if p else "none")(ctr_pair.our_processes(markers)), 30,
+               f"no engine, gmsd or shim left: {ctr_pair.our_processes(markers)}")
+
+
 def test_containerd_pair_tp1():
     containerd_pair(1)
 
