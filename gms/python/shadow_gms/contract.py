@@ -31,10 +31,12 @@ import time
 CORRUPT_EXIT = 65
 
 
-def notify(*fields, path=None):
+def notify(*fields, path=None, block=True):
     """Sends ``KEY=value`` lines to NOTIFY_SOCKET; a no-op when it is unset.
 
-    Returns True when a datagram was sent.
+    Returns True when a datagram was sent. With ``block=False`` a socket
+    whose queue is full (a runtime not reading, or one flooded by the other
+    engine) raises BlockingIOError at once instead of waiting for room.
     """
     path = path or os.environ.get("NOTIFY_SOCKET")
     if not path:
@@ -43,6 +45,7 @@ def notify(*fields, path=None):
         path = "\0" + path[1:]  # abstract socket namespace
     msg = "\n".join(fields).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.setblocking(block)
         s.sendto(msg, path)
     return True
 
@@ -222,15 +225,16 @@ class Watchdog:
     def ping(self, now=None):
         """Sends ``WATCHDOG=1`` if a ping is due; returns whether it sent one.
 
-        A send that fails (no NOTIFY_SOCKET, or the socket refused it)
-        counts as this period's ping all the same, so that a loop whose
-        timeout is ``wait()`` does not spin on a socket that refuses."""
+        It never blocks: a full notify socket loses the ping rather than
+        stall the loop that sends it. A send that fails (no NOTIFY_SOCKET, a
+        full socket, one that refused it) counts as this period's ping all
+        the same, so that a loop whose timeout is ``wait()`` does not spin."""
         now = self._clock() if now is None else now
         if not self.due(now):
             return False
         self._last = now
         try:
-            return notify("WATCHDOG=1", path=self._path)
+            return notify("WATCHDOG=1", path=self._path, block=False)
         except OSError:
             return False
 

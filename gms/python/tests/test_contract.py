@@ -142,6 +142,25 @@ class WatchdogTest(unittest.TestCase):
         self.assertFalse(w.ping())
         self.assertEqual(w.wait(), 0.5)
 
+    def test_a_full_socket_loses_the_ping_without_waiting(self):
+        # Fill the runtime's queue (it is not reading), as a flood would.
+        filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.addCleanup(filler.close)
+        filler.setblocking(False)
+        try:
+            while True:
+                filler.sendto(b"STATUS=flood", self.notify.path)
+        except BlockingIOError:
+            pass
+        w = self.watchdog()
+        sent = []
+        t = threading.Thread(target=lambda: sent.append(w.ping()), daemon=True)
+        t.start()
+        t.join(LIMIT_S)
+        self.assertFalse(t.is_alive(), "ping() waited for room on a full socket")
+        self.assertEqual(sent, [False])
+        self.assertFalse(w.due(), "the lost ping counts as this period's")
+
     def test_trigger_and_extend_start(self):
         self.assertTrue(self.watchdog().trigger())
         self.assertEqual(self.notify.recv(), "WATCHDOG=trigger")
