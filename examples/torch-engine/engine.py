@@ -27,11 +27,23 @@ listening socket at start, holds it while parked without accepting, and
 serves on it once active: connections that arrive during a failover wait
 in its backlog instead of being refused. Without it, it binds ENGINE_PORT.
 
+With a watchdog (WATCHDOG_USEC, shadow.dev/watchdog) the main process pings
+WATCHDOG=1 each half interval from the loops that work, never from a timer:
+while parked from its wait for the lock (the flock waits in a thread; the
+lock taken, the wake goes on without waiting for a ping), while serving
+from the serving loop and from each decode step. In a TP group it pings
+only while every rank beats (tp.py, heartbeat.py). A stuck step, or a rank
+stuck in a kernel or a collective, stops the pings and the runtime ends the
+engine. SHADOW_TEST_HANG=1 adds POST /test/hang for tests: it answers, then
+starts a GPU kernel that never ends and waits for it in the serving path
+(``{"rank": r}``: on rank r of a group instead, which stops beating).
+
 Environment: SHADOW_ENGINE_ID, SHADOW_LOCK_PATH, NOTIFY_SOCKET,
 GMS_SOCKET_DIR, LISTEN_FDS/LISTEN_PID/LISTEN_FDNAMES (as the shim sets
 them); ENGINE_PORT (default 8000),
 ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB (per GPU), GMS_LIB,
-ENGINE_TP (default 1: N > 1 runs N ranks, one per GPU, tp.py).
+ENGINE_TP (default 1: N > 1 runs N ranks, one per GPU, tp.py),
+WATCHDOG_USEC/WATCHDOG_PID (as the shim sets them), SHADOW_TEST_HANG.
 Prints one JSON line per phase on stdout.
 """
 
@@ -53,11 +65,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "gms", "python"))
-from shadow_gms import CORRUPT_EXIT, FailoverLock, Gms, WeightsCorrupt, listen_socket, notify  # noqa: E402
+from shadow_gms import CORRUPT_EXIT, FailoverLock, Gms, Watchdog, WeightsCorrupt, listen_socket, notify  # noqa: E402
+from heartbeat import Heartbeat  # noqa: E402
 
 VOCAB = 32000
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
+# Tests only: POST /test/hang. Never set in production.
+TEST_HANG = os.environ.get("SHADOW_TEST_HANG") == "1"
 
 
 def log(**fields):
@@ -132,7 +147,9 @@ class Model(torch.nn.Module):
         return F.linear(F.rms_norm(x[-1:], (self.hidden,), self.norm), self.embed)
 
     @torch.no_grad()
-    def generate(self, tokens, max_tokens, kv):
+    def generate(self, tokens, max_tokens, kv, step=None):
+        """``step`` is called after each decode step (its token read back:
+        the step is done on the GPU), for the watchdog."""
         max_seq = kv[0][0].shape[0]
         tokens = tokens[-(max_seq - max_tokens):]
         ids = torch.tensor(tokens, device="cuda")
@@ -141,6 +158,8 @@ class Model(torch.nn.Module):
         for _ in range(max_tokens):
             nxt = int(logits.argmax(-1)[0])
             out.append(nxt)
+            if step is not None:
+                step()
             logits = self.forward(torch.tensor([nxt], device="cuda"), kv, pos)
             pos += 1
         return out
@@ -204,7 +223,8 @@ class FastPath:
 
     @torch.no_grad()
     def generate(self, tokens, max_tokens):
-        """As Model.generate: the prefill eager, then max_tokens - 1 replays."""
+        """As Model.generate: the prefill eager, then max_tokens - 1 replays
+        (at most WINDOW: no step hook, the one sync is at the end)."""
         logits = self.model.forward(torch.tensor(tokens, device="cuda"), self.caches, 0)
         self.tok.copy_(logits.argmax(-1))
         self.out[:1].copy_(self.tok)
@@ -236,6 +256,8 @@ def main():
         if "ENGINE_RANK" in os.environ:
             return tensor_parallel.run_rank(os.path.abspath(__file__))
     t_start = time.perf_counter()
+    # The watchdog (None of it without WATCHDOG_USEC), for the whole group.
+    heartbeat = Heartbeat(Watchdog(), ranks=max(0, tp - 1))
     # The pair's socket, if handed down: held from now on, accepted on only
     # once active.
     inherited = listen_socket()
@@ -244,7 +266,7 @@ def main():
         # 1. initialise the group: ranks, shards through each GPU's GMS, NCCL.
         # Rank 0's shard is checked here when mapped (ranks 1.. check theirs).
         group = verify_or_exit(engine_id, lambda: tensor_parallel.Group(
-            tp, os.path.abspath(__file__), engine_id, layers, hidden, seed, kv_bytes, log), "mapped",
+            tp, os.path.abspath(__file__), engine_id, layers, hidden, seed, kv_bytes, log, heartbeat), "mapped",
             figures=False)
         kv = group.kv
         log(event="weights", engine=engine_id, lease=group.own.gms.lease, tp=tp,
@@ -252,10 +274,18 @@ def main():
             addr=hex(group.own.model.embed.data_ptr()))
         log(event="parked", engine=engine_id, pid=os.getpid(), tp=tp, kv_addr=hex(kv.addr),
             kv_bytes=kv.nbytes, init_s=round(time.perf_counter() - t_start, 3))
-        wake, generate = group.wake, group.generate
+        wake, generate, hang = group.wake, group.generate, group.hang
     else:
         kv, wake, generate = one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start)
-    serve(engine_id, port, inherited, kv, wake, generate)
+        hang = None
+    serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang)
+
+
+def hang_gpu():
+    """SHADOW_TEST_HANG's stuck step: a kernel that never ends (2**62 clock
+    cycles), and a host that waits for it (tp.py has the ranks' copy)."""
+    torch.cuda._sleep(2 ** 62)
+    torch.cuda.synchronize()
 
 
 def warm_up(generate, caches):
@@ -320,10 +350,10 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
         return dict(checked or {}, launch_ms=round((t1 - t0) * 1e3, 3), kv_ms=round((t2 - t1) * 1e3, 3),
                     wait_ms=round((t3 - t2) * 1e3, 3))
 
-    def generate(tokens, max_tokens):
+    def generate(tokens, max_tokens, step=None):
         if fast.fits(tokens, max_tokens):
             return fast.generate(tokens, max_tokens)
-        return model.generate(tokens, max_tokens, caches)
+        return model.generate(tokens, max_tokens, caches, step)
 
     return kv, wake, generate
 
@@ -344,11 +374,13 @@ def verify_or_exit(engine_id, check, when, figures=True):
     return out
 
 
-def serve(engine_id, port, inherited, kv, wake, generate):
-    """Steps 2-5 of the contract, the same for one process and a group."""
-    # 2-3. park on the election lock.
+def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
+    """Steps 2-5 of the contract, the same for one process and a group.
+    ``heartbeat`` paces the watchdog's pings; ``hang(rank)`` makes rank
+    ``rank`` of a group hang (SHADOW_TEST_HANG)."""
+    # 2-3. park on the election lock, pinging while parked.
     notify(f"STATUS=parked engine {engine_id}", f"MAINPID={os.getpid()}")
-    lock = FailoverLock().acquire()
+    lock = FailoverLock().acquire(watchdog=heartbeat)
     t_wake = time.perf_counter()
     woke_at = time.time()
 
@@ -360,9 +392,19 @@ def serve(engine_id, port, inherited, kv, wake, generate):
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # One connection at a time, on the loop that pings: with a watchdog a
+        # client that stalls mid-request loses it after a quarter interval
+        # rather than hold the pings back (without one it waits, as before).
+        timeout = heartbeat.watchdog.interval / 4 if heartbeat.enabled else None
 
         def log_message(self, *args):
             pass
+
+        def handle_one_request(self):
+            # A keep-alive connection serves many requests before the loop
+            # sees it again: a ping (if due) after each.
+            super().handle_one_request()
+            heartbeat.ping()
 
         def reply(self, code, body):
             data = json.dumps(body).encode()
@@ -379,6 +421,8 @@ def serve(engine_id, port, inherited, kv, wake, generate):
                 self.reply(404, {"error": "not found"})
 
         def do_POST(self):
+            if TEST_HANG and self.path == "/test/hang":
+                return self.test_hang()
             if self.path != "/v1/completions":
                 return self.reply(404, {"error": "not found"})
             try:
@@ -389,11 +433,31 @@ def serve(engine_id, port, inherited, kv, wake, generate):
                 return self.reply(400, {"error": f"bad request: {e}"})
             tokens = [b % VOCAB for b in prompt.encode()] or [0]
             with serve_lock:
-                out = generate(tokens, max_tokens)
+                out = generate(tokens, max_tokens, heartbeat.ping)
             text = "".join(chr(32 + t % 95) for t in out)
             self.reply(200, {"object": "text_completion", "engine": engine_id, "pid": os.getpid(),
                              "choices": [{"index": 0, "text": text, "tokens": out}],
                              "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(out)}})
+
+        def test_hang(self):
+            """SHADOW_TEST_HANG=1 only: answers, then hangs a GPU step in the
+            serving path (rank 0), or has rank ``rank`` of a group hang."""
+            try:
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                rank = int(req.get("rank", 0))
+            except (ValueError, TypeError) as e:
+                return self.reply(400, {"error": f"bad request: {e}"})
+            ranks = heartbeat.ranks
+            if not 0 <= rank <= ranks:
+                return self.reply(400, {"error": f"rank {rank}: this engine has ranks 0..{ranks}"})
+            self.reply(200, {"hanging": rank, "engine": engine_id, "pid": os.getpid()})
+            self.wfile.flush()
+            log(event="test-hang", engine=engine_id, rank=rank)
+            if rank == 0:
+                with serve_lock:
+                    hang_gpu()
+            else:
+                hang(rank)
 
     if inherited is not None:
         server = HTTPServer(("127.0.0.1", port), Handler, bind_and_activate=False)
@@ -414,7 +478,12 @@ def serve(engine_id, port, inherited, kv, wake, generate):
         verify_ms=(checked or {}).get("ms"),
         socket="inherited" if inherited is not None else "own")
     try:
-        server.serve_forever()
+        # The serving loop: one request at a time, and between them (at
+        # least each time a ping is due) a ping if every rank beat.
+        while True:
+            server.timeout = heartbeat.wait()
+            server.handle_request()
+            heartbeat.ping()
     finally:
         lock.release()
 

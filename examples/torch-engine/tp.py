@@ -22,12 +22,21 @@ so every forward needs every rank's shard. The embedding and the norms are
 replicated. Commands (wake, generate) reach the ranks over their stdin as
 JSON lines, never through a collective, so a parked group spins nothing on
 its GPUs. NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+
+With a watchdog (WATCHDOG_USEC) only the main process pings, and only
+while every rank beats: each rank prints a ``rank-beat`` line on its
+stdout at least every ENGINE_BEAT_S seconds (heartbeat.py), from its
+command loop while it waits and from its decode steps while it generates.
+A rank stuck in a kernel or a collective stops beating, the main process
+stops pinging, and the runtime ends the group. The ranks get neither
+WATCHDOG_USEC nor WATCHDOG_PID: only the main process speaks sd_notify.
 """
 
 import ctypes
 import json
 import math
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -38,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from heartbeat import RankBeat
 from shadow_gms import CORRUPT_EXIT, Gms, WeightsCorrupt
 
 VOCAB = 32000
@@ -103,9 +113,11 @@ class ShardedModel(torch.nn.Module):
         return F.linear(F.rms_norm(x[-1:], (self.hidden,), self.norm), self.embed)
 
     @torch.no_grad()
-    def generate(self, tokens, max_tokens, kv):
+    def generate(self, tokens, max_tokens, kv, step=None):
         """Every rank runs this in lockstep (the all-reduces pair up); the
-        logits are the same on every rank, so the tokens are too."""
+        logits are the same on every rank, so the tokens are too. ``step``
+        is called after each decode step (its token read back: the step
+        is done on the GPU), for the watchdog."""
         max_seq = kv[0][0].shape[0]
         tokens = tokens[-(max_seq - max_tokens):]
         logits = self.forward(torch.tensor(tokens, device="cuda"), kv, 0)
@@ -113,6 +125,8 @@ class ShardedModel(torch.nn.Module):
         for _ in range(max_tokens):
             nxt = int(logits.argmax(-1)[0])
             out.append(nxt)
+            if step is not None:
+                step()
             logits = self.forward(torch.tensor([nxt], device="cuda"), kv, pos)
             pos += 1
         return out
@@ -167,8 +181,15 @@ class Rank:
         self.caches = kv_views(self.kv.tensor(DTYPE), self.layers, self.part, self.max_seq)
         return pending.result() if pending is not None else None
 
-    def generate(self, tokens, max_tokens):
-        return self.model.generate(tokens, max_tokens, self.caches)
+    def generate(self, tokens, max_tokens, step=None):
+        return self.model.generate(tokens, max_tokens, self.caches, step)
+
+
+def hang_gpu():
+    """SHADOW_TEST_HANG's stuck step: a kernel that never ends (2**62 clock
+    cycles), and a host that waits for it."""
+    torch.cuda._sleep(2 ** 62)
+    torch.cuda.synchronize()
 
 
 def run_rank(engine_path):
@@ -184,8 +205,24 @@ def run_rank(engine_path):
         print(json.dumps({"event": "weights-corrupt", "rank": rank, "error": str(e)}), file=sys.stderr, flush=True)
         os._exit(CORRUPT_EXIT)
     print(json.dumps({"event": "rank-parked", "rank": rank}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
+    beat = RankBeat(rank, os.environ.get("ENGINE_BEAT_S"))
+    commands = queue.Queue()
+
+    def read_commands():
+        # Only reads: the beats come from the loop below, which does the work.
+        for line in sys.stdin:
+            commands.put(json.loads(line))
+        commands.put(None)
+
+    threading.Thread(target=read_commands, name="commands", daemon=True).start()
+    while True:
+        beat()
+        try:
+            cmd = commands.get(timeout=beat.every)
+        except queue.Empty:
+            continue
+        if cmd is None:
+            break
         if cmd["op"] == "wake":
             try:
                 checked = r.wake()
@@ -196,7 +233,10 @@ def run_rank(engine_path):
             # The main process says READY=1 only once every rank said this.
             print(json.dumps({"event": "rank-woke", "rank": rank, "verified": checked}), flush=True)
         elif cmd["op"] == "generate":
-            r.generate(cmd["tokens"], cmd["max_tokens"])
+            r.generate(cmd["tokens"], cmd["max_tokens"], beat)
+        elif cmd["op"] == "hang" and os.environ.get("SHADOW_TEST_HANG") == "1":
+            print(json.dumps({"event": "rank-hanging", "rank": rank}), file=sys.stderr, flush=True)
+            hang_gpu()
     os._exit(0)  # the main process is gone
 
 
@@ -207,24 +247,46 @@ def free_port():
 
 
 class Group:
-    """Rank 0 (this process) and ranks 1..N-1 as one engine."""
+    """Rank 0 (this process) and ranks 1..N-1 as one engine. ``heartbeat``
+    (heartbeat.Heartbeat over N-1 ranks) hears each rank's beats."""
 
-    def __init__(self, tp, engine_path, engine_id, layers, hidden, seed, kv_bytes, log):
+    def __init__(self, tp, engine_path, engine_id, layers, hidden, seed, kv_bytes, log, heartbeat):
         os.environ.update(NO_MULTICAST, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         env = dict(os.environ, ENGINE_TP=str(tp), ENGINE_LAYERS=str(layers), ENGINE_HIDDEN=str(hidden),
                    ENGINE_SEED=str(seed), ENGINE_KV_BYTES=str(kv_bytes))
-        env.pop("LISTEN_FDS", None)  # the pair's sockets are the main process's
-        env.pop("LISTEN_PID", None)
+        # The pair's sockets and the watchdog are the main process's: a rank
+        # that pinged would feed the watchdog for the whole group.
+        for name in ("LISTEN_FDS", "LISTEN_PID", "WATCHDOG_USEC", "WATCHDOG_PID", "ENGINE_BEAT_S"):
+            env.pop(name, None)
+        if heartbeat.beat_s is not None:
+            env["ENGINE_BEAT_S"] = repr(heartbeat.beat_s)
+        self.heartbeat = heartbeat
         self.ranks = [subprocess.Popen([sys.executable, engine_path], env=dict(env, ENGINE_RANK=str(r)),
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                       for r in range(1, tp)]
+        # Each rank's lines other than its beats (rank-parked, rank-woke),
+        # None once its stdout closed.
+        self._events = [queue.Queue() for _ in self.ranks]
         for i, p in enumerate(self.ranks):
             threading.Thread(target=self._follow, args=(i + 1, p, log), daemon=True).start()
+            threading.Thread(target=self._read, args=(i, p), daemon=True).start()
         self.own = Rank(0, tp, engine_id, layers, hidden, seed, kv_bytes)
-        for p in self.ranks:
-            line = p.stdout.readline()
-            if not line:
+        for events in self._events:
+            if events.get() is None:
                 raise RuntimeError("a rank ended before it parked")
+
+    def _read(self, i, proc):
+        """Rank i+1's stdout: beats go to the heartbeat, the rest to _events."""
+        for line in proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "rank-beat":
+                self.heartbeat.advanced(i)
+            else:
+                self._events[i].put(event)
+        self._events[i].put(None)
 
     def _follow(self, rank, proc, log):
         status = proc.wait()
@@ -252,14 +314,21 @@ class Group:
         shard changed ends the engine with CORRUPT_EXIT instead)."""
         self._tell(op="wake")
         checked = self.own.wake()
-        for p in self.ranks:
-            if not p.stdout.readline():
+        for p, events in zip(self.ranks, self._events):
+            if events.get() is None:
                 # Ended while waking: _follow ends this process with its status.
                 if p.wait() == CORRUPT_EXIT:
                     raise WeightsCorrupt("a rank found its shard of the weights changed", [])
                 raise RuntimeError("a rank ended while waking")
         return checked
 
-    def generate(self, tokens, max_tokens):
+    def generate(self, tokens, max_tokens, step=None):
         self._tell(op="generate", tokens=tokens, max_tokens=max_tokens)
-        return self.own.generate(tokens, max_tokens)
+        return self.own.generate(tokens, max_tokens, step)
+
+    def hang(self, rank):
+        """SHADOW_TEST_HANG: rank ``rank`` (1..N-1) starts a kernel that never
+        ends and stops beating; this process goes on, and stops pinging."""
+        p = self.ranks[rank - 1]
+        p.stdin.write(json.dumps({"op": "hang"}) + "\n")
+        p.stdin.flush()
