@@ -1,0 +1,127 @@
+//! The reference engine in a real pair with a watchdog
+//! (`shadow.dev/watchdog=100ms`; private containerd, runc, this shim, gmsd
+//! host backend; root): a healthy pair is never ended as hung, neither the
+//! parked shadow (it pings from its wait for the lock) nor the active
+//! through long answers (it pings from its decode steps); a stopped active
+//! is ended by its watchdog and the promoted shadow gives the same answer.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+use shadow_contract::state::{FailureClass, HangCause};
+use shadow_tests::pair::{free_port, install_binary, until, PairEnv};
+use shadow_tests::Containerd;
+
+const LONG: Duration = Duration::from_secs(45);
+const STEP: Duration = Duration::from_millis(5);
+
+/// POST a completion; the parsed body on a 200, else None.
+fn complete(port: u16, prompt: &str, max_tokens: usize) -> Option<Value> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(LONG)).ok()?;
+    let body = serde_json::json!({ "prompt": prompt, "max_tokens": max_tokens }).to_string();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200")
+        .then(|| serde_json::from_str(body).ok())
+        .flatten()
+}
+
+/// Eight answers of 256 decode steps each, from the four workers at once.
+fn long_answers(port: u16) {
+    let all: Vec<_> = (0..8)
+        .map(|i| std::thread::spawn(move || complete(port, &format!("long {i}"), 256)))
+        .collect();
+    for a in all {
+        let v = a.join().expect("a client thread").expect("an answer");
+        assert_eq!(v["usage"]["completion_tokens"], 256, "{v}");
+    }
+}
+
+#[test]
+fn a_watched_pair_is_ended_only_when_it_stops() {
+    let cd = Containerd::start().unwrap();
+    install_binary(
+        cd.rootfs(),
+        Path::new(env!("CARGO_BIN_EXE_shadow-engine")),
+        "/bin/shadow-engine",
+    )
+    .unwrap();
+    shadow_engine::model::generate(&cd.rootfs().join("weights.safetensors"), 8, 3).unwrap();
+    let env = PairEnv::new(&cd, "gms = \"host\"").unwrap();
+    let port = free_port();
+    let port_s = port.to_string();
+    let id = "engine-watchdog";
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[("shadow.dev/watchdog", "100ms")],
+            &["--net-host"],
+            &[
+                "/bin/shadow-engine",
+                "serve",
+                "--weights",
+                "/weights.safetensors",
+                "--port",
+                &port_s,
+            ],
+        )
+        .unwrap();
+    env.wait_protected(&cd, id, LONG);
+    let prompt = "what survives a hang?";
+    let before = until("first answer", LONG, STEP, || complete(port, prompt, 12));
+    // Long answers on the active while the shadow waits for the lock: both
+    // keep pinging, so neither is ended.
+    long_answers(port);
+    let st = env.state(&cd, id).expect("state");
+    assert_eq!(
+        (st.pair.hangs.total(), st.pair.failovers),
+        (0, 0),
+        "a healthy engine was ended: {:?}",
+        st.pair
+    );
+    assert!(st.pair.protected, "{:?}", st.pair);
+
+    // The active stops with its lock held: its pings stop, the pair ends it.
+    let old = st.pair.active.expect("an active engine");
+    let pid = st.pid_of(old).expect("its pid");
+    // SAFETY: kill(2) of the active engine's pid from the pair's state file.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
+    let old_slot = old.to_string();
+    let after = until("an answer from the promoted engine", LONG, STEP, || {
+        complete(port, prompt, 12).filter(|v| v["engine"]["slot"] != old_slot.as_str())
+    });
+    assert_eq!(after["choices"][0]["text"], before["choices"][0]["text"]);
+    let st = until("protected again", LONG, STEP, || {
+        env.state(&cd, id)
+            .filter(|s| s.pair.protected && s.pair.failovers == 1)
+    });
+    let last = &st.promotions.last().expect("a promotion").promotion;
+    assert_eq!(last.class, FailureClass::Hung);
+    assert_eq!(last.hang.expect("its hang").cause, HangCause::Watchdog);
+    // The promoted engine serves long answers, the respawned shadow waits:
+    // still only the one hang.
+    long_answers(port);
+    let st = env.state(&cd, id).expect("state");
+    assert_eq!(st.pair.hangs.total(), 1, "{:?}", st.pair);
+    assert_eq!(st.pair.hangs.watchdog, 1, "{:?}", st.pair);
+
+    cd.ctr()
+        .run(&["task", "kill", "-s", "SIGKILL", id])
+        .unwrap()
+        .assert_success();
+    ctr.wait(LONG).unwrap();
+    let _ = cd.ctr().run(&["container", "rm", id]);
+    cd.assert_no_leftovers();
+}
