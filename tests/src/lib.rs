@@ -15,8 +15,11 @@
 //!   the Kubernetes path;
 //! - [`Runtime`] and [`runtime_arms!`]: one behaviour test, run against both
 //!   `io.containerd.runc.v2` (the reference) and `io.containerd.shadow.v1`;
-//! - [`wait`]: the bounded polls every wait on real state goes through.
+//! - [`wait`]: the bounded polls every wait on real state goes through;
+//! - [`bench`]: what the benchmark binaries share (clock, percentiles,
+//!   signals, a process's CPU time).
 
+pub mod bench;
 mod containerd;
 pub mod cri;
 mod ctr;

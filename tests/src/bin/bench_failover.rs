@@ -17,10 +17,10 @@
 //! Prints p50/p99 of each; no figure is asserted.
 
 use clap::Parser;
+use shadow_tests::bench::{now_us, pct, profile, signal};
 use shadow_tests::pair::{ask, free_port, until, PairEnv};
 use shadow_tests::{Containerd, ContainerdBuilder};
-use std::path::Path;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -33,28 +33,9 @@ struct Cli {
     rounds: usize,
 }
 
-fn now_us() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_micros()
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
-}
-
 fn main() {
     let Cli { rounds } = Cli::parse();
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
+    let profile = profile();
     let cd: Containerd = ContainerdBuilder::default()
         .shim_profile(profile)
         .start()
@@ -84,10 +65,9 @@ fn main() {
     let mut st = env.wait_protected(&cd, id, long);
     for round in 0..rounds {
         let slot = st.pair.active.expect("active");
-        let pid = st.pid_of(slot).expect("pid") as i32;
+        let pid = st.pid_of(slot).expect("pid");
         let killed_at = now_us();
-        // SAFETY: kill(2) of the active engine's pid from state.json.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        signal(pid, libc::SIGKILL);
         let a = until("new active answers", long, step, || {
             ask(port).filter(|a| a.slot != slot.to_string())
         });
@@ -130,5 +110,4 @@ fn main() {
     println!("  death first seen by: {}", signs.join(", "));
     let _ = cd.ctr().run(&["task", "kill", "-s", "SIGKILL", id]);
     let _ = ctr.wait(long);
-    let _ = Path::new("");
 }
