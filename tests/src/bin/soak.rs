@@ -2,8 +2,17 @@
 //! private containerd and the release shim, under a steady request stream,
 //! killed over and over: 1000 SIGKILLs of the active engine in a row, then
 //! kills of the shadow, of both engines, of gmsd, of the engine being
-//! promoted, and bursts of kills 50 ms apart. Every answer is checked (the
-//! committed weights' checksum, a slot of the pair).
+//! promoted, and bursts of kills 50 ms apart; then hangs: SIGSTOPs of the
+//! active engine (it keeps its lock: the pair must find it hung and fail
+//! over) and of the parked shadow (replaced while the active serves).
+//! Every answer is checked (the committed weights' checksum, a slot of the
+//! pair).
+//!
+//! The whole soak runs watched (`shadow.dev/watchdog=200ms`; the test
+//! engine pings every half interval), not only its hang phase: the kills
+//! then also prove that a watchdog never fires on an engine that did not
+//! hang. No hang may be recorded before the first SIGSTOP, and
+//! `pair.hangs.watchdog` must equal the SIGSTOPs sent, every other cause 0.
 //!
 //! Before, every 100 rounds and after, it records the shim's RSS and open
 //! fds, gmsd's RSS and open fds, the mounts below the test's dir, the runc
@@ -14,7 +23,8 @@
 //! runc dirs, cgroups and processes flat, shim RSS growth under 1 MiB
 //! (from the record taken after a warm-up of 100 failovers, which fault in
 //! the failover's code and malloc arenas once), and nothing left once the
-//! pair is stopped.
+//! pair is stopped; each SIGSTOP counted as a watchdog hang, no hang
+//! during the kills.
 //!
 //! The restart budget is set for the soak's rate: every respawn it causes
 //! fits in one window (`max_restarts_in_window` = 4 × the planned kills per
@@ -22,7 +32,9 @@
 //! stay under `max_consecutive_failures`.
 
 use clap::Parser;
-use shadow_contract::state::PairState;
+use shadow_contract::annotations::WATCHDOG;
+use shadow_contract::state::{HangCause, PairState};
+use shadow_tests::bench::{profile, signal};
 use shadow_tests::pair::{ask, free_port, shim_pid, until, PairEnv};
 use shadow_tests::{mounts_under, our_processes, Containerd, ContainerdBuilder, RUNC_STATE_ROOT};
 use std::io::Read;
@@ -56,6 +68,12 @@ struct Cli {
     /// Bursts of 5 SIGKILLs of whoever serves, 50 ms apart.
     #[arg(long, default_value_t = 10)]
     bursts: usize,
+    /// SIGSTOPs of the active engine (a hang: the watchdog fails it over).
+    #[arg(long, default_value_t = 50)]
+    hangs: usize,
+    /// SIGSTOPs of the parked shadow (the watchdog replaces it).
+    #[arg(long, default_value_t = 10)]
+    shadow_hangs: usize,
     /// SIGKILLs of the active before the first record: the shim's first
     /// failovers fault in their code and malloc arenas, which is not a leak.
     #[arg(long, default_value_t = 100)]
@@ -69,10 +87,15 @@ const LONG: Duration = Duration::from_secs(60);
 const STEP: Duration = Duration::from_millis(2);
 const BURST: usize = 5;
 const BURST_GAP: Duration = Duration::from_millis(50);
+/// The watchdog interval of the whole soak.
+const WATCHDOG_INTERVAL: &str = "200ms";
 
 fn kill(pid: u32) -> bool {
-    // SAFETY: kill(2) with a pid read from the pair's state and a signal.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) == 0 }
+    signal(pid, libc::SIGKILL)
+}
+
+fn sigstop(pid: u32) -> bool {
+    signal(pid, libc::SIGSTOP)
 }
 
 /// `VmRSS` and `RssAnon` of a process in KiB, and its open fds: the fewest of a few
@@ -304,12 +327,10 @@ fn print_table(samples: &[Sample]) {
 
 fn main() {
     let cli = Cli::parse();
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
+    let profile = profile();
     let planned = cli.rounds
+        + cli.hangs
+        + cli.shadow_hangs
         + cli.shadow_kills
         + cli.warmup
         + 2 * cli.both_kills
@@ -343,7 +364,7 @@ fn main() {
         .run(
             &cd,
             id,
-            &[],
+            &[(WATCHDOG, WATCHDOG_INTERVAL)],
             &["--rm", "--net-host"],
             &["/bin/test-engine", "--port", &port.to_string()],
         )
@@ -438,6 +459,50 @@ fn main() {
         }
         pair.protected();
     }
+    samples.push(pair.sample(format!("+{} bursts", cli.bursts)));
+    // No engine was stopped yet: a hang recorded so far is a misfire, a
+    // watchdog that ended an engine which only died or was starting.
+    std::thread::sleep(Duration::from_secs(1));
+    st = pair.protected();
+    let misfires = st.pair.hangs;
+    // 7. Hangs: the active engine stopped with its lock held. The pair
+    // must find it (its pings stop), kill it and fail over.
+    let mut stops = 0usize;
+    for round in 1..=cli.hangs {
+        let slot = st.pair.active.expect("active slot");
+        let pid = st.pid_of(slot).expect("active pid");
+        let (failovers, hangs) = (st.pair.failovers, st.pair.hangs.watchdog);
+        // Armed: the promoted engine pinged at least once since serving.
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(sigstop(pid), "hang {round}: SIGSTOP {pid}");
+        stops += 1;
+        st = pair.wait(&format!("hang {round}: failover and protected"), |s| {
+            s.pair.failovers > failovers
+                && s.pair.hangs.watchdog > hangs
+                && s.pair.protected
+                && s.pids[usize::from(slot)].is_some_and(|p| p != pid)
+        });
+    }
+    samples.push(pair.sample(format!("+{} hangs", cli.hangs)));
+    // 8. The parked shadow stopped: replaced, the active untouched.
+    let mut shadow_moved = 0usize;
+    for round in 1..=cli.shadow_hangs {
+        let active = st.pair.active.expect("active slot");
+        let (active_pid, shadow) = (st.pid_of(active), 1 - active);
+        let pid = st.pid_of(shadow).expect("shadow pid");
+        let (failovers, hangs) = (st.pair.failovers, st.pair.hangs.watchdog);
+        assert!(sigstop(pid), "shadow hang {round}: SIGSTOP {pid}");
+        stops += 1;
+        st = pair.wait(&format!("shadow hang {round}: replaced"), |s| {
+            s.pair.hangs.watchdog > hangs
+                && s.pair.protected
+                && s.pid_of(shadow).is_some_and(|p| p != pid)
+        });
+        if st.pair.failovers != failovers || st.pid_of(active) != active_pid {
+            shadow_moved += 1;
+        }
+    }
+    samples.push(pair.sample(format!("+{} shadow hangs", cli.shadow_hangs)));
     // Let the last respawn settle (the shadow parked, gmsd's status fresh).
     std::thread::sleep(Duration::from_secs(2));
     st = pair.protected();
@@ -463,12 +528,23 @@ fn main() {
     let wrong = tally.wrong.load(Ordering::Relaxed);
     println!();
     println!(
-        "{kills} SIGKILLs in {:.0} s ({} + {} of the active in a row); failovers {}, cold restarts {}",
+        "{kills} SIGKILLs and {stops} SIGSTOPs in {:.0} s ({} + {} kills of the active in a row; {} stops of the active, {} of the shadow); failovers {}, cold restarts {}",
         elapsed.as_secs_f64(),
         cli.warmup,
         cli.rounds,
+        cli.hangs,
+        cli.shadow_hangs,
         st.pair.failovers,
         st.pair.cold_restarts
+    );
+    let hangs = &st.pair.hangs;
+    println!(
+        "hangs: {} watchdog for {stops} SIGSTOPs ({} trigger, {} probe, {} start timeout); before the first SIGSTOP: {} (misfires); shadow stops that moved the active: {shadow_moved}",
+        hangs.watchdog,
+        hangs.trigger,
+        hangs.probe,
+        hangs.start_timeout,
+        misfires.total()
     );
     println!(
         "requests: {answered} answered, {wrong} wrong, {unanswered} unanswered (refused or cut while no engine served)"
@@ -500,6 +576,22 @@ fn main() {
     }
     if answered == 0 {
         failed.push("no answer at all".into());
+    }
+    if misfires.total() > 0 {
+        failed.push(format!(
+            "{} hangs recorded during the kills, before any SIGSTOP: {misfires:?}",
+            misfires.total()
+        ));
+    }
+    if hangs.watchdog != stops as u64 || hangs.total() != hangs.of(HangCause::Watchdog) {
+        failed.push(format!(
+            "hangs {hangs:?}: expected {stops} of cause watchdog and no other"
+        ));
+    }
+    if shadow_moved > 0 {
+        failed.push(format!(
+            "{shadow_moved} SIGSTOPs of the shadow failed over or restarted the active"
+        ));
     }
     let flat = |what: &str, a: usize, b: usize, failed: &mut Vec<String>| {
         if a != b {
