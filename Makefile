@@ -7,7 +7,7 @@
 #   make test        deps + lint + build + every test, integration tests included
 #   make demo        SIGKILL under load: cold restart (runc-v2) vs shadow pair, table + chart
 #   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
-#   make soak        1000+ SIGKILLs of a pair under load: no wrong answer, no leak (long)
+#   make soak        1000+ SIGKILLs and 50+ hangs of a pair under load: no wrong answer, no leak (long)
 #   make install     shim, shadowctl, gmsd, hook to $(PREFIX)/bin (+ /etc/containerd/shadow.toml if absent)
 #   make uninstall   remove them again
 #   make example     build the guide's engine image offline and import it (ctr)
@@ -38,7 +38,7 @@ INSTALL_FROM ?= $(TARGET)/release
 # The shim's config file; installed only where none exists yet.
 CONFDIR ?= /etc/containerd
 
-.PHONY: deps build release lint test demo bench-recovery bench-shim bench-failover soak install uninstall example check-root check-cargo
+.PHONY: deps build release lint test demo bench-recovery bench-shim bench-failover bench-hang soak install uninstall example check-root check-cargo
 
 check-root:
 	@if [ "$$(id -u)" != 0 ]; then echo "this target needs root (containerd, runc, mounts)" >&2; exit 1; fi
@@ -103,10 +103,20 @@ bench-shim: deps release
 bench-failover: deps release
 	$(CARGO) run -q --release -p shadow-tests --bin bench-failover -- 60
 
+# 30 SIGSTOPs of a pair's active engine with a 100 ms watchdog, 30 with an
+# HTTP probe every 100 ms × 2 failures: stop → detected → killed → READY →
+# first answer, against the detection bound; then the shim's CPU on the
+# happy path without and with the watchdog (docs/benchmark.md, "Hang detection").
+BENCH_HANG_ARGS ?= 30
+bench-hang: deps release
+	$(CARGO) run -q --release -p shadow-tests --bin bench-hang -- $(BENCH_HANG_ARGS)
+
 # 1000 SIGKILLs of a pair's active engine under a request stream, then kills
-# of the shadow, of both, of gmsd, during a promotion and 50 ms apart; every
-# answer checked, resources before/after and every 100 rounds; exits 1 if
-# anything leaks (docs/benchmark.md, "Soak"). Long: not part of `make test`.
+# of the shadow, of both, of gmsd, during a promotion and 50 ms apart, then
+# SIGSTOPs (hangs) of the active and of the shadow; the whole soak runs with
+# a 200 ms watchdog, which must end every stopped engine and no killed one.
+# Every answer checked, resources before/after and every 100 rounds; exits 1
+# if anything leaks (docs/benchmark.md, "Soak"). Long: not part of `make test`.
 SOAK_ARGS ?=
 soak: deps release
 	$(CARGO) run -q --release -p shadow-tests --bin soak -- $(SOAK_ARGS)
