@@ -73,6 +73,8 @@ struct FakeState {
     input: Option<super::input::Inputs>,
     /// Which engine `/proc/locks` shows holding the election lock.
     holder: Option<SlotId>,
+    /// Which engines `/proc/locks` shows waiting for it.
+    lock_waiters: [bool; 2],
     listening: bool,
 }
 
@@ -218,9 +220,10 @@ impl Host for FakeHost {
     }
 
     fn lock(&self) -> LockLook {
+        let st = self.state();
         LockLook {
-            seen: self.state().holder.map_or(LockSeen::Free, LockSeen::Held),
-            waiting: [false, false],
+            seen: st.holder.map_or(LockSeen::Free, LockSeen::Held),
+            waiting: st.lock_waiters,
         }
     }
 
@@ -820,4 +823,34 @@ async fn a_trigger_ends_the_engine_at_once() {
     assert_eq!(st.pair.active, Some(0));
     assert_eq!(st.pair.hangs.trigger, 1);
     assert!(st.promotions.is_empty(), "no failover");
+}
+
+/// An engine that speaks sd_notify but parks without saying so is seen
+/// parked through `/proc/locks`, however often the watchdog's pings wake
+/// the supervisor (each input restarts its wait: the poll is timed from
+/// the last poll, or it would never come).
+#[tokio::test(start_paused = true)]
+async fn pings_every_few_ms_never_put_the_lock_poll_off() {
+    let rig = Rig::created_with(Hang {
+        watchdog: Some(Duration::from_millis(100)),
+        probe: None,
+        start_timeout: Duration::from_secs(5),
+    })
+    .await;
+    rig.ask(Command::Start).await.expect("start");
+    let [active, shadow] = rig.pids();
+    rig.ready(active);
+    rig.say(shadow, "STATUS=parked engine 1");
+    rig.host.state().lock_waiters = [false, true];
+    let mut protected = false;
+    for _ in 0..80 {
+        rig.say(active, "WATCHDOG=1");
+        rig.say(shadow, "WATCHDOG=1");
+        tokio::time::sleep(Duration::from_millis(12)).await;
+        if rig.state().is_some_and(|s| s.pair.protected) {
+            protected = true;
+            break;
+        }
+    }
+    assert!(protected, "{:#?}", rig.state());
 }

@@ -61,6 +61,7 @@ impl Supervisor {
     }
 
     pub(super) fn poll_lock(&mut self) -> Vec<Action> {
+        self.lock_polled = Instant::now();
         if self.pair.lock_watch() == LockWatch::Off {
             return Vec::new();
         }

@@ -177,6 +177,8 @@ pub struct Supervisor {
     probing: Option<Probing>,
     /// The engines' start timeout (for the log; the pair keeps time).
     start_timeout: Duration,
+    /// When `/proc/locks` was last polled.
+    lock_polled: Instant,
 }
 
 impl Supervisor {
@@ -243,6 +245,7 @@ impl Supervisor {
             refused_logged: None,
             probing,
             start_timeout: p.hang.start_timeout,
+            lock_polled: now,
         }
     }
 
@@ -417,14 +420,14 @@ impl Supervisor {
     /// not speak sd_notify, to pick up gmsd's status, and to write counters
     /// that moved while their write waited ([`super::publish::COUNTERS_EVERY`]).
     fn next_wake(&self) -> Option<Duration> {
-        let lock = match self.pair.lock_watch() {
-            LockWatch::Off => None,
-            LockWatch::Idle => Some(self.config.lock_poll_idle_ms),
-            LockWatch::Fast => Some(self.config.lock_poll_fast_ms),
-        }
-        .map(Duration::from_millis);
-        let gms = self.made.gms.as_ref().map(|_| GMS_STATUS_PERIOD);
         let now = Instant::now();
+        // From the last poll, not from now: inputs (a watchdog's pings come
+        // every few ms) restart this wait each time, and must not put the
+        // poll off for ever.
+        let lock = self
+            .lock_period()
+            .map(|p| (self.lock_polled + p).saturating_duration_since(now));
+        let gms = self.made.gms.as_ref().map(|_| GMS_STATUS_PERIOD);
         let counters = self.publisher.counters_due(&self.pair, now);
         let hang = self.hang_wait();
         let probe = self
@@ -437,6 +440,16 @@ impl Supervisor {
             .into_iter()
             .flatten()
             .min()
+    }
+
+    /// How often `/proc/locks` is polled now, if at all.
+    fn lock_period(&self) -> Option<Duration> {
+        match self.pair.lock_watch() {
+            LockWatch::Off => None,
+            LockWatch::Idle => Some(self.config.lock_poll_idle_ms),
+            LockWatch::Fast => Some(self.config.lock_poll_fast_ms),
+        }
+        .map(Duration::from_millis)
     }
 
     /// How long until the pair's next hang deadline has passed (a check
@@ -458,7 +471,12 @@ impl Supervisor {
             actions.extend(self.check_hangs());
         }
         self.launch_probe();
-        actions.extend(self.poll_lock());
+        if self
+            .lock_period()
+            .is_some_and(|p| self.lock_polled + p <= Instant::now())
+        {
+            actions.extend(self.poll_lock());
+        }
         actions
     }
 
