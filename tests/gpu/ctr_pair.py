@@ -71,7 +71,8 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 """)
         self.shim_config = os.path.join(base, "shadow.toml")
         with open(self.shim_config, "w") as f:
-            f.write(f"""log_level = "info"
+            # GPU_SHIM_LOG_LEVEL=debug: every notify datagram in containerd.log.
+            f.write(f"""log_level = "{os.environ.get('GPU_SHIM_LOG_LEVEL', 'info')}"
 [pair]
 state_dir = "{self.state_dir}"
 metrics_dir = "{self.metrics_dir}"

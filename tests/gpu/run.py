@@ -848,7 +848,8 @@ def test_containerd_pair_hang():
     try:
         poll_until(up(0), 180, "pair protected (active + parked shadow)")
     except AssertionError:
-        raise AssertionError(f"{run.stderr_tail()}\ncontainerd: {rt.log_tail()}") from None
+        raise AssertionError(f"{run.stderr_tail()}\nengines: {list(run_events)[-12:]}\n"
+                             f"state: {rt.state(cid)}\ncontainerd: {rt.log_tail()}") from None
     reference = request(port)["choices"][0]["tokens"]
     stop, results = threading.Event(), []
     th = threading.Thread(target=stream_requests, args=(port, results, stop), daemon=True)
