@@ -76,6 +76,18 @@ pub trait Host: Send + Sync + 'static {
 /// below it).
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
+/// SIGKILL to every process of the cgroup at `path` (below
+/// [`CGROUP_ROOT`]) at once, by cgroup v2's `cgroup.kill` (Linux 5.14+):
+/// the kernel signals them all, so none can fork away in between. The file
+/// is the kernel's (no link can stand in a cgroupfs), under a root only the
+/// shim writes.
+fn kill_cgroup(path: &str) -> std::io::Result<()> {
+    let file = std::path::Path::new(CGROUP_ROOT)
+        .join(path.trim_start_matches('/'))
+        .join("cgroup.kill");
+    std::fs::write(file, b"1")
+}
+
 /// What runc holds for a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Held {
@@ -242,30 +254,25 @@ impl Host for Machine {
         if let Some(pid) = pid {
             self.signal(pid, Signal::SIGKILL);
         }
-        // cgroup v2's `cgroup.kill` (Linux 5.14+) signals every process of
-        // the cgroup at once, in the kernel; the file is the kernel's (no
-        // link can stand there), under a root only the shim writes.
-        let kill = std::path::Path::new(CGROUP_ROOT)
-            .join(self.cgroups[slot.index()].trim_start_matches('/'))
-            .join("cgroup.kill");
-        match std::fs::write(&kill, b"1") {
+        let path = &self.cgroups[slot.index()];
+        match kill_cgroup(path) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && pid.is_none() => {}
             Err(e) => {
                 // cgroup v1, an older kernel, or the cgroup already gone:
                 // runc signals what it finds, off the supervisor's task.
                 let engines = self.engines.clone();
+                let path = path.clone();
                 tokio::spawn(async move {
-                    let e2 = &engines[slot.index()];
-                    if let Err(err) = e2
+                    let en = &engines[slot.index()];
+                    if let Err(err) = en
                         .client
-                        .kill(&e2.runc_id, libc::SIGKILL as u32, true)
+                        .kill(&en.runc_id, libc::SIGKILL as u32, true)
                         .await
                     {
                         log::debug!(
-                            "{}: runc kill --all after {}: {err} (cgroup.kill: {e})",
-                            e2.runc_id,
-                            kill.display()
+                            "{}: runc kill --all after cgroup.kill of {path} failed ({e}): {err}",
+                            en.runc_id
                         );
                     }
                 });
@@ -279,5 +286,57 @@ impl Host for Machine {
 
     fn close_listen(&self) {
         drop(self.listen.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A real cgroup with a process in it: `kill_cgroup` ends it, and says
+    /// so for a cgroup that does not exist.
+    #[test]
+    #[ignore = "needs root: `make test` runs it (--include-ignored)"]
+    fn kill_cgroup_ends_every_process_of_a_real_cgroup() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test makes a real cgroup: run it as root"
+        );
+        let rel = format!("shadow-unit-kill-{}", std::process::id());
+        let dir = std::path::Path::new(CGROUP_ROOT).join(&rel);
+        if !std::path::Path::new(CGROUP_ROOT)
+            .join("cgroup.controllers")
+            .exists()
+        {
+            eprintln!("skipped: no cgroup v2 at {CGROUP_ROOT}");
+            return;
+        }
+        std::fs::create_dir(&dir).expect("mkdir cgroup");
+        let mut children: Vec<std::process::Child> = (0..3)
+            .map(|_| {
+                std::process::Command::new("sleep")
+                    .arg("1000")
+                    .spawn()
+                    .expect("sleep")
+            })
+            .collect();
+        for c in &children {
+            std::fs::write(dir.join("cgroup.procs"), c.id().to_string()).expect("join cgroup");
+        }
+        kill_cgroup(&format!("/{rel}")).expect("cgroup.kill");
+        for c in &mut children {
+            let status = c.wait().expect("wait");
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+        }
+        // Empty now: it can go.
+        shadow_wait::until(
+            "the emptied cgroup removed",
+            std::time::Duration::from_secs(5),
+            std::time::Duration::from_millis(5),
+            || std::fs::remove_dir(&dir).ok(),
+        );
+        let gone = kill_cgroup(&format!("/{rel}")).unwrap_err();
+        assert_eq!(gone.kind(), std::io::ErrorKind::NotFound);
     }
 }
