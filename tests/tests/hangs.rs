@@ -347,3 +347,45 @@ fn bad_hang_knobs_fail_create_leaving_nothing() {
     assert!(out.stderr.contains("shadow.dev/probe-timeout"), "{out}");
     cd.assert_no_leftovers();
 }
+
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// A tensor-parallel engine (a main process and its ranks) that hangs as
+/// a whole is ended as a whole: every rank goes with the main process.
+#[test]
+fn a_hung_group_is_ended_whole() {
+    let cd = Containerd::start().expect("containerd");
+    let p = start(
+        &cd,
+        "wdgroup",
+        &[("shadow.dev/watchdog", "100ms")],
+        &["--ranks", "3"],
+    );
+    let st = p.env.wait_protected(&cd, p.id, LONG);
+    let old = st.pair.active.expect("active");
+    let main = st.pid_of(old).expect("pid");
+    let ranks = until("the ranks", LONG, STEP, || {
+        Some(children(main)).filter(|c| c.len() == 2)
+    });
+    for pid in ranks.iter().chain([&main]) {
+        signal(*pid, libc::SIGSTOP);
+    }
+    let st = p.until(&cd, "failed over", |s| {
+        s.pair.failovers == 1 && s.pair.protected
+    });
+    assert_eq!(st.pair.hangs.watchdog, 1);
+    until("every process of the hung group gone", LONG, STEP, || {
+        ranks
+            .iter()
+            .chain([&main])
+            .all(|p| !alive(*p))
+            .then_some(())
+    });
+    p.stop(&cd);
+}
