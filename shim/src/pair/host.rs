@@ -324,9 +324,15 @@ mod tests {
             std::fs::write(dir.join("cgroup.procs"), c.id().to_string()).expect("join cgroup");
         }
         kill_cgroup(&format!("/{rel}")).expect("cgroup.kill");
+        use std::os::unix::process::ExitStatusExt;
         for c in &mut children {
-            let status = c.wait().expect("wait");
-            use std::os::unix::process::ExitStatusExt;
+            // Bounded: a kill that missed fails here rather than hang.
+            let status = shadow_wait::until(
+                "a process of the cgroup to end",
+                std::time::Duration::from_secs(5),
+                std::time::Duration::from_millis(2),
+                || c.try_wait().ok().flatten(),
+            );
             assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
         }
         // Empty now: it can go.
