@@ -311,21 +311,33 @@ mod tests {
             eprintln!("skipped: no cgroup v2 at {CGROUP_ROOT}");
             return;
         }
+        /// Whatever happens, the test's processes and cgroup go.
+        struct Guard(std::path::PathBuf, Vec<std::process::Child>);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                for c in &mut self.1 {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                let _ = std::fs::remove_dir(&self.0);
+            }
+        }
         std::fs::create_dir(&dir).expect("mkdir cgroup");
-        let mut children: Vec<std::process::Child> = (0..3)
-            .map(|_| {
-                std::process::Command::new("sleep")
-                    .arg("1000")
-                    .spawn()
-                    .expect("sleep")
-            })
-            .collect();
-        for c in &children {
+        let mut guard = Guard(dir.clone(), Vec::new());
+        for _ in 0..3 {
+            let c = std::process::Command::new("sleep")
+                .arg("1000")
+                .spawn()
+                .expect("sleep");
+            guard.1.push(c);
+        }
+        let children = &mut guard.1;
+        for c in children.iter() {
             std::fs::write(dir.join("cgroup.procs"), c.id().to_string()).expect("join cgroup");
         }
         kill_cgroup(&format!("/{rel}")).expect("cgroup.kill");
         use std::os::unix::process::ExitStatusExt;
-        for c in &mut children {
+        for c in children.iter_mut() {
             // Bounded: a kill that missed fails here rather than hang.
             let status = shadow_wait::until(
                 "a process of the cgroup to end",
