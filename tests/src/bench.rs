@@ -7,6 +7,9 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::pair::PairEnv;
+use crate::{Containerd, ContainerdBuilder};
+
 /// Now on the wall clock, in µs since the epoch: the clock of the shim's
 /// `*_unix_us` stamps in `state.json`.
 pub fn now_us() -> u128 {
@@ -41,6 +44,22 @@ pub fn profile() -> &'static str {
 }
 
 /// Send `sig` to `pid`; whether kill(2) succeeded.
+/// A private containerd running the shim of `profile` ([`profile`]), the
+/// test engine installed beside the bench's binary, and a pair config
+/// without GMS: what every pair bench starts from.
+pub fn pair_bench(profile: &'static str) -> (Containerd, PairEnv) {
+    let cd: Containerd = ContainerdBuilder::default()
+        .shim_profile(profile)
+        .start()
+        .expect("containerd");
+    let engine = std::env::current_exe()
+        .expect("exe")
+        .with_file_name("test-engine");
+    PairEnv::install_engine(&cd, &engine).expect("install test-engine");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    (cd, env)
+}
+
 pub fn signal(pid: u32, sig: i32) -> bool {
     let Ok(pid) = i32::try_from(pid) else {
         return false;

@@ -199,6 +199,27 @@ impl PairEnv {
         PairState::read(&self.pair_dir(cd, id).join(FILE_NAME)).ok()
     }
 
+    /// Kill the task `id` with `sig` and check what a pair's end must leave:
+    /// `ctr run` (its `ctr`) ends with a failure, nothing of containerd's,
+    /// no pair directory and no metrics file.
+    pub fn stop(&self, cd: &Containerd, id: &str, sig: &str, ctr: Spawned, limit: Duration) {
+        cd.ctr()
+            .run(&["task", "kill", "--signal", sig, id])
+            .expect("ctr task kill")
+            .assert_success();
+        let out = ctr.wait(limit).expect("ctr run ends");
+        assert_ne!(out.code(), 0, "{out}");
+        cd.assert_no_leftovers();
+        assert!(!self.pair_dir(cd, id).exists(), "pair dir left");
+        assert_eq!(
+            std::fs::read_dir(&self.metrics_dir)
+                .map(|d| d.count())
+                .unwrap_or(0),
+            0,
+            "metrics file left"
+        );
+    }
+
     /// Wait until the pair has an active engine and a parked shadow.
     pub fn wait_protected(&self, cd: &Containerd, id: &str, limit: Duration) -> PairState {
         until(
@@ -273,4 +294,13 @@ pub fn kill_shim(cd: &Containerd, id: &str, limit: Duration) -> i32 {
         },
     );
     pid
+}
+
+/// The pids of `pid`'s children (an engine's ranks).
+pub fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
 }

@@ -9,7 +9,7 @@
 
 use shadow_contract::state::{ColdRestartCause, Exit, PairState};
 use shadow_tests::gpus::FakeGpus;
-use shadow_tests::pair::{ask, free_port, until, Answer, PairEnv};
+use shadow_tests::pair::{ask, children, free_port, until, Answer, PairEnv};
 use shadow_tests::{Containerd, Spawned};
 use std::path::Path;
 use std::time::Duration;
@@ -59,14 +59,7 @@ fn answer(port: u16) -> Answer {
 }
 
 fn stop(cd: &Containerd, env: &PairEnv, id: &str, ctr: Spawned) {
-    cd.ctr()
-        .run(&["task", "kill", "--signal", "SIGKILL", id])
-        .expect("ctr task kill")
-        .assert_success();
-    let out = ctr.wait(LONG).expect("ctr run ends");
-    assert_ne!(out.code(), 0, "{out}");
-    cd.assert_no_leftovers();
-    assert!(!env.pair_dir(cd, id).exists(), "pair dir left");
+    env.stop(cd, id, "SIGKILL", ctr, LONG);
 }
 
 /// GPU sockets are long (`gms-GPU-<uuid>.sock`): a short namespace keeps
@@ -143,15 +136,6 @@ fn two_gpu_pair_gmsd_per_gpu() {
     let cold = answer(port);
     assert_eq!(cold.weights, first.weights, "the same weights, reloaded");
     stop(&cd, &env, id, ctr);
-}
-
-/// The pids of `pid`'s children (its ranks).
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 #[test]

@@ -7,7 +7,7 @@
 //! ends the pair and checks that nothing is left.
 
 use shadow_contract::state::{FailureClass, HangCause, PairState};
-use shadow_tests::pair::{ask, free_port, until, PairEnv};
+use shadow_tests::pair::{ask, children, free_port, until, PairEnv};
 use shadow_tests::{Containerd, Spawned};
 use std::io::Write;
 use std::path::Path;
@@ -74,19 +74,8 @@ impl Pair {
 
     /// Kill the task and check that nothing is left.
     fn stop(mut self, cd: &Containerd) {
-        cd.ctr()
-            .run(&["task", "kill", "--signal", "SIGKILL", self.id])
-            .expect("ctr task kill")
-            .assert_success();
-        let out = self
-            .ctr
-            .take()
-            .expect("ctr")
-            .wait(LONG)
-            .expect("ctr run ends");
-        assert_ne!(out.code(), 0, "{out}");
-        cd.assert_no_leftovers();
-        assert!(!self.env.pair_dir(cd, self.id).exists(), "pair dir left");
+        let ctr = self.ctr.take().expect("ctr");
+        self.env.stop(cd, self.id, "SIGKILL", ctr, LONG);
     }
 }
 
@@ -346,14 +335,6 @@ fn bad_hang_knobs_fail_create_leaving_nothing() {
     assert_ne!(out.code(), 0, "{out}");
     assert!(out.stderr.contains("shadow.dev/probe-timeout"), "{out}");
     cd.assert_no_leftovers();
-}
-
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 /// A tensor-parallel engine (a main process and its ranks) that hangs as

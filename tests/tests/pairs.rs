@@ -85,26 +85,8 @@ fn start_with(
 impl Running {
     /// Kill the task with `sig` and check: ctr run ends, one exit, nothing left.
     fn stop(mut self, cd: &Containerd, id: &str, sig: &str) {
-        cd.ctr()
-            .run(&["task", "kill", "--signal", sig, id])
-            .expect("ctr task kill")
-            .assert_success();
-        let out = self
-            .ctr
-            .take()
-            .expect("ctr")
-            .wait(LONG)
-            .expect("ctr run ends");
-        assert_ne!(out.code(), 0, "{out}");
-        cd.assert_no_leftovers();
-        assert!(!self.env.pair_dir(cd, id).exists(), "pair dir left");
-        assert_eq!(
-            std::fs::read_dir(&self.env.metrics_dir)
-                .map(|d| d.count())
-                .unwrap_or(0),
-            0,
-            "metrics file left"
-        );
+        let ctr = self.ctr.take().expect("ctr");
+        self.env.stop(cd, id, sig, ctr, LONG);
     }
 }
 

@@ -3,32 +3,18 @@
 //! maps it; after a SIGKILL of the active the promoted shadow gives the same
 //! answer, computed from the mapped weights.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::time::Duration;
+
+mod common;
 
 use serde_json::Value;
 use shadow_tests::pair::{free_port, install_binary, until, PairEnv};
 use shadow_tests::Containerd;
 
-/// POST a completion; the parsed body on a 200, else None.
+/// A completion of 12 tokens, as every request here asks.
 fn complete(port: u16, prompt: &str) -> Option<Value> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    let body = serde_json::json!({ "prompt": prompt, "max_tokens": 12 }).to_string();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.1 200")
-        .then(|| serde_json::from_str(body).ok())
-        .flatten()
+    common::complete(port, prompt, 12, Duration::from_secs(10))
 }
 
 #[test]

@@ -5,10 +5,10 @@
 //! through long answers (it pings from its decode steps); a stopped active
 //! is ended by its watchdog and the promoted shadow gives the same answer.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::time::Duration;
+
+mod common;
 
 use serde_json::Value;
 use shadow_contract::state::{FailureClass, HangCause};
@@ -18,23 +18,8 @@ use shadow_tests::Containerd;
 const LONG: Duration = Duration::from_secs(45);
 const STEP: Duration = Duration::from_millis(5);
 
-/// POST a completion; the parsed body on a 200, else None.
 fn complete(port: u16, prompt: &str, max_tokens: usize) -> Option<Value> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(LONG)).ok()?;
-    let body = serde_json::json!({ "prompt": prompt, "max_tokens": max_tokens }).to_string();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.1 200")
-        .then(|| serde_json::from_str(body).ok())
-        .flatten()
+    common::complete(port, prompt, max_tokens, LONG)
 }
 
 /// Eight answers of 256 decode steps each, from the four workers at once.

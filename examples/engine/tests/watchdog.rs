@@ -5,14 +5,14 @@
 //! wakes when it is released, and pings while it serves and while it
 //! computes a long answer.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::os::unix::net::UnixDatagram;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use nix::fcntl::{Flock, FlockArg};
+mod common;
+
 use serde_json::Value;
 use shadow_tests::pair::free_port;
 
@@ -70,21 +70,7 @@ impl Notes {
 }
 
 fn complete(port: u16, prompt: &str, max_tokens: usize) -> Option<Value> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(LIMIT)).ok()?;
-    let body = serde_json::json!({ "prompt": prompt, "max_tokens": max_tokens }).to_string();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.1 200")
-        .then(|| serde_json::from_str(body).ok())
-        .flatten()
+    common::complete(port, prompt, max_tokens, LIMIT)
 }
 
 #[test]

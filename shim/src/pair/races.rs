@@ -258,12 +258,7 @@ struct Rig {
 impl Rig {
     /// A pair as Create leaves it: the first engine created, nothing run.
     async fn created() -> Rig {
-        Rig::created_with(Hang {
-            watchdog: None,
-            probe: None,
-            start_timeout: shadow_contract::hang::DEFAULT_START_TIMEOUT,
-        })
-        .await
+        Rig::created_with(Rig::no_hang()).await
     }
 
     /// [`Rig::created`], finding hangs as `hang` says.
@@ -304,7 +299,21 @@ impl Rig {
 
     /// A running pair whose engines both parked; slot 0 said READY=1.
     async fn serving() -> Rig {
-        let rig = Rig::created().await;
+        Rig::serving_with(Rig::no_hang()).await
+    }
+
+    /// What Create gives a pair without hang knobs.
+    fn no_hang() -> Hang {
+        Hang {
+            watchdog: None,
+            probe: None,
+            start_timeout: shadow_contract::hang::DEFAULT_START_TIMEOUT,
+        }
+    }
+
+    /// [`Rig::serving`], finding hangs as `hang` says.
+    async fn serving_with(hang: Hang) -> Rig {
+        let rig = Rig::created_with(hang).await;
         rig.ask(Command::Start).await.expect("start");
         for pid in rig.pids() {
             rig.say(pid, "STATUS=parked");
@@ -723,19 +732,12 @@ async fn a_gate_lookup_older_than_the_respawn_is_not_credited_to_it() {
 
 /// [`Rig::serving`] with a 100 ms watchdog.
 async fn watched() -> Rig {
-    let rig = Rig::created_with(Hang {
+    Rig::serving_with(Hang {
         watchdog: Some(Duration::from_millis(100)),
         probe: None,
         start_timeout: Duration::from_secs(5),
     })
-    .await;
-    rig.ask(Command::Start).await.expect("start");
-    for pid in rig.pids() {
-        rig.say(pid, "STATUS=parked");
-    }
-    rig.ready(rig.pids()[0]);
-    rig.until("protected", |s| s.pair.protected).await;
-    rig
+    .await
 }
 
 /// The serving engine pings every 50 ms and then stops (SIGSTOP): the

@@ -17,9 +17,8 @@
 //! Prints p50/p99 of each; no figure is asserted.
 
 use clap::Parser;
-use shadow_tests::bench::{now_us, pct, profile, signal};
-use shadow_tests::pair::{ask, free_port, until, PairEnv};
-use shadow_tests::{Containerd, ContainerdBuilder};
+use shadow_tests::bench::{now_us, pair_bench, pct, profile, signal};
+use shadow_tests::pair::{ask, free_port, until};
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -36,15 +35,7 @@ struct Cli {
 fn main() {
     let Cli { rounds } = Cli::parse();
     let profile = profile();
-    let cd: Containerd = ContainerdBuilder::default()
-        .shim_profile(profile)
-        .start()
-        .expect("containerd");
-    let engine = std::env::current_exe()
-        .expect("exe")
-        .with_file_name("test-engine");
-    PairEnv::install_engine(&cd, &engine).expect("install test-engine");
-    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let (cd, env) = pair_bench(profile);
     let port = free_port();
     let id = "bench";
     let ctr = env

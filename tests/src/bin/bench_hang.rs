@@ -37,9 +37,11 @@
 use clap::Parser;
 use shadow_contract::annotations;
 use shadow_contract::state::{HangCause, PairState};
-use shadow_tests::bench::{clock_ticks_per_s, max, now_us, pct, proc_cost, profile, signal};
+use shadow_tests::bench::{
+    clock_ticks_per_s, max, now_us, pair_bench, pct, proc_cost, profile, signal,
+};
 use shadow_tests::pair::{ask, free_port, shim_pid, until, PairEnv};
-use shadow_tests::{Containerd, ContainerdBuilder, Spawned};
+use shadow_tests::{Containerd, Spawned};
 use std::time::{Duration, Instant};
 
 #[derive(Parser)]
@@ -388,15 +390,7 @@ fn main() {
         .map(|a| Arm::of(a).unwrap_or_else(|| panic!("unknown arm {a:?}: watchdog, probe")))
         .collect();
     let profile = profile();
-    let cd: Containerd = ContainerdBuilder::default()
-        .shim_profile(profile)
-        .start()
-        .expect("containerd");
-    let engine = std::env::current_exe()
-        .expect("exe")
-        .with_file_name("test-engine");
-    PairEnv::install_engine(&cd, &engine).expect("install test-engine");
-    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let (cd, env) = pair_bench(profile);
     println!("bench-hang: shim profile {profile}");
     for arm in &arms {
         run_arm(&cd, &env, arm, cli.rounds);
