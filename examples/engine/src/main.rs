@@ -462,8 +462,20 @@ impl Live {
 }
 
 impl LiveState {
+    /// How long the acceptor may block: until the next ping is due; once
+    /// it is due but a computing worker has not stepped yet, an eighth of
+    /// the interval (that worker's next step pings by itself). Never zero:
+    /// a zero wait would spin on this lock against the workers' steps, and
+    /// under load starve them into a missed ping.
     fn wait(&self) -> Option<Duration> {
-        self.pacer.as_ref().map(|p| p.wait(Instant::now()))
+        self.pacer.as_ref().map(|p| {
+            let w = p.wait(Instant::now());
+            if w.is_zero() {
+                (p.interval() / 8).max(Duration::from_millis(1))
+            } else {
+                w
+            }
+        })
     }
 
     /// `worker` made a decode step; whether to ping now, as [`take_ping`](Self::take_ping).

@@ -3,13 +3,12 @@
 //! maps it; after a SIGKILL of the active the promoted shadow gives the same
 //! answer, computed from the mapped weights.
 
-use std::path::Path;
 use std::time::Duration;
 
 mod common;
 
 use serde_json::Value;
-use shadow_tests::pair::{free_port, install_binary, until, PairEnv};
+use shadow_tests::pair::{free_port, until};
 use shadow_tests::Containerd;
 
 /// A completion of 12 tokens, as every request here asks.
@@ -20,34 +19,10 @@ fn complete(port: u16, prompt: &str) -> Option<Value> {
 #[test]
 fn promoted_shadow_answers_the_same_from_mapped_weights() {
     let cd = Containerd::start().unwrap();
-    install_binary(
-        cd.rootfs(),
-        Path::new(env!("CARGO_BIN_EXE_shadow-engine")),
-        "/bin/shadow-engine",
-    )
-    .unwrap();
     let weights = cd.rootfs().join("weights.safetensors");
-    shadow_engine::model::generate(&weights, 8, 3).unwrap();
-    let env = PairEnv::new(&cd, "gms = \"host\"").unwrap();
     let port = free_port();
     let id = "engine-pair";
-    let port_s = port.to_string();
-    let ctr = env
-        .run(
-            &cd,
-            id,
-            &[],
-            &["--net-host"],
-            &[
-                "/bin/shadow-engine",
-                "serve",
-                "--weights",
-                "/weights.safetensors",
-                "--port",
-                &port_s,
-            ],
-        )
-        .unwrap();
+    let (env, ctr) = common::run_pair(&cd, id, &[], port);
     let long = Duration::from_secs(45);
     let step = Duration::from_millis(5);
     let mut st = env.wait_protected(&cd, id, long);
