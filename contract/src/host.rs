@@ -38,7 +38,8 @@ pub fn is_containerd_key(name: &str) -> bool {
 pub const SUN_PATH_MAX: usize = 107;
 
 /// Longest socket below a pair directory without GPUs:
-/// `/gms/gms-host.sock` and `/pair/notify.sock`.
+/// `/gms/gms-host.sock`, and `/pair/notify0.sock` (the slots' notify
+/// sockets, [`crate::paths::slot_notify_file`]) is no longer.
 pub const HOST_SOCKETS: usize = "/gms/".len() + crate::paths::GMS_HOST_SOCKET.len();
 /// … and with GPUs: `/gms/gms-GPU-<36-character UUID>.sock`.
 pub const CUDA_SOCKETS: usize = "/gms/gms-GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.sock".len();

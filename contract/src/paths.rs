@@ -9,6 +9,16 @@ pub const PAIR_DIR: &str = "/run/shadow/pair";
 pub const LOCK_FILE: &str = "engine.lock";
 /// The notify socket's name in [`PAIR_DIR`].
 pub const NOTIFY_FILE: &str = "notify.sock";
+/// The host-side name of slot `slot`'s own notify socket in a pair the
+/// shim makes (`notify0.sock`, `notify1.sock`), bound in its engine at
+/// [`NOTIFY_SOCKET`]: each engine has a kernel queue of its own, so one
+/// that floods its socket fills only its own queue and never costs the
+/// other engine a ping (a Unix datagram socket queues only
+/// `net.unix.max_dgram_qlen` datagrams, 10 by default). No longer than
+/// `gms-host.sock`, so a pair's longest socket path is unchanged.
+pub fn slot_notify_file(slot: impl std::fmt::Display) -> String {
+    format!("notify{slot}.sock")
+}
 /// `SHADOW_LOCK_PATH`'s value.
 pub const LOCK_PATH: &str = "/run/shadow/pair/engine.lock";
 /// `NOTIFY_SOCKET`'s value.
@@ -45,5 +55,8 @@ mod tests {
         assert!(is_gms_socket_name(GMS_HOST_SOCKET));
         assert!(!is_gms_socket_name("gms-.sock"));
         assert!(!is_gms_socket_name("gms-host.sock.tmp"));
+        assert_eq!(slot_notify_file(1), "notify1.sock");
+        // No pair socket path grows: a slot's is as long as the host gmsd's.
+        assert!(format!("/pair/{}", slot_notify_file(1)).len() <= crate::host::HOST_SOCKETS);
     }
 }

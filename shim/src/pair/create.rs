@@ -234,7 +234,11 @@ async fn create_steps(
     }
 
     let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
-    let notify = NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::NOTIFY_FILE))?;
+    // One notify socket per slot: each engine its own kernel queue.
+    let notify = [
+        NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::slot_notify_file(0)))?,
+        NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::slot_notify_file(1)))?,
+    ];
 
     let pins = if spec::needs_pinned_namespaces(spec) {
         let p = PinnedNamespaces::pin(&dirs.ns)?;

@@ -98,7 +98,10 @@ mod tests {
             .gms
             .join("gms-GPU-5a2b1c3d-0e1f-2a3b-4c5d-6e7f8a9b0c1d.sock");
         assert!(gms_sock.as_os_str().len() <= 107, "{}", gms_sock.display());
-        assert!(d.pair.join("notify.sock").as_os_str().len() <= 107);
+        for slot in 0..2 {
+            let notify = d.pair.join(shadow_contract::paths::slot_notify_file(slot));
+            assert!(notify.as_os_str().len() <= 107, "{}", notify.display());
+        }
         let name = d.root.file_name().unwrap().to_string_lossy().into_owned();
         assert!(name.starts_with("4f0c1b2d-"), "{name}");
         // Deterministic, and distinct for distinct ids.

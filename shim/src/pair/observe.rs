@@ -54,13 +54,14 @@ pub fn exit_of(status: i32) -> Exit {
     }
 }
 
-/// Forward the datagrams of the pair's notify socket that its [`Gate`]
-/// admits, with their receipt time; count and drop the rest (the first
+/// Forward the datagrams of slot `slot`'s notify socket (from that
+/// slot's engine only) that its [`Gate`] admits, with their receipt time; count and drop the rest (the first
 /// drop since the supervisor published the counts is told to it, the
 /// others only counted). Never blocks on the supervisor: a full queue
 /// drops, it does not wait.
 pub fn notify(
     id: &str,
+    slot: SlotId,
     sock: NotifySocket,
     host: Arc<dyn Host>,
     queue: Arc<Queue>,
@@ -100,7 +101,15 @@ pub fn notify(
                             }
                         }
                     };
-                    let verdict = gate.admit(&d, at, |pid| host.slot_of_pid(pid), forward);
+                    // Only the engine of `slot` can reach this socket (it is
+                    // bound in that engine alone): a sender found anywhere
+                    // else is nobody's.
+                    let verdict = gate.admit(
+                        &d,
+                        at,
+                        |pid| host.slot_of_pid(pid).filter(|s| *s == slot),
+                        forward,
+                    );
                     if gone {
                         return;
                     }

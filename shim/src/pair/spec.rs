@@ -24,7 +24,8 @@ pub struct EngineInputs<'a> {
     /// Absolute rootfs of the original bundle.
     pub rootfs: &'a Path,
     /// The pair's host directory holding the election lock
-    /// ([`paths::LOCK_FILE`]) and the notify socket ([`paths::NOTIFY_FILE`]):
+    /// ([`paths::LOCK_FILE`]) and the slot's notify socket
+    /// ([`paths::slot_notify_file`]):
     /// each is bound alone, read-only, at its place in [`paths::PAIR_DIR`].
     pub pair_dir: &'a Path,
     /// The GMS daemons' sockets on the host, when the pair has GMS: each is
@@ -304,7 +305,7 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         paths::LOCK_PATH.to_string(),
     ));
     mounts.push(bind_file(
-        &e.pair_dir.join(paths::NOTIFY_FILE),
+        &e.pair_dir.join(paths::slot_notify_file(e.slot)),
         paths::NOTIFY_SOCKET.to_string(),
     ));
     for socket in e.gms_sockets {
@@ -469,6 +470,11 @@ mod tests {
         assert_eq!(
             e["mounts"][3]["source"],
             "/run/shadow/ns1/c1/gms/gms-host.sock"
+        );
+        // Slot 1's own notify socket, at the contract's one place.
+        assert_eq!(
+            e["mounts"][2]["source"],
+            "/run/shadow/ns1/c1/pair/notify1.sock"
         );
         // Each alone and read-only: nothing of the host directories is
         // writable from the engine.
@@ -640,7 +646,7 @@ mod tests {
             [
                 "/tmp/kept",
                 "/run/shadow/ns1/c1/pair/engine.lock",
-                "/run/shadow/ns1/c1/pair/notify.sock",
+                "/run/shadow/ns1/c1/pair/notify0.sock",
                 "/run/shadow/ns1/c1/gms/gms-host.sock"
             ]
         );

@@ -91,11 +91,14 @@ fn an_engine_cannot_write_host_directories_and_a_gmsd_that_will_not_start_ends_t
     // The host directories hold what the shim put there, nothing else.
     let root = env.pair_dir(&cd, id);
     let pair = tree(&root.join("pair"));
-    let want: BTreeMap<String, String> =
-        [("engine.lock", "file 0 bytes"), ("notify.sock", "socket")]
-            .into_iter()
-            .map(|(a, b)| (a.to_string(), b.to_string()))
-            .collect();
+    let want: BTreeMap<String, String> = [
+        ("engine.lock", "file 0 bytes"),
+        ("notify0.sock", "socket"),
+        ("notify1.sock", "socket"),
+    ]
+    .into_iter()
+    .map(|(a, b)| (a.to_string(), b.to_string()))
+    .collect();
     assert_eq!(pair, want, "pair dir");
     let gms = tree(&root.join("gms"));
     assert_eq!(

@@ -87,12 +87,18 @@ fn assert_answers(cd: &Containerd, id: &str, shim: u32, during: &str) {
 /// must not move the active either: only the lock's holder is believed
 /// (`ready_liar.rs` tests that alone).
 fn survive(id: &str, attack: &str, args: &[&str]) {
+    survive_with(id, attack, args, &[]);
+}
+
+/// [`survive`], the pair made with `annotations`; the state after the
+/// attack, before the failover.
+fn survive_with(id: &str, attack: &str, args: &[&str], annotations: &[(&str, &str)]) -> PairState {
     let cd = Containerd::start().expect("containerd");
     let env = hostile_env(&cd, "gms = \"off\"");
     let mut cmd = vec!["/bin/hostile-engine", attack];
     cmd.extend_from_slice(args);
     let ctr = env
-        .run(&cd, id, &[], &["--rm", "--net-host"], &cmd)
+        .run(&cd, id, annotations, &["--rm", "--net-host"], &cmd)
         .expect("ctr run");
     let st = settle(&cd, &env, id, &ctr, "protected before the attack", |s| {
         s.pair.protected
@@ -171,6 +177,7 @@ fn survive(id: &str, attack: &str, args: &[&str]) {
         );
     }
     fail_over_and_end(&cd, &env, id, ctr, holder);
+    st
 }
 
 /// Waits until the pair's state satisfies `ok`; on a timeout, fails with the
@@ -223,6 +230,23 @@ fn notify_fd_with_lingering_close_does_not_freeze_the_shim() {
 #[test]
 fn notify_flood_neither_freezes_nor_bloats_the_shim() {
     survive("flood", "notify-flood", &["5"]);
+}
+
+/// A shadow that floods its notify socket costs the watched active no
+/// ping: each engine has a socket (a kernel queue) of its own, so the
+/// active's non-blocking pings are never refused for the flood's sake,
+/// and no watchdog is judged while the reader waits out the flood. At the
+/// shortest interval, 8 s of flood must end nobody.
+#[test]
+fn a_notify_flood_never_gets_a_watched_active_ended() {
+    let st = survive_with(
+        "floodwd",
+        "notify-flood",
+        &["8"],
+        &[("shadow.dev/watchdog", "50ms")],
+    );
+    assert_eq!(st.pair.hangs.total(), 0, "{:#?}", st.pair);
+    assert_eq!(st.pair.failovers, 0, "{:#?}", st.pair);
 }
 
 #[test]

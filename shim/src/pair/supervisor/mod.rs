@@ -68,7 +68,8 @@ pub struct Parts {
     pub copiers: Vec<JoinHandle<()>>,
     pub router: Arc<ExitRouter>,
     pub events: EventSink,
-    pub notify: Option<NotifySocket>,
+    /// Each slot's notify socket (its engine's alone).
+    pub notify: Option<[NotifySocket; 2]>,
     /// The election lock file, watched for closes (inotify).
     pub lock_path: Option<PathBuf>,
     pub state_json: PathBuf,
@@ -150,8 +151,8 @@ pub struct Supervisor {
     copiers: Vec<JoinHandle<()>>,
     router: Arc<ExitRouter>,
     events: EventSink,
-    notify: Option<NotifySocket>,
-    /// Datagrams the notify reader forwarded and this task has not taken.
+    notify: Option<[NotifySocket; 2]>,
+    /// Datagrams the notify readers forwarded and this task has not taken.
     notify_queue: Arc<Queue>,
     /// What the notify reader dropped, by reason (published as a metric).
     notify_drops: Arc<DropCounts>,
@@ -307,15 +308,18 @@ impl Supervisor {
     /// The observers of a started pair: its notify socket, the closes of
     /// its lock file, its gmsds' deaths and its GPUs' XIDs.
     fn observe(&mut self) {
-        if let Some(sock) = self.notify.take() {
-            self.observers.push(observe::notify(
-                &self.id,
-                sock,
-                self.host.clone(),
-                self.notify_queue.clone(),
-                self.notify_drops.clone(),
-                self.tx.clone(),
-            ));
+        if let Some(socks) = self.notify.take() {
+            for (slot, sock) in SlotId::BOTH.into_iter().zip(socks) {
+                self.observers.push(observe::notify(
+                    &self.id,
+                    slot,
+                    sock,
+                    self.host.clone(),
+                    self.notify_queue.clone(),
+                    self.notify_drops.clone(),
+                    self.tx.clone(),
+                ));
+            }
         }
         if let Some(path) = self.lock_path.take() {
             match observe::lock_closes(&path, self.tx.clone()) {

@@ -39,6 +39,27 @@ pub fn take_lock() -> Result<nix::fcntl::Flock<std::fs::File>, String> {
         .map_err(|(_, e)| format!("flock {path}: {e}"))
 }
 
+/// The active engine of an attack's pair: does nothing, except, with a
+/// watchdog (`WATCHDOG_USEC`), ping every half interval on a non-blocking
+/// socket, as a correct engine does; a ping the socket refuses (its queue
+/// full) is lost, never waited for.
+fn serve_quietly() -> ! {
+    let Some(interval) = shadow_contract::watchdog::interval_from_env() else {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    };
+    let sock = std::os::unix::net::UnixDatagram::unbound().ok();
+    let path = notify_path().ok();
+    loop {
+        if let (Some(sock), Some(path)) = (&sock, &path) {
+            let _ = sock.set_nonblocking(true);
+            let _ = sock.send_to(b"WATCHDOG=1", path);
+        }
+        std::thread::sleep(interval / 2);
+    }
+}
+
 /// The control arm: a well-formed parked shadow that, once it holds the
 /// lock, says READY=1 and sleeps.
 pub fn park_forever(_args: &[String]) -> Result<(), String> {
@@ -65,9 +86,7 @@ pub fn as_shadow(name: &str, attack: impl FnOnce() -> Result<(), String>) -> Res
             notify(b"READY=1")?;
             step(name, "active");
             let _lock = lock;
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
+            serve_quietly()
         }
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => {}
         Err((_, e)) => return Err(format!("flock {path}: {e}")),
