@@ -50,6 +50,14 @@ impl State {
     /// Every `shadow.dev/` annotation is validated, the shim's included.
     pub fn pair(&self, root: &Path) -> Result<Option<PairLayout>> {
         let annotations = Annotations::parse(&self.annotations)?;
+        if annotations.pair_name.is_some() {
+            // As the precreate hook: no supervisor here acts on them.
+            crate::precreate::refuse_hang_keys_in(
+                self.annotations
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str())),
+            )?;
+        }
         Ok(annotations.pair_name.map(|n| PairLayout::of(root, &n)))
     }
 
@@ -200,6 +208,17 @@ mod tests {
         let l = s.pair(Path::new("/r")).unwrap().unwrap();
         assert_eq!(l.dir, Path::new("/r/p"));
         assert!(State::parse("{").is_err());
+        // Hang detection is the shim's: refused for a hook-assembled pair.
+        let s = State::parse(
+            r#"{"ociVersion":"1.0.2","id":"c1","status":"creating","pid":42,"bundle":"/b",
+               "annotations":{"shadow.dev/pair-name":"p","shadow.dev/watchdog":"1s"}}"#,
+        )
+        .unwrap();
+        let e = s.pair(Path::new("/r")).unwrap_err().to_string();
+        assert!(
+            e.contains("shadow.dev/watchdog") && e.contains("io.containerd.shadow.v1"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -30,16 +30,24 @@ pub fn annotations_of(spec: &Value) -> Result<Annotations> {
 /// hang-detection keys are the shim's alone, so one here is refused rather
 /// than left to do nothing.
 fn refuse_hang_keys(spec: &Value) -> Result<()> {
-    let given = spec
-        .get("annotations")
-        .and_then(Value::as_object)
-        .into_iter()
-        .flatten()
-        .find(|(k, _)| shadow_contract::annotations::HANG_KEYS.contains(&k.as_str()));
-    match given {
+    refuse_hang_keys_in(
+        spec.get("annotations")
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| (k.as_str(), v.as_str().unwrap_or_default())),
+    )
+}
+
+/// [`refuse_hang_keys`] over `(key, value)` annotations (the createRuntime
+/// hook's, from the OCI state).
+pub(crate) fn refuse_hang_keys_in<'a>(
+    mut annotations: impl Iterator<Item = (&'a str, &'a str)>,
+) -> Result<()> {
+    match annotations.find(|(k, _)| shadow_contract::annotations::HANG_KEYS.contains(k)) {
         Some((key, value)) => Err(shadow_contract::annotations::AnnotationError {
-            key: key.clone(),
-            value: value.as_str().unwrap_or_default().to_string(),
+            key: key.to_string(),
+            value: value.to_string(),
             allowed: "nothing here: hang detection needs the shim runtime (io.containerd.shadow.v1); a pair assembled by the OCI hooks has no supervisor to end a hung engine".into(),
         }
         .into()),
