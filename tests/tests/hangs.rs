@@ -370,3 +370,66 @@ fn a_hung_group_is_ended_whole() {
     });
     p.stop(&cd);
 }
+
+/// The probe runs in the pair's network namespace, not the host's: a pair
+/// without host networking gets a pinned namespace of its own, where its
+/// engines listen on 127.0.0.1; from the host nothing listens there. The
+/// healthy engine passes its probes (from the host they would be refused
+/// and end it); stopped, it fails them and is failed over.
+#[test]
+fn the_probe_runs_in_the_pairs_own_network_namespace() {
+    let cd = Containerd::start().expect("containerd");
+    PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let health = free_port();
+    let health_s = health.to_string();
+    let target = format!("http://127.0.0.1:{health}/health");
+    let id = "probens";
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[
+                ("shadow.dev/probe", &target),
+                ("shadow.dev/probe-period", "100ms"),
+                ("shadow.dev/probe-failures", "2"),
+            ],
+            &["--rm"],
+            &[
+                "/bin/test-engine",
+                "--port",
+                "8000",
+                "--health-port",
+                &health_s,
+            ],
+        )
+        .expect("ctr run");
+    let p = Pair {
+        env,
+        port: 8000,
+        ctr: Some(ctr),
+        id,
+    };
+    let st = p.env.wait_protected(&cd, p.id, LONG);
+    // Nothing answers on the host side of that port.
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", health)).is_err(),
+        "the engine's port is reachable from the host: not the pair's own namespace"
+    );
+    std::thread::sleep(Duration::from_millis(600));
+    let now = p.state(&cd).expect("state");
+    assert_eq!(
+        now.pair.hangs.total(),
+        0,
+        "probes from the host's namespace? {:?}",
+        now.pair
+    );
+    let old = st.pair.active.expect("active");
+    signal(st.pid_of(old).expect("pid"), libc::SIGSTOP);
+    let st = p.until(&cd, "failed over on its probe", |s| {
+        s.pair.failovers == 1 && s.pair.protected
+    });
+    assert_eq!(st.pair.hangs.probe, 1);
+    assert_ne!(st.pair.active, Some(old));
+    p.stop(&cd);
+}
