@@ -137,13 +137,15 @@ pub struct Pair {
     start_timeout: Option<Duration>,
     /// The current engine of each slot's start clock (set when it starts).
     starts: [StartClock; 2],
-    /// Since when the pair cannot judge hangs, and why: its cgroup is
-    /// frozen (Pause: nobody can ping, answer a probe or start), and/or
-    /// its notify socket's reader stopped reading a flood (the engines'
-    /// pings wait unread in the kernel). `None`: it sees.
-    paused_at: Option<Duration>,
-    /// The reasons of `paused_at`: [frozen, notify stalled].
-    blind: [bool; 2],
+    /// The pair's cgroup is frozen (Pause): no engine can ping, answer a
+    /// probe or start, so none is judged.
+    frozen: bool,
+    /// Each slot's notify reader stopped reading a flood on that slot's
+    /// socket: that engine's pings wait unread in the kernel, so its
+    /// watchdog and start clock are not judged (the other engine's are).
+    stalled: [bool; 2],
+    /// Since when each slot has been blind (frozen or stalled); `None`: seen.
+    blind_since: [Option<Duration>; 2],
     /// Set while both engines are being stopped for a cold restart, and
     /// while it waits out its backoff.
     cold_restart: bool,
@@ -190,8 +192,9 @@ impl Pair {
             probe_failed: [0, 0],
             start_timeout: None,
             starts: [StartClock::default(), StartClock::default()],
-            paused_at: None,
-            blind: [false, false],
+            frozen: false,
+            stalled: [false, false],
+            blind_since: [None, None],
             cold_restart: false,
             cold_useful: false,
             cold_waiting: false,
@@ -288,10 +291,10 @@ impl Pair {
                 healthy,
             } => self.on_probed(slot, generation, healthy, now),
             Event::Killed { slot } => self.on_killed(slot, now),
-            Event::Paused => self.on_blind(0, true, now),
-            Event::Resumed => self.on_blind(0, false, now),
-            Event::NotifyStalled => self.on_blind(1, true, now),
-            Event::NotifyResumed => self.on_blind(1, false, now),
+            Event::Paused => self.on_frozen(true, now),
+            Event::Resumed => self.on_frozen(false, now),
+            Event::NotifyStalled { slot } => self.on_stalled(slot, true, now),
+            Event::NotifyResumed { slot } => self.on_stalled(slot, false, now),
         }
     }
 

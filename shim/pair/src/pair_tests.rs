@@ -1330,55 +1330,63 @@ fn a_paused_pair_judges_nobody_and_its_clocks_go_on_from_the_resume() {
     assert_eq!(p.hang_deadline(), Some(t(1000 + 5950)));
 }
 
+const S0: SlotId = SlotId::ZERO;
+const S1: SlotId = SlotId::ONE;
+
 #[test]
-fn a_stalled_notify_reader_judges_no_watchdog_until_it_reads_again() {
+fn a_stalled_notify_reader_blinds_its_own_engine_only() {
     let mut p = watched();
-    ping(&mut p, SlotId::ZERO, 1000);
-    p.handle(Event::NotifyStalled, t(1050));
+    ping(&mut p, S0, 1000);
+    ping(&mut p, S1, 1000);
+    // Slot 1's reader stalls (a flood on its socket): slot 0 is judged on.
+    p.handle(Event::NotifyStalled { slot: S1 }, t(1050));
+    assert_eq!(p.hang_deadline(), Some(t(1100)), "slot 0's alone");
+    assert_eq!(check(&mut p, 1101), vec![Action::Kill { slot: S0 }]);
+    // Slot 1 sees again: the 50 ms it had left when it went blind remain.
+    p.handle(Event::NotifyResumed { slot: S1 }, t(3000));
+    assert_eq!(p.hang_deadline(), Some(t(3050)));
+    // A pause and a stall together: blind until both are over.
+    let mut p = watched();
+    ping(&mut p, S0, 1000);
+    p.handle(Event::NotifyStalled { slot: S0 }, t(1050));
     p.handle(Event::Paused, t(1060));
     assert!(check(&mut p, 2000).is_empty());
-    p.handle(Event::NotifyResumed, t(2000));
+    p.handle(Event::NotifyResumed { slot: S0 }, t(2000));
     assert_eq!(p.hang_deadline(), None, "still frozen");
     p.handle(Event::Resumed, t(2100));
     // Blind from 1050 to 2100: the 50 ms it had left remain.
     assert_eq!(p.hang_deadline(), Some(t(2150)));
-    assert_eq!(
-        check(&mut p, 2151),
-        vec![Action::Kill { slot: SlotId::ZERO }]
-    );
+    assert_eq!(check(&mut p, 2151), vec![Action::Kill { slot: S0 }]);
 }
 
-/// A flood that stalls the notify reader every second cannot keep a hung
-/// engine alive: each second's seeing time counts, and the probe is not
-/// blinded at all.
+/// A reader that stalls every second (say its engine floods and also
+/// hangs between floods) cannot keep that engine alive: each second's
+/// seeing time counts; and no stall blinds the probe.
 #[test]
-fn a_flood_each_second_slows_a_watchdog_but_never_stops_it() {
+fn a_stall_each_second_slows_a_watchdog_but_never_stops_it() {
     let mut p = watched();
-    ping(&mut p, SlotId::ZERO, 1000);
-    ping(&mut p, SlotId::ONE, 1000);
-    p.handle(Event::NotifyStalled, t(1000));
+    ping(&mut p, S0, 1000);
+    p.handle(Event::NotifyStalled { slot: S0 }, t(1000));
     let mut ended = None;
     for second in 1..100u64 {
         let start = 1000 + second * 1000;
-        // Blind until `start`, then 10 ms of reading (the other engine's
-        // queued ping among them), then blind again.
-        p.handle(Event::NotifyResumed, t(start));
-        ping(&mut p, SlotId::ONE, start + 5);
-        if check(&mut p, start + 9) == vec![Action::Kill { slot: SlotId::ZERO }] {
+        // Blind until `start`, then 10 ms of reading, then blind again.
+        p.handle(Event::NotifyResumed { slot: S0 }, t(start));
+        if check(&mut p, start + 9) == vec![Action::Kill { slot: S0 }] {
             ended = Some(second);
             break;
         }
-        p.handle(Event::NotifyStalled, t(start + 10));
+        p.handle(Event::NotifyStalled { slot: S0 }, t(start + 10));
     }
     assert!(
         ended.is_some_and(|s| s <= 12),
         "ended after {ended:?} seconds"
     );
     let mut p = started(Pair::new(RestartPolicy::default()).with_probe(Some(2)));
-    p.handle(Event::NotifyStalled, t(10));
-    assert!(probe(&mut p, SlotId::ZERO, 1, false, 20).is_empty());
+    p.handle(Event::NotifyStalled { slot: S0 }, t(10));
+    assert!(probe(&mut p, S0, 1, false, 20).is_empty());
     assert_eq!(
-        probe(&mut p, SlotId::ZERO, 1, false, 30),
-        vec![Action::Kill { slot: SlotId::ZERO }]
+        probe(&mut p, S0, 1, false, 30),
+        vec![Action::Kill { slot: S0 }]
     );
 }

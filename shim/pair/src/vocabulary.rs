@@ -153,12 +153,13 @@ pub enum Event {
     /// The pair's cgroup was thawed (Resume): watchdogs and start clocks
     /// go on from now, as if the pause had not been.
     Resumed,
-    /// The notify socket's reader stopped reading for a while (a flood):
-    /// pings wait unread, so no watchdog is judged until
-    /// [`Event::NotifyResumed`], as for a pause.
-    NotifyStalled,
-    /// The notify socket's reader reads again.
-    NotifyResumed,
+    /// The reader of slot `slot`'s notify socket stopped reading for a
+    /// while (a flood on that socket): that engine's pings wait unread, so
+    /// its watchdog and start clock are not judged until
+    /// [`Event::NotifyResumed`], and that time is taken out of them.
+    NotifyStalled { slot: SlotId },
+    /// The reader of slot `slot`'s notify socket reads again.
+    NotifyResumed { slot: SlotId },
 }
 
 /// What the shim must do.

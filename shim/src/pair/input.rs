@@ -46,9 +46,12 @@ pub enum Input {
     /// The notify socket dropped a datagram, the first since its counts
     /// were last written (the metrics file is due an update).
     NotifyDropped,
-    /// The notify reader stopped reading a flood for a while (`true`), or
-    /// reads again (`false`).
-    NotifyStalled(bool),
+    /// Slot `slot`'s notify reader stopped reading a flood for a while
+    /// (`stalled`), or reads again.
+    NotifyStalled {
+        slot: SlotId,
+        stalled: bool,
+    },
     /// The lock file was closed for good (inotify), at this time.
     LockClosed(Instant),
     Backoff {

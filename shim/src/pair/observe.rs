@@ -129,13 +129,14 @@ pub fn notify(
                     return;
                 }
                 if let Some(pause) = after.pause {
-                    // The other engine's pings wait unread meanwhile: no
-                    // watchdog is judged until the reader reads again.
-                    if tx.send(Input::NotifyStalled(true)).await.is_err() {
+                    // This engine's pings wait unread meanwhile: its
+                    // watchdog is not judged until the reader reads again.
+                    let stalled = |stalled| Input::NotifyStalled { slot, stalled };
+                    if tx.send(stalled(true)).await.is_err() {
                         return;
                     }
                     tokio::time::sleep(pause).await;
-                    if tx.send(Input::NotifyStalled(false)).await.is_err() {
+                    if tx.send(stalled(false)).await.is_err() {
                         return;
                     }
                 }

@@ -19,9 +19,10 @@
 //! the path of every death (`death`): a hung active fails over, a hung
 //! shadow is respawned while the active serves, a single engine restarts
 //! in place, and an engine that never started is an early death for the
-//! restart budget. While the pair is paused (its cgroup frozen), or its
-//! notify reader stalls on a flood, no watchdog or start clock is judged
-//! and that time is taken out of them; a pause also stops the probe.
+//! restart budget. While the pair is paused (its cgroup frozen) no engine
+//! is judged; while one slot's notify reader stalls on a flood, that
+//! engine's watchdog and start clock are not (the other's are). That time
+//! is taken out of the clocks; a pause also stops the probe.
 //!
 //! What may be touched here: which engines are watched, when a hang ends
 //! one, and a new sign of a hang. How one engine's clocks keep time is
@@ -37,17 +38,23 @@ use crate::vocabulary::{Action, EngineState};
 
 impl Pair {
     /// Whether the pair judges hangs now: not while it goes down (it ends
-    /// every engine anyway), restarts cold, or cannot see (paused, or its
-    /// notify reader stalled on a flood).
+    /// every engine anyway) or restarts cold. (A blind slot is not judged
+    /// either: see [`Pair::sees`].)
     fn judges_hangs(&self) -> bool {
-        self.ending.is_none() && !self.cold_restart && self.paused_at.is_none()
+        self.ending.is_none() && !self.cold_restart
     }
 
-    /// Whether probe results count now: as [`Pair::judges_hangs`], except
-    /// that a stalled notify reader does not blind the probe (so a flood
-    /// cannot hide a hung engine from it).
+    /// Whether probe results count now: as [`Pair::judges_hangs`], and
+    /// not while the pair is frozen. A stalled notify reader does not
+    /// blind the probe (so a flood cannot hide a hung engine from it).
     fn judges_probes(&self) -> bool {
-        self.ending.is_none() && !self.cold_restart && !self.blind[0]
+        self.judges_hangs() && !self.frozen
+    }
+
+    /// Whether the pair sees the engine of `slot` now: neither frozen nor
+    /// behind a stalled notify reader.
+    fn sees(&self, slot: SlotId) -> bool {
+        self.blind_since[slot.index()].is_none()
     }
 
     /// Whether the current engine of `slot` may still be ended as hung:
@@ -150,46 +157,53 @@ impl Pair {
         Vec::new()
     }
 
-    /// The pair stops (`blind`) or starts again seeing its engines, for
-    /// one reason (`why`: 0 a frozen cgroup, 1 a stalled notify reader).
-    /// Once no reason is left, every clock goes on as if the blindness had
-    /// not been: an armed watchdog counts from now (its pings could not
-    /// arrive), start clocks move on by its length, probe failures start
-    /// over.
-    pub(super) fn on_blind(&mut self, why: usize, blind: bool, now: Duration) -> Vec<Action> {
-        if why == 0 && !blind && self.blind[0] {
-            // A frozen engine could not answer: its failures start over.
+    /// Pause (`frozen`) or Resume of the pair's cgroup: both slots go blind
+    /// or (unless a stalled reader keeps one blind) see again; a thawed
+    /// engine's probe failures start over (it could not answer).
+    pub(super) fn on_frozen(&mut self, frozen: bool, now: Duration) -> Vec<Action> {
+        if self.frozen && !frozen {
             self.probe_failed = [0, 0];
         }
-        self.blind[why] = blind;
-        if blind {
-            self.paused_at.get_or_insert(now);
-            return Vec::new();
-        }
-        if self.blind.iter().any(|b| *b) {
-            return Vec::new();
-        }
-        let Some(at) = self.paused_at.take() else {
-            return Vec::new();
-        };
-        // The time it could not see is taken out of every clock, not
-        // restarted: an engine keeps the budget it had when the pair went
-        // blind, so blindness that comes back again and again (a flood
-        // each second) slows the detection of a hung engine, never stops it.
-        let blind = now.saturating_sub(at);
+        self.frozen = frozen;
         for slot in SlotId::BOTH {
-            let i = slot.index();
-            self.watchdogs[i].shift(blind);
-            self.starts[i].shift(blind);
+            self.update_blind(slot, now);
         }
         Vec::new()
+    }
+
+    /// The reader of `slot`'s notify socket stalls on a flood, or reads
+    /// again: that engine alone goes blind, or sees again.
+    pub(super) fn on_stalled(&mut self, slot: SlotId, stalled: bool, now: Duration) -> Vec<Action> {
+        self.stalled[slot.index()] = stalled;
+        self.update_blind(slot, now);
+        Vec::new()
+    }
+
+    /// Starts or ends `slot`'s blindness as its reasons say. When it ends,
+    /// the time it could not see is taken out of the engine's clocks, not
+    /// restarted: it keeps the budget it had when it went blind, so
+    /// blindness that comes back again and again (a flood each second)
+    /// slows the detection of a hung engine, never stops it.
+    fn update_blind(&mut self, slot: SlotId, now: Duration) {
+        let i = slot.index();
+        let blind = self.frozen || self.stalled[i];
+        match (blind, self.blind_since[i]) {
+            (true, None) => self.blind_since[i] = Some(now),
+            (false, Some(at)) => {
+                self.blind_since[i] = None;
+                let by = now.saturating_sub(at);
+                self.watchdogs[i].shift(by);
+                self.starts[i].shift(by);
+            }
+            _ => {}
+        }
     }
 
     /// When the watchdog of the engine of `slot` expires: `None` unless it
     /// is armed, on an engine that may still hang (or the expiry is past
     /// any clock).
     pub(super) fn watchdog_expiry(&self, slot: SlotId) -> Option<Duration> {
-        if !self.may_hang(slot) {
+        if !self.may_hang(slot) || !self.sees(slot) {
             return None;
         }
         self.watchdogs[slot.index()].expiry(self.watchdog?)
@@ -200,6 +214,7 @@ impl Pair {
     /// start timeout.
     pub(super) fn start_expiry(&self, slot: SlotId) -> Option<Duration> {
         if !self.may_hang(slot)
+            || !self.sees(slot)
             || self.slot(slot).state != EngineState::Starting
             || self.active == Some(slot)
         {

@@ -81,11 +81,11 @@ impl Pair {
 
     /// When the shim must next send [`Event::HangCheck`](crate::Event::HangCheck):
     /// the earliest expiry among the armed watchdogs and the start clocks of
-    /// live engines, `None` when nothing runs out (or the pair is going
-    /// down, or paused). An engine expires once `now` passes this, not at
+    /// live engines the pair sees, `None` when nothing runs out (or the
+    /// pair is going down). An engine expires once `now` passes this, not at
     /// it: a check exactly then ends nobody.
     pub fn hang_deadline(&self) -> Option<Duration> {
-        if self.ending.is_some() || self.cold_restart || self.paused_at.is_some() {
+        if self.ending.is_some() || self.cold_restart {
             return None;
         }
         SlotId::BOTH
@@ -106,7 +106,7 @@ impl Pair {
     /// the pair has a probe and judges hangs; `None` otherwise.
     pub fn probe_target(&self) -> Option<(SlotId, u32)> {
         self.probe_failures_max?;
-        if self.ending.is_some() || self.cold_restart || self.paused_at.is_some() {
+        if self.ending.is_some() || self.cold_restart || self.frozen {
             return None;
         }
         let a = self.active?;

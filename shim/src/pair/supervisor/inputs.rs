@@ -203,18 +203,18 @@ impl Supervisor {
             }
             // Written by the `publish` that follows this input, or when due.
             Input::NotifyDropped => Vec::new(),
-            Input::NotifyStalled(stalled) => {
+            Input::NotifyStalled { slot, stalled } => {
                 if stalled {
                     // The gate logs the flood itself (every LOG_EVERY).
                     log::debug!(
-                        "pair {}: the notify socket's reader pauses on a flood; no watchdog is judged until it reads again",
+                        "pair {}: slot {slot}'s notify reader pauses on a flood; its watchdog is not judged until it reads again",
                         self.id
                     );
                 }
                 let event = if stalled {
-                    PairEvent::NotifyStalled
+                    PairEvent::NotifyStalled { slot }
                 } else {
-                    PairEvent::NotifyResumed
+                    PairEvent::NotifyResumed { slot }
                 };
                 let now = self.clock.now();
                 self.pair.handle(event, now)
