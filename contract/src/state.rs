@@ -248,6 +248,11 @@ pub struct SlotState {
     /// from files written before it existed).
     #[serde(default)]
     pub last_hang: Option<HangCause>,
+    /// Its engine armed its watchdog (a `WATCHDOG=1` under a configured
+    /// watchdog): a silence past the interval now ends it. Absent from
+    /// files written before it existed: false.
+    #[serde(default)]
+    pub watchdog_armed: bool,
 }
 
 /// Where one slot's engine is in its life.
@@ -543,6 +548,7 @@ mod tests {
             speaks_notify: true,
             last_exit: Some(Exit::Code(3)),
             last_hang: (id == 0).then_some(HangCause::StartTimeout),
+            watchdog_armed: id == 1,
         };
         PairState {
             containerd: "/run/containerd/containerd.sock".into(),
@@ -616,6 +622,7 @@ mod tests {
         );
         assert_eq!(v["pair"]["slots"][0]["last_hang"], "start_timeout");
         assert_eq!(v["pair"]["slots"][1]["last_hang"], json!(null));
+        assert_eq!(v["pair"]["slots"][1]["watchdog_armed"], true);
         assert_eq!(
             v["pair"]["hangs"],
             json!({"watchdog": 1, "trigger": 0, "probe": 2, "start_timeout": 0})
@@ -657,11 +664,13 @@ mod tests {
         pair.remove("hangs");
         for slot in pair["slots"].as_array_mut().unwrap() {
             slot.as_object_mut().unwrap().remove("last_hang");
+            slot.as_object_mut().unwrap().remove("watchdog_armed");
         }
         v["promotions"][0].as_object_mut().unwrap().remove("hang");
         let back: PairState = serde_json::from_value(v).unwrap();
         assert_eq!(back.pair.hangs, Hangs::default());
         assert_eq!(back.pair.slots[0].last_hang, None);
+        assert!(!back.pair.slots[1].watchdog_armed);
         assert_eq!(back.promotions[0].promotion.hang, None);
         let mut h = Hangs::default();
         h.count(HangCause::Probe);

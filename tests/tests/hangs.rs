@@ -94,10 +94,15 @@ fn send(port: u16, path: &str) {
 fn a_stopped_engine_is_ended_by_its_watchdog_and_failed_over() {
     let cd = Containerd::start().expect("containerd");
     let p = start(&cd, "wdstop", &[("shadow.dev/watchdog", "100ms")], &[]);
-    let st = p.env.wait_protected(&cd, p.id, LONG);
+    p.env.wait_protected(&cd, p.id, LONG);
+    // Both engines' pings reach the pair: both watchdogs armed.
+    let st = p.until(&cd, "both watchdogs armed", |s| {
+        s.pair.protected && s.pair.slots.iter().all(|s| s.watchdog_armed)
+    });
     let old = st.pair.active.expect("active");
     let pid = st.pid_of(old).expect("pid");
-    // Its pings reach the pair: a healthy engine is not ended.
+    // A window of five intervals, armed: a healthy engine is not ended
+    // (what is checked is that nothing happens, so it takes time).
     std::thread::sleep(Duration::from_millis(500));
     let st = p.state(&cd).expect("state");
     assert_eq!((st.pair.hangs.total(), st.pair.failovers), (0, 0), "{st:?}");

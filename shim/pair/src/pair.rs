@@ -87,6 +87,9 @@ struct Observable {
     last_promotion: Option<u64>,
     last_cold_restart: Option<ColdRestartCause>,
     hangs: Hangs,
+    /// Arming and disarming are changes (a ping that only moves an armed
+    /// watchdog on is not).
+    armed: [bool; 2],
 }
 
 /// The supervisor's decisions for one pair.
@@ -309,7 +312,14 @@ impl Pair {
             last_promotion: self.last_promotion.as_ref().map(|p| p.number),
             last_cold_restart: self.last_cold_restart.clone(),
             hangs: self.hangs,
+            armed: self.watchdogs_armed(),
         }
+    }
+
+    /// Whether each slot's watchdog is armed and counts (a configured
+    /// watchdog, pinged by the current engine).
+    pub(super) fn watchdogs_armed(&self) -> [bool; 2] {
+        SlotId::BOTH.map(|s| self.watchdog.is_some() && self.watchdogs[s.index()].armed())
     }
 }
 

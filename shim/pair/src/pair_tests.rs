@@ -806,8 +806,25 @@ fn a_watchdog_is_armed_by_the_first_ping_only() {
 fn a_gap_longer_than_the_interval_ends_the_engine_one_at_it_does_not() {
     let mut p = watched();
     let revision = p.revision();
+    ping(&mut p, SlotId::ZERO, 990);
+    assert_eq!(
+        p.revision(),
+        revision + 1,
+        "arming is a change (state.json shows it)"
+    );
+    let armed: Vec<bool> = p
+        .snapshot()
+        .slots
+        .iter()
+        .map(|s| s.watchdog_armed)
+        .collect();
+    assert_eq!(armed, [true, false]);
     ping(&mut p, SlotId::ZERO, 1000);
-    assert_eq!(p.revision(), revision, "a ping is no observable change");
+    assert_eq!(
+        p.revision(),
+        revision + 1,
+        "a ping of an armed watchdog is no observable change"
+    );
     assert!(check(&mut p, 1050).is_empty());
     assert!(
         check(&mut p, 1100).is_empty(),

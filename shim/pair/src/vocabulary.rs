@@ -38,6 +38,11 @@ pub struct Slot {
     /// The pair ended this slot's last engine as hung, and why (beside
     /// `last_exit`, which it explains; `None` for any other death).
     pub last_hang: Option<HangCause>,
+    /// Its engine armed its watchdog (pinged under a configured watchdog):
+    /// it is watched from then on. Filled in by [`Pair::snapshot`](crate::Pair::snapshot)
+    /// (the pair keeps the clock itself, off the slots: a ping of an armed
+    /// watchdog is no change); false in the pair's own slots.
+    pub watchdog_armed: bool,
 }
 
 impl Slot {
@@ -50,6 +55,7 @@ impl Slot {
             speaks_notify: false,
             last_exit: None,
             last_hang: None,
+            watchdog_armed: false,
         }
     }
 

@@ -45,6 +45,11 @@ impl Watchdog {
         self.last_ping = self.last_ping.and_then(|p| p.checked_add(by));
     }
 
+    /// Whether a ping armed it (and it was not disarmed since).
+    pub(crate) fn armed(&self) -> bool {
+        self.last_ping.is_some()
+    }
+
     /// Stops the clock (its engine is being ended): no expiry until the
     /// next ping.
     pub(crate) fn disarm(&mut self) {

@@ -232,6 +232,11 @@ fn show(
             slot.last_hang
                 .map(|c| format!(" (hung: {c})"))
                 .unwrap_or_default()
+                + if slot.watchdog_armed {
+                    "  watchdog armed"
+                } else {
+                    ""
+                }
         );
     }
     match s.promotions.last() {

@@ -22,6 +22,7 @@ fn slot(s: &Slot) -> file::SlotState {
         speaks_notify: s.speaks_notify,
         last_exit: s.last_exit,
         last_hang: s.last_hang,
+        watchdog_armed: s.watchdog_armed,
     }
 }
 

@@ -64,8 +64,9 @@ struct Cli {
 const LONG: Duration = Duration::from_secs(30);
 /// The poll of `ask` and of `state.json` while a round runs.
 const STEP: Duration = Duration::from_micros(500);
-/// After the pair is protected again: the respawned shadow parks, and the
-/// new active serves long enough to be armed (its first ping) and probed.
+/// After the pair is protected again, in the probe arm: the new active
+/// serves long enough to be probed (a watchdog's arming shows in
+/// `state.json`, a probe's start does not).
 const SETTLE: Duration = Duration::from_millis(300);
 /// The watchdog interval of the watchdog arm and of the cost arm.
 const WATCHDOG: &str = "100ms";
@@ -213,10 +214,17 @@ fn run_arm(cd: &Containerd, env: &PairEnv, arm: &Arm, rounds: usize) {
     let mut other_causes = 0u64;
     let mut st = pair.wait("protected", |s| s.pair.protected);
     let failovers_at_start = st.pair.failovers;
+    let watched = arm.cause == HangCause::Watchdog;
     for round in 1..=rounds {
-        std::thread::sleep(SETTLE);
+        if !watched {
+            // The probe of a new active begins a period after it serves,
+            // and nothing shows that it has: a pause of three periods.
+            std::thread::sleep(SETTLE);
+        }
         st = pair.wait("protected before the stop", |s| {
-            s.pair.protected && s.pids.iter().all(Option::is_some)
+            s.pair.protected
+                && s.pids.iter().all(Option::is_some)
+                && (!watched || s.pair.slots.iter().all(|s| s.watchdog_armed))
         });
         let before = st.pair.failovers;
         let slot = st.pair.active.expect("an active engine");
@@ -270,7 +278,6 @@ fn run_arm(cd: &Containerd, env: &PairEnv, arm: &Arm, rounds: usize) {
             v.push(x);
         }
     }
-    std::thread::sleep(SETTLE);
     let st = pair.wait("protected at the end", |s| s.pair.protected);
     let failovers = st.pair.failovers - failovers_at_start;
     println!(
@@ -321,11 +328,16 @@ fn measure_cost(
     setup: &Setup,
 ) -> Cost {
     let pair = Running::start(cd, env, id, setup);
+    // Past the start: the shadow parked and, with a watchdog, both armed.
+    let watched = setup
+        .annotations
+        .iter()
+        .any(|(k, _)| *k == annotations::WATCHDOG);
     pair.wait("protected", |s| {
-        s.pair.protected && s.pids.iter().all(Option::is_some)
+        s.pair.protected
+            && s.pids.iter().all(Option::is_some)
+            && (!watched || s.pair.slots.iter().all(|s| s.watchdog_armed))
     });
-    // Past the start: the shadow parked, the active armed, gmsd-less status settled.
-    std::thread::sleep(Duration::from_secs(2));
     let before = pair.state().expect("state").pair.failovers;
     let shim = until("the pair's shim", LONG, STEP, || shim_pid(cd, id));
     let shim = u32::try_from(shim).expect("a pid");

@@ -472,8 +472,10 @@ fn main() {
         let slot = st.pair.active.expect("active slot");
         let pid = st.pid_of(slot).expect("active pid");
         let (failovers, hangs) = (st.pair.failovers, st.pair.hangs.watchdog);
-        // Armed: the promoted engine pinged at least once since serving.
-        std::thread::sleep(Duration::from_millis(100));
+        // Armed: the promoted engine pinged since it was spawned.
+        pair.wait(&format!("hang {round}: the active's watchdog armed"), |s| {
+            s.pair.slots[usize::from(slot)].watchdog_armed
+        });
         assert!(sigstop(pid), "hang {round}: SIGSTOP {pid}");
         stops += 1;
         st = pair.wait(&format!("hang {round}: failover and protected"), |s| {
@@ -491,6 +493,10 @@ fn main() {
         let (active_pid, shadow) = (st.pid_of(active), 1 - active);
         let pid = st.pid_of(shadow).expect("shadow pid");
         let (failovers, hangs) = (st.pair.failovers, st.pair.hangs.watchdog);
+        pair.wait(
+            &format!("shadow hang {round}: the shadow's watchdog armed"),
+            |s| s.pair.slots[usize::from(shadow)].watchdog_armed,
+        );
         assert!(sigstop(pid), "shadow hang {round}: SIGSTOP {pid}");
         stops += 1;
         st = pair.wait(&format!("shadow hang {round}: replaced"), |s| {
@@ -503,9 +509,10 @@ fn main() {
         }
     }
     samples.push(pair.sample(format!("+{} shadow hangs", cli.shadow_hangs)));
-    // Let the last respawn settle (the shadow parked, gmsd's status fresh).
-    std::thread::sleep(Duration::from_secs(2));
-    st = pair.protected();
+    // The last respawn settled: the shadow parked and watched.
+    st = pair.wait("the last respawn parked and armed", |s| {
+        s.pair.protected && s.pair.slots.iter().all(|s| s.watchdog_armed)
+    });
     samples.push(pair.sample("after".into()));
     let loads = pair.loads();
     stop.store(true, Ordering::Relaxed);

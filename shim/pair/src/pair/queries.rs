@@ -159,8 +159,12 @@ impl Pair {
     }
 
     pub fn snapshot(&self) -> Snapshot {
+        let mut slots = self.slots.clone();
+        for (slot, armed) in slots.iter_mut().zip(self.watchdogs_armed()) {
+            slot.watchdog_armed = armed;
+        }
         Snapshot {
-            slots: self.slots.clone(),
+            slots,
             active: self.active,
             protected: self.protected(),
             failovers: self.failovers,
