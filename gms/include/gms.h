@@ -104,13 +104,37 @@ char *gms_layout_json(void);
 void gms_string_free(char *s);
 
 /* KV cache: reserve `bytes` of addresses (rounded up), backed by nothing;
- * returns a handle >= 0 and the address in *addr, or -1. materialise backs
- * it with fresh, NOT zeroed device pages, waiting up to GMS_KV_OOM_WAIT_MS
- * (default 5000) while the device is out of memory (a dead engine's memory
- * is freed by the driver while it tears that process down); release gives
- * the pages back and keeps the addresses. Both return 0 or -1. */
+ * returns a handle >= 0 and the address in *addr, or -1. Its memory is
+ * fresh, NOT zeroed device pages, in chunks (2 GiB), always a prefix
+ * [addr, addr + backed) of the range.
+ *
+ * gms_kv_materialise backs all of it before it returns, waiting up to
+ * GMS_KV_OOM_WAIT_MS (default 5000) while the device is out of memory (a
+ * dead engine's memory is freed by the driver while it tears that process
+ * down); 0 or -1, and on -1 nothing stays backed.
+ *
+ * gms_kv_wake is the promoted engine's wake: it returns once `min_bytes`
+ * are backed (0: at once; waiting up to GMS_KV_OOM_WAIT_MS for them) and a
+ * thread of libgms backs the rest as memory allows, giving up after
+ * GMS_KV_OOM_WAIT_MS without any memory coming back (the cache stays
+ * partly backed, "stalled"). Returns the bytes backed, or -1.
+ * gms_kv_backed: bytes backed now (-1 on error). gms_kv_wait: waits,
+ * without blocking other libgms calls, until `bytes` are backed, the cache
+ * stops growing or `timeout_ms` pass; returns the bytes backed then.
+ * gms_kv_event_fd: an eventfd readable after each change (read 8 bytes to
+ * reset it; owned by libgms, do not close). gms_kv_info_json: bytes,
+ * chunk, backed, growth ("reserved", "growing", "backed", "stalled",
+ * "failed"), full_after_ms, waited_ms / error; free with gms_string_free.
+ *
+ * gms_kv_release stops the growth, gives the pages back and keeps the
+ * addresses; 0 or -1. */
 int64_t gms_kv_reserve(uint64_t bytes, uint64_t *addr);
 int gms_kv_materialise(int64_t kv);
+int64_t gms_kv_wake(int64_t kv, uint64_t min_bytes);
+int64_t gms_kv_backed(int64_t kv);
+int64_t gms_kv_wait(int64_t kv, uint64_t bytes, uint64_t timeout_ms);
+int gms_kv_event_fd(int64_t kv);
+char *gms_kv_info_json(int64_t kv);
 int gms_kv_release(int64_t kv);
 
 /* sleep != 0: unmaps every weight mapping of this process, keeping the

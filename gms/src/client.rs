@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use shadow_contract::paths;
 
+pub use crate::kv::{KvCache, KvWatch};
 use crate::layout::{Allocation, Layout};
 use crate::mapper::{Access, HostMapper, HostRange, Mapper, Range, RangeState};
 use crate::protocol::{
@@ -99,33 +100,6 @@ pub struct Imported<R: Range = HostRange> {
     pub weights: Vec<Weights<R>>,
 }
 
-/// A KV-cache range: reserved now, backed only while materialised.
-pub struct KvCache<R: Range = HostRange> {
-    range: R,
-}
-
-impl<R: Range> KvCache<R> {
-    pub fn range(&self) -> &R {
-        &self.range
-    }
-
-    /// Fresh zeroed pages at the reserved addresses (a waking shadow).
-    pub fn materialise(&mut self) -> Result<()> {
-        self.range.materialise()
-    }
-
-    /// Gives the pages back; the addresses stay reserved.
-    pub fn release(&mut self) -> Result<()> {
-        self.range.unmap()
-    }
-}
-
-impl KvCache<HostRange> {
-    pub fn bytes_mut(&mut self) -> Option<&mut [u8]> {
-        self.range.bytes_mut()
-    }
-}
-
 pub struct Client<M: Mapper = HostMapper> {
     sock: UnixStream,
     mapper: M,
@@ -134,13 +108,13 @@ pub struct Client<M: Mapper = HostMapper> {
 
 impl Client<HostMapper> {
     pub fn connect(socket: &Path, mode: Mode, name: &str) -> Result<Self> {
-        Self::connect_with(HostMapper, socket, mode, name)
+        Self::connect_with(HostMapper::default(), socket, mode, name)
     }
 
     /// Connects, retrying while the daemon is not up yet or the lease is
     /// busy (another engine is loading), until `timeout` has passed.
     pub fn connect_wait(socket: &Path, mode: Mode, name: &str, timeout: Duration) -> Result<Self> {
-        Self::connect_with_wait(HostMapper, socket, mode, name, timeout)
+        Self::connect_with_wait(HostMapper::default(), socket, mode, name, timeout)
     }
 }
 
@@ -475,14 +449,13 @@ impl<M: Mapper> Client<M> {
         Ok(Imported { layout, weights })
     }
 
-    /// A KV-cache range of `len` bytes with no memory behind it yet.
+    /// A KV-cache range of `len` bytes (rounded up to the granularity) with
+    /// no memory behind it yet.
     pub fn reserve_kv(&self, len: u64) -> Result<KvCache<M::Range>> {
         let len = len
             .checked_next_multiple_of(self.welcome.granularity)
             .ok_or_else(|| Error::Invalid(format!("KV size {len} overflows")))?;
-        Ok(KvCache {
-            range: self.mapper.reserve(len, None)?,
-        })
+        KvCache::new(self.mapper.reserve(len, None)?)
     }
 }
 

@@ -61,6 +61,8 @@ pub enum Error {
     Config(String),
     #[error("timed out: {0}")]
     Timeout(String),
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
 }
 
 impl Error {
@@ -92,7 +94,7 @@ impl Error {
             Error::NoLayout(_) => ErrorCode::NoLayout,
             Error::NotPermitted { .. } => ErrorCode::NotPermitted,
             Error::UnknownAllocation(_) => ErrorCode::UnknownAllocation,
-            Error::LimitExceeded(_) => ErrorCode::LimitExceeded,
+            Error::LimitExceeded(_) | Error::OutOfMemory(_) => ErrorCode::LimitExceeded,
             Error::AddressConflict(_) => ErrorCode::AddressConflict,
             Error::Invalid(_) | Error::Config(_) => ErrorCode::Invalid,
             Error::Remote { code, .. } => *code,

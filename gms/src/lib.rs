@@ -20,10 +20,12 @@
 //! - [`status`]: what a daemon reports;
 //! - [`protocol`]: versioned JSON messages and the pure decoder;
 //! - [`wire`]: framing and `SCM_RIGHTS` over a stream socket;
-//! - [`mapper`] and [`client`]: the engine side (host memory mapper).
+//! - [`mapper`], [`kv`] and [`client`]: the engine side (host memory
+//!   mapper, the KV cache that grows on wake).
 
 pub mod client;
 mod error;
+pub mod kv;
 pub mod layout;
 pub mod mapper;
 pub mod protocol;

@@ -7,7 +7,11 @@
 //!
 //! [`HostRange`] is the host implementation: a `PROT_NONE` anonymous
 //! reservation that mappings replace in place with `MAP_FIXED` (only ever
-//! inside the range it owns), and that `Drop` unmaps.
+//! inside the range it owns), and that `Drop` unmaps. Its KV memory is
+//! backed in chunks like a device's, and a [`HostMemory`] limit shared by
+//! several ranges plays the device's capacity: a chunk that does not fit is
+//! refused until another range gives memory back, as on a full GPU, so the
+//! growing KV cache (`kv`) is tested without one.
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 
@@ -30,8 +34,11 @@ pub enum RangeState {
     Reserved,
     /// A GMS allocation is mapped here.
     Mapped(Access),
-    /// Fresh private memory (KV cache).
+    /// Fresh private memory (KV cache) over all of the range.
     Materialised,
+    /// Fresh private memory over a prefix of the range ([`Range::backed`]
+    /// bytes), the rest still reserved: a KV cache that grows.
+    PartlyBacked,
 }
 
 /// One reserved address range of an engine.
@@ -47,8 +54,34 @@ pub trait Range: Send {
     fn map(&mut self, fd: BorrowedFd<'_>, access: Access) -> Result<()>;
     /// Back to a bare reservation; the addresses stay ours.
     fn unmap(&mut self) -> Result<()>;
-    /// Fresh zeroed read-write memory over the whole range.
-    fn materialise(&mut self) -> Result<()>;
+    /// The size KV memory is backed in: one allocation per chunk (the last
+    /// one may be shorter).
+    fn chunk(&self) -> u64;
+    /// Bytes of fresh private memory backing the range from its start.
+    fn backed(&self) -> u64;
+    /// Backs the next chunk after [`backed`](Self::backed) with fresh
+    /// private read-write memory if the memory is there now: `Ok(true)`
+    /// when it did, `Ok(false)` when the device (or limit) has no room for
+    /// it at the moment, never waiting. A range with a GMS allocation
+    /// mapped is unmapped first.
+    fn grow(&mut self) -> Result<bool>;
+    /// Fresh read-write memory over the whole range now, or an error
+    /// ([`Error::OutOfMemory`] when it does not fit); waiting for memory
+    /// is the KV cache's business (`kv::KvCache`).
+    fn materialise(&mut self) -> Result<()> {
+        while self.backed() < self.len() {
+            if !self.grow()? {
+                let backed = self.backed();
+                let _ = self.unmap();
+                return Err(Error::OutOfMemory(format!(
+                    "{backed} of {} bytes backed, no room for the next chunk of {}",
+                    self.len(),
+                    self.chunk()
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Makes ranges.
@@ -59,14 +92,106 @@ pub trait Mapper {
     fn reserve(&self, len: u64, at: Option<u64>) -> Result<Self::Range>;
 }
 
-#[derive(Debug, Default, Clone, Copy)]
-pub struct HostMapper;
+/// KV chunk of host ranges unless [`HostMapper::with_limit`] says otherwise.
+pub const HOST_KV_CHUNK: u64 = 64 << 20;
+
+/// A byte limit on the KV memory of the host ranges that share it: what a
+/// device's capacity is to CUDA ranges. Cloned handles share one count.
+#[derive(Debug, Clone)]
+pub struct HostMemory(std::sync::Arc<std::sync::Mutex<HostMemoryCount>>);
+
+#[derive(Debug)]
+struct HostMemoryCount {
+    limit: u64,
+    used: u64,
+}
+
+impl HostMemory {
+    pub fn new(limit: u64) -> Self {
+        HostMemory(std::sync::Arc::new(std::sync::Mutex::new(
+            HostMemoryCount { limit, used: 0 },
+        )))
+    }
+
+    fn count(&self) -> std::sync::MutexGuard<'_, HostMemoryCount> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes backed now by the ranges under this limit.
+    pub fn used(&self) -> u64 {
+        self.count().used
+    }
+
+    pub fn available(&self) -> u64 {
+        let c = self.count();
+        c.limit.saturating_sub(c.used)
+    }
+
+    fn take(&self, len: u64) -> bool {
+        let mut c = self.count();
+        match c.used.checked_add(len) {
+            Some(used) if used <= c.limit => {
+                c.used = used;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn give(&self, len: u64) {
+        let mut c = self.count();
+        c.used = c.used.saturating_sub(len);
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct HostMapper {
+    limit: Option<HostMemory>,
+    chunk: u64,
+}
+
+impl Default for HostMapper {
+    fn default() -> Self {
+        HostMapper {
+            limit: None,
+            chunk: HOST_KV_CHUNK,
+        }
+    }
+}
+
+impl HostMapper {
+    /// Ranges whose KV memory counts against `limit`, backed `chunk` bytes
+    /// at a time (a multiple of the page size).
+    pub fn with_limit(limit: HostMemory, chunk: u64) -> Result<Self> {
+        if chunk == 0 || chunk % page_size() != 0 {
+            return Err(Error::Invalid(format!(
+                "KV chunk of {chunk} bytes: must be a non-zero multiple of the page size ({})",
+                page_size()
+            )));
+        }
+        Ok(HostMapper {
+            limit: Some(limit),
+            chunk,
+        })
+    }
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf reads a constant of the system.
+    match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        n if n > 0 => n as u64,
+        _ => 4096,
+    }
+}
 
 impl Mapper for HostMapper {
     type Range = HostRange;
 
     fn reserve(&self, len: u64, at: Option<u64>) -> Result<HostRange> {
-        HostRange::reserve(len, at)
+        let mut range = HostRange::reserve(len, at)?;
+        range.limit = self.limit.clone();
+        range.chunk = self.chunk;
+        Ok(range)
     }
 }
 
@@ -75,6 +200,10 @@ pub struct HostRange {
     addr: u64,
     len: u64,
     state: RangeState,
+    /// Bytes of KV memory backing the range from its start.
+    backed: u64,
+    chunk: u64,
+    limit: Option<HostMemory>,
 }
 
 fn mmap_raw(
@@ -120,6 +249,9 @@ impl HostRange {
             addr,
             len,
             state: RangeState::Reserved,
+            backed: 0,
+            chunk: HOST_KV_CHUNK,
+            limit: None,
         };
         // Kernels before 4.17 treat the flag as a hint; `range` unmaps on drop.
         if at.is_some() && addr != want {
@@ -131,20 +263,56 @@ impl HostRange {
     }
 
     fn replace(&mut self, prot: libc::c_int, flags: libc::c_int, fd: libc::c_int) -> Result<()> {
-        mmap_raw(self.addr, self.len, prot, flags | libc::MAP_FIXED, fd)
+        self.replace_part(0, self.len, prot, flags, fd)
+    }
+
+    /// Maps over `[addr + offset, +len)`, a part of this range.
+    fn replace_part(
+        &mut self,
+        offset: u64,
+        len: u64,
+        prot: libc::c_int,
+        flags: libc::c_int,
+        fd: libc::c_int,
+    ) -> Result<()> {
+        debug_assert!(offset.checked_add(len).is_some_and(|end| end <= self.len));
+        mmap_raw(self.addr + offset, len, prot, flags | libc::MAP_FIXED, fd)
             .map(|_| ())
             .map_err(|e| {
                 Error::sys(
-                    format!("mmap over own range {:#x}+{}", self.addr, self.len),
+                    format!("mmap over own range {:#x}+{offset:#x}+{len}", self.addr),
                     e,
                 )
             })
     }
 
-    /// The mapped bytes, or `None` unless readable memory is mapped.
+    /// Hands the KV memory back to the limit, if any.
+    fn give_back(&mut self) {
+        if let Some(limit) = &self.limit {
+            limit.give(self.backed);
+        }
+        self.backed = 0;
+    }
+
+    /// The backed prefix of a KV range, writable (empty when none is).
+    pub fn backed_mut(&mut self) -> &mut [u8] {
+        match self.state {
+            RangeState::Materialised | RangeState::PartlyBacked => {
+                // SAFETY: [addr, addr + backed) is mapped read-write private
+                // memory owned by self, exclusively borrowed through it.
+                unsafe {
+                    std::slice::from_raw_parts_mut(self.addr as *mut u8, self.backed as usize)
+                }
+            }
+            _ => &mut [],
+        }
+    }
+
+    /// The mapped bytes, or `None` unless readable memory is mapped over
+    /// all of the range.
     pub fn bytes(&self) -> Option<&[u8]> {
         match self.state {
-            RangeState::Reserved => None,
+            RangeState::Reserved | RangeState::PartlyBacked => None,
             // SAFETY: the whole range is mapped readable and owned by self;
             // the slice borrows self, so it cannot outlive an unmap.
             _ => Some(unsafe {
@@ -182,6 +350,7 @@ impl Range for HostRange {
 
     fn map(&mut self, fd: BorrowedFd<'_>, access: Access) -> Result<()> {
         check_host_memory(fd, self.len, access)?;
+        self.give_back();
         let prot = match access {
             Access::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
             Access::ReadOnly => libc::PROT_READ,
@@ -197,18 +366,52 @@ impl Range for HostRange {
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
             -1,
         )?;
+        self.give_back();
         self.state = RangeState::Reserved;
         Ok(())
     }
 
-    fn materialise(&mut self) -> Result<()> {
-        self.replace(
+    fn chunk(&self) -> u64 {
+        self.chunk
+    }
+
+    fn backed(&self) -> u64 {
+        self.backed
+    }
+
+    fn grow(&mut self) -> Result<bool> {
+        if matches!(self.state, RangeState::Mapped(_)) {
+            self.unmap()?;
+        }
+        let len = self.chunk.min(self.len - self.backed);
+        if len == 0 {
+            return Ok(false);
+        }
+        if let Some(limit) = &self.limit {
+            if !limit.take(len) {
+                return Ok(false);
+            }
+        }
+        let mapped = self.replace_part(
+            self.backed,
+            len,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
-        )?;
-        self.state = RangeState::Materialised;
-        Ok(())
+        );
+        if let Err(e) = mapped {
+            if let Some(limit) = &self.limit {
+                limit.give(len);
+            }
+            return Err(e);
+        }
+        self.backed += len;
+        self.state = if self.backed == self.len {
+            RangeState::Materialised
+        } else {
+            RangeState::PartlyBacked
+        };
+        Ok(true)
     }
 }
 
@@ -250,6 +453,7 @@ fn check_host_memory(fd: BorrowedFd<'_>, len: u64, access: Access) -> Result<()>
 
 impl Drop for HostRange {
     fn drop(&mut self) {
+        self.give_back();
         // SAFETY: the range [addr, addr+len) was reserved by this HostRange
         // and only ever replaced in place; nothing else owns it.
         if unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len as usize) } != 0 {
@@ -269,7 +473,7 @@ mod tests {
 
     #[test]
     fn kv_reserve_materialise_release() {
-        let mut r = HostMapper.reserve(1 << 20, None).unwrap();
+        let mut r = HostMapper::default().reserve(1 << 20, None).unwrap();
         assert!(r.bytes().is_none());
         r.materialise().unwrap();
         r.bytes_mut().unwrap()[4096] = 7;
@@ -296,7 +500,7 @@ mod tests {
     #[test]
     fn short_or_unsealed_memory_is_refused_before_mapping() {
         use std::os::fd::AsFd;
-        let mut r = HostMapper.reserve(8192, None).unwrap();
+        let mut r = HostMapper::default().reserve(8192, None).unwrap();
         let short = memfd(4096);
         let err = r.map(short.as_fd(), Access::ReadWrite).unwrap_err();
         assert!(err.to_string().contains("holds 4096 bytes"), "{err}");
@@ -318,9 +522,11 @@ mod tests {
     fn exact_reservation_refuses_taken_addresses() {
         // A fixed address far from where this process's mappings live.
         let at = 0x5a5a_0000_0000;
-        let a = HostMapper.reserve(1 << 20, Some(at)).unwrap();
+        let a = HostMapper::default().reserve(1 << 20, Some(at)).unwrap();
         assert_eq!(a.addr(), at);
-        let err = HostMapper.reserve(4096, Some(at + 8192)).unwrap_err();
+        let err = HostMapper::default()
+            .reserve(4096, Some(at + 8192))
+            .unwrap_err();
         assert!(matches!(err, Error::AddressConflict(_)), "{err}");
     }
 }

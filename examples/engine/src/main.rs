@@ -12,8 +12,9 @@
 //!    never accepted on while parked), else binds its port (not
 //!    listening); `STATUS=parked`;
 //! 3. `flock(LOCK_EX)` on `SHADOW_LOCK_PATH` (skipped when unset: alone);
-//! 4. materialises the KV range, listens (its own socket), `READY=1`,
-//!    accepts and serves HTTP:
+//! 4. wakes the KV range (it grows as memory allows: a request waits
+//!    until the part it writes is backed), listens (its own socket),
+//!    `READY=1`, accepts and serves HTTP:
 //!    `POST /v1/completions` (`{"prompt": "...", "max_tokens": n}`) and
 //!    `GET /health`.
 //!
@@ -255,7 +256,7 @@ fn serve(args: Args) -> Result<()> {
     let boot_us = now_us();
     let t0 = Instant::now();
     let kv_bytes = args.kv_mib << 20;
-    let (source, mut gms_kv) = attach(&args.weights, &slot, kv_bytes)?;
+    let (source, gms_kv) = attach(&args.weights, &slot, kv_bytes)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let model = Model::build(source.bytes(), &args.weights)?;
     let init_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -296,17 +297,15 @@ fn serve(args: Args) -> Result<()> {
         None => None,
     };
     let lock_us = now_us();
-    // The KV cache: fresh pages at the reserved GMS range, or private memory.
-    let mut private_kv: Vec<u8>;
-    let kv_mem: &mut [u8] = match &mut gms_kv {
-        Some(cache) => {
-            cache.materialise().map_err(gms_err("materialise KV"))?;
-            cache.bytes_mut().unwrap_or_default()
+    // The KV cache: the reserved GMS range starts growing (what fits now,
+    // the rest as memory comes back) and serving does not wait for it; or
+    // private memory.
+    let kv = match gms_kv {
+        Some(mut cache) => {
+            cache.wake(0).map_err(gms_err("wake KV"))?;
+            Kv::Gms(cache)
         }
-        None => {
-            private_kv = vec![0u8; kv_bytes as usize];
-            &mut private_kv
-        }
+        None => Kv::Private(Mutex::new(vec![0u8; kv_bytes as usize])),
     };
     if own {
         listen(&sock, Backlog::new(256).unwrap_or(Backlog::MAXCONN))
@@ -328,7 +327,6 @@ fn serve(args: Args) -> Result<()> {
         "load_ms": load_ms, "init_ms": init_ms,
     });
     let bytes = source.bytes();
-    let kv = Mutex::new(kv_mem);
     let live = Live::new(pacer);
     let (to_workers, from_acceptor) = mpsc::channel::<TcpStream>();
     let from_acceptor = Mutex::new(from_acceptor);
@@ -555,12 +553,53 @@ fn accept_loop(listener: &TcpListener, to_workers: &mpsc::Sender<TcpStream>, liv
     }
 }
 
+/// The engine's KV cache.
+enum Kv {
+    /// At the GMS range reserved while parked: a prefix of it is backed,
+    /// growing after the wake.
+    Gms(KvCache),
+    /// Without GMS: private memory.
+    Private(Mutex<Vec<u8>>),
+}
+
+impl Kv {
+    /// Writes a sequence's state at the start of the cache. Through GMS it
+    /// waits (a queued request) until that much is backed, if it is not yet.
+    fn write(&self, data: &[u8]) -> Result<(), String> {
+        let n = (data.len() as u64).min(self.len());
+        match self {
+            Kv::Gms(cache) => {
+                let backed = cache.watch().wait_backed(n, cache.oom_wait());
+                if backed < n {
+                    return Err(format!(
+                        "the KV cache has {backed} bytes backed, this request needs {n}: {}",
+                        cache.watch().info_json()
+                    ));
+                }
+                cache.with_backed_mut(|kv| kv[..n as usize].copy_from_slice(&data[..n as usize]));
+            }
+            Kv::Private(kv) => {
+                let mut kv = kv.lock().unwrap_or_else(|e| e.into_inner());
+                kv[..n as usize].copy_from_slice(&data[..n as usize]);
+            }
+        }
+        Ok(())
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Kv::Gms(cache) => cache.len(),
+            Kv::Private(kv) => kv.lock().map_or(0, |kv| kv.len() as u64),
+        }
+    }
+}
+
 /// One request, one response, connection closed.
 fn answer(
     mut conn: TcpStream,
     model: &Model,
     bytes: &[u8],
-    kv: &Mutex<&mut [u8]>,
+    kv: &Kv,
     info: &Value,
     live: &Live,
     worker: usize,
@@ -576,6 +615,7 @@ fn answer(
     let reason = match status {
         200 => "OK",
         404 => "Not Found",
+        503 => "Service Unavailable",
         _ => "Bad Request",
     };
     let _ = write!(
@@ -642,7 +682,7 @@ fn route(
     body: &[u8],
     model: &Model,
     bytes: &[u8],
-    kv: &Mutex<&mut [u8]>,
+    kv: &Kv,
     info: &Value,
     step: &mut dyn FnMut(),
 ) -> (u16, Value) {
@@ -666,9 +706,8 @@ fn route(
             let c = model.complete_with(bytes, prompt, max_tokens, step);
             // The KV cache holds the sequence's state; a real engine keeps
             // pages per sequence, here one page is rewritten per request.
-            if let Ok(mut kv) = kv.lock() {
-                let n = kv.len().min(c.text.len());
-                kv[..n].copy_from_slice(&c.text.as_bytes()[..n]);
+            if let Err(e) = kv.write(c.text.as_bytes()) {
+                return (503, json!({ "error": e }));
             }
             (
                 200,

@@ -16,12 +16,12 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use gms_core::client::{Client, Imported, KvCache, Weights};
-use gms_core::mapper::Range;
+use gms_core::client::{Client, Imported, KvCache, KvWatch, Weights};
 use gms_core::protocol::{LeaseKind, Mode};
 use gms_cuda::mapper::{connect_wait, CudaMapper, CudaRange};
 use gms_cuda::parse_device;
@@ -392,7 +392,7 @@ pub unsafe extern "C" fn gms_kv_reserve(bytes: u64, addr: *mut u64) -> i64 {
         with_session(|s| {
             let kv = s.client.reserve_kv(bytes).map_err(|e| e.to_string())?;
             // SAFETY: non-NULL and valid per the header.
-            unsafe { *addr = kv.range().addr() };
+            unsafe { *addr = kv.addr() };
             let id = s.next_kv;
             s.next_kv += 1;
             s.kv.insert(id, kv);
@@ -418,6 +418,94 @@ fn kv_op(
 #[no_mangle]
 pub extern "C" fn gms_kv_materialise(kv: i64) -> c_int {
     guarded("gms_kv_materialise", -1, || kv_op(kv, |c| c.materialise()))
+}
+
+/// The KV cache's watch, taken under the session lock and used without it:
+/// waits must not hold every other call of the process back.
+fn kv_watch(kv: i64) -> Result<KvWatch, String> {
+    with_session(|s| {
+        s.kv.get(&kv)
+            .map(|c| c.watch())
+            .ok_or_else(|| format!("no KV cache {kv}"))
+    })
+}
+
+fn to_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// Starts backing a reserved KV cache as memory allows, and returns once at
+/// least `min_bytes` are backed (0: at once), waiting up to
+/// GMS_KV_OOM_WAIT_MS for them; a thread of libgms backs the rest, in
+/// order from the start, as the device's memory comes back. Returns the
+/// bytes backed on return, or -1.
+#[no_mangle]
+pub extern "C" fn gms_kv_wake(kv: i64, min_bytes: u64) -> i64 {
+    guarded("gms_kv_wake", -1, || {
+        let (watch, wait) = with_session(|s| {
+            let cache =
+                s.kv.get_mut(&kv)
+                    .ok_or_else(|| format!("no KV cache {kv}"))?;
+            cache.wake(0).map_err(|e| e.to_string())?;
+            Ok((cache.watch(), cache.oom_wait()))
+        })?;
+        let backed = watch.wait_backed(min_bytes, wait);
+        if backed < min_bytes {
+            return Err(format!(
+                "{backed} of the {min_bytes} bytes needed at once are backed after {} ms \
+                 (GMS_KV_OOM_WAIT_MS): {}",
+                wait.as_millis(),
+                watch.info_json()
+            ));
+        }
+        Ok(to_i64(backed))
+    })
+}
+
+/// Bytes of the KV cache backed now, from its start; or -1.
+#[no_mangle]
+pub extern "C" fn gms_kv_backed(kv: i64) -> i64 {
+    guarded("gms_kv_backed", -1, || Ok(to_i64(kv_watch(kv)?.backed())))
+}
+
+/// Waits (without holding libgms's lock) until at least `bytes` of the KV
+/// cache are backed, it stops growing, or `timeout_ms` pass. Returns the
+/// bytes backed then, or -1.
+#[no_mangle]
+pub extern "C" fn gms_kv_wait(kv: i64, bytes: u64, timeout_ms: u64) -> i64 {
+    guarded("gms_kv_wait", -1, || {
+        let watch = kv_watch(kv)?;
+        Ok(to_i64(
+            watch.wait_backed(bytes, Duration::from_millis(timeout_ms)),
+        ))
+    })
+}
+
+/// An eventfd, readable after each change of the KV cache's backing (read
+/// 8 bytes to reset it). libgms owns it: valid until gms_disconnect, never
+/// to be closed by the caller. -1 on error.
+#[no_mangle]
+pub extern "C" fn gms_kv_event_fd(kv: i64) -> c_int {
+    guarded("gms_kv_event_fd", -1, || {
+        with_session(|s| {
+            s.kv.get(&kv)
+                .map(|c| c.watch().event_fd().as_raw_fd())
+                .ok_or_else(|| format!("no KV cache {kv}"))
+        })
+    })
+}
+
+/// The KV cache's state as JSON: bytes, chunk, backed, growth (reserved,
+/// growing, backed, stalled, failed), full_after_ms, waited_ms or error.
+/// Free with gms_string_free; NULL on error.
+#[no_mangle]
+pub extern "C" fn gms_kv_info_json(kv: i64) -> *mut c_char {
+    guarded("gms_kv_info_json", std::ptr::null_mut(), || {
+        let json = kv_watch(kv)?.info_json();
+        CString::new(json)
+            .map(CString::into_raw)
+            .map_err(|e| e.to_string())
+    })
 }
 
 /// Gives a KV cache's pages back, keeping its addresses. 0 or -1.

@@ -58,43 +58,6 @@ pub const DEFAULT_VA_WINDOW: u64 = 256 << 30;
 /// chunks 91–116 ms.
 pub const KV_CHUNK: u64 = 2 << 30;
 
-/// How long a KV materialise waits for device memory before it fails,
-/// unless `GMS_KV_OOM_WAIT_MS` says otherwise. A promoted engine
-/// materialises its KV cache while the engine that died is still being torn
-/// down by the driver: on an H200 that process's memory comes back 110–150
-/// ms after its SIGKILL. A GPU sized for one KV cache (the usual case: the
-/// parked shadow holds none) has the room only then.
-pub const KV_OOM_WAIT: Duration = Duration::from_secs(5);
-
-/// [`KV_OOM_WAIT`], or `GMS_KV_OOM_WAIT_MS` when set to a number.
-fn kv_oom_wait() -> Duration {
-    std::env::var("GMS_KV_OOM_WAIT_MS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .map(Duration::from_millis)
-        .unwrap_or(KV_OOM_WAIT)
-}
-
-/// Creates `len` bytes of device memory, retrying while the device is out
-/// of memory (another process's memory may be on its way back) until
-/// `deadline`: 1 ms between tries, doubling to 16 ms.
-fn create_waiting_for_memory(
-    device: &Device,
-    len: usize,
-    deadline: std::time::Instant,
-) -> crate::Result<PhysicalMemory> {
-    let mut pause = Duration::from_millis(1);
-    loop {
-        match PhysicalMemory::create(device, len) {
-            Err(e) if e.is_out_of_memory() && std::time::Instant::now() + pause < deadline => {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(16));
-            }
-            other => return other,
-        }
-    }
-}
-
 /// A primary context shared by a mapper and all its ranges.
 struct SharedContext(PrimaryContext);
 
@@ -393,6 +356,7 @@ impl Mapper for CudaMapper {
             len,
             memory: Vec::new(),
             state: RangeState::Reserved,
+            backed: 0,
             device: self.device.clone(),
             context: Arc::clone(&self.context),
         })
@@ -406,9 +370,11 @@ pub struct CudaRange {
     offset: u64,
     len: u64,
     /// Handles mapped here, by offset in the window: one imported
-    /// allocation, or the KV chunks created by `materialise`.
+    /// allocation, or the KV chunks created by `grow`, in order.
     memory: Vec<(usize, PhysicalMemory)>,
     state: RangeState,
+    /// Bytes of KV chunks mapped from the start of the range.
+    backed: u64,
     device: Device,
     context: Arc<SharedContext>,
 }
@@ -472,6 +438,7 @@ impl CudaRange {
         }
         drop(w);
         self.memory.clear();
+        self.backed = 0;
         self.state = RangeState::Reserved;
         Ok(())
     }
@@ -525,48 +492,54 @@ impl Range for CudaRange {
         self.unmap_all()
     }
 
-    /// Fresh device pages over the whole range, in [`KV_CHUNK`] pieces.
-    /// Unlike the host backend the pages are not zeroed (that would cost
-    /// ≈ 20 ms for 64 GiB): a KV cache is written before it is read. Out of
-    /// device memory, it waits up to [`KV_OOM_WAIT`] for memory to come
-    /// back (the dead engine's, during a failover) before it fails.
-    fn materialise(&mut self) -> Result<()> {
-        if self.state != RangeState::Reserved {
+    fn chunk(&self) -> u64 {
+        KV_CHUNK
+    }
+
+    fn backed(&self) -> u64 {
+        self.backed
+    }
+
+    /// The next [`KV_CHUNK`] of fresh device pages, if the device has room
+    /// for it now (`cuMemCreate` out of memory: `Ok(false)`). Unlike the
+    /// host backend the pages are not zeroed (that would cost ≈ 20 ms for
+    /// 64 GiB): a KV cache is written before it is read. Called from the
+    /// KV cache's grower thread while kernels run on the chunks before it:
+    /// a chunk is mapped (and made accessible) only where nothing is yet.
+    fn grow(&mut self) -> Result<bool> {
+        if matches!(self.state, RangeState::Mapped(_)) {
             self.unmap_all()?;
         }
-        self.current()?;
-        let total = self.len as usize;
-        let chunk = KV_CHUNK as usize;
-        let wait = kv_oom_wait();
-        let deadline = std::time::Instant::now() + wait;
-        let mut done = 0usize;
-        while done < total {
-            let len = chunk.min(total - done);
-            let at = self.start() + done;
-            let created = create_waiting_for_memory(&self.device, len, deadline).map_err(cuda_error(format!(
-                "creating {len} bytes of KV at +{done:#x} of {:#x} ({done} of {total} bytes done, waited up to {} ms for memory)",
-                self.addr(),
-                wait.as_millis()
-            )));
-            let mapped = created.and_then(|memory| {
-                lock(&self.window)
-                    .reservation
-                    .map(at, &memory, &self.device, crate::Access::ReadWrite)
-                    .map_err(cuda_error(format!("mapping KV at +{done:#x}")))
-                    .map(|()| memory)
-            });
-            match mapped {
-                Ok(memory) => self.memory.push((at, memory)),
-                Err(e) => {
-                    // Leave the range consistent: give back what was mapped.
-                    let _ = self.unmap_all();
-                    return Err(e);
-                }
-            }
-            done += len;
+        let done = self.backed;
+        let len = KV_CHUNK.min(self.len - done) as usize;
+        if len == 0 {
+            return Ok(false);
         }
-        self.state = RangeState::Materialised;
-        Ok(())
+        self.current()?;
+        let memory = match PhysicalMemory::create(&self.device, len) {
+            Ok(m) => m,
+            Err(e) if e.is_out_of_memory() => return Ok(false),
+            Err(e) => {
+                return Err(cuda_error(format!(
+                    "creating {len} bytes of KV at +{done:#x} of {:#x} ({done} of {} bytes backed)",
+                    self.addr(),
+                    self.len
+                ))(e))
+            }
+        };
+        let at = self.start() + done as usize;
+        lock(&self.window)
+            .reservation
+            .map(at, &memory, &self.device, crate::Access::ReadWrite)
+            .map_err(cuda_error(format!("mapping KV at +{done:#x}")))?;
+        self.memory.push((at, memory));
+        self.backed += len as u64;
+        self.state = if self.backed == self.len {
+            RangeState::Materialised
+        } else {
+            RangeState::PartlyBacked
+        };
+        Ok(true)
     }
 }
 

@@ -738,12 +738,58 @@ fn sleep_wake_and_kv_cache_in_a_real_lease() {
     );
 
     let mut kv = w.reserve_kv(8 * MIB).unwrap();
-    assert!(kv.bytes_mut().is_none());
+    assert!(kv.with_backed_mut(|b| b.is_empty()));
     kv.materialise().unwrap();
-    kv.bytes_mut().unwrap()[MIB as usize] = 9;
+    kv.with_backed_mut(|b| b[MIB as usize] = 9);
     kv.release().unwrap();
     kv.materialise().unwrap();
-    assert_eq!(kv.bytes_mut().unwrap()[MIB as usize], 0);
+    assert_eq!(kv.with_backed_mut(|b| b[MIB as usize]), 0);
+}
+
+/// The promoted engine's wake through a real lease, on a host "device"
+/// whose KV memory is limited: the dead engine (another client) holds most
+/// of it; the new engine's cache wakes with what fits, serves writes into
+/// its backed prefix, and grows to all of it when the dead engine's lease
+/// ends and its cache is gone.
+#[test]
+fn a_woken_kv_cache_grows_when_the_dead_engines_memory_comes_back() {
+    use gms::kv::Growth;
+    use gms::mapper::{HostMapper, HostMemory};
+    let gmsd = Gmsd::start(&[]);
+    let device = HostMemory::new(16 * MIB);
+    let mapper = HostMapper::with_limit(device.clone(), 2 * MIB).unwrap();
+    let mut dead = Client::connect_with(mapper.clone(), &gmsd.socket, Mode::Rw, "dead").unwrap();
+    let mut weights = vec![dead.allocate("weights", MIB).unwrap()];
+    dead.commit(&mut weights).unwrap();
+    let mut dead_kv = dead.reserve_kv(12 * MIB).unwrap();
+    dead_kv.materialise().unwrap();
+    let promoted = Client::connect_with(mapper, &gmsd.socket, Mode::Ro, "promoted").unwrap();
+    let mut kv = promoted.reserve_kv(16 * MIB).unwrap();
+    assert_eq!(kv.chunk(), 2 * MIB);
+    assert_eq!(
+        kv.wake(MIB).unwrap(),
+        2 * MIB,
+        "one chunk at once on the caller's thread"
+    );
+    let watch = kv.watch();
+    assert_eq!(
+        watch.wait_backed(4 * MIB, DEADLINE),
+        4 * MIB,
+        "what fits now"
+    );
+    assert_eq!(kv.growth(), Growth::Growing);
+    kv.with_backed_mut(|b| b[3 * MIB as usize] = 5);
+    drop(dead_kv);
+    drop(weights);
+    drop(dead);
+    assert_eq!(watch.wait_backed(16 * MIB, DEADLINE), 16 * MIB);
+    assert_eq!(kv.growth(), Growth::Backed);
+    assert_eq!(
+        kv.with_backed_mut(|b| (b.len() as u64, b[3 * MIB as usize])),
+        (16 * MIB, 5)
+    );
+    drop(kv);
+    assert_eq!(device.used(), 0, "every chunk given back");
 }
 
 #[test]

@@ -8,7 +8,8 @@ Engine authors use three things from here:
   them with tensor metadata (``Gms.commit_module``); a reader rebuilds the
   same tensors, zero-copy, at the writer's addresses (``Gms.load_module``).
 - ``Gms.kv_cache(bytes)``: a KV cache whose addresses are reserved now and
-  whose pages are materialised only on promotion.
+  whose pages are backed only on promotion: ``wake()`` returns at once and
+  the cache grows as the device's memory allows (``backed``, ``wait``).
 - ``FailoverLock`` and ``notify``: the engine contract of docs/engine-contract.md
   (flock on SHADOW_LOCK_PATH, STATUS=parked / READY=1 on NOTIFY_SOCKET).
 - ``Watchdog``, ``Progress`` and ``extend_start``: the watchdog's pings

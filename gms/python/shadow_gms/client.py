@@ -160,6 +160,11 @@ def _bind(path):
         "gms_string_free": (None, [c.c_void_p]),
         "gms_kv_reserve": (c.c_int64, [c.c_uint64, c.POINTER(c.c_uint64)]),
         "gms_kv_materialise": (c.c_int, [c.c_int64]),
+        "gms_kv_wake": (c.c_int64, [c.c_int64, c.c_uint64]),
+        "gms_kv_backed": (c.c_int64, [c.c_int64]),
+        "gms_kv_wait": (c.c_int64, [c.c_int64, c.c_uint64, c.c_uint64]),
+        "gms_kv_event_fd": (c.c_int, [c.c_int64]),
+        "gms_kv_info_json": (c.c_void_p, [c.c_int64]),
         "gms_kv_release": (c.c_int, [c.c_int64]),
         "gms_weights_sleep": (c.c_int, [c.c_int]),
         "gms_disconnect": (None, []),
@@ -196,13 +201,45 @@ def device_tensor(ptr, dtype, shape, stride=None):
 
 
 class KvCache:
-    """A KV cache range: addresses now, pages on ``materialise()``."""
+    """A KV cache range: addresses now, pages on ``materialise()`` (all at
+    once) or ``wake()`` (what fits now, the rest as the device's memory
+    comes back). The pages backed are always the first ``backed`` bytes:
+    an engine with a block pool uses the blocks that lie there and adds the
+    others as it grows (docs/engine-contract.md)."""
 
     def __init__(self, gms, handle, addr, nbytes):
         self._gms, self.handle, self.addr, self.nbytes = gms, handle, addr, nbytes
 
     def materialise(self):
+        """All of it backed, waiting up to GMS_KV_OOM_WAIT_MS for memory."""
         self._gms._check(self._gms.lib.gms_kv_materialise(self.handle), "gms_kv_materialise")
+
+    def wake(self, min_bytes=0):
+        """Starts backing the cache as memory allows and returns once
+        ``min_bytes`` are backed (0: at once); a thread of libgms backs the
+        rest. Returns the bytes backed."""
+        return self._gms._check(self._gms.lib.gms_kv_wake(self.handle, int(min_bytes)), "gms_kv_wake")
+
+    @property
+    def backed(self):
+        """Bytes backed now, from the start of the range."""
+        return self._gms._check(self._gms.lib.gms_kv_backed(self.handle), "gms_kv_backed")
+
+    def wait(self, nbytes, timeout_s):
+        """Waits (the GIL released) until ``nbytes`` are backed, the cache
+        stops growing, or ``timeout_s`` pass; returns the bytes backed."""
+        ms = max(0, int(timeout_s * 1000))
+        return self._gms._check(self._gms.lib.gms_kv_wait(self.handle, int(nbytes), ms), "gms_kv_wait")
+
+    def fileno(self):
+        """An eventfd readable after each change of the backing (read 8
+        bytes to reset it), for selectors; owned by libgms, never closed here."""
+        return self._gms._check(self._gms.lib.gms_kv_event_fd(self.handle), "gms_kv_event_fd")
+
+    def info(self):
+        """bytes, chunk, backed, growth ("reserved", "growing", "backed",
+        "stalled", "failed"), full_after_ms, waited_ms or error."""
+        return json.loads(self._gms._take_string(self._gms.lib.gms_kv_info_json(self.handle), "gms_kv_info_json"))
 
     def release(self):
         self._gms._check(self._gms.lib.gms_kv_release(self.handle), "gms_kv_release")

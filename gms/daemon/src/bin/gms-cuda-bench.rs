@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use gms::client::Client;
-use gms::mapper::Range;
 use gms::protocol::{LeaseKind, Mode};
 use gms_cuda::mapper::{connect_wait, CudaMapper, CudaRange};
 use gms_cuda::parse_device;
@@ -240,14 +239,33 @@ fn reader(options: &Options) -> Res<()> {
     let t = Instant::now();
     kv.materialise()?;
     let materialise_ms = ms(t);
-    kv.range().fill_u32(kv.range().len() - 4, 7, 1)?;
+    let len = kv.len();
+    kv.with_range(|r| r.fill_u32(len - 4, 7, 1))?;
     let t = Instant::now();
     kv.release()?;
     let release_ms = ms(t);
+    // The promoted engine's wake: back nothing on the caller's thread, the
+    // grower backs the cache chunk by chunk.
+    let t = Instant::now();
+    kv.wake(0)?;
+    let wake_ms = ms(t);
+    let first = kv.watch().wait_backed(1, Duration::from_secs(5));
+    let first_chunk_ms = ms(t);
+    let full = kv.watch().wait_backed(len, Duration::from_secs(30));
+    let full_ms = ms(t);
+    if first == 0 || full < len {
+        return Err(format!(
+            "the KV cache grew to {full} of {len} bytes: {}",
+            kv.watch().info_json()
+        )
+        .into());
+    }
+    kv.with_range(|r| r.fill_u32(len - 4, 7, 1))?;
+    kv.release()?;
     println!(
-        "{{\"step\":\"kv\",\"bytes\":{},\"reserve_ms\":{reserve_ms:.3},\"materialise_ms\":{materialise_ms:.3},\"release_ms\":{release_ms:.3},\"addr\":\"{:#x}\"}}",
+        "{{\"step\":\"kv\",\"bytes\":{},\"reserve_ms\":{reserve_ms:.3},\"materialise_ms\":{materialise_ms:.3},\"release_ms\":{release_ms:.3},\"wake_ms\":{wake_ms:.3},\"wake_first_chunk_ms\":{first_chunk_ms:.3},\"wake_full_ms\":{full_ms:.3},\"addr\":\"{:#x}\"}}",
         kv_gib * GIB,
-        kv.range().addr()
+        kv.addr()
     );
     Ok(())
 }
