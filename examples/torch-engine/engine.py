@@ -11,11 +11,20 @@ addresses. Then, per docs/engine-contract.md:
   1. initialise (weights, a warm-up forward that loads the kernels);
   2. STATUS=parked on NOTIFY_SOCKET;
   3. flock(LOCK_EX) on SHADOW_LOCK_PATH;
-  4. wake: materialise the KV cache at its reserved address, bind the port
-     (or, with an inherited listening socket, start accepting on it), and
-     check the mapped weights against the digest their writer recorded
-     (on the GPU, overlapping the KV materialise);
-  5. READY=1, then serve.
+  4. wake: start backing the KV cache at its reserved address (libgms
+     backs what fits now and the rest as the dead engine's memory comes
+     back; the engine does not wait for it), launch the check of the
+     mapped weights against the digest their writer recorded (on the GPU),
+     and bind the port (or, with an inherited listening socket, start
+     accepting on it);
+  5. READY=1, then serve; the check's verdict is awaited before the first
+     answer is sent (it overlaps the first request): a request whose KV rows are backed runs at once,
+     one whose rows are not yet waits until the cache has grown (those
+     behind it wait in the listen backlog). The KV cache is laid out token
+     after token (every layer's K and V of token 0, then of token 1, ...),
+     so that its backed prefix holds whole tokens: a request of n tokens
+     needs the first n rows. Short requests run on the CUDA-graph path,
+     whose window is the engine's own, and need none of it.
 
 A reader checks the weights once more right after mapping them. Weights
 that changed since their commit (on CUDA any holder of the handle can
@@ -50,6 +59,7 @@ Prints one JSON line per phase on stdout.
 import json
 import math
 import os
+import select
 import sys
 import threading
 import time
@@ -176,7 +186,8 @@ class FastPath:
     for. The window is ordinary device memory (8 MiB at 8 layers), zeroed
     once: rows past a request's position are masked out of attention but
     still multiplied by zero, so they must hold numbers. Longer requests
-    take the eager path over the materialised KV cache."""
+    take the eager path over the KV cache, once the rows they need
+    are backed."""
 
     WINDOW = 64
     MAX_TOKENS = 256
@@ -236,11 +247,62 @@ class FastPath:
 
 
 def kv_views(base, layers, hidden, max_seq):
-    """Per-layer (K, V) tensors of [max_seq, hidden] carved from one range."""
+    """Per-layer (K, V) tensors of [max_seq, hidden] carved from one range,
+    layer after layer (the CUDA-graph window)."""
     per = max_seq * hidden
     flat = base[: 2 * layers * per]
     return [(flat[(2 * i) * per:(2 * i + 1) * per].view(max_seq, hidden),
              flat[(2 * i + 1) * per:(2 * i + 2) * per].view(max_seq, hidden)) for i in range(layers)]
+
+
+def token_views(base, layers, hidden, max_seq):
+    """Per-layer (K, V) tensors of [max_seq, hidden] over one range laid out
+    token after token ([max_seq, layers, 2, hidden]): row r of every layer
+    lies in the range's r-th slice of ``row_bytes``, so a cache backed up to
+    byte b holds rows 0 .. b // row_bytes whole."""
+    rows = base[: max_seq * layers * 2 * hidden].view(max_seq, layers, 2, hidden)
+    return [(rows[:, i, 0], rows[:, i, 1]) for i in range(layers)]
+
+
+def row_bytes(layers, hidden):
+    """Bytes of one token's K and V in every layer (token_views)."""
+    return layers * 2 * hidden * torch.empty((), dtype=DTYPE).element_size()
+
+
+class KvUnavailable(Exception):
+    """The KV rows a request needs are not backed and the cache stopped growing."""
+
+
+class KvAdmission:
+    """Admits a request once the KV rows it needs are backed: at once when
+    they are, else after waiting (pinging the watchdog, since waiting for
+    memory is progress) until the cache has grown; fails with KvUnavailable
+    when the cache stopped growing short of them."""
+
+    SLICE_S = 0.05
+
+    def __init__(self, kv, row):
+        self.kv, self.row = kv, row
+        self.waits = 0
+
+    def admit(self, rows, step=None):
+        need = rows * self.row
+        if need > self.kv.nbytes:
+            raise KvUnavailable(f"{rows} rows exceed the KV cache of {self.kv.nbytes // self.row} rows")
+        if self.kv.backed >= need:
+            return
+        self.waits += 1
+        t0 = time.perf_counter()
+        while True:
+            if self.kv.wait(need, self.SLICE_S) >= need:
+                break
+            if step is not None:
+                step()
+            info = self.kv.info()
+            if info["growth"] != "growing" and info["backed"] < need:
+                raise KvUnavailable(f"{rows} KV rows needed, {info['backed'] // self.row} backed: {info}")
+        log(event="kv-admitted", rows=rows, waited_ms=round((time.perf_counter() - t0) * 1e3, 3),
+            backed=self.kv.backed)
 
 
 def main():
@@ -274,7 +336,8 @@ def main():
             addr=hex(group.own.model.embed.data_ptr()))
         log(event="parked", engine=engine_id, pid=os.getpid(), tp=tp, kv_addr=hex(kv.addr),
             kv_bytes=kv.nbytes, init_s=round(time.perf_counter() - t_start, 3))
-        wake, generate, hang = group.wake, group.generate, group.hang
+        # The group checks every rank's shard on wake, before it accepts.
+        wake, generate, hang = (lambda: Done(group.wake() or {})), group.generate, group.hang
     else:
         kv, wake, generate = one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start)
         hang = None
@@ -288,14 +351,20 @@ def hang_gpu():
     torch.cuda.synchronize()
 
 
-def warm_up(generate, caches):
-    """Runs every shape a request of up to 32 prompt tokens meets: CUDA
+SHORT_PROMPTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# The eager path's prompts up to the warm-up cache's rows (WARM_ROWS).
+LONG_PROMPTS = SHORT_PROMPTS + (48, 64, 96, 128, 192, 256, 384, 496)
+WARM_ROWS = 512
+
+
+def warm_up(generate, caches, prompts=SHORT_PROMPTS):
+    """Runs every shape a request of these prompt lengths meets: CUDA
     loads a kernel on its first use, and cuBLAS and attention pick theirs
     by shape, which costs milliseconds on the first request of each kind.
     A parked engine pays that now, not its first request after a
     promotion."""
-    for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
-        generate(list(range(1, n + 1)), 4, caches)
+    for n in prompts:
+        generate(list(range(1, n + 1)), 16 if n > 32 else 4, caches)
     torch.cuda.synchronize()
 
 
@@ -323,39 +392,86 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
         verify_or_exit(engine_id, gms.verify_weights, "mapped")
 
     kv = gms.kv_cache(kv_bytes)
-    max_seq = kv.nbytes // (2 * layers * hidden * 2)
-    # Warm-up on a small scratch cache: kernels, cuBLAS handles, allocator.
-    scratch = torch.empty(2 * layers * 64 * hidden, device="cuda", dtype=DTYPE)
-    warm_up(model.generate, kv_views(scratch, layers, hidden, 64))
+    row = row_bytes(layers, hidden)
+    max_seq = kv.nbytes // row
+    # Warm-up on a small scratch cache laid out as the KV cache is: kernels,
+    # cuBLAS handles, allocator.
+    scratch = torch.empty(2 * layers * WARM_ROWS * hidden, device="cuda", dtype=DTYPE)
+    warm_up(model.generate, token_views(scratch, layers, hidden, WARM_ROWS), LONG_PROMPTS)
     del scratch
     # Short requests: a decode step captured as a CUDA graph, while parked.
     fast = FastPath(model, layers, hidden)
     warm_up(lambda tokens, n, _caches: fast.generate(tokens, n), None)
+    # The promotion's weights check, recorded as one CUDA graph.
+    gms.prepare_verify_weights(capture=True)
     # A parked engine holds what it needs and no cached leftovers.
     torch.cuda.empty_cache()
     log(event="parked", engine=engine_id, pid=os.getpid(), kv_addr=hex(kv.addr), kv_bytes=kv.nbytes,
         init_s=round(time.perf_counter() - t_start, 3), torch_reserved_mib=torch.cuda.memory_reserved() >> 20)
     caches = []
+    admission = KvAdmission(kv, row)
 
     def wake():
-        # The check runs on the GPU while the KV pages are mapped.
+        """Launches the weights check on the GPU and starts the KV cache
+        growing; returns the check, awaited before the first answer."""
         t0 = time.perf_counter()
         pending = gms.begin_verify_weights()
         t1 = time.perf_counter()
-        kv.materialise()
-        caches.extend(kv_views(kv.tensor(DTYPE), layers, hidden, max_seq))
+        kv.wake(0)
         t2 = time.perf_counter()
-        checked = pending.result() if pending is not None else None
-        t3 = time.perf_counter()
-        return dict(checked or {}, launch_ms=round((t1 - t0) * 1e3, 3), kv_ms=round((t2 - t1) * 1e3, 3),
-                    wait_ms=round((t3 - t2) * 1e3, 3))
+        watch_kv_growth(engine_id, kv, t0)
+        return Check(pending, launch_ms=round((t1 - t0) * 1e3, 3), kv_ms=round((t2 - t1) * 1e3, 3))
 
     def generate(tokens, max_tokens, step=None):
         if fast.fits(tokens, max_tokens):
             return fast.generate(tokens, max_tokens)
+        # The rows Model.generate uses: the prompt (cut to what leaves room
+        # for the answer) and the answer.
+        admission.admit(min(len(tokens), max_seq - max_tokens) + max_tokens, step)
+        if not caches:
+            # Made once the cache's start is backed: torch asks the driver
+            # where a pointer lives, and an address not mapped yet has no
+            # answer.
+            caches.extend(token_views(kv.tensor(DTYPE), layers, hidden, max_seq))
         return model.generate(tokens, max_tokens, caches, step)
 
     return kv, wake, generate
+
+
+class Check:
+    """A promoted engine's weights check under way: ``result()`` waits for
+    the GPU and returns its figures (``{}`` without a digest), or raises
+    WeightsCorrupt."""
+
+    def __init__(self, pending, **figures):
+        self.pending, self.figures = pending, figures
+        self.t0 = time.perf_counter()
+
+    def result(self):
+        checked = self.pending.result() if self.pending is not None else {"checked": False}
+        return dict(checked, wait_ms=round((time.perf_counter() - self.t0) * 1e3, 3), **self.figures)
+
+
+class Done:
+    """A check already finished (a TP group checks every rank on wake)."""
+
+    def __init__(self, figures):
+        self.figures = figures
+
+    def result(self):
+        return self.figures
+
+
+def watch_kv_growth(engine_id, kv, since):
+    """Logs "kv-backed" once the KV cache stops growing (all of it backed,
+    or stalled), from a thread that waits in libgms (the GIL released)."""
+    def run():
+        while kv.wait(kv.nbytes, 1.0) < kv.nbytes:
+            if kv.info()["growth"] != "growing":
+                break
+        info = kv.info()
+        log(event="kv-backed", engine=engine_id, ms=round((time.perf_counter() - since) * 1e3, 3), **info)
+    threading.Thread(target=run, name="kv-growth", daemon=True).start()
 
 
 def verify_or_exit(engine_id, check, when, figures=True):
@@ -384,11 +500,24 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
     t_wake = time.perf_counter()
     woke_at = time.time()
 
-    # 4. wake: KV at its reserved address (every rank's) and the weights
-    # checked, then the port.
-    checked = verify_or_exit(engine_id, wake, "promoted")
-    kv_ms = (time.perf_counter() - t_wake) * 1e3
+    # 4. wake: the KV cache starts growing at its reserved address (every
+    # rank's: a group backs all of it first) and the weights are checked,
+    # then the port.
+    # The check runs on the GPU while the engine accepts and starts on its
+    # first request; nothing is answered before it has passed.
+    check = verify_or_exit(engine_id, wake, "promoted", figures=False)
+    wake_ms = (time.perf_counter() - t_wake) * 1e3
     serve_lock = threading.Lock()
+    unchecked = [check]
+
+    answered = []
+
+    def settle():
+        """The weights check's verdict, before the first answer (or at the
+        first idle moment): on a mismatch the engine exits (CORRUPT_EXIT)
+        without answering."""
+        if unchecked:
+            verify_or_exit(engine_id, unchecked.pop().result, "promoted")
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -407,6 +536,10 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
             heartbeat.ping()
 
         def reply(self, code, body):
+            settle()
+            if not answered:
+                answered.append(True)
+                log(event="first-answer", engine=engine_id, ms=round((time.perf_counter() - t_wake) * 1e3, 3))
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -432,8 +565,11 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
             except (ValueError, TypeError) as e:
                 return self.reply(400, {"error": f"bad request: {e}"})
             tokens = [b % VOCAB for b in prompt.encode()] or [0]
-            with serve_lock:
-                out = generate(tokens, max_tokens, heartbeat.ping)
+            try:
+                with serve_lock:
+                    out = generate(tokens, max_tokens, heartbeat.ping)
+            except KvUnavailable as e:
+                return self.reply(503, {"error": f"KV cache: {e}"})
             text = "".join(chr(32 + t % 95) for t in out)
             self.reply(200, {"object": "text_completion", "engine": engine_id, "pid": os.getpid(),
                              "choices": [{"index": 0, "text": text, "tokens": out}],
@@ -474,13 +610,14 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
     # 5. ready.
     notify("READY=1", f"STATUS=active engine {engine_id}", f"MAINPID={os.getpid()}")
     log(event="active", engine=engine_id, pid=os.getpid(), woke_at=woke_at,
-        kv_materialise_ms=round(kv_ms, 3), kv_bytes=kv.nbytes, promote_ms=round(promote_ms, 3), port=port,
-        verify_ms=(checked or {}).get("ms"),
+        wake_ms=round(wake_ms, 3), kv_bytes=kv.nbytes, promote_ms=round(promote_ms, 3), port=port,
         socket="inherited" if inherited is not None else "own")
     try:
         # The serving loop: one request at a time, and between them (at
         # least each time a ping is due) a ping if every rank beat.
         while True:
+            if unchecked and not select.select([server.socket], [], [], 0)[0]:
+                settle()  # nobody waiting: the check's verdict now
             server.timeout = heartbeat.wait()
             server.handle_request()
             heartbeat.ping()

@@ -55,7 +55,8 @@ pub trait Range: Send {
     /// Back to a bare reservation; the addresses stay ours.
     fn unmap(&mut self) -> Result<()>;
     /// The size KV memory is backed in: one allocation per chunk (the last
-    /// one may be shorter).
+    /// one may be shorter, and a device short of memory may back part of a
+    /// chunk first).
     fn chunk(&self) -> u64;
     /// Bytes of fresh private memory backing the range from its start.
     fn backed(&self) -> u64;

@@ -9,6 +9,10 @@
                               the CUDA attack: map read-only, make the mapping
                               read-write (cuMemSetAccess), negate one tensor
   worker.py measure --kv-gib N   attach timing of whatever is committed + KV
+  worker.py hog --leave-gib N    hold device memory until N GiB are left free
+  worker.py kv-wake --kv-gib N   reserve a KV cache, wake it (it grows as
+                              memory allows), report; "wait" reports once
+                              all of it is backed, and writes its last byte
 
 Prints one JSON object per line; after reporting, writer and reader obey
 "check" (report again) and "quit" lines on stdin.
@@ -181,8 +185,51 @@ def measure(args):
     return 0
 
 
+def hog(args):
+    """Another process's memory: what a dead engine holds until the driver
+    has torn it down."""
+    leave = float(args[args.index("--leave-gib") + 1])
+    held = []
+    free, _ = torch.cuda.mem_get_info()
+    while free > leave * (1 << 30) + (256 << 20):
+        n = min(1 << 30, int(free - leave * (1 << 30)))
+        held.append(torch.empty(max(n, 1 << 20), dtype=torch.uint8, device="cuda"))
+        free, _ = torch.cuda.mem_get_info()
+    say(event="hogging", pid=os.getpid(), held_bytes=sum(t.numel() for t in held), free_bytes=free)
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+    return 0
+
+
+def kv_wake(args):
+    kv_gib = float(args[args.index("--kv-gib") + 1])
+    gms = Gms(mode="rw_or_ro", client="gpu-test-kv-wake", timeout_s=30)
+    kv = gms.kv_cache(int(kv_gib * (1 << 30)))
+    t = time.perf_counter()
+    backed = kv.wake(0)
+    wake_ms = (time.perf_counter() - t) * 1e3
+    # What fits now, backed by libgms's thread.
+    kv.wait(1, 5.0)
+    time.sleep(0.2)
+    say(event="woken", wake_ms=round(wake_ms, 3), backed_at_return=backed, **kv.info())
+    for line in sys.stdin:
+        if line.strip() == "wait":
+            t = time.perf_counter()
+            got = kv.wait(kv.nbytes, 30.0)
+            waited = (time.perf_counter() - t) * 1e3
+            view = kv.tensor(torch.uint8)
+            view[-1] = 1  # the last chunk is usable from torch
+            torch.cuda.synchronize()
+            say(event="grown", waited_ms=round(waited, 3), last_byte=int(view[-1]), got=got, **kv.info())
+        elif line.strip() == "quit":
+            break
+    kv.release()
+    return 0
+
+
 if __name__ == "__main__":
     cmd, rest = sys.argv[1], sys.argv[2:]
     fn = {"writer": writer, "reader": reader, "reader-write": reader_write, "verify": verify,
-          "scribble": scribble, "measure": measure}[cmd]
+          "scribble": scribble, "measure": measure, "hog": hog, "kv-wake": kv_wake}[cmd]
     sys.exit(fn(rest))

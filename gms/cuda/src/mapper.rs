@@ -58,6 +58,23 @@ pub const DEFAULT_VA_WINDOW: u64 = 256 << 30;
 /// chunks 91–116 ms.
 pub const KV_CHUNK: u64 = 2 << 30;
 
+/// While the device cannot hold a whole [`KV_CHUNK`] (a failover on a GPU
+/// whose KV cache fills it: the dead engine's memory is not back yet), a
+/// KV range is backed in parts of what is free, in multiples of this...
+pub const KV_PART: u64 = 256 << 20;
+
+/// ... leaving this much free for the engine's own allocations (its
+/// framework's temporaries while it serves its first requests).
+pub const KV_KEEP_FREE: u64 = 512 << 20;
+
+/// How many bytes of a chunk of `want` to create when the device cannot
+/// hold all of it and has `free` bytes: a multiple of [`KV_PART`] that
+/// leaves [`KV_KEEP_FREE`], or 0 (wait for memory).
+fn part_of_chunk(want: u64, free: u64) -> u64 {
+    let room = free.saturating_sub(KV_KEEP_FREE);
+    (room - room % KV_PART).min(want)
+}
+
 /// A primary context shared by a mapper and all its ranges.
 struct SharedContext(PrimaryContext);
 
@@ -501,7 +518,8 @@ impl Range for CudaRange {
     }
 
     /// The next [`KV_CHUNK`] of fresh device pages, if the device has room
-    /// for it now (`cuMemCreate` out of memory: `Ok(false)`). Unlike the
+    /// for it now; else the part of it that is free (multiples of
+    /// [`KV_PART`], leaving [`KV_KEEP_FREE`]); else `Ok(false)`. Unlike the
     /// host backend the pages are not zeroed (that would cost ≈ 20 ms for
     /// 64 GiB): a KV cache is written before it is read. Called from the
     /// KV cache's grower thread while kernels run on the chunks before it:
@@ -516,17 +534,34 @@ impl Range for CudaRange {
             return Ok(false);
         }
         self.current()?;
+        let failed = |len: usize, e| {
+            cuda_error(format!(
+                "creating {len} bytes of KV at +{done:#x} of {:#x} ({done} of {} bytes backed)",
+                self.addr(),
+                self.len
+            ))(e)
+        };
         let memory = match PhysicalMemory::create(&self.device, len) {
             Ok(m) => m,
-            Err(e) if e.is_out_of_memory() => return Ok(false),
-            Err(e) => {
-                return Err(cuda_error(format!(
-                    "creating {len} bytes of KV at +{done:#x} of {:#x} ({done} of {} bytes backed)",
-                    self.addr(),
-                    self.len
-                ))(e))
+            Err(e) if e.is_out_of_memory() => {
+                // Not a whole chunk: the part that is free now, if any.
+                let (free, _) = self
+                    .device
+                    .memory_info()
+                    .map_err(cuda_error("cuMemGetInfo"))?;
+                let part = part_of_chunk(len as u64, free as u64) as usize;
+                if part == 0 {
+                    return Ok(false);
+                }
+                match PhysicalMemory::create(&self.device, part) {
+                    Ok(m) => m,
+                    Err(e) if e.is_out_of_memory() => return Ok(false),
+                    Err(e) => return Err(failed(part, e)),
+                }
             }
+            Err(e) => return Err(failed(len, e)),
         };
+        let len = memory.size();
         let at = self.start() + done as usize;
         lock(&self.window)
             .reservation
@@ -606,6 +641,34 @@ mod tests {
             "overflow is refused, not wrapped"
         );
         assert_eq!(e.take_any(200 * MIB2, MIB2), None);
+    }
+
+    #[test]
+    fn a_chunk_that_does_not_fit_is_backed_in_parts_of_what_is_free() {
+        const MIB: u64 = 1 << 20;
+        let chunk = KV_CHUNK;
+        assert_eq!(
+            part_of_chunk(chunk, 1500 * MIB),
+            768 * MIB,
+            "leaves 512 MiB, 256 MiB steps"
+        );
+        assert_eq!(
+            part_of_chunk(chunk, 767 * MIB),
+            0,
+            "less than one part beyond the margin"
+        );
+        assert_eq!(part_of_chunk(chunk, 0), 0);
+        assert_eq!(
+            part_of_chunk(chunk, 100 * chunk),
+            chunk,
+            "never more than the chunk"
+        );
+        assert_eq!(
+            part_of_chunk(300 * MIB, 2000 * MIB),
+            300 * MIB,
+            "the range's short last chunk"
+        );
+        assert_eq!(part_of_chunk(chunk, u64::MAX) % KV_PART, 0);
     }
 
     #[test]

@@ -67,11 +67,42 @@ class _Plan:
             if words % per:
                 views.append(t[full * per:].view(1, -1))
             self.views.append(views)
+        # Sums per allocation, in order (empty allocations have none).
+        self.counts = [sum(v.shape[0] for v in views) for views in self.views]
+        self._graph = self._out = None
+
+    def _sums(self):
+        parts = [torch.cat([v.sum(dim=1) for v in views]) for views in self.views if views]
+        return torch.cat(parts) if parts else None
+
+    def capture(self):
+        """Records the sums as one CUDA graph over the weights' addresses
+        (fixed for the process's life), so that a promotion launches the
+        check in one replay instead of an op per chunk view: about 1.5 ms
+        of the CPU's time on an H200 for 3.3 GiB of weights. The graph
+        reads whatever the memory holds when it is replayed. Falls back to
+        launching the ops one by one if capture fails."""
+        if self._graph is not None or not any(self.views):
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                self._sums()  # run once before capture, as torch asks
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                out = self._sums()
+        except RuntimeError:
+            return
+        finally:
+            torch.cuda.current_stream().wait_stream(side)
+        self._graph, self._out = graph, out
 
     def start(self):
         """Queues the sums on the GPU: each chunk's words added modulo 2^64
         (integer sums do not depend on the reduction's order, so every
-        process gets the same values)."""
+        process gets the same values). One check at a time per plan: a
+        captured graph writes the same output."""
         return _Digests(self)
 
 
@@ -82,14 +113,16 @@ class _Digests:
 
     def __init__(self, plan):
         self.plan = plan
-        self.sums = [torch.cat([v.sum(dim=1) for v in views]) if views else None for views in plan.views]
+        if plan._graph is not None:
+            plan._graph.replay()
+            self.flat = plan._out
+        else:
+            self.flat = plan._sums()
 
     def result(self):
-        parts = [x for x in self.sums if x is not None]
-        values = torch.cat(parts).tolist() if parts else []
+        values = self.flat.tolist() if self.flat is not None else []
         out, at = {}, 0
-        for a, x in zip(self.plan.allocations, self.sums):
-            n = 0 if x is None else x.numel()
+        for a, n in zip(self.plan.allocations, self.plan.counts):
             # tolist() gives signed values: packed back into the same words.
             raw = struct.pack(f"<{n}q", *values[at:at + n])
             out[str(a["id"])] = hashlib.sha256(raw).hexdigest()
@@ -368,15 +401,27 @@ class Gms:
         Returns ``{"ms", "bytes", "allocations"}``, or None when the layout
         has no digest (its writer recorded none): nothing was checked.
         Raises ``WeightsCorrupt`` on a mismatch. A promoted engine calls it
-        after taking the lock and before ``READY=1``."""
+        after taking the lock and before its first answer."""
         pending = self.begin_verify_weights()
         return pending.result() if pending is not None else None
 
     def begin_verify_weights(self):
         """``verify_weights`` in two steps: queues the GPU's work and
         returns a ``PendingCheck`` (None when there is no digest), so that
-        the check overlaps other work of the wake (the KV cache's
-        materialise); its ``result()`` must come before ``READY=1``."""
+        the check overlaps other work (the KV cache's wake, the first
+        request); its ``result()`` must come before the first answer
+        leaves the engine."""
+        plan = self.prepare_verify_weights()
+        if plan is None:
+            return None
+        recorded, plan = plan
+        return PendingCheck(recorded, plan)
+
+    def prepare_verify_weights(self, capture=False):
+        """Reads the recorded digest and plans the check once per process
+        (None: the layout has no digest); with ``capture``, also records
+        the check as a CUDA graph (``_Plan.capture``), which a parked engine
+        does so that its promotion launches the check in one replay."""
         if self._check_plan is None:
             # The committed layout cannot change under a lease that holds
             # it, so what it says is read once per process.
@@ -395,8 +440,9 @@ class Gms:
             if self.lease == "ro" and not getattr(self, "_imported", False):
                 self.import_layout()
             self._check_plan = (recorded["allocations"], _Plan(layout["allocations"]))
-        recorded, plan = self._check_plan
-        return PendingCheck(recorded, plan)
+        if capture:
+            self._check_plan[1].capture()
+        return self._check_plan
 
     def commit_module(self, module):
         return self.commit_tensors(dict(_module_tensors(module)))
