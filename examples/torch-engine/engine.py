@@ -11,14 +11,14 @@ addresses. Then, per docs/engine-contract.md:
   1. initialise (weights, a warm-up forward that loads the kernels);
   2. STATUS=parked on NOTIFY_SOCKET;
   3. flock(LOCK_EX) on SHADOW_LOCK_PATH;
-  4. wake: start backing the KV cache at its reserved address (libgms
-     backs what fits now and the rest as the dead engine's memory comes
-     back; the engine does not wait for it), launch the check of the
-     mapped weights against the digest their writer recorded (on the GPU),
-     and bind the port (or, with an inherited listening socket, start
-     accepting on it);
+  4. wake: launch the check of the mapped weights against the digest
+     their writer recorded (on the GPU), and bind the port (or, with an
+     inherited listening socket, start accepting on it);
   5. READY=1, then serve; the check's verdict is awaited before the first
-     answer is sent (it overlaps the first request): a request whose KV rows are backed runs at once,
+     answer is sent (it overlaps the first request), and then the KV cache
+     starts growing at its reserved address (libgms backs what fits now
+     and the rest as the dead engine's memory comes back; the engine does
+     not wait for it; a request that needs KV rows starts it sooner): a request whose KV rows are backed runs at once,
      one whose rows are not yet waits until the cache has grown (those
      behind it wait in the listen backlog). The KV cache is laid out token
      after token (every layer's K and V of token 0, then of token 1, ...),
@@ -283,7 +283,6 @@ class KvAdmission:
 
     def __init__(self, kv, row):
         self.kv, self.row = kv, row
-        self.waits = 0
 
     def admit(self, rows, step=None):
         need = rows * self.row
@@ -291,7 +290,6 @@ class KvAdmission:
             raise KvUnavailable(f"{rows} rows exceed the KV cache of {self.kv.nbytes // self.row} rows")
         if self.kv.backed >= need:
             return
-        self.waits += 1
         t0 = time.perf_counter()
         while True:
             if self.kv.wait(need, self.SLICE_S) >= need:
@@ -411,22 +409,33 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
     caches = []
     admission = KvAdmission(kv, row)
 
+    woke = []
+
+    def grow():
+        """Starts the KV cache growing, once: libgms backs what fits now
+        and the rest as memory comes back, off this thread."""
+        if not woke:
+            woke.append(time.perf_counter())
+            kv.wake(0)
+            watch_kv_growth(engine_id, kv, woke[0])
+
     def wake():
-        """Launches the weights check on the GPU and starts the KV cache
-        growing; returns the check, awaited before the first answer."""
+        """Launches the weights check on the GPU; returns it. Its verdict
+        is taken before the first answer, and then the KV cache starts
+        growing (or sooner, for the first request that needs KV rows):
+        during a failover libgms's driver calls are slowed by the dead
+        engine's teardown, and kept out of the first request."""
         t0 = time.perf_counter()
         pending = gms.begin_verify_weights()
         t1 = time.perf_counter()
-        kv.wake(0)
-        t2 = time.perf_counter()
-        watch_kv_growth(engine_id, kv, t0)
-        return Check(pending, launch_ms=round((t1 - t0) * 1e3, 3), kv_ms=round((t2 - t1) * 1e3, 3))
+        return Check(pending, then=grow, launch_ms=round((t1 - t0) * 1e3, 3))
 
     def generate(tokens, max_tokens, step=None):
         if fast.fits(tokens, max_tokens):
             return fast.generate(tokens, max_tokens)
         # The rows Model.generate uses: the prompt (cut to what leaves room
         # for the answer) and the answer.
+        grow()
         admission.admit(min(len(tokens), max_seq - max_tokens) + max_tokens, step)
         if not caches:
             # Made once the cache's start is backed: torch asks the driver
@@ -440,11 +449,11 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
 
 class Check:
     """A promoted engine's weights check under way: ``result()`` waits for
-    the GPU and returns its figures (``{}`` without a digest), or raises
+    the GPU and returns its figures (``checked: False`` without a digest), or raises
     WeightsCorrupt."""
 
-    def __init__(self, pending, **figures):
-        self.pending, self.figures = pending, figures
+    def __init__(self, pending, then=None, **figures):
+        self.pending, self.then, self.figures = pending, then, figures
         self.t0 = time.perf_counter()
 
     def result(self):
@@ -454,6 +463,8 @@ class Check:
 
 class Done:
     """A check already finished (a TP group checks every rank on wake)."""
+
+    then = None
 
     def __init__(self, figures):
         self.figures = figures
@@ -500,11 +511,11 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
     t_wake = time.perf_counter()
     woke_at = time.time()
 
-    # 4. wake: the KV cache starts growing at its reserved address (every
-    # rank's: a group backs all of it first) and the weights are checked,
-    # then the port.
-    # The check runs on the GPU while the engine accepts and starts on its
-    # first request; nothing is answered before it has passed.
+    # 4. wake: the weights check is launched (a group also backs every
+    # rank's KV cache and checks every shard first), then the port. The
+    # check runs on the GPU while the engine accepts and starts on its
+    # first request; nothing is answered before it has passed, and the KV
+    # cache starts growing once it has.
     check = verify_or_exit(engine_id, wake, "promoted", figures=False)
     wake_ms = (time.perf_counter() - t_wake) * 1e3
     serve_lock = threading.Lock()
@@ -517,7 +528,10 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
         first idle moment): on a mismatch the engine exits (CORRUPT_EXIT)
         without answering."""
         if unchecked:
-            verify_or_exit(engine_id, unchecked.pop().result, "promoted")
+            check = unchecked.pop()
+            verify_or_exit(engine_id, check.result, "promoted")
+            if check.then is not None:
+                check.then()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
