@@ -320,15 +320,17 @@ impl<R: Range + 'static> KvCache<R> {
     pub fn wake(&mut self, min: u64) -> Result<u64> {
         let len = self.len();
         let min = min.min(len);
-        {
+        let gave_up = {
             let mut st = self.progress.state();
             if st.growth == Growth::Reserved {
                 st.woke = Some(Instant::now());
                 st.full_after = None;
             }
-        }
-        if self.grower.as_ref().is_some_and(|h| h.is_finished()) {
-            // It stalled or failed: this wake tries again.
+            matches!(st.growth, Growth::Stalled { .. } | Growth::Failed(_))
+        };
+        if gave_up {
+            // It stalled or failed (its thread may still be on its way
+            // out after saying so): this wake tries again.
             self.stop_grower();
         }
         if self.grower.is_some() {
