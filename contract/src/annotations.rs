@@ -33,16 +33,25 @@ pub const SHADOW: &str = "shadow.dev/shadow";
 pub const PAIR_NAME: &str = "shadow.dev/pair-name";
 /// The slot (`SHADOW_ENGINE_ID`) of a hook-assembled container.
 pub const SLOT: &str = "shadow.dev/slot";
+/// How many shadows a pair keeps parked: `1` (the default) to
+/// [`MAX_SHADOWS`]; `N + 1` engines, `SHADOW_ENGINE_ID` `0 ..= N`.
+pub const SHADOWS: &str = "shadow.dev/shadows";
+/// The most shadows a pair may have: each is a whole engine parked (on a
+/// GPU its runtime's context, CUDA graphs and workspaces: 760 MiB for the
+/// torch engine of examples/), and three cover three failures within one
+/// respawn's time.
+pub const MAX_SHADOWS: u8 = 3;
 /// Listening sockets the pair owns and hands to every engine
 /// (`tcp:0.0.0.0:8000,unix:/run/engine.sock`; see [`crate::listen`], which
 /// spells the key because its parser names it in its errors).
 pub const LISTEN: &str = listen::KEY;
 
 /// Every key of the set.
-pub const KEYS: [&str; 12] = [
+pub const KEYS: [&str; 13] = [
     PAIR,
     GMS,
     SHADOW,
+    SHADOWS,
     PAIR_NAME,
     SLOT,
     LISTEN,
@@ -138,12 +147,22 @@ impl fmt::Display for PairName {
     }
 }
 
-/// An engine slot from `shadow.dev/slot`: `0` or `1`.
+/// An engine slot from `shadow.dev/slot`: `0` to [`MAX_SHADOWS`].
 pub fn parse_slot(value: &str) -> Result<u8, AnnotationError> {
-    match value.trim() {
-        "0" => Ok(0),
-        "1" => Ok(1),
-        _ => Err(bad(SLOT, value, "0|1")),
+    small_number(SLOT, value, 0)
+}
+
+/// A number of shadows from `shadow.dev/shadows`: `1` to [`MAX_SHADOWS`].
+pub fn parse_shadows(value: &str) -> Result<u8, AnnotationError> {
+    small_number(SHADOWS, value, 1)
+}
+
+/// `min ..= MAX_SHADOWS`, digits only (no sign, no spaces inside).
+fn small_number(key: &str, value: &str, min: u8) -> Result<u8, AnnotationError> {
+    let t = value.trim();
+    match t.parse::<u8>() {
+        Ok(n) if t.bytes().all(|b| b.is_ascii_digit()) && (min..=MAX_SHADOWS).contains(&n) => Ok(n),
+        _ => Err(bad(key, value, &format!("{min} to {MAX_SHADOWS}"))),
     }
 }
 
@@ -156,6 +175,8 @@ pub struct Annotations {
     pub no_shadow: bool,
     pub pair_name: Option<PairName>,
     pub slot: Option<u8>,
+    /// `shadow.dev/shadows`: how many shadows the pair keeps parked.
+    pub shadows: Option<u8>,
     /// `shadow.dev/listen`: the pair's listening sockets.
     pub listen: Option<Vec<Listen>>,
     /// The hang-detection keys ([`HANG_KEYS`]), validated; the defaults
@@ -213,6 +234,7 @@ impl Annotations {
                 }
                 PAIR_NAME => out.pair_name = Some(PairName::new(value)?),
                 SLOT => out.slot = Some(parse_slot(value)?),
+                SHADOWS => out.shadows = Some(parse_shadows(value)?),
                 LISTEN => out.listen = Some(listen::parse(value)?),
                 _ => {
                     return Err(bad(
@@ -346,7 +368,12 @@ mod tests {
             (PAIR, "yes please", "true|false"),
             (PAIR, "", "true|false"),
             (PAIR, "a,,b", "true|false"),
-            (SLOT, "2", "0|1"),
+            (SLOT, "4", "0 to 3"),
+            (SLOT, "-1", "0 to 3"),
+            (SLOT, "+1", "0 to 3"),
+            (SHADOWS, "0", "1 to 3"),
+            (SHADOWS, "4", "1 to 3"),
+            (SHADOWS, "two", "1 to 3"),
             (LISTEN, "udp:0.0.0.0:53", "tcp:<ipv4>"),
             (PAIR_NAME, "../etc", "[A-Za-z0-9_.-]"),
             (PAIR_NAME, ".x", "[A-Za-z0-9_.-]"),
@@ -363,6 +390,8 @@ mod tests {
             assert_eq!(e.key, k);
             assert!(msg.contains(k) && msg.contains(allowed), "{msg}");
         }
+        let a = Annotations::parse(&map(&[(SHADOWS, "3"), (SLOT, "3")])).unwrap();
+        assert_eq!((a.shadows, a.slot), (Some(3), Some(3)));
         assert!(PairName::new(&"x".repeat(65)).is_err());
         assert!(PairName::new(&"x".repeat(64)).is_ok());
     }

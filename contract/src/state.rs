@@ -30,10 +30,10 @@ pub struct PairState {
     /// The pid containerd sees (`State.pid`): the active engine, or the
     /// last one that ran.
     pub pid: u32,
-    /// Each slot's engine pid, while it runs.
-    pub pids: [Option<u32>; 2],
+    /// Each slot's engine pid, while it runs (`0 ..= N` for N shadows).
+    pub pids: Vec<Option<u32>>,
     /// Each slot's runc container id.
-    pub runc_ids: [String; 2],
+    pub runc_ids: Vec<String>,
     pub pair: PairSnapshot,
     /// The latest promotions, oldest first (config `pair.promotions_kept`).
     pub promotions: Vec<PromotionRecord>,
@@ -56,7 +56,7 @@ impl PairState {
         self.pair.active.and_then(|s| self.pid_of(s))
     }
 
-    /// The pid of the engine in `slot` (0 or 1), while it runs.
+    /// The pid of the engine in `slot` (`0 ..= N`), while it runs.
     pub fn pid_of(&self, slot: u8) -> Option<u32> {
         self.pids.get(usize::from(slot)).copied().flatten()
     }
@@ -89,14 +89,26 @@ pub enum StateError {
     },
 }
 
+fn one_shadow() -> usize {
+    1
+}
+
 /// The pair's supervision state.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PairSnapshot {
-    pub slots: [SlotState; 2],
+    /// One per engine, `0 ..= N` for N shadows.
+    pub slots: Vec<SlotState>,
     /// The slot that holds the lock.
     pub active: Option<u8>,
-    /// An active engine with a parked shadow behind it.
+    /// An active engine with at least one parked shadow behind it.
     pub protected: bool,
+    /// Shadows the pair is made for (`shadow.dev/shadows`; 0 for a single
+    /// engine; absent from files written before it existed: 1).
+    #[serde(default = "one_shadow")]
+    pub shadows: usize,
+    /// Shadows parked now (absent from older files: 0).
+    #[serde(default)]
+    pub shadows_parked: usize,
     pub failovers: u64,
     pub cold_restarts: u64,
     /// Engine deaths in which the OOM killer killed a process of the
@@ -555,15 +567,17 @@ mod tests {
             namespace: "default".into(),
             id: "c1".into(),
             pid: 42,
-            pids: [Some(41), Some(42)],
-            runc_ids: ["c1-s0".into(), "c1-s1".into()],
+            pids: vec![Some(41), Some(42)],
+            runc_ids: vec!["c1-s0".into(), "c1-s1".into()],
             pair: PairSnapshot {
-                slots: [
+                slots: vec![
                     slot(0, EngineState::Parked, Some(41)),
                     slot(1, EngineState::Active, Some(42)),
                 ],
                 active: Some(1),
                 protected: true,
+                shadows: 1,
+                shadows_parked: 1,
                 failovers: 1,
                 cold_restarts: 0,
                 oom_kills: 0,

@@ -65,6 +65,21 @@ pub fn edit_spec(mut spec: Value, root: &Path) -> Result<Value> {
         return Ok(spec);
     };
     refuse_hang_keys(&spec)?;
+    if let Some(n) = annotations.shadows {
+        // The hooks run no supervisor: a pair's shadows are the containers
+        // the operator runs under its name, one `shadow.dev/slot` each.
+        return Err(shadow_contract::annotations::AnnotationError {
+            key: shadow_contract::annotations::SHADOWS.to_string(),
+            value: n.to_string(),
+            allowed: format!(
+                "nothing here: a pair assembled by the OCI hooks has as many shadows as containers run with {} = {name}, each with its own {} (0 to {})",
+                shadow_contract::annotations::PAIR_NAME,
+                shadow_contract::annotations::SLOT,
+                shadow_contract::annotations::MAX_SHADOWS
+            ),
+        }
+        .into());
+    }
     let layout = PairLayout::of(root, &name);
     let slot = annotations.slot;
     let all: HashMap<String, String> = spec
@@ -200,8 +215,20 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         started(t.path(), "p");
         assert!(edit_spec(spec(json!({PAIR_NAME: "../etc"})), t.path()).is_err());
-        let e = edit_spec(spec(json!({PAIR_NAME: "p", SLOT: "2"})), t.path()).unwrap_err();
+        let e = edit_spec(spec(json!({PAIR_NAME: "p", SLOT: "4"})), t.path()).unwrap_err();
         assert!(e.to_string().contains(SLOT), "{e}");
+        // Slots beyond 1: a pair of several shadows.
+        let edited = edit_spec(spec(json!({PAIR_NAME: "p", SLOT: "3"})), t.path()).unwrap();
+        assert!(
+            edited.to_string().contains("SHADOW_ENGINE_ID=3"),
+            "{edited}"
+        );
+        let shadows = shadow_contract::annotations::SHADOWS;
+        let e = edit_spec(spec(json!({PAIR_NAME: "p", shadows: "2"})), t.path()).unwrap_err();
+        assert!(
+            e.to_string().contains("as many shadows as containers"),
+            "{e}"
+        );
         // The shim's keys are validated the same way here.
         let e = edit_spec(spec(json!({PAIR_NAME: "p", GMS: "tpu"})), t.path()).unwrap_err();
         assert!(e.to_string().contains("cuda|host|off"), "{e}");

@@ -135,7 +135,7 @@ mod tests {
             (PAIR, "", "true|false"),
             (PAIR, "a,,b", "true|false"),
             ("shadow.dev/colour", "blue", PAIR),
-            (SLOT, "2", "0|1"),
+            (SLOT, "4", "0 to 3"),
             (PAIR_NAME, "../x", "[A-Za-z0-9_.-]"),
         ] {
             let e = parse(&map(&[(k, v)])).unwrap_err();

@@ -96,6 +96,7 @@ impl Maker for RuncMaker {
                     stdio,
                     gms: shadow.gms,
                     single: shadow.no_shadow,
+                    shadows: shadow.shadows,
                     listen: shadow.listen.clone(),
                     hang: shadow.hang.clone(),
                     runc,

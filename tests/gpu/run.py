@@ -1050,6 +1050,121 @@ def test_containerd_pair_kv_that_fits_once():
     assert left == "none"
 
 
+def shadows_pair(rt, cid, port, shadows):
+    """A TP=1 torch-engine pair with `shadows` shadows through containerd;
+    returns (ctr run, its events) once every shadow has parked."""
+    layers, kv = (2, 2) if QUICK else (8, 8)
+    env = ctr_pair.engine_env(port, layers, kv, BIN)
+    args = rt.run_args(ctr_pair.SHIM_RUNTIME, cid, env, [sys.executable, ENGINE],
+                       extra=["--runtime-config-path", rt.shim_config, "--annotation", "shadow.dev/pair=true",
+                              "--annotation", f"shadow.dev/shadows={shadows}",
+                              "--annotation", f"shadow.dev/listen=tcp:127.0.0.1:{port}"])
+    run = Proc(f"ctr-run-{cid}", args, stdin=False)
+    return run, json_events(run)
+
+
+def all_parked(rt, cid):
+    st = rt.state(cid)
+    ok = (st and st["pair"]["protected"] and st["pair"]["shadows_parked"] == st["pair"]["shadows"]
+          and all(p is not None for p in st["pids"]))
+    return st if ok else None
+
+
+def kill_burst(rt, cid, results, kills, reference):
+    """SIGKILLs whoever serves `kills` times, 20 ms apart (or as soon as a
+    new engine serves, if later): per kill, ms to the first correct answer
+    to a request sent after it."""
+    killed, times = set(), []
+    last = 0.0
+    for k in range(kills):
+        def serving():
+            st = rt.state(cid)
+            a = st["pair"]["active"] if st else None
+            if a is None or st["pair"]["slots"][a]["state"] != "active" or st["pids"][a] in killed:
+                return None
+            return st["pids"][a]
+        pid = poll_until(serving, 30, f"kill {k}: an engine serves")
+        time.sleep(max(0.0, last + 0.020 - time.time()))
+        last = time.time()
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+        times.append(last)
+    out = []
+    for at in times:
+        # The first answer to a request sent after the kill: a live engine's
+        # (the killed one answers nothing sent after its death). Slots do
+        # not name engines here: a respawn serves in its slot again.
+        first = poll_until(lambda: next((r for r in list(results) if r[2] is not None and r[0] > at), None),
+                           60, "an answer after the kill")
+        assert first[3] == reference, f"the promoted engine answers {first[3]}, not {reference}"
+        out.append(round((first[1] - at) * 1e3, 1))
+    return out
+
+
+def test_containerd_pair_two_shadows():
+    """shadow.dev/shadows=2 with the torch engine: three engines, two of
+    them parked; two SIGKILLs of whoever serves 20 ms apart are each
+    recovered by a parked shadow, against a pair of one shadow in the same
+    run, whose second kill waits for a respawn to park. Every answer
+    checked; each parked shadow's device memory measured."""
+    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
+    STATE["rt"] = Session.runtime = rt
+    baseline = gpu_used_mib()
+    figures = {}
+    for shadows in (2, 1):
+        # Short ids: the test's state dir is long, and a GPU pair's socket
+        # paths must fit sun_path.
+        cid, port = f"n{shadows}", 19600 + shadows * 10 + os.getpid() % 10
+        run, events = shadows_pair(rt, cid, port, shadows)
+
+        def parked_or_ended():
+            if run.p.poll() is not None:
+                raise AssertionError(f"the pair ended (ctr run rc {run.p.poll()})")
+            return all_parked(rt, cid)
+        try:
+            st = poll_until(parked_or_ended, 240, f"shadows={shadows}: every shadow parked")
+        except AssertionError:
+            raise AssertionError(f"{run.stderr_tail()}\ncontainerd: {rt.log_tail()}") from None
+        assert len(st["pids"]) == shadows + 1 and st["pair"]["shadows"] == shadows, st["pair"]
+        active = st["pair"]["active"]
+        apps = app_mib()
+        parked = [apps.get(p) for i, p in enumerate(st["pids"]) if i != active]
+        reference = request(port)["choices"][0]["tokens"]
+        stop, results = threading.Event(), []
+        th = threading.Thread(target=stream_requests, args=(port, results, stop), daemon=True)
+        th.start()
+        bursts = []
+        try:
+            for b in range(2 if shadows > 1 else 1):
+                poll_until(lambda: sum(1 for r in list(results) if r[2] is not None) >= 10, 60, "answers")
+                bursts.append(kill_burst(rt, cid, results, 2, reference))
+                print(f"  shadows={shadows} burst {b}: kill -> first correct answer {bursts[-1]} ms", flush=True)
+                poll_until(lambda: all_parked(rt, cid), 240, f"shadows={shadows}: every shadow parked again")
+        finally:
+            stop.set()
+            th.join(10)
+        wrong = [r for r in results if r[3] is not None and r[3] != reference]
+        assert not wrong, f"{len(wrong)} wrong answers"
+        figures[shadows] = (bursts, parked)
+        print(f"  shadows={shadows}: parked shadows' device memory {parked} MiB", flush=True)
+        rt.ctr("task", "kill", "--signal", "SIGKILL", cid)
+        assert run.wait(60) != 0
+        left = poll_until(lambda: (lambda p: None if p else "none")(
+            ctr_pair.our_processes([rt.address, rt.state_dir, ENGINE])), 30, "no engine, gmsd or shim left")
+        assert left == "none"
+    for shadows, (bursts, parked) in figures.items():
+        figure(f"shadows={shadows}, torch engine through containerd: two SIGKILLs of whoever serves 20 ms apart "
+               "-> first correct answer after each, per burst", bursts, "ms")
+        figure(f"shadows={shadows}: device memory of each parked shadow (nvidia-smi)", parked, "MiB")
+    seen = []
+    try:
+        poll_until(lambda: (lambda m: seen.append(m) or m <= baseline + 64)(gpu_used_mib()), 60,
+                   "device memory back to the start")
+    except AssertionError:
+        raise AssertionError(f"device memory {seen[-1]} MiB, was {baseline} MiB: {app_mib()}") from None
+    figure("shadows pairs: device memory before / after", f"{baseline} / {seen[-1]}", "MiB")
+
+
 def test_containerd_runc_cold_restart():
     """The same engine under runc-v2: SIGKILL, then a cold restart (fresh gmsd, weights loaded again)."""
     rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)

@@ -711,13 +711,13 @@ fn bad_pair_annotations_and_configs_are_refused_leaving_nothing() {
         .rm()
         .flags(&["--runtime-config-path", &env.config.display().to_string()])
         .annotation("shadow.dev/pair", "true")
-        .annotation("shadow.dev/slot", "2")
+        .annotation("shadow.dev/slot", "4")
         .cmd(&["true"])
         .run()
         .expect("ctr run");
     assert_ne!(out.code(), 0);
     assert!(
-        out.stderr.contains("shadow.dev/slot") && out.stderr.contains("0|1"),
+        out.stderr.contains("shadow.dev/slot") && out.stderr.contains("0 to 3"),
         "{out}"
     );
 }

@@ -37,6 +37,9 @@ pub use failure::{
 };
 pub use locks::{parse_proc_lock_waiters, parse_proc_locks, FileId, FlockHolder};
 pub use notify::{parse_notify, Notification, MAX_DATAGRAM};
-pub use pair::{Action, EngineState, Event, LockHolder, LockWatch, Pair, Slot, SlotId, Snapshot};
+pub use pair::{
+    Action, EngineState, Event, LockHolder, LockWatch, Pair, Slot, SlotId, Snapshot, MAX_SHADOWS,
+    MAX_SLOTS,
+};
 pub use policy::{RestartBudget, RestartPolicy, Verdict};
 pub use promotion::{DeathSign, Promotion};

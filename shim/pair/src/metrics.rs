@@ -114,6 +114,18 @@ pub fn render(
         "1 when an active engine has a parked shadow behind it.",
         &one(u8::from(snap.protected).to_string()),
     );
+    metric(
+        "shadow_pair_shadows",
+        "gauge",
+        "Shadows the pair is made for (shadow.dev/shadows).",
+        &one(snap.shadows.to_string()),
+    );
+    metric(
+        "shadow_pair_shadows_parked",
+        "gauge",
+        "Shadows parked now: failures the pair can take before one finds no shadow.",
+        &one(snap.shadows_parked.to_string()),
+    );
     let mut states = Vec::new();
     let mut generations = Vec::new();
     for slot in &snap.slots {
@@ -328,6 +340,8 @@ mod tests {
             format!("shadow_pair_hangs_total{{{base},cause=\"watchdog\"}} 0"),
             format!("shadow_pair_hangs_total{{{base},cause=\"start_timeout\"}} 0"),
             format!("shadow_pair_protected{{{base}}} 1"),
+            format!("shadow_pair_shadows{{{base}}} 1"),
+            format!("shadow_pair_shadows_parked{{{base}}} 1"),
             format!("shadow_engine_state{{{base},slot=\"1\",state=\"active\"}} 1"),
             format!("shadow_engine_state{{{base},slot=\"0\",state=\"parked\"}} 1"),
             format!("shadow_engine_state{{{base},slot=\"0\",state=\"active\"}} 0"),

@@ -53,7 +53,7 @@ use crate::{
     watchdog::{StartClock, Watchdog},
 };
 
-pub use crate::slot::SlotId;
+pub use crate::slot::{SlotId, MAX_SHADOWS, MAX_SLOTS};
 pub use crate::vocabulary::{Action, EngineState, Event, LockHolder, LockWatch, Slot, Snapshot};
 
 mod death;
@@ -78,7 +78,7 @@ enum Ending {
 /// What a change of the pair is judged by ([`Pair::revision`]).
 #[derive(PartialEq)]
 struct Observable {
-    slots: [Slot; 2],
+    slots: Vec<Slot>,
     active: Option<SlotId>,
     failovers: u64,
     cold_restarts: u64,
@@ -89,13 +89,15 @@ struct Observable {
     hangs: Hangs,
     /// Arming and disarming are changes (a ping that only moves an armed
     /// watchdog on is not).
-    armed: [bool; 2],
+    armed: Vec<bool>,
 }
 
 /// The supervisor's decisions for one pair.
 #[derive(Debug)]
 pub struct Pair {
-    slots: [Slot; 2],
+    /// One per engine: the active and its shadows (`Pair::with_shadows`),
+    /// indexed by `SlotId`. Every per-slot field below has as many.
+    slots: Vec<Slot>,
     active: Option<SlotId>,
     budget: RestartBudget,
     /// XIDs seen since the last cold start.
@@ -103,6 +105,11 @@ pub struct Pair {
     gms_alive: bool,
     /// A failover in progress: the signs of the old active's end so far.
     handover: Option<Handover>,
+    /// Earlier failovers whose successor served but whose old active was
+    /// not reaped yet when the successor failed in turn (a second failure
+    /// within a failover, which more shadows make likely): each is recorded
+    /// at its old active's reap.
+    awaiting_reap: Vec<Handover>,
     /// The last close of the lock file while an engine served: the date of
     /// its death if a failover follows.
     closed_at: Option<Duration>,
@@ -117,38 +124,38 @@ pub struct Pair {
     /// `READY=1`s refused: their sender did not hold the election lock.
     ready_refused: u64,
     /// The current engine of each slot was OOM-killed (until its reap).
-    oom_killed: [bool; 2],
+    oom_killed: Vec<bool>,
     /// The watchdog interval every engine is given, if any
     /// ([`Pair::with_watchdog`]); `None`: no watchdog, and the engines'
     /// `WATCHDOG` messages are ignored.
     watchdog: Option<Duration>,
     /// The current engine of each slot's watchdog (reset at each spawn).
     /// Kept off the slots: a ping is no observable change.
-    watchdogs: [Watchdog; 2],
+    watchdogs: Vec<Watchdog>,
     /// The current engine of each slot was ended as hung: why, when, and
     /// when it was killed (until its reap, which records it).
-    hung: [Option<Hang>; 2],
+    hung: Vec<Option<Hang>>,
     /// Engines ended as hung, by cause, counted at their reap.
     hangs: Hangs,
     /// Probe failures in a row that end the serving engine
     /// ([`Pair::with_probe`]); `None`: no probe, its results are ignored.
     probe_failures_max: Option<u32>,
     /// Probe failures in a row of the current engine of each slot.
-    probe_failed: [u32; 2],
+    probe_failed: Vec<u32>,
     /// How long an engine may take to park or serve
     /// ([`Pair::with_start_timeout`]); `None`: forever.
     start_timeout: Option<Duration>,
     /// The current engine of each slot's start clock (set when it starts).
-    starts: [StartClock; 2],
+    starts: Vec<StartClock>,
     /// The pair's cgroup is frozen (Pause): no engine can ping, answer a
     /// probe or start, so none is judged.
     frozen: bool,
     /// Each slot's notify reader stopped reading a flood on that slot's
     /// socket: that engine's pings wait unread in the kernel, so its
     /// watchdog and start clock are not judged (the other engine's are).
-    stalled: [bool; 2],
+    stalled: Vec<bool>,
     /// Since when each slot has been blind (frozen or stalled); `None`: seen.
-    blind_since: [Option<Duration>; 2],
+    blind_since: Vec<Option<Duration>>,
     /// Set while both engines are being stopped for a cold restart, and
     /// while it waits out its backoff.
     cold_restart: bool,
@@ -158,8 +165,9 @@ pub struct Pair {
     cold_useful: bool,
     /// Down, waiting for `ColdRestartDue`.
     cold_waiting: bool,
-    /// Slots in use: 2 for a pair, 1 for a single engine restarted in
-    /// place (no shadow; GMS still keeps the weights across restarts).
+    /// Slots in use: N + 1 for a pair with N shadows, 1 for a single
+    /// engine restarted in place (no shadow; GMS still keeps the weights
+    /// across restarts; its `slots` still has two, the second never used).
     slots_in_use: usize,
     ending: Option<Ending>,
     /// Exit status to report when the pair ends.
@@ -169,14 +177,29 @@ pub struct Pair {
 }
 
 impl Pair {
+    /// A pair with one shadow.
     pub fn new(policy: RestartPolicy) -> Pair {
+        Pair::with_slots(policy, 2)
+    }
+
+    /// A pair with `shadows` shadows (1 ..= `MAX_SHADOWS`, clamped):
+    /// `shadows + 1` engines, whichever holds the lock serves, the others
+    /// parked; every dead slot is started again. The rules are those of a
+    /// pair with one shadow: a failover promotes whichever shadow takes the
+    /// lock.
+    pub fn with_shadows(policy: RestartPolicy, shadows: usize) -> Pair {
+        Pair::with_slots(policy, shadows.clamp(1, MAX_SHADOWS) + 1)
+    }
+
+    fn with_slots(policy: RestartPolicy, n: usize) -> Pair {
         Pair {
-            slots: [Slot::new(SlotId::ZERO), Slot::new(SlotId::ONE)],
+            slots: SlotId::first(n).map(Slot::new).collect(),
             active: None,
             budget: RestartBudget::new(policy),
             xids: Vec::new(),
             gms_alive: true,
             handover: None,
+            awaiting_reap: Vec::new(),
             closed_at: None,
             last_promotion: None,
             failovers: 0,
@@ -186,22 +209,22 @@ impl Pair {
             oom_kills: 0,
             weights_corrupt: 0,
             ready_refused: 0,
-            oom_killed: [false, false],
+            oom_killed: vec![false; n],
             watchdog: None,
-            watchdogs: [Watchdog::default(), Watchdog::default()],
-            hung: [None, None],
+            watchdogs: vec![Watchdog::default(); n],
+            hung: vec![None; n],
             hangs: Hangs::default(),
             probe_failures_max: None,
-            probe_failed: [0, 0],
+            probe_failed: vec![0; n],
             start_timeout: None,
-            starts: [StartClock::default(), StartClock::default()],
+            starts: vec![StartClock::default(); n],
             frozen: false,
-            stalled: [false, false],
-            blind_since: [None, None],
+            stalled: vec![false; n],
+            blind_since: vec![None; n],
             cold_restart: false,
             cold_useful: false,
             cold_waiting: false,
-            slots_in_use: 2,
+            slots_in_use: n,
             ending: None,
             final_status: None,
             revision: 0,
@@ -214,7 +237,7 @@ impl Pair {
     pub fn single(policy: RestartPolicy) -> Pair {
         Pair {
             slots_in_use: 1,
-            ..Pair::new(policy)
+            ..Pair::with_slots(policy, 2)
         }
     }
 
@@ -254,6 +277,17 @@ impl Pair {
     /// True for a [`Pair::single`].
     pub fn is_single(&self) -> bool {
         self.slots_in_use == 1
+    }
+
+    /// The slots the pair keeps (`0 ..= N`; two for a single engine, the
+    /// second never started).
+    pub fn slot_ids(&self) -> impl Iterator<Item = SlotId> + Clone {
+        SlotId::first(self.slots.len())
+    }
+
+    /// How many shadows the pair is made for (0 for a single engine).
+    pub fn shadows(&self) -> usize {
+        self.slots_in_use - 1
     }
 
     /// Applies one event, observed at `now`.
@@ -318,8 +352,11 @@ impl Pair {
 
     /// Whether each slot's watchdog is armed and counts (a configured
     /// watchdog, pinged by the current engine).
-    pub(super) fn watchdogs_armed(&self) -> [bool; 2] {
-        SlotId::BOTH.map(|s| self.watchdog.is_some() && self.watchdogs[s.index()].armed())
+    pub(super) fn watchdogs_armed(&self) -> Vec<bool> {
+        self.watchdogs
+            .iter()
+            .map(|w| self.watchdog.is_some() && w.armed())
+            .collect()
     }
 }
 

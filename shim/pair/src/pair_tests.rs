@@ -1407,3 +1407,193 @@ fn a_stall_each_second_slows_a_watchdog_but_never_stops_it() {
         vec![Action::Kill { slot: S0 }]
     );
 }
+
+/// A pair with `shadows` shadows, started: slot 0 active, the others
+/// parked, every pid known.
+fn running_with(shadows: usize) -> Pair {
+    let mut p = Pair::with_shadows(RestartPolicy::default(), shadows);
+    let ids: Vec<SlotId> = p.slot_ids().collect();
+    assert_eq!(ids.len(), shadows + 1);
+    let spawns: Vec<Action> = ids.iter().map(|&slot| Action::Spawn { slot }).collect();
+    assert_eq!(p.start(), spawns);
+    for (&slot, pid) in ids.iter().zip(100..) {
+        spawned(&mut p, slot, pid, 1);
+        parked(&mut p, slot, 2);
+    }
+    p.handle(Event::LockHeld { slot: SlotId::ZERO }, t(3));
+    ready(&mut p, SlotId::ZERO, 4);
+    assert_eq!(p.active(), Some(SlotId::ZERO));
+    let snap = p.snapshot();
+    assert!(snap.protected);
+    assert_eq!((snap.shadows, snap.shadows_parked), (shadows, shadows));
+    p
+}
+
+fn ready(p: &mut Pair, slot: SlotId, at: u64) -> Vec<Action> {
+    p.handle(
+        Event::Ready {
+            slot,
+            holder: LockHolder::Slot(slot),
+        },
+        t(at),
+    )
+}
+
+fn slot(n: usize) -> SlotId {
+    SlotId::new(n).unwrap()
+}
+
+/// With two shadows a second failure within the first one's respawn finds
+/// the other shadow: each death is a failover of its own, the pair is
+/// protected while a shadow is parked, and every dead slot is started
+/// again.
+#[test]
+fn two_shadows_take_two_failures_before_any_respawn_has_parked() {
+    let mut p = running_with(2);
+    // The active dies; slot 1 wins the lock.
+    assert_eq!(
+        died(&mut p, slot(0), KILL, 1000),
+        vec![Action::Spawn { slot: slot(0) }]
+    );
+    assert_eq!(
+        p.snapshot().shadows_parked,
+        2,
+        "neither shadow has been promoted yet"
+    );
+    assert!(!p.snapshot().protected, "nobody serves");
+    p.handle(Event::LockHeld { slot: slot(1) }, t(1001));
+    let a = ready(&mut p, slot(1), 1005);
+    assert!(
+        matches!(a.as_slice(), [Action::Promoted(pr)] if pr.from == slot(0) && pr.to == Some(slot(1)))
+    );
+    let snap = p.snapshot();
+    assert!(snap.protected, "slot 2 is still parked");
+    assert_eq!(snap.shadows_parked, 1);
+    // 20 ms later, before slot 0 has parked again, the new active dies.
+    assert_eq!(
+        died(&mut p, slot(1), KILL, 1020),
+        vec![Action::Spawn { slot: slot(1) }]
+    );
+    p.handle(Event::LockHeld { slot: slot(2) }, t(1021));
+    let a = ready(&mut p, slot(2), 1025);
+    let [Action::Promoted(pr)] = a.as_slice() else {
+        panic!("{a:?}")
+    };
+    assert_eq!((pr.from, pr.to, pr.number), (slot(1), Some(slot(2)), 2));
+    assert_eq!(pr.total(), Some(t(5)));
+    let snap = p.snapshot();
+    assert_eq!(snap.shadows_parked, 0);
+    assert!(!snap.protected, "no shadow is parked until a respawn parks");
+    // The respawns park: protected again, by two.
+    spawned(&mut p, slot(0), 200, 1100);
+    parked(&mut p, slot(0), 1200);
+    assert!(p.snapshot().protected);
+    spawned(&mut p, slot(1), 201, 1100);
+    parked(&mut p, slot(1), 1300);
+    let snap = p.snapshot();
+    assert_eq!((snap.shadows_parked, snap.failovers), (2, 2));
+    assert_eq!(
+        snap.slots.iter().map(|s| s.generation).collect::<Vec<_>>(),
+        vec![2, 2, 1]
+    );
+}
+
+/// A shadow's death does not touch the active, whichever shadow it is;
+/// the pair stays protected by the others.
+#[test]
+fn a_dead_shadow_of_three_is_respawned_and_the_others_keep_the_pair_protected() {
+    let mut p = running_with(3);
+    assert_eq!(
+        died(&mut p, slot(2), KILL, 500),
+        vec![Action::Spawn { slot: slot(2) }]
+    );
+    let snap = p.snapshot();
+    assert_eq!(snap.active, Some(slot(0)));
+    assert_eq!(snap.shadows_parked, 2);
+    assert!(snap.protected);
+    assert_eq!(snap.failovers, 0);
+}
+
+/// Three failures in a row, each before the last respawn parked: three
+/// failovers, and the pair never waits for a respawn to serve.
+#[test]
+fn three_shadows_take_three_failures_in_a_row() {
+    let mut p = running_with(3);
+    let mut active = slot(0);
+    for (i, next) in [1, 2, 3].into_iter().enumerate() {
+        let at = 1000 + 20 * i as u64;
+        assert_eq!(
+            died(&mut p, active, KILL, at),
+            vec![Action::Spawn { slot: active }]
+        );
+        p.handle(Event::LockHeld { slot: slot(next) }, t(at + 1));
+        let a = ready(&mut p, slot(next), at + 3);
+        assert!(
+            matches!(a.as_slice(), [Action::Promoted(pr)] if pr.number == i as u64 + 1 && pr.to == Some(slot(next))),
+            "{a:?}"
+        );
+        active = slot(next);
+    }
+    assert_eq!(p.snapshot().shadows_parked, 0);
+    assert_eq!(p.active(), Some(slot(3)));
+}
+
+/// The engine that finished cleanly is not started again; the pair ends
+/// with 0 only once no engine of any slot is left.
+#[test]
+fn with_two_shadows_a_clean_finish_ends_the_pair_only_when_all_have_finished() {
+    let mut p = running_with(2);
+    assert!(died(&mut p, slot(1), Exit::Code(0), 100).is_empty());
+    assert!(died(&mut p, slot(2), Exit::Code(0), 101).is_empty());
+    let a = died(&mut p, slot(0), Exit::Code(0), 102);
+    assert!(a.contains(&Action::Exit { status: 0 }), "{a:?}");
+}
+
+#[test]
+fn shadows_are_between_one_and_the_maximum() {
+    let p = Pair::with_shadows(RestartPolicy::default(), 0);
+    assert_eq!(p.slot_ids().count(), 2);
+    let p = Pair::with_shadows(RestartPolicy::default(), 99);
+    assert_eq!(p.slot_ids().count(), MAX_SHADOWS + 1);
+    assert_eq!(p.shadows(), MAX_SHADOWS);
+    assert_eq!(SlotId::new(MAX_SHADOWS + 1), None);
+    assert_eq!(Pair::single(RestartPolicy::default()).shadows(), 0);
+}
+
+/// A second failure inside a failover: the successor serves and dies
+/// before the old active is even reaped. Both failovers are recorded,
+/// the first at its old active's reap; none is lost.
+#[test]
+fn a_successor_that_dies_before_the_old_active_is_reaped_loses_no_failover() {
+    let mut p = running_with(2);
+    // Slot 0 dies; its reap is slow. Slot 1 takes the lock and serves.
+    p.handle(Event::LockHeld { slot: slot(1) }, t(1001));
+    assert!(
+        ready(&mut p, slot(1), 1002).is_empty(),
+        "slot 0 not reaped yet"
+    );
+    assert_eq!(p.active(), Some(slot(1)));
+    // Slot 1 dies and is reaped first; slot 2 takes over.
+    assert_eq!(
+        died(&mut p, slot(1), KILL, 1020),
+        vec![Action::Spawn { slot: slot(1) }]
+    );
+    p.handle(Event::LockHeld { slot: slot(2) }, t(1021));
+    let a = ready(&mut p, slot(2), 1022);
+    assert!(
+        matches!(a.as_slice(), [Action::Promoted(pr)] if pr.from == slot(1) && pr.to == Some(slot(2))),
+        "{a:?}"
+    );
+    // Slot 0's reap at last: the first failover is recorded too.
+    let a = died(&mut p, slot(0), KILL, 1100);
+    let promoted: Vec<_> = a
+        .iter()
+        .filter_map(|x| match x {
+            Action::Promoted(pr) => Some((pr.from, pr.to, pr.number)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(promoted, vec![(slot(0), Some(slot(1)), 2)], "{a:?}");
+    assert!(a.contains(&Action::Spawn { slot: slot(0) }), "{a:?}");
+    assert_eq!(p.snapshot().failovers, 2);
+}

@@ -109,6 +109,11 @@ impl Handover {
         self.reap.is_none()
     }
 
+    /// The successor serves (its `READY=1`, or the lock without sd_notify).
+    pub(crate) fn serving(&self) -> bool {
+        self.serving
+    }
+
     /// A sign of death at `at`: the earliest one is the death.
     pub(crate) fn sign(&mut self, at: Duration, sign: DeathSign) {
         if at < self.death_at {

@@ -210,10 +210,17 @@ pub enum LockWatch {
 /// A pair's observable state, for metrics and `shadowctl`.
 #[derive(Clone, Debug, Serialize)]
 pub struct Snapshot {
-    pub slots: [Slot; 2],
+    /// One per engine of the pair (`0 ..= N`).
+    pub slots: Vec<Slot>,
     pub active: Option<SlotId>,
-    /// An active engine with a parked shadow behind it.
+    /// An active engine with at least one parked shadow behind it.
     pub protected: bool,
+    /// Shadows the pair is made for (`shadow.dev/shadows`; 0: a single
+    /// engine).
+    pub shadows: usize,
+    /// Shadows parked now: the failures the pair can take before one finds
+    /// no shadow.
+    pub shadows_parked: usize,
     /// Completed promotions (successor serving, old active reaped).
     pub failovers: u64,
     pub cold_restarts: u64,

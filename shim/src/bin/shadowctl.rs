@@ -128,16 +128,17 @@ fn last_total_ms(s: &PairState) -> String {
 
 fn list(state_dir: &Path, address: Option<&str>) -> ExitCode {
     println!(
-        "{:<40} {:<7} {:<10} {:<10} {:<15} CONTAINERD",
-        "NAMESPACE/ID", "ACTIVE", "PROTECTED", "FAILOVERS", "LAST PROMOTION"
+        "{:<40} {:<7} {:<10} {:<8} {:<10} {:<15} CONTAINERD",
+        "NAMESPACE/ID", "ACTIVE", "PROTECTED", "PARKED", "FAILOVERS", "LAST PROMOTION"
     );
     for f in pairs(state_dir, address) {
         match read(&f.path) {
             Ok(s) => println!(
-                "{:<40} {:<7} {:<10} {:<10} {:<15} {}",
+                "{:<40} {:<7} {:<10} {:<8} {:<10} {:<15} {}",
                 format!("{}/{}", f.namespace, f.id),
                 or_dash(s.pair.active),
                 s.pair.protected,
+                format!("{}/{}", s.pair.shadows_parked, s.pair.shadows),
                 s.pair.failovers,
                 last_total_ms(&s),
                 f.containerd
@@ -203,10 +204,12 @@ fn show(
     }
     println!("pair {ns}/{id}");
     println!(
-        "  task pid {}  active slot {}  protected {}  failovers {}  cold restarts {}  oom kills {}  hangs {}",
+        "  task pid {}  active slot {}  protected {}  shadows parked {} of {}  failovers {}  cold restarts {}  oom kills {}  hangs {}",
         s.pid,
         or_dash(s.pair.active),
         s.pair.protected,
+        s.pair.shadows_parked,
+        s.pair.shadows,
         s.pair.failovers,
         s.pair.cold_restarts,
         s.pair.oom_kills,

@@ -64,6 +64,9 @@ pub struct PairConfig {
     /// when its spec has no `shadow.dev/watchdog` (same syntax, e.g.
     /// `"2s"`); empty: none. An engine is watched once it pings.
     pub watchdog: String,
+    /// Shadows every pair keeps parked when its spec has no
+    /// `shadow.dev/shadows`: 1 to `shadow_contract::annotations::MAX_SHADOWS`.
+    pub shadows: u8,
 }
 
 impl Default for PairConfig {
@@ -75,6 +78,7 @@ impl Default for PairConfig {
             pair_by_default: false,
             listen: String::new(),
             watchdog: String::new(),
+            shadows: 1,
             gms: GmsMode::Auto,
             gms_max_bytes: 0,
             gms_max_allocations: 0,
@@ -112,6 +116,13 @@ impl PairConfig {
         if !self.watchdog.is_empty() {
             shadow_contract::hang::parse_watchdog("pair.watchdog", &self.watchdog)
                 .map_err(|e| e.to_string())?;
+        }
+        let max = shadow_contract::annotations::MAX_SHADOWS;
+        if !(1..=max).contains(&self.shadows) {
+            return Err(format!(
+                "pair.shadows = {}: must be 1 to {max}",
+                self.shadows
+            ));
         }
         if self.lock_poll_fast_ms == 0 || self.lock_poll_idle_ms == 0 {
             return Err("pair.lock_poll_fast_ms and pair.lock_poll_idle_ms must be ≥ 1".into());
@@ -219,5 +230,13 @@ mod tests {
             Path::new("t.toml"),
         );
         assert_eq!(c.unwrap().pair.listen, "tcp:0.0.0.0:8000");
+        for bad in ["0", "4"] {
+            let e = Config::parse(&format!("[pair]\nshadows = {bad}\n"), Path::new("t.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("pair.shadows") && e.contains("1 to 3"), "{e}");
+        }
+        let c = Config::parse("[pair]\nshadows = 2\n", Path::new("t.toml")).unwrap();
+        assert_eq!(c.pair.shadows, 2);
     }
 }

@@ -46,6 +46,8 @@ pub struct PairRequest {
     pub gms: Option<GmsBackend>,
     /// One engine and no shadow (`shadow.dev/shadow=false`).
     pub single: bool,
+    /// `shadow.dev/shadows` (else the config's `pair.shadows`).
+    pub shadows: Option<u8>,
     /// `shadow.dev/listen`: the sockets the pair owns (else the config's).
     pub listen: Option<Vec<shadow_contract::listen::Listen>>,
     /// The hang-detection annotations (the watchdog else the config's).
@@ -142,11 +144,24 @@ fn gms_backend(annotation: Option<GmsBackend>, mode: GmsMode, gpus: bool) -> Gms
     }
 }
 
+/// How many engine slots a pair of `req` has: `N + 1` for N shadows
+/// (`shadow.dev/shadows`, else `pair.shadows`); two for a single engine
+/// (the second never started, as the pure pair keeps it).
+fn slot_count(cfg: &super::config::PairConfig, req: &PairRequest) -> Result<usize> {
+    match (req.single, req.shadows) {
+        (true, Some(n)) => Err(Error::InvalidArgument(format!(
+            "container {}: {}=false (no shadow) and {}={n} contradict each other",
+            req.id,
+            shadow_contract::annotations::SHADOW,
+            shadow_contract::annotations::SHADOWS
+        ))),
+        (true, None) => Ok(2),
+        (false, n) => Ok(usize::from(n.unwrap_or(cfg.shadows)) + 1),
+    }
+}
+
 /// Create of a pair: its engines (for execs) and its running supervisor.
-pub(super) async fn create(
-    rt: &Runtime,
-    req: &PairRequest,
-) -> Result<(Arc<[EngineSlot; 2]>, Handle)> {
+pub(super) async fn create(rt: &Runtime, req: &PairRequest) -> Result<(Arc<[EngineSlot]>, Handle)> {
     let mut made = Made::default();
     match create_steps(rt, req, &mut made).await {
         Ok((engines, mut parts)) => {
@@ -168,8 +183,10 @@ async fn create_steps(
     rt: &Runtime,
     req: &PairRequest,
     made: &mut Made,
-) -> Result<(Arc<[EngineSlot; 2]>, Parts)> {
+) -> Result<(Arc<[EngineSlot]>, Parts)> {
     let cfg = &rt.config.pair;
+    let count = slot_count(cfg, req)?;
+    let slot_ids: Vec<SlotId> = SlotId::first(count).collect();
     let bundle = PathBuf::from(&req.bundle);
     if req.stdio.terminal {
         return Err(Error::InvalidArgument(format!(
@@ -215,7 +232,7 @@ async fn create_steps(
     // For a cleanup after this shim's death (the spec may be gone).
     std::fs::write(&dirs.cgroup_record, &cgroup_path)
         .map_err(|e| Error::io(format!("writing {}", dirs.cgroup_record.display()), e))?;
-    for s in &dirs.slots {
+    for s in &dirs.slots[..count] {
         mkdir(s, 0o700)?;
     }
 
@@ -235,10 +252,10 @@ async fn create_steps(
 
     let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
     // One notify socket per slot: each engine its own kernel queue.
-    let notify = [
-        NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::slot_notify_file(0)))?,
-        NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::slot_notify_file(1)))?,
-    ];
+    let notify = slot_ids
+        .iter()
+        .map(|s| NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::slot_notify_file(s))))
+        .collect::<Result<Vec<_>>>()?;
 
     let pins = if spec::needs_pinned_namespaces(spec) {
         let p = PinnedNamespaces::pin(&dirs.ns)?;
@@ -345,7 +362,7 @@ async fn create_steps(
         .unwrap_or_default();
 
     let mut engines = Vec::new();
-    for slot in SlotId::BOTH {
+    for &slot in &slot_ids {
         let inputs = spec::EngineInputs {
             slot,
             rootfs: &rootfs,
@@ -374,11 +391,7 @@ async fn create_steps(
             contract_env: spec::contract_env(&engine),
         });
     }
-    let engines: Arc<[EngineSlot; 2]> = Arc::new(
-        engines
-            .try_into()
-            .map_err(|_| Error::FailedPrecondition("two engine slots".into()))?,
-    );
+    let engines: Arc<[EngineSlot]> = engines.into();
 
     let (out, out_copier) = output_pipe(&req.stdio.stdout)?;
     let (err, err_copier) = output_pipe(&req.stdio.stderr)?;
@@ -411,7 +424,7 @@ async fn create_steps(
         namespace: rt.namespace.clone(),
         config: cfg.clone(),
         host,
-        runc_ids: [engines[0].runc_id.clone(), engines[1].runc_id.clone()],
+        runc_ids: engines.iter().map(|e| e.runc_id.clone()).collect(),
         output,
         copiers: out_copier.into_iter().chain(err_copier).collect(),
         router: rt.router.clone(),
@@ -424,6 +437,7 @@ async fn create_steps(
         made: Made::default(),
         gpu_buses: gpus.iter().map(|g| g.bus.clone()).collect(),
         single: req.single,
+        shadows: count - 1,
         hang: Hang {
             watchdog,
             probe,

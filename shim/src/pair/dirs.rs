@@ -22,7 +22,10 @@ pub struct PairDirs {
     pub pair: PathBuf,
     pub gms: PathBuf,
     pub ns: PathBuf,
-    pub slots: [PathBuf; 2],
+    /// Every bundle directory a pair of this id may have, `slot-0` to
+    /// `slot-<MAX_SHADOWS>`: a pair uses the first `N + 1`; a cleanup
+    /// that does not know `N` looks at them all.
+    pub slots: Vec<PathBuf>,
     pub state_json: PathBuf,
     /// What Create recorded for a later cleanup (the pair cgroup's path).
     pub cgroup_record: PathBuf,
@@ -44,7 +47,9 @@ impl PairDirs {
             pair: root.join("pair"),
             gms: root.join("gms"),
             ns: root.join("ns"),
-            slots: [root.join("slot-0"), root.join("slot-1")],
+            slots: (0..=shadow_contract::annotations::MAX_SHADOWS)
+                .map(|n| root.join(format!("slot-{n}")))
+                .collect(),
             state_json: root.join("state.json"),
             cgroup_record: root.join("cgroup"),
             root,

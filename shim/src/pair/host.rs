@@ -102,28 +102,30 @@ enum Held {
 /// The real machine: runc for the engines, the shim's exit router, kill(2)
 /// and `/proc`.
 pub struct Machine {
-    engines: Arc<[EngineSlot; 2]>,
+    /// One per slot, `0 ..= N`.
+    engines: Arc<[EngineSlot]>,
     output: Arc<SharedOutput>,
     router: Arc<ExitRouter>,
     lock_file: FileId,
     /// The pair's listening sockets, handed to every engine; closed when
     /// the pair ends.
     listen: std::sync::Mutex<Option<Arc<ListenSockets>>>,
-    cgroups: [String; 2],
+    cgroups: Vec<String>,
     /// What runc holds for each slot: the one record of which engine
     /// Create made and whether a slot ran.
-    held: std::sync::Mutex<[Held; 2]>,
+    held: std::sync::Mutex<Vec<Held>>,
 }
 
 impl Machine {
     pub fn new(
-        engines: Arc<[EngineSlot; 2]>,
+        engines: Arc<[EngineSlot]>,
         output: Arc<SharedOutput>,
         router: Arc<ExitRouter>,
         lock_file: FileId,
         listen: Option<ListenSockets>,
     ) -> Self {
-        let cgroups = [engines[0].cgroup.clone(), engines[1].cgroup.clone()];
+        let cgroups: Vec<String> = engines.iter().map(|e| e.cgroup.clone()).collect();
+        let held = vec![Held::Nothing; engines.len()];
         Machine {
             engines,
             output,
@@ -131,11 +133,11 @@ impl Machine {
             lock_file,
             listen: std::sync::Mutex::new(listen.map(Arc::new)),
             cgroups,
-            held: std::sync::Mutex::new([Held::Nothing; 2]),
+            held: std::sync::Mutex::new(held),
         }
     }
 
-    fn held(&self) -> std::sync::MutexGuard<'_, [Held; 2]> {
+    fn held(&self) -> std::sync::MutexGuard<'_, Vec<Held>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -81,9 +81,16 @@ pub async fn remove(
     router: Arc<ExitRouter>,
     runc: &RuncOptions,
 ) {
+    // The slots the pair had: those whose bundle directory is there (two,
+    // the most common, when none is).
+    let dirs = name.existing_dirs();
+    let had = SlotId::first(shadow_pair::MAX_SLOTS)
+        .filter(|s| dirs.iter().any(|d| d.slots[s.index()].is_dir()))
+        .count()
+        .max(2);
     match RuncClient::new(name.config, name.namespace, runc_log_dir, router, runc) {
         Ok(runc) => {
-            for slot in SlotId::BOTH {
+            for slot in SlotId::first(had) {
                 let engine = spec::engine_id(name.id, slot);
                 if let Err(e) = runc.delete_force(&engine).await {
                     log::warn!("pair {}: removing engine {engine}: {e}", name.id);
@@ -92,7 +99,7 @@ pub async fn remove(
         }
         Err(e) => log::warn!("pair {}: cannot run runc: {e}", name.id),
     }
-    for dirs in name.existing_dirs() {
+    for dirs in dirs {
         log::info!(
             "pair {}: removing what its dead shim left in {}",
             name.id,

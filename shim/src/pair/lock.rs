@@ -6,7 +6,9 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use shadow_pair::{parse_proc_lock_waiters, parse_proc_locks, FileId, LockHolder, SlotId};
+use shadow_pair::{
+    parse_proc_lock_waiters, parse_proc_locks, FileId, LockHolder, SlotId, MAX_SLOTS,
+};
 
 use crate::error::{Error, Result};
 
@@ -29,18 +31,18 @@ pub fn create_lock_file(path: &Path) -> Result<FileId> {
 }
 
 /// Which slot, if any, runs `pid`: the cgroup file names the engine's cgroup
-/// (`<pair cgroup>/s0` or `/s1`) on some line.
-pub fn slot_of_pid(pid: u32, engine_cgroups: &[String; 2]) -> Option<SlotId> {
+/// (`<pair cgroup>/s0` … `/sN`, indexed by slot) on some line.
+pub fn slot_of_pid(pid: u32, engine_cgroups: &[String]) -> Option<SlotId> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     slot_in_cgroup_text(&text, engine_cgroups)
 }
 
-pub fn slot_in_cgroup_text(text: &str, engine_cgroups: &[String; 2]) -> Option<SlotId> {
+pub fn slot_in_cgroup_text(text: &str, engine_cgroups: &[String]) -> Option<SlotId> {
     for line in text.lines() {
         let Some(path) = line.splitn(3, ':').nth(2) else {
             continue;
         };
-        for slot in SlotId::BOTH {
+        for slot in SlotId::first(engine_cgroups.len()) {
             let cg = &engine_cgroups[slot.index()];
             // The engine's own cgroup or a child an engine made below it.
             if path == cg || path.starts_with(&format!("{cg}/")) {
@@ -78,14 +80,14 @@ impl LockSeen {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LockLook {
     pub seen: LockSeen,
-    /// Indexed by slot.
-    pub waiting: [bool; 2],
+    /// Indexed by slot (room for every slot a pair may have).
+    pub waiting: [bool; MAX_SLOTS],
 }
 
 impl LockLook {
     pub const UNKNOWN: LockLook = LockLook {
         seen: LockSeen::Unknown,
-        waiting: [false, false],
+        waiting: [false; MAX_SLOTS],
     };
 }
 
@@ -95,7 +97,7 @@ impl LockLook {
 /// not seen may have been skipped (see [`read_proc_locks`]), so a look that
 /// finds the lock free is taken only when a second read agrees; whatever
 /// either read saw held or waiting stands.
-pub fn observe(file: FileId, engine_cgroups: &[String; 2]) -> LockLook {
+pub fn observe(file: FileId, engine_cgroups: &[String]) -> LockLook {
     observe_by(read_proc_locks, file, |pid| {
         slot_of_pid(pid, engine_cgroups)
     })
@@ -117,7 +119,7 @@ fn observe_by(
     let second = look();
     LockLook {
         seen: second.seen,
-        waiting: [0, 1].map(|i| first.waiting[i] || second.waiting[i]),
+        waiting: std::array::from_fn(|i| first.waiting[i] || second.waiting[i]),
     }
 }
 
@@ -144,7 +146,7 @@ fn read_proc_locks() -> std::io::Result<String> {
 }
 
 fn look_in(text: &str, file: FileId, slot_of: &impl Fn(u32) -> Option<SlotId>) -> LockLook {
-    let mut waiting = [false, false];
+    let mut waiting = [false; MAX_SLOTS];
     for w in parse_proc_lock_waiters(text) {
         if w.file == file {
             if let Some(slot) = slot_of(w.pid) {
@@ -226,7 +228,7 @@ mod tests {
         let look = look_in(text, file, &slot_of);
         assert_eq!(look.seen, LockSeen::Held(SlotId::ZERO));
         assert_eq!(
-            look.waiting,
+            look.waiting[..2],
             [false, true],
             "a wait on another file is not ours"
         );
@@ -235,7 +237,7 @@ mod tests {
             file,
             &slot_of,
         );
-        assert_eq!(alone.waiting, [false, false], "a waiter of no slot");
+        assert_eq!(alone.waiting, [false; MAX_SLOTS], "a waiter of no slot");
     }
 
     /// Two real flocks on the lock file: the second waits, and is listed.
@@ -266,7 +268,7 @@ mod tests {
                 let text = read_proc_locks().unwrap();
                 // Threads share our tgid: the waiter's pid is ours too.
                 let look = look_in(&text, id, &|pid| (pid == me).then_some(SlotId::ONE));
-                if look.waiting == [false, true] {
+                if look.waiting[..2] == [false, true] {
                     Ok(look)
                 } else {
                     Err(text)
@@ -338,7 +340,7 @@ mod tests {
         let (look, n) = reads(vec!["", ""]);
         assert_eq!((look.seen, n), (LockSeen::Free, 2));
         let (look, _) = reads(vec![waits, ""]);
-        assert_eq!(look.waiting, [false, true]);
+        assert_eq!(look.waiting[..2], [false, true]);
         let (look, n) = reads(vec![]);
         assert_eq!((look, n), (LockLook::UNKNOWN, 1), "unreadable says nothing");
     }

@@ -60,7 +60,7 @@ pub struct PairedContainer {
     bundle: String,
     stdio: Stdio,
     /// The engines, for execs (read only: the supervisor owns the pair).
-    engines: Arc<[EngineSlot; 2]>,
+    engines: Arc<[EngineSlot]>,
     router: Arc<ExitRouter>,
     events: EventSink,
     view: watch::Receiver<View>,
@@ -113,11 +113,7 @@ impl PairedContainer {
         let v = self.view.borrow();
         let slot = v
             .active
-            .or_else(|| {
-                SlotId::BOTH
-                    .into_iter()
-                    .find(|s| v.pids[s.index()].is_some())
-            })
+            .or_else(|| SlotId::first(v.pids.len()).find(|s| v.pids[s.index()].is_some()))
             .ok_or_else(|| {
                 Error::FailedPrecondition(format!("pair {} has no live engine to exec in", self.id))
             })?;

@@ -43,7 +43,8 @@ pub struct View {
     /// engine created at Create until another is known; the last active
     /// once the pair is gone).
     pub pid: u32,
-    pub pids: [Option<u32>; 2],
+    /// Each slot's pid, `0 ..= N`.
+    pub pids: Vec<Option<u32>>,
     pub active: Option<SlotId>,
     pub exit: Option<ExitInfo>,
 }
@@ -90,7 +91,7 @@ pub struct GmsStatus {
 pub struct Publisher {
     id: String,
     namespace: String,
-    runc_ids: [String; 2],
+    runc_ids: Vec<String>,
     state_json: PathBuf,
     containerd: String,
     metrics_file: PathBuf,
@@ -115,7 +116,7 @@ pub struct Publisher {
 pub struct Outlets {
     pub id: String,
     pub namespace: String,
-    pub runc_ids: [String; 2],
+    pub runc_ids: Vec<String>,
     pub state_json: PathBuf,
     pub containerd: String,
     /// `<metrics_dir>/shadow-<key>-<namespace>-<id>.prom`.
@@ -233,13 +234,13 @@ impl Publisher {
         if let Some(pid) = pair.representative_pid() {
             self.last_pid = pid;
         }
-        let pids = [pair.slot(SlotId::ZERO).pid, pair.slot(SlotId::ONE).pid];
+        let pids: Vec<Option<u32>> = pair.slot_ids().map(|s| pair.slot(s).pid).collect();
         let active = pair.active();
         let last_pid = self.last_pid;
         self.view.send_if_modified(|v| {
             let changed = v.pid != last_pid || v.pids != pids || v.active != active || !v.started;
             v.pid = last_pid;
-            v.pids = pids;
+            v.pids = pids.clone();
             v.active = active;
             v.started = true;
             changed
@@ -343,7 +344,7 @@ mod tests {
             Outlets {
                 id: "p".into(),
                 namespace: "default".into(),
-                runc_ids: ["p-0".into(), "p-1".into()],
+                runc_ids: vec!["p-0".into(), "p-1".into()],
                 state_json: dir.join("state.json"),
                 containerd: "/run/c.sock".into(),
                 metrics_file: dir.join("p.prom"),

@@ -74,7 +74,7 @@ struct FakeState {
     /// Which engine `/proc/locks` shows holding the election lock.
     holder: Option<SlotId>,
     /// Which engines `/proc/locks` shows waiting for it.
-    lock_waiters: [bool; 2],
+    lock_waiters: [bool; shadow_pair::MAX_SLOTS],
     listening: bool,
 }
 
@@ -271,7 +271,7 @@ impl Rig {
             namespace: "ns".into(),
             config: PairConfig::default(),
             host: host.clone(),
-            runc_ids: ["p-s0".into(), "p-s1".into()],
+            runc_ids: vec!["p-s0".into(), "p-s1".into()],
             output: Arc::new(SharedOutput::new(None, None)),
             copiers: Vec::new(),
             router: Arc::new(ExitRouter::default()),
@@ -284,6 +284,7 @@ impl Rig {
             made: Made::default(),
             gpu_buses: Vec::new(),
             single: false,
+            shadows: 1,
             hang,
         })
         .await
@@ -843,7 +844,7 @@ async fn pings_every_few_ms_never_put_the_lock_poll_off() {
     let [active, shadow] = rig.pids();
     rig.ready(active);
     rig.say(shadow, "STATUS=parked engine 1");
-    rig.host.state().lock_waiters = [false, true];
+    rig.host.state().lock_waiters[1] = true;
     let mut protected = false;
     for _ in 0..80 {
         rig.say(active, "WATCHDOG=1");

@@ -44,9 +44,11 @@ pub fn promotion(p: &Promotion) -> file::Promotion {
 
 pub fn snapshot(s: &Snapshot) -> file::PairSnapshot {
     file::PairSnapshot {
-        slots: [slot(&s.slots[0]), slot(&s.slots[1])],
+        slots: s.slots.iter().map(slot).collect(),
         active: s.active.map(slot_id),
         protected: s.protected,
+        shadows: s.shadows,
+        shadows_parked: s.shadows_parked,
         failovers: s.failovers,
         cold_restarts: s.cold_restarts,
         oom_kills: s.oom_kills,

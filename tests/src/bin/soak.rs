@@ -26,13 +26,17 @@
 //! pair is stopped; each SIGSTOP counted as a watchdog hang, no hang
 //! during the kills.
 //!
+//! `--shadows N` runs the same with N shadows (`shadow.dev/shadows`): the
+//! pair is taken as whole again only once every shadow has parked, and
+//! "both engines" are all of them.
+//!
 //! The restart budget is set for the soak's rate: every respawn it causes
 //! fits in one window (`max_restarts_in_window` = 4 × the planned kills per
 //! 10 minutes), and kills before an engine parks (promotion kills, bursts)
 //! stay under `max_consecutive_failures`.
 
 use clap::Parser;
-use shadow_contract::annotations::WATCHDOG;
+use shadow_contract::annotations::{SHADOWS, WATCHDOG};
 use shadow_contract::state::{HangCause, PairState};
 use shadow_tests::bench::{profile, signal};
 use shadow_tests::pair::{ask, free_port, shim_pid, until, PairEnv};
@@ -81,6 +85,12 @@ struct Cli {
     /// Record the resources every N active kills.
     #[arg(long, default_value_t = 100)]
     every: usize,
+    /// Shadows of the pair (`shadow.dev/shadows`, 1 to 3): "protected"
+    /// then waits for all of them parked, a shadow kill takes the first
+    /// one after the active, the engine being promoted is whichever took
+    /// the lock.
+    #[arg(long, default_value_t = 1)]
+    shadows: u8,
 }
 
 const LONG: Duration = Duration::from_secs(60);
@@ -173,10 +183,9 @@ impl Pair<'_> {
         until(what, LONG, STEP, || self.state().filter(|s| ok(s)))
     }
 
+    /// Protected, with every shadow parked.
     fn protected(&self) -> PairState {
-        self.wait("protected", |s| {
-            s.pair.protected && s.pids.iter().all(Option::is_some)
-        })
+        self.wait("protected", all_back)
     }
 
     fn sample(&self, label: String) -> Sample {
@@ -227,6 +236,21 @@ impl Pair<'_> {
     }
 }
 
+/// Protected with every shadow parked and every pid known: whatever was
+/// killed is back.
+fn all_back(s: &PairState) -> bool {
+    s.pair.protected
+        && s.pair.shadows_parked == s.pair.shadows
+        && s.pids.iter().all(Option::is_some)
+}
+
+/// The first slot after the active one: a parked shadow once `all_back`.
+fn a_shadow(st: &PairState) -> u8 {
+    let active = st.pair.active.expect("active");
+    let slots = st.pids.len() as u8;
+    (active + 1) % slots
+}
+
 /// SIGKILL the active engine and wait until the pair has failed over and is
 /// protected again (the killed slot respawned).
 fn kill_active(pair: &Pair<'_>, st: &PairState, what: &str) -> PairState {
@@ -236,7 +260,7 @@ fn kill_active(pair: &Pair<'_>, st: &PairState, what: &str) -> PairState {
     assert!(kill(pid), "{what}: kill {pid}");
     pair.wait(&format!("{what}: failover and protected"), |s| {
         s.pair.failovers > before
-            && s.pair.protected
+            && all_back(s)
             && s.pids[usize::from(slot)].is_some_and(|p| p != pid)
     })
 }
@@ -265,20 +289,23 @@ fn ask_line(port: u16) -> Option<String> {
     text.ends_with('\n').then_some(text)
 }
 
-/// Whether a whole answer is right: a slot of the pair, the committed
-/// weights' checksum.
-fn right(line: &str, weights: &str) -> bool {
+/// Whether a whole answer is right: a slot of the pair (`0 ..= shadows`),
+/// the committed weights' checksum.
+fn right(line: &str, weights: &str, shadows: u8) -> bool {
     let get = |k: &str| {
         line.split_whitespace()
             .find_map(|w| w.strip_prefix(&format!("{k}=")))
     };
-    matches!(get("slot"), Some("0" | "1")) && get("weights") == Some(weights)
+    let slot_ok = get("slot")
+        .and_then(|v| v.parse::<u8>().ok())
+        .is_some_and(|n| n <= shadows);
+    slot_ok && get("weights") == Some(weights)
 }
 
-fn stream(port: u16, weights: String, stop: Arc<AtomicBool>, tally: Arc<Stream>) {
+fn stream(port: u16, weights: String, shadows: u8, stop: Arc<AtomicBool>, tally: Arc<Stream>) {
     while !stop.load(Ordering::Relaxed) {
         match ask_line(port) {
-            Some(line) if right(&line, &weights) => {
+            Some(line) if right(&line, &weights, shadows) => {
                 tally.answered.fetch_add(1, Ordering::Relaxed);
             }
             Some(line) => {
@@ -333,7 +360,7 @@ fn main() {
         + cli.shadow_hangs
         + cli.shadow_kills
         + cli.warmup
-        + 2 * cli.both_kills
+        + (usize::from(cli.shadows) + 1) * cli.both_kills
         + 2 * cli.gmsd_kills
         + 2 * cli.promotion_kills
         + BURST * cli.bursts;
@@ -360,11 +387,12 @@ fn main() {
     .expect("config");
     let port = free_port();
     let id = "soak";
+    let shadows = cli.shadows.to_string();
     let ctr = env
         .run(
             &cd,
             id,
-            &[(WATCHDOG, WATCHDOG_INTERVAL)],
+            &[(WATCHDOG, WATCHDOG_INTERVAL), (SHADOWS, &shadows)],
             &["--rm", "--net-host"],
             &["/bin/test-engine", "--port", &port.to_string()],
         )
@@ -385,7 +413,8 @@ fn main() {
     let tally = Arc::new(Stream::default());
     let streamer = {
         let (w, s, t) = (weights.clone(), stop.clone(), tally.clone());
-        std::thread::spawn(move || stream(port, w, s, t))
+        let shadows = cli.shadows;
+        std::thread::spawn(move || stream(port, w, shadows, s, t))
     };
     let mut kills = cli.warmup;
     let mut gmsd_killed = 0usize;
@@ -400,22 +429,22 @@ fn main() {
     }
     // 2. The parked shadow.
     for _ in 0..cli.shadow_kills {
-        let shadow = 1 - st.pair.active.expect("active");
+        let shadow = a_shadow(&st);
         let pid = st.pid_of(shadow).expect("shadow pid");
         kills += usize::from(kill(pid));
         st = pair.wait("shadow respawned", |s| {
-            s.pair.protected && s.pid_of(shadow).is_some_and(|p| p != pid)
+            all_back(s) && s.pid_of(shadow).is_some_and(|p| p != pid)
         });
     }
     samples.push(pair.sample(format!("+{} shadow", cli.shadow_kills)));
     // 3. Both engines at once.
     for _ in 0..cli.both_kills {
-        let old = st.pids;
+        let old = st.pids.clone();
         for p in old.iter().flatten() {
             kills += usize::from(kill(*p));
         }
-        st = pair.wait("both respawned", |s| {
-            s.pair.protected && s.pids.iter().zip(&old).all(|(n, o)| n.is_some() && n != o)
+        st = pair.wait("all respawned", |s| {
+            all_back(s) && s.pids.iter().zip(&old).all(|(n, o)| n.is_some() && n != o)
         });
     }
     samples.push(pair.sample(format!("+{} both", cli.both_kills)));
@@ -427,7 +456,7 @@ fn main() {
         gmsd_killed += 1;
         st = pair.wait("cold restart done", |s| {
             s.pair.cold_restarts > colds
-                && s.pair.protected
+                && all_back(s)
                 && s.gms.as_ref().is_some_and(|g| g.pid != gms)
         });
     }
@@ -437,12 +466,14 @@ fn main() {
         let slot = st.pair.active.expect("active");
         let pid = st.pid_of(slot).expect("active pid");
         kills += usize::from(kill(pid));
-        let next = pair.wait("the other engine takes the lock", |s| {
-            s.pair.active == Some(1 - slot) || s.pid_of(slot).is_some_and(|p| p != pid)
+        let next = pair.wait("another engine takes the lock", |s| {
+            s.pair.active.is_some_and(|a| a != slot) || s.pid_of(slot).is_some_and(|p| p != pid)
         });
         if let Some(p) = next
-            .pid_of(1 - slot)
-            .filter(|_| next.pair.active == Some(1 - slot))
+            .pair
+            .active
+            .filter(|a| *a != slot)
+            .and_then(|a| next.pid_of(a))
         {
             kills += usize::from(kill(p));
         }
@@ -481,7 +512,7 @@ fn main() {
         st = pair.wait(&format!("hang {round}: failover and protected"), |s| {
             s.pair.failovers > failovers
                 && s.pair.hangs.watchdog > hangs
-                && s.pair.protected
+                && all_back(s)
                 && s.pids[usize::from(slot)].is_some_and(|p| p != pid)
         });
     }
@@ -490,7 +521,7 @@ fn main() {
     let mut shadow_moved = 0usize;
     for round in 1..=cli.shadow_hangs {
         let active = st.pair.active.expect("active slot");
-        let (active_pid, shadow) = (st.pid_of(active), 1 - active);
+        let (active_pid, shadow) = (st.pid_of(active), a_shadow(&st));
         let pid = st.pid_of(shadow).expect("shadow pid");
         let (failovers, hangs) = (st.pair.failovers, st.pair.hangs.watchdog);
         pair.wait(
@@ -501,7 +532,7 @@ fn main() {
         stops += 1;
         st = pair.wait(&format!("shadow hang {round}: replaced"), |s| {
             s.pair.hangs.watchdog > hangs
-                && s.pair.protected
+                && all_back(s)
                 && s.pid_of(shadow).is_some_and(|p| p != pid)
         });
         if st.pair.failovers != failovers || st.pid_of(active) != active_pid {
@@ -511,7 +542,7 @@ fn main() {
     samples.push(pair.sample(format!("+{} shadow hangs", cli.shadow_hangs)));
     // The last respawn settled: the shadow parked and watched.
     st = pair.wait("the last respawn parked and armed", |s| {
-        s.pair.protected && s.pair.slots.iter().all(|s| s.watchdog_armed)
+        all_back(s) && s.pair.slots.iter().all(|s| s.watchdog_armed)
     });
     samples.push(pair.sample("after".into()));
     let loads = pair.loads();

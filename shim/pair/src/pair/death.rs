@@ -21,6 +21,13 @@ use crate::slot::SlotId;
 use crate::vocabulary::{Action, EngineState};
 
 impl Pair {
+    /// The slots in use other than `slot`.
+    fn others(&self, slot: SlotId) -> impl Iterator<Item = &crate::vocabulary::Slot> {
+        self.slots[..self.slots_in_use]
+            .iter()
+            .filter(move |s| s.id != slot)
+    }
+
     /// The reaper collected the engine of `slot`.
     pub(super) fn on_exited(&mut self, slot: SlotId, exit: Exit, now: Duration) -> Vec<Action> {
         if !self.slot(slot).alive() {
@@ -93,6 +100,7 @@ impl Pair {
                 }
             }
             actions.extend(self.complete_handover());
+            actions.extend(self.reaped_earlier(slot, now, exit, class));
         }
         if self.ending.is_some() || self.cold_restart {
             if self.ending.is_some() && (was_active || self.final_status.is_none()) {
@@ -111,7 +119,7 @@ impl Pair {
             if let Some(closed) = self.closed_at.take() {
                 h.sign(closed, DeathSign::LockFree);
             }
-            self.handover = Some(h);
+            self.begin_handover(h);
         }
         if class == FailureClass::WeightsCorrupt {
             self.weights_corrupt += 1;
@@ -128,9 +136,9 @@ impl Pair {
             // engine that finished cleanly on its own is not started again.
             // Whoever is left serves; once nobody is, the task ends with 0,
             // as a plain container whose process finished would.
-            let other = self.slot(slot.other());
-            let left = other.alive()
-                || matches!(other.state, EngineState::Spawning | EngineState::Backoff);
+            let left = self.others(slot).any(|o| {
+                o.alive() || matches!(o.state, EngineState::Spawning | EngineState::Backoff)
+            });
             if !left {
                 self.ending = Some(Ending::Finished);
                 self.final_status = Some(0);
@@ -141,8 +149,9 @@ impl Pair {
         // The shadow may already hold the lock: if it is the only live
         // engine and it is active by lock, the promotion completes when the
         // shim next sees the lock or READY=1.
-        let other = self.slot(slot.other());
-        let survivor = other.alive() || other.state == EngineState::Spawning;
+        let survivor = self
+            .others(slot)
+            .any(|o| o.alive() || o.state == EngineState::Spawning);
         match self.budget.on_death(useful, now) {
             Verdict::Respawn(delay) if delay.is_zero() => actions.push(self.spawn(slot)),
             Verdict::Respawn(delay) => {

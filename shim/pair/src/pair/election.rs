@@ -78,7 +78,7 @@ impl Pair {
         if let Some(closed) = self.closed_at.take() {
             h.sign(closed, DeathSign::LockFree);
         }
-        self.handover = Some(h);
+        self.begin_handover(h);
         self.slots[old.index()].state = EngineState::Superseded;
         if self.active == Some(old) {
             self.active = None;
@@ -166,6 +166,43 @@ impl Pair {
     fn become_active(&mut self, slot: SlotId) {
         self.active = Some(slot);
         self.slots[slot.index()].state = EngineState::Active;
+    }
+
+    /// `h` becomes the failover in progress. One already in progress
+    /// whose successor served is kept until its old active's reap records
+    /// it ([`Pair::reaped_earlier`]); one whose successor never served
+    /// is over (that successor is the one leaving now).
+    pub(super) fn begin_handover(&mut self, h: Handover) {
+        if let Some(earlier) = self.handover.replace(h) {
+            if earlier.serving() && earlier.awaits_reap() {
+                self.awaiting_reap.push(earlier);
+            }
+        }
+    }
+
+    /// The reap of `slot` that an earlier failover awaited
+    /// ([`Pair::begin_handover`]): its record, counted as a failover.
+    pub(super) fn reaped_earlier(
+        &mut self,
+        slot: SlotId,
+        now: Duration,
+        exit: crate::failure::Exit,
+        class: crate::failure::FailureClass,
+    ) -> Vec<Action> {
+        let Some(i) = self.awaiting_reap.iter().position(|h| h.from() == slot) else {
+            return Vec::new();
+        };
+        let mut h = self.awaiting_reap.remove(i);
+        h.reaped(now, exit, class);
+        let number = self.failovers + 1;
+        match h.complete(number) {
+            Some(p) => {
+                self.failovers = number;
+                self.last_promotion = Some(p.clone());
+                vec![Action::Promoted(p)]
+            }
+            None => Vec::new(),
+        }
     }
 
     /// The promotion record, once its successor serves and the old active

@@ -102,7 +102,7 @@ impl Pair {
             return Vec::new();
         }
         let mut ended = Vec::new();
-        for slot in SlotId::BOTH {
+        for slot in self.slot_ids() {
             if self.watchdog_expiry(slot).is_some_and(|e| now > e) {
                 ended.push((slot, HangCause::Watchdog));
             } else if self.start_expiry(slot).is_some_and(|e| now > e) {
@@ -162,10 +162,10 @@ impl Pair {
     /// engine's probe failures start over (it could not answer).
     pub(super) fn on_frozen(&mut self, frozen: bool, now: Duration) -> Vec<Action> {
         if self.frozen && !frozen {
-            self.probe_failed = [0, 0];
+            self.probe_failed.iter_mut().for_each(|n| *n = 0);
         }
         self.frozen = frozen;
-        for slot in SlotId::BOTH {
+        for slot in self.slot_ids() {
             self.update_blind(slot, now);
         }
         Vec::new()

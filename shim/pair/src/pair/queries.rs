@@ -88,9 +88,8 @@ impl Pair {
         if self.ending.is_some() || self.cold_restart {
             return None;
         }
-        SlotId::BOTH
-            .iter()
-            .flat_map(|s| [self.watchdog_expiry(*s), self.start_expiry(*s)])
+        self.slot_ids()
+            .flat_map(|s| [self.watchdog_expiry(s), self.start_expiry(s)])
             .flatten()
             .min()
     }
@@ -167,6 +166,8 @@ impl Pair {
             slots,
             active: self.active,
             protected: self.protected(),
+            shadows: self.shadows(),
+            shadows_parked: self.shadows_parked(),
             failovers: self.failovers,
             cold_restarts: self.cold_restarts,
             oom_kills: self.oom_kills,
@@ -179,21 +180,29 @@ impl Pair {
         }
     }
 
-    /// An engine that serves with a parked shadow, both with their pids
-    /// known (an engine may speak before runc reports its pid). One that
-    /// holds the lock and speaks sd_notify serves from its `READY=1`: until
-    /// then it may still be waking, or stuck doing so.
+    /// An engine that serves with at least one parked shadow, all with
+    /// their pids known (an engine may speak before runc reports its pid).
+    /// One that holds the lock and speaks sd_notify serves from its
+    /// `READY=1`: until then it may still be waking, or stuck doing so.
     fn protected(&self) -> bool {
         match self.active {
             Some(a) => {
                 let active = self.slot(a);
-                let shadow = self.slot(a.other());
                 active.state == EngineState::Active
                     && active.pid.is_some()
-                    && shadow.state == EngineState::Parked
-                    && shadow.pid.is_some()
+                    && self.shadows_parked() > 0
             }
             None => false,
         }
+    }
+
+    /// Shadows parked now, their pids known: the failures the pair can
+    /// take before one of them finds no shadow.
+    pub fn shadows_parked(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| Some(s.id) != self.active)
+            .filter(|s| s.state == EngineState::Parked && s.pid.is_some())
+            .count()
     }
 }

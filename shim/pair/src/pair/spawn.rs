@@ -14,12 +14,12 @@ use crate::watchdog::{StartClock, Watchdog};
 use std::time::Duration;
 
 impl Pair {
-    /// The first actions: start the engines (both, or slot 0 of a single).
+    /// The first actions: start the engines (all of a pair's, or slot 0
+    /// of a single).
     pub fn start(&mut self) -> Vec<Action> {
         self.revision += 1;
-        SlotId::BOTH[..self.slots_in_use]
-            .iter()
-            .map(|s| self.spawn(*s))
+        SlotId::first(self.slots_in_use)
+            .map(|s| self.spawn(s))
             .collect()
     }
 

@@ -15,15 +15,16 @@ use crate::error::{Error, Result};
 /// How long Pause waits for every engine process to be frozen.
 const FREEZE_WAIT: Duration = Duration::from_secs(5);
 
-/// The engines' cgroups below a pair's (`s0`, `s1`), as runc makes them.
+/// The engines' cgroups below a pair's (`s0` … `sN`), as runc makes them.
 #[derive(Debug)]
 pub struct Engines {
     /// The pair's `cgroupsPath`, for messages.
     pair: String,
     /// Whether the host runs cgroup v2 (the pair's cgroup says).
     v2: bool,
-    /// Each engine's cgroup path and cgroup.
-    slots: [(String, Cgroup); 2],
+    /// Each engine's cgroup path and cgroup, for every slot a pair may have
+    /// (those that do not exist are passed over).
+    slots: Vec<(String, Cgroup)>,
 }
 
 impl Engines {
@@ -33,11 +34,13 @@ impl Engines {
         Engines {
             pair: pair.to_string(),
             v2,
-            slots: SlotId::BOTH.map(|slot| {
-                let p = super::super::spec::engine_cgroup(pair, slot);
-                let cg = crate::stats::at(&p);
-                (p, cg)
-            }),
+            slots: SlotId::first(shadow_pair::MAX_SLOTS)
+                .map(|slot| {
+                    let p = super::super::spec::engine_cgroup(pair, slot);
+                    let cg = crate::stats::at(&p);
+                    (p, cg)
+                })
+                .collect(),
         }
     }
 

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use shadow_pair::{SlotId, MAX_DATAGRAM};
+use shadow_pair::{SlotId, MAX_DATAGRAM, MAX_SLOTS};
 use tokio::time::Instant;
 
 use super::socket::{Datagram, Dropped};
@@ -184,9 +184,10 @@ pub struct SenderSlot {
 pub struct Gate {
     id: String,
     queue: Arc<Queue>,
-    buckets: [Bucket; 2],
+    /// Each engine's bucket, by slot (room for every slot a pair may have).
+    buckets: [Bucket; MAX_SLOTS],
     /// Each engine's bucket for watchdog pings ([`PING_RATE_PER_SEC`]).
-    ping_buckets: [Bucket; 2],
+    ping_buckets: [Bucket; MAX_SLOTS],
     /// pid -> (slot, when looked up).
     slots: HashMap<u32, (Option<SlotId>, Instant)>,
     /// pid -> (its last forwarded text, that datagram's sequence number).
@@ -203,11 +204,10 @@ impl Gate {
         Gate {
             id: id.to_owned(),
             queue,
-            buckets: [Bucket::full(now), Bucket::full(now)],
-            ping_buckets: [
-                Bucket::full_of(now, PING_RATE_PER_SEC, PING_BURST),
-                Bucket::full_of(now, PING_RATE_PER_SEC, PING_BURST),
-            ],
+            buckets: std::array::from_fn(|_| Bucket::full(now)),
+            ping_buckets: std::array::from_fn(|_| {
+                Bucket::full_of(now, PING_RATE_PER_SEC, PING_BURST)
+            }),
             slots: HashMap::new(),
             last: HashMap::new(),
             drops,

@@ -148,8 +148,9 @@ impl Supervisor {
     /// failover.
     fn pids(&self, reply: Reply<Vec<ProcessInfo>>) {
         let created = matches!(self.phase, Phase::Created | Phase::StartFailed);
-        let slots: Vec<SlotId> = SlotId::BOTH
-            .into_iter()
+        let slots: Vec<SlotId> = self
+            .pair
+            .slot_ids()
             .filter(|&s| self.pair.slot(s).pid.is_some() || (created && s == SlotId::ZERO))
             .collect();
         let host = self.host.clone();
@@ -186,7 +187,7 @@ impl Supervisor {
         });
         // A pair that never ran closes its output here.
         self.output.close();
-        for slot in SlotId::BOTH {
+        for slot in self.pair.slot_ids() {
             self.host.remove(slot).await;
         }
         self.made.undo().await;

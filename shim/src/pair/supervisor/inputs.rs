@@ -68,8 +68,8 @@ impl Supervisor {
         let now = self.clock.now();
         let look = self.host.lock();
         let mut actions = Vec::new();
-        for slot in SlotId::BOTH {
-            if look.waiting[slot.index()] {
+        for slot in self.pair.slot_ids() {
+            if look.waiting.get(slot.index()).copied().unwrap_or(false) {
                 actions.extend(self.pair.handle(PairEvent::LockWaiting { slot }, now));
             }
         }
@@ -327,7 +327,7 @@ impl Supervisor {
     /// Signal every engine whose pid is known; one still being spawned is
     /// killed when its spawn is reported (the pair answers `Kill`).
     pub(super) fn kill_all(&self, sig: Signal) {
-        for slot in SlotId::BOTH {
+        for slot in self.pair.slot_ids() {
             if let Some(pid) = self.pair.slot(slot).pid {
                 self.host.signal(pid, sig);
             }

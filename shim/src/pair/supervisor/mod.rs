@@ -63,13 +63,14 @@ pub struct Parts {
     pub namespace: String,
     pub config: PairConfig,
     pub host: Arc<dyn Host>,
-    pub runc_ids: [String; 2],
+    /// Each slot's runc container id, `0 ..= N`.
+    pub runc_ids: Vec<String>,
     pub output: Arc<SharedOutput>,
     pub copiers: Vec<JoinHandle<()>>,
     pub router: Arc<ExitRouter>,
     pub events: EventSink,
     /// Each slot's notify socket (its engine's alone).
-    pub notify: Option<[NotifySocket; 2]>,
+    pub notify: Option<Vec<NotifySocket>>,
     /// The election lock file, watched for closes (inotify).
     pub lock_path: Option<PathBuf>,
     pub state_json: PathBuf,
@@ -82,6 +83,9 @@ pub struct Parts {
     pub gpu_buses: Vec<String>,
     /// One engine, restarted in place, no shadow.
     pub single: bool,
+    /// Shadows the pair keeps parked (1 ..= MAX_SHADOWS; ignored when
+    /// `single`).
+    pub shadows: usize,
     /// How the pair finds a hung engine.
     pub hang: Hang,
 }
@@ -151,7 +155,7 @@ pub struct Supervisor {
     copiers: Vec<JoinHandle<()>>,
     router: Arc<ExitRouter>,
     events: EventSink,
-    notify: Option<[NotifySocket; 2]>,
+    notify: Option<Vec<NotifySocket>>,
     /// Datagrams the notify readers forwarded and this task has not taken.
     notify_queue: Arc<Queue>,
     /// What the notify reader dropped, by reason (published as a metric).
@@ -170,7 +174,7 @@ pub struct Supervisor {
     publisher: Publisher,
     /// When the current generation of each slot was asked for: a notify
     /// sender's slot looked up before then may be its predecessor's.
-    spawned_at: [Instant; 2],
+    spawned_at: Vec<Instant>,
     stop_signal: Option<u32>,
     /// When a refused `READY=1` was last logged, and the count then.
     refused_logged: Option<(Instant, u64)>,
@@ -204,11 +208,12 @@ impl Supervisor {
         let pair = if p.single {
             Pair::single(p.config.restart.clone())
         } else {
-            Pair::new(p.config.restart.clone())
+            Pair::with_shadows(p.config.restart.clone(), p.shadows)
         }
         .with_watchdog(p.hang.watchdog)
         .with_probe(p.hang.probe.as_ref().map(|p| p.settings.failures))
         .with_start_timeout(Some(p.hang.start_timeout));
+        let spawned_at = vec![now; pair.slot_ids().count()];
         let probing = p.hang.probe.map(|p| Probing {
             prober: Arc::new(p.prober),
             settings: p.settings,
@@ -241,7 +246,7 @@ impl Supervisor {
             rx,
             clock,
             publisher,
-            spawned_at: [now, now],
+            spawned_at,
             stop_signal: None,
             refused_logged: None,
             probing,
@@ -309,7 +314,7 @@ impl Supervisor {
     /// its lock file, its gmsds' deaths and its GPUs' XIDs.
     fn observe(&mut self) {
         if let Some(socks) = self.notify.take() {
-            for (slot, sock) in SlotId::BOTH.into_iter().zip(socks) {
+            for (slot, sock) in self.pair.slot_ids().zip(socks) {
                 self.observers.push(observe::notify(
                     &self.id,
                     slot,
@@ -354,7 +359,7 @@ impl Supervisor {
                     self.carry_out(actions).await;
                 }
                 Err(e) => {
-                    for s in SlotId::BOTH {
+                    for s in self.pair.slot_ids() {
                         if let Some(pid) = self.pair.slot(s).pid {
                             self.host.signal(pid, Signal::SIGKILL);
                         }
@@ -490,13 +495,14 @@ impl Supervisor {
     fn check_hangs(&mut self) -> Vec<Action> {
         let now = self.clock.now();
         let mut actions = Vec::new();
-        let starting = SlotId::BOTH
-            .iter()
-            .any(|s| self.pair.slot(*s).state == shadow_pair::EngineState::Starting);
+        let starting = self
+            .pair
+            .slot_ids()
+            .any(|s| self.pair.slot(s).state == shadow_pair::EngineState::Starting);
         if starting {
             let look = self.host.lock();
-            for slot in SlotId::BOTH {
-                if look.waiting[slot.index()] {
+            for slot in self.pair.slot_ids() {
+                if look.waiting.get(slot.index()).copied().unwrap_or(false) {
                     actions.extend(
                         self.pair
                             .handle(shadow_pair::Event::LockWaiting { slot }, now),
