@@ -1,12 +1,15 @@
 //! The reference engine's model, apart from its process: weights generated
 //! from a seed into a safetensors file, their verification, the private
-//! runtime state an engine derives from them, and the completion arithmetic.
+//! runtime state an engine derives from them, and the completion arithmetic
+//! (token by token: `model::Decoder`); and the encoding of its HTTP answers
+//! in OpenAI's completions shape, streamed or not (`openai`).
 //!
 //! Kept free of sockets, locks and GMS so that the parts whose answers the
 //! benchmark checks (determinism, verification, "the answer depends on every
 //! tensor") are unit-tested without a container.
 
 pub mod model;
+pub mod openai;
 
 use std::path::PathBuf;
 

@@ -15,8 +15,10 @@
 //! 4. wakes the KV range (it grows as memory allows: a request waits
 //!    until the part it writes is backed), listens (its own socket),
 //!    `READY=1`, accepts and serves HTTP:
-//!    `POST /v1/completions` (`{"prompt": "...", "max_tokens": n}`) and
-//!    `GET /health`.
+//!    `POST /v1/completions` (`{"prompt": "...", "max_tokens": n,
+//!    "stream": bool}`, OpenAI's completions API: one JSON answer, or with
+//!    `"stream": true` a server-sent event per token, see
+//!    `shadow_engine::openai`) and `GET /health`.
 //!
 //! With a watchdog (`WATCHDOG_USEC`, `shadow.dev/watchdog`) it pings
 //! `WATCHDOG=1` each half interval from the loops that work, never from a
@@ -52,13 +54,16 @@ use nix::sys::socket::{
 use serde_json::{json, Value};
 use shadow_contract::env;
 use shadow_contract::watchdog::{self, Pacer, Progress};
-use shadow_engine::model::{generate, verify, Model};
+use shadow_engine::model::{generate, verify, Decoder, Model};
+use shadow_engine::openai::{self, StreamHead};
 use shadow_engine::{Error, Result};
 
 /// Largest request head + body the server reads.
 const MAX_REQUEST: usize = 64 << 10;
 /// Most tokens one completion may ask for.
 const MAX_TOKENS: usize = 256;
+/// How long a streamed answer waits for its client to take an event.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Threads answering connections.
 const WORKERS: usize = 4;
 /// Metadata key: bytes of the file inside the GMS allocation (it is rounded up).
@@ -452,6 +457,17 @@ impl Live {
         out
     }
 
+    /// Runs `f`, a wait of worker `worker` on its client (writing to it),
+    /// inside a computation: the worker is not computing meanwhile, so a
+    /// slow client never holds the pings back; then it is as before (and,
+    /// computing, must step again before the next ping).
+    fn waiting<R>(&self, worker: usize, f: impl FnOnce() -> R) -> R {
+        let was = std::mem::replace(&mut self.lock().computing[worker], false);
+        let out = f();
+        self.lock().computing[worker] = was;
+        out
+    }
+
     /// A worker is done with its connection.
     fn idle(&self) {
         self.lock().idle += 1;
@@ -594,6 +610,19 @@ impl Kv {
     }
 }
 
+/// What [`route`] answers.
+enum Reply<'a> {
+    /// A whole JSON answer.
+    Json(u16, Value),
+    /// A completion to stream (`"stream": true`), accepted and its state
+    /// already in the KV cache: [`stream`] writes it as it decodes.
+    Stream {
+        head: StreamHead,
+        decoder: Decoder<'a>,
+        max_tokens: usize,
+    },
+}
+
 /// One request, one response, connection closed.
 fn answer(
     mut conn: TcpStream,
@@ -605,24 +634,56 @@ fn answer(
     worker: usize,
 ) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-    let (status, body) = match read_request(&mut conn) {
+    let reply = match read_request(&mut conn) {
         Ok((method, path, body)) => live.computing(worker, |step| {
             route(&method, &path, &body, model, bytes, kv, info, step)
         }),
-        Err(reason) => (400, json!({ "error": reason })),
+        Err(reason) => Reply::Json(400, json!({ "error": reason })),
     };
-    let text = body.to_string();
-    let reason = match status {
-        200 => "OK",
-        404 => "Not Found",
-        503 => "Service Unavailable",
-        _ => "Bad Request",
-    };
-    let _ = write!(
-        conn,
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
-        text.len()
-    );
+    match reply {
+        Reply::Json(status, body) => {
+            let _ = conn.write_all(&openai::json_response(status, &body));
+        }
+        Reply::Stream {
+            head,
+            decoder,
+            max_tokens,
+        } => stream(conn, &head, decoder, max_tokens, live, worker),
+    }
+}
+
+/// Streams a completion: the (constant) response head, then each token's
+/// event with a write of its own as soon as it is decoded, then the final
+/// event and `[DONE]`, as [`openai::stream_bytes`] says; the close ends the
+/// body. Decode steps feed the watchdog; the writes are waits on the client.
+/// A client gone (or not reading for [`WRITE_TIMEOUT`]) ends the stream.
+fn stream(
+    mut conn: TcpStream,
+    head: &StreamHead,
+    mut decoder: Decoder<'_>,
+    max_tokens: usize,
+    live: &Live,
+    worker: usize,
+) {
+    let _ = conn.set_nodelay(true);
+    let _ = conn.set_write_timeout(Some(WRITE_TIMEOUT));
+    let mut send = |bytes: &[u8]| live.waiting(worker, || conn.write_all(bytes)).is_ok();
+    if !send(openai::STREAM_HEAD) {
+        return;
+    }
+    live.computing(worker, |step| {
+        while decoder.tokens() < max_tokens {
+            let index = decoder.tokens();
+            let token = decoder.next_token();
+            step();
+            if !send(&openai::token_event(head, index, token)) {
+                return;
+            }
+        }
+        if send(&openai::final_event(head, decoder.tokens())) {
+            send(openai::DONE_EVENT);
+        }
+    });
 }
 
 fn read_request(conn: &mut TcpStream) -> std::result::Result<(String, String, Vec<u8>), String> {
@@ -676,52 +737,61 @@ fn read_request(conn: &mut TcpStream) -> std::result::Result<(String, String, Ve
 }
 
 #[allow(clippy::too_many_arguments)]
-fn route(
+fn route<'a>(
     method: &str,
     path: &str,
     body: &[u8],
-    model: &Model,
-    bytes: &[u8],
+    model: &'a Model,
+    bytes: &'a [u8],
     kv: &Kv,
     info: &Value,
     step: &mut dyn FnMut(),
-) -> (u16, Value) {
+) -> Reply<'a> {
+    let error = |status: u16, reason: String| Reply::Json(status, json!({ "error": reason }));
     match (method, path) {
-        ("GET", "/health") => (200, json!({ "status": "ok", "engine": info })),
+        ("GET", "/health") => Reply::Json(200, json!({ "status": "ok", "engine": info })),
         ("POST", "/v1/completions") => {
             let req: Value = match serde_json::from_slice(body) {
                 Ok(v) => v,
-                Err(e) => return (400, json!({ "error": format!("body is not JSON: {e}") })),
+                Err(e) => return error(400, format!("body is not JSON: {e}")),
             };
             let Some(prompt) = req["prompt"].as_str() else {
-                return (400, json!({ "error": "\"prompt\" (a string) is required" }));
+                return error(400, "\"prompt\" (a string) is required".into());
             };
             let max_tokens = req["max_tokens"].as_u64().unwrap_or(16) as usize;
             if max_tokens > MAX_TOKENS {
-                return (
-                    400,
-                    json!({ "error": format!("max_tokens is at most {MAX_TOKENS}") }),
-                );
+                return error(400, format!("max_tokens is at most {MAX_TOKENS}"));
+            }
+            // Absent or null (OpenAI's default): one JSON answer.
+            let streamed = match &req["stream"] {
+                Value::Null => false,
+                Value::Bool(b) => *b,
+                _ => return error(400, "\"stream\" is a boolean".into()),
+            };
+            // Accepted: the id and time the answer carries, chosen once.
+            let head = StreamHead::new(prompt.len());
+            if streamed {
+                let decoder = model.start(bytes, prompt);
+                // The prefill's state goes to the KV cache before the
+                // response head, so that no room is still a plain 503.
+                if let Err(e) = kv.write(prompt.as_bytes()) {
+                    return error(503, e);
+                }
+                return Reply::Stream {
+                    head,
+                    decoder,
+                    max_tokens,
+                };
             }
             let c = model.complete_with(bytes, prompt, max_tokens, step);
             // The KV cache holds the sequence's state; a real engine keeps
             // pages per sequence, here one page is rewritten per request.
             if let Err(e) = kv.write(c.text.as_bytes()) {
-                return (503, json!({ "error": e }));
+                return error(503, e);
             }
-            (
-                200,
-                json!({
-                    "object": "text_completion",
-                    "model": "shadow-reference",
-                    "choices": [{ "index": 0, "text": c.text, "finish_reason": "length" }],
-                    "usage": { "completion_tokens": c.tokens },
-                    "fingerprint": c.fingerprint,
-                    "engine": info,
-                }),
-            )
+            Reply::Json(200, openai::completion_body(&head, &c, info))
         }
-        _ => (404, json!({ "error": format!("no route {method} {path}") })),
+        _ => error(404, format!("no route {method} {path}")),
     }
 }
 
@@ -777,6 +847,26 @@ mod tests {
             });
         });
         assert!(live.lock().take_ping(), "worker 0 done: the pings resume");
+    }
+
+    #[test]
+    fn a_worker_waiting_on_its_client_never_holds_a_ping_back() {
+        let live = always_due();
+        assert!(live.lock().take_ping());
+        live.computing(1, |_| {
+            assert!(!live.lock().take_ping(), "computing, no step yet");
+            // Writing a streamed event to a slow client: not stuck.
+            live.waiting(1, || {
+                assert!(live.lock().take_ping());
+                assert!(live.lock().take_ping());
+            });
+            // Back to decoding: a step before the next ping, as before.
+            assert!(!live.lock().take_ping());
+            assert!(live.lock().stepped(1));
+        });
+        // Outside a computation a wait changes nothing.
+        live.waiting(3, || assert!(live.lock().take_ping()));
+        assert!(!live.lock().computing[3]);
     }
 
     #[test]

@@ -37,7 +37,7 @@ const WORDS: [&str; 32] = [
     "dune", "echo", "flint",
 ];
 
-fn splitmix(mut x: u64) -> u64 {
+pub(crate) fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -277,42 +277,120 @@ impl Model {
         max_tokens: usize,
         mut step: impl FnMut(),
     ) -> Completion {
+        let mut d = self.start(bytes, prompt);
+        for _ in 0..max_tokens {
+            d.next_token();
+            step();
+        }
+        d.completion()
+    }
+
+    /// A generation of `prompt` before its first token: the prompt's bytes
+    /// embedded (the "prefill"). Each [`Decoder::next_token`] then makes
+    /// one decode step. `bytes` must be the buffer the model was built from.
+    pub fn start<'a>(&'a self, bytes: &'a [u8], prompt: &str) -> Decoder<'a> {
         let mut x = vec![0f32; COLS];
-        let mut state = name_hash(prompt);
         for &b in prompt.as_bytes() {
             let row = self.embed.row(bytes, b as usize);
             for (c, xc) in x.iter_mut().enumerate() {
                 *xc += f32_at(row, c);
             }
         }
-        let mut words = Vec::with_capacity(max_tokens);
-        for _ in 0..max_tokens {
-            for (m, scales) in self.layers.iter().zip(&self.scales) {
-                let mut y = [0f32; ROWS_PER_STEP];
-                for (k, yk) in y.iter_mut().enumerate() {
-                    state = splitmix(state ^ k as u64);
-                    let r = (state % m.rows as u64) as usize;
-                    let row = m.row(bytes, r);
-                    let dot: f32 = (0..COLS).map(|c| f32_at(row, c) * x[c]).sum();
-                    *yk = (dot * scales[r] / COLS as f32).tanh();
-                    state ^= yk.to_bits() as u64;
-                }
-                for (c, xc) in x.iter_mut().enumerate() {
-                    *xc = 0.5 * *xc + y[c % ROWS_PER_STEP];
-                }
-            }
-            let word = WORDS[(state % WORDS.len() as u64) as usize];
-            words.push(word);
-            let row = self.embed.row(bytes, (state % VOCAB as u64) as usize);
-            for (c, xc) in x.iter_mut().enumerate() {
-                *xc += f32_at(row, c);
-            }
-            step();
+        Decoder {
+            model: self,
+            bytes,
+            x,
+            state: name_hash(prompt),
+            words: Vec::new(),
         }
+    }
+
+    /// The generation of `prompt` positioned after its first `generated`
+    /// tokens, as another process left it: the state is a pure function of
+    /// the weights, the prompt and the count, so it is computed again
+    /// (`generated` decode steps). Its [`Decoder::generated`] are the
+    /// tokens already sent; the next ones follow as they would have.
+    pub fn resume<'a>(&'a self, bytes: &'a [u8], prompt: &str, generated: usize) -> Decoder<'a> {
+        let mut d = self.start(bytes, prompt);
+        for _ in 0..generated {
+            d.next_token();
+        }
+        d
+    }
+}
+
+/// One generation in progress, token by token (see [`Model::start`],
+/// [`Model::resume`]). Holds the weights it reads and every token so far.
+#[derive(Clone)]
+pub struct Decoder<'a> {
+    model: &'a Model,
+    bytes: &'a [u8],
+    /// The running activation.
+    x: Vec<f32>,
+    /// Hash of every value computed so far (the fingerprint).
+    state: u64,
+    words: Vec<&'static str>,
+}
+
+/// Not the weights (gigabytes) nor the activation: where the generation is.
+impl std::fmt::Debug for Decoder<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Decoder")
+            .field("fingerprint", &self.fingerprint())
+            .field("words", &self.words)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Decoder<'_> {
+    /// One decode step: the next token (a word, without separator).
+    pub fn next_token(&mut self) -> &'static str {
+        let (model, bytes) = (self.model, self.bytes);
+        for (m, scales) in model.layers.iter().zip(&model.scales) {
+            let mut y = [0f32; ROWS_PER_STEP];
+            for (k, yk) in y.iter_mut().enumerate() {
+                self.state = splitmix(self.state ^ k as u64);
+                let r = (self.state % m.rows as u64) as usize;
+                let row = m.row(bytes, r);
+                let dot: f32 = (0..COLS).map(|c| f32_at(row, c) * self.x[c]).sum();
+                *yk = (dot * scales[r] / COLS as f32).tanh();
+                self.state ^= yk.to_bits() as u64;
+            }
+            for (c, xc) in self.x.iter_mut().enumerate() {
+                *xc = 0.5 * *xc + y[c % ROWS_PER_STEP];
+            }
+        }
+        let word = WORDS[(self.state % WORDS.len() as u64) as usize];
+        self.words.push(word);
+        let row = model.embed.row(bytes, (self.state % VOCAB as u64) as usize);
+        for (c, xc) in self.x.iter_mut().enumerate() {
+            *xc += f32_at(row, c);
+        }
+        word
+    }
+
+    /// The tokens generated so far, in order.
+    pub fn generated(&self) -> &[&'static str] {
+        &self.words
+    }
+
+    /// How many tokens were generated so far.
+    pub fn tokens(&self) -> usize {
+        self.words.len()
+    }
+
+    /// The fingerprint of the generation so far (that of a [`Completion`]
+    /// of as many tokens).
+    pub fn fingerprint(&self) -> String {
+        format!("{:016x}", self.state)
+    }
+
+    /// The answer so far: the tokens joined by spaces, the fingerprint.
+    pub fn completion(&self) -> Completion {
         Completion {
-            text: words.join(" "),
-            fingerprint: format!("{state:016x}"),
-            tokens: words.len(),
+            text: self.words.join(" "),
+            fingerprint: self.fingerprint(),
+            tokens: self.words.len(),
         }
     }
 }
@@ -374,6 +452,86 @@ mod tests {
         let mut steps = 0;
         assert_eq!(m.complete_with(&a, "hello", 12, || steps += 1), x);
         assert_eq!(steps, 12);
+    }
+
+    /// The completion loop as it was before the decoder: the decoder must
+    /// give exactly its text and fingerprint.
+    fn one_loop(m: &Model, bytes: &[u8], prompt: &str, max_tokens: usize) -> Completion {
+        let mut x = vec![0f32; COLS];
+        let mut state = name_hash(prompt);
+        for &b in prompt.as_bytes() {
+            let row = m.embed.row(bytes, b as usize);
+            for (c, xc) in x.iter_mut().enumerate() {
+                *xc += f32_at(row, c);
+            }
+        }
+        let mut words = Vec::with_capacity(max_tokens);
+        for _ in 0..max_tokens {
+            for (l, scales) in m.layers.iter().zip(&m.scales) {
+                let mut y = [0f32; ROWS_PER_STEP];
+                for (k, yk) in y.iter_mut().enumerate() {
+                    state = splitmix(state ^ k as u64);
+                    let r = (state % l.rows as u64) as usize;
+                    let row = l.row(bytes, r);
+                    let dot: f32 = (0..COLS).map(|c| f32_at(row, c) * x[c]).sum();
+                    *yk = (dot * scales[r] / COLS as f32).tanh();
+                    state ^= yk.to_bits() as u64;
+                }
+                for (c, xc) in x.iter_mut().enumerate() {
+                    *xc = 0.5 * *xc + y[c % ROWS_PER_STEP];
+                }
+            }
+            words.push(WORDS[(state % WORDS.len() as u64) as usize]);
+            let row = m.embed.row(bytes, (state % VOCAB as u64) as usize);
+            for (c, xc) in x.iter_mut().enumerate() {
+                *xc += f32_at(row, c);
+            }
+        }
+        Completion {
+            text: words.join(" "),
+            fingerprint: format!("{state:016x}"),
+            tokens: words.len(),
+        }
+    }
+
+    #[test]
+    fn the_decoder_gives_the_answers_of_the_single_loop() {
+        let d = tempfile::tempdir().unwrap();
+        let a = make(d.path(), 2, 7);
+        let m = Model::build(&a, Path::new("m")).unwrap();
+        for (prompt, n) in [("hello", 12), ("", 5), ("the prompt", 0), ("é ✓ long", 64)] {
+            let want = one_loop(&m, &a, prompt, n);
+            assert_eq!(m.complete(&a, prompt, n), want, "{prompt:?} {n}");
+            let mut dec = m.start(&a, prompt);
+            let words: Vec<&str> = (0..n).map(|_| dec.next_token()).collect();
+            assert_eq!(words.join(" "), want.text);
+            assert_eq!(dec.generated(), &words[..]);
+            assert_eq!(dec.tokens(), n);
+            assert_eq!(dec.fingerprint(), want.fingerprint);
+            assert_eq!(dec.completion(), want);
+        }
+    }
+
+    #[test]
+    fn a_resumed_decoder_goes_on_with_the_same_tokens() {
+        let d = tempfile::tempdir().unwrap();
+        let a = make(d.path(), 2, 7);
+        let m = Model::build(&a, Path::new("m")).unwrap();
+        let whole = m.complete(&a, "resume me", 20);
+        let words: Vec<&str> = whole.text.split(' ').collect();
+        for k in [0, 1, 7, 19, 20] {
+            let mut dec = m.resume(&a, "resume me", k);
+            assert_eq!(dec.generated(), &words[..k], "after {k}");
+            for (i, w) in words.iter().enumerate().skip(k) {
+                assert_eq!(dec.next_token(), *w, "token {i} resumed after {k}");
+            }
+            assert_eq!(dec.completion(), whole, "resumed after {k}");
+        }
+        // A fresh decoder's fingerprint is that of an empty completion.
+        assert_eq!(
+            m.start(&a, "resume me").fingerprint(),
+            m.complete(&a, "resume me", 0).fingerprint
+        );
     }
 
     #[test]

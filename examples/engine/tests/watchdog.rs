@@ -6,28 +6,19 @@
 //! computes a long answer.
 
 use std::os::unix::net::UnixDatagram;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use nix::fcntl::{Flock, FlockArg};
 mod common;
 
+use common::Engine;
 use serde_json::Value;
 use shadow_tests::pair::free_port;
 
 /// Only a broken engine makes a test wait this long.
 const LIMIT: Duration = Duration::from_secs(20);
-
-/// The engine, killed when the test ends however it ends.
-struct Engine(Child);
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// The lines the engine sent on the notify socket (a datagram may hold
 /// several), read as they come by a thread of their own, as the runtime
@@ -118,14 +109,25 @@ fn pings_while_parked_and_while_serving() {
     for _ in 0..3 {
         assert_eq!(notes.next(), "WATCHDOG=1", "serving, idle");
     }
-    // Long answers (256 decode steps each) from every worker at once:
-    // answered, and the pings go on throughout.
+    // Long answers (256 decode steps each) from every worker at once,
+    // half of them streamed: answered, and the pings go on throughout.
     let answers: Vec<_> = (0..8)
         .map(|i| std::thread::spawn(move || complete(port, &format!("prompt {i}"), 256)))
+        .collect();
+    let streams: Vec<_> = (0..8)
+        .map(|i| {
+            std::thread::spawn(move || common::stream(port, &format!("stream {i}"), 256, LIMIT))
+        })
         .collect();
     for a in answers {
         let v = a.join().unwrap().expect("an answer");
         assert_eq!(v["usage"]["completion_tokens"], 256);
+    }
+    for s in streams {
+        let ev = common::events(&s.join().unwrap().expect("a stream"));
+        // 256 tokens, the last event, [DONE].
+        assert_eq!(ev.len(), 256 + 2);
+        assert_eq!(ev[ev.len() - 1], "[DONE]");
     }
     for _ in 0..3 {
         assert_eq!(notes.next(), "WATCHDOG=1", "serving after the answers");

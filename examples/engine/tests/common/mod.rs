@@ -6,28 +6,73 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::process::Child;
 use std::time::Duration;
 
 use serde_json::Value;
 
-/// POSTs a completion of `max_tokens` to the engine on `port`, waiting at
-/// most `timeout` for the answer; the parsed body of a 200, else None.
-pub fn complete(port: u16, prompt: &str, max_tokens: usize, timeout: Duration) -> Option<Value> {
+/// An engine run as a plain process, killed when the test ends however
+/// it ends.
+pub struct Engine(pub Child);
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// POSTs `body` to `/v1/completions` on `port`, waiting at most `timeout`
+/// for each read; the whole response as it came, until the engine closed
+/// the connection: the head (status line and headers) and the body bytes.
+pub fn post(port: u16, body: &str, timeout: Duration) -> Option<(String, Vec<u8>)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(timeout)).ok()?;
-    let body = serde_json::json!({ "prompt": prompt, "max_tokens": max_tokens }).to_string();
     write!(
         s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
     .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).ok()?;
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = String::from_utf8(raw[..end + 4].to_vec()).ok()?;
+    Some((head, raw[end + 4..].to_vec()))
+}
+
+/// POSTs a completion of `max_tokens` to the engine on `port`, waiting at
+/// most `timeout` for the answer; the parsed body of a 200, else None.
+pub fn complete(port: u16, prompt: &str, max_tokens: usize, timeout: Duration) -> Option<Value> {
+    let body = serde_json::json!({ "prompt": prompt, "max_tokens": max_tokens }).to_string();
+    let (head, body) = post(port, &body, timeout)?;
     head.starts_with("HTTP/1.1 200")
-        .then(|| serde_json::from_str(body).ok())
+        .then(|| serde_json::from_slice(&body).ok())
         .flatten()
+}
+
+/// A streamed completion (`"stream": true`) of `max_tokens` from the engine
+/// on `port`: the bytes of a 200 from its status line on (head and
+/// events, as `shadow_engine::openai::stream_bytes` makes them), else None.
+pub fn stream(port: u16, prompt: &str, max_tokens: usize, timeout: Duration) -> Option<Vec<u8>> {
+    let body = serde_json::json!({ "prompt": prompt, "max_tokens": max_tokens, "stream": true })
+        .to_string();
+    let (head, body) = post(port, &body, timeout)?;
+    head.starts_with("HTTP/1.1 200").then(|| {
+        let mut all = head.into_bytes();
+        all.extend(body);
+        all
+    })
+}
+
+/// The payloads of the `data: ` events of a streamed response, its head
+/// left out (an unterminated tail, if any, is the last item).
+pub fn events(response: &[u8]) -> Vec<String> {
+    let text = String::from_utf8_lossy(response);
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    body.split_terminator("\n\n")
+        .map(|e| e.strip_prefix("data: ").unwrap_or(e).to_owned())
+        .collect()
 }
 
 /// The reference engine as a pair in `cd` (GMS host backend, host
