@@ -2,7 +2,8 @@
 //! and by the OCI hook, so one container spec can serve both paths.
 //!
 //! - `shadow.dev/pair`, `shadow.dev/gms`, `shadow.dev/shadow`,
-//!   `shadow.dev/listen` ask the shim to make (and shape) an engine pair;
+//!   `shadow.dev/listen`, `shadow.dev/shadows`, `shadow.dev/fdstore-max`
+//!   ask the shim to make (and shape) an engine pair;
 //! - `shadow.dev/watchdog`, `shadow.dev/probe` (with `-period`, `-timeout`,
 //!   `-failures`) and `shadow.dev/start-timeout` tell the shim how to find
 //!   a hung engine ([`crate::hang`]);
@@ -17,6 +18,7 @@
 use std::fmt;
 
 pub use crate::error::AnnotationError;
+use crate::fdstore;
 use crate::hang::{self, HangSettings};
 use crate::listen::{self, Listen};
 
@@ -45,9 +47,12 @@ pub const MAX_SHADOWS: u8 = 3;
 /// (`tcp:0.0.0.0:8000,unix:/run/engine.sock`; see [`crate::listen`], which
 /// spells the key because its parser names it in its errors).
 pub const LISTEN: &str = listen::KEY;
+/// How many descriptors the pair's fd store keeps (`0`: no store; see
+/// [`crate::fdstore`], which spells the key).
+pub const FDSTORE_MAX: &str = fdstore::KEY;
 
 /// Every key of the set.
-pub const KEYS: [&str; 13] = [
+pub const KEYS: [&str; 14] = [
     PAIR,
     GMS,
     SHADOW,
@@ -55,6 +60,7 @@ pub const KEYS: [&str; 13] = [
     PAIR_NAME,
     SLOT,
     LISTEN,
+    FDSTORE_MAX,
     WATCHDOG,
     PROBE,
     PROBE_PERIOD,
@@ -179,6 +185,8 @@ pub struct Annotations {
     pub shadows: Option<u8>,
     /// `shadow.dev/listen`: the pair's listening sockets.
     pub listen: Option<Vec<Listen>>,
+    /// `shadow.dev/fdstore-max`: the fd store's bound (`0`: none).
+    pub fdstore_max: Option<u32>,
     /// The hang-detection keys ([`HANG_KEYS`]), validated; the defaults
     /// when none is given.
     pub hang: HangSettings,
@@ -236,6 +244,7 @@ impl Annotations {
                 SLOT => out.slot = Some(parse_slot(value)?),
                 SHADOWS => out.shadows = Some(parse_shadows(value)?),
                 LISTEN => out.listen = Some(listen::parse(value)?),
+                FDSTORE_MAX => out.fdstore_max = Some(fdstore::parse_max(value)?),
                 _ => {
                     return Err(bad(
                         key,

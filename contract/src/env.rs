@@ -20,6 +20,11 @@ pub const LISTEN_PID: &str = "LISTEN_PID";
 /// systemd socket activation: the sockets' names, `:`-separated.
 pub const LISTEN_FDNAMES: &str = "LISTEN_FDNAMES";
 
+/// The pair's fd-store fetch socket (`crate::fdstore`): a promoted
+/// engine fetches the store there. Set when the pair has a store
+/// (`shadow.dev/fdstore-max` not 0).
+pub const FDSTORE_SOCKET: &str = "SHADOW_FDSTORE_SOCKET";
+
 /// systemd's watchdog (`sd_watchdog_enabled(3)`, set with
 /// `shadow.dev/watchdog`): the interval, in microseconds, within which an
 /// engine whose watchdog is armed (by its first `WATCHDOG=1`) must ping

@@ -16,6 +16,8 @@
 //!   start timeout), typed and validated;
 //! - [`listen`]: the pair's listening sockets (`shadow.dev/listen`) and
 //!   the engine's side of taking them (`LISTEN_FDS`);
+//! - [`fdstore`]: the pair's file-descriptor store (`FDSTORE=1`), the
+//!   engine's side of storing, removing and fetching;
 //! - [`watchdog`]: the engine's side of the watchdog (`WATCHDOG_USEC`):
 //!   when a ping is due, and whether every rank advanced since the last;
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
@@ -32,6 +34,7 @@
 pub mod annotations;
 pub mod env;
 mod error;
+pub mod fdstore;
 pub mod hang;
 pub mod host;
 pub mod listen;

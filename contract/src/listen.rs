@@ -157,9 +157,9 @@ pub struct Inherited {
     pub fd: OwnedFd,
 }
 
-/// Most descriptors [`inherited`] takes ([`MAX_SOCKETS`] × 64): a sanity
-/// bound on a count anyone could set.
-const MAX_INHERITED: usize = MAX_SOCKETS * 64;
+/// Most descriptors [`inherited`] takes (the sockets and a full fd store,
+/// `crate::fdstore::MAX_MAX`): a sanity bound on a count anyone could set.
+const MAX_INHERITED: usize = MAX_SOCKETS + crate::fdstore::MAX_MAX as usize;
 
 /// The listening sockets this process inherited, as
 /// `sd_listen_fds_with_names(3)` finds them (read by the `sd-notify`

@@ -19,6 +19,14 @@ pub const NOTIFY_FILE: &str = "notify.sock";
 pub fn slot_notify_file(slot: impl std::fmt::Display) -> String {
     format!("notify{slot}.sock")
 }
+/// The host-side name of slot `slot`'s fd-store fetch socket, bound in its
+/// engine at [`FDSTORE_SOCKET`] (one per slot, as the notify sockets: the
+/// socket a connection comes in on says whose it is).
+pub fn slot_fdstore_file(slot: impl std::fmt::Display) -> String {
+    format!("fdstore{slot}.sock")
+}
+/// `SHADOW_FDSTORE_SOCKET`'s value.
+pub const FDSTORE_SOCKET: &str = "/run/shadow/pair/fdstore.sock";
 /// `SHADOW_LOCK_PATH`'s value.
 pub const LOCK_PATH: &str = "/run/shadow/pair/engine.lock";
 /// `NOTIFY_SOCKET`'s value.

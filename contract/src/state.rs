@@ -44,6 +44,9 @@ pub struct PairState {
     /// the one `host` daemon), in the order of the spec's devices.
     #[serde(default)]
     pub gms_daemons: Vec<GmsStatus>,
+    /// The pair's fd store (`shadow.dev/fdstore-max`), when it has one.
+    #[serde(default)]
+    pub fdstore: Option<FdStoreStatus>,
     /// Set when the pair has ended: the status reported to containerd.
     pub exit_status: Option<u32>,
     /// When the file was written (µs since the Unix epoch).
@@ -498,6 +501,29 @@ pub struct PromotionRecord {
     pub total_ms: Option<f64>,
 }
 
+/// What a pair's fd store holds and did since the pair started (figures
+/// of the last write of the file: the store changes far more often).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FdStoreStatus {
+    /// Descriptors held now.
+    pub fds: u64,
+    /// Its bound.
+    pub max: u64,
+    pub stored: u64,
+    pub removed: u64,
+    pub hung_up: u64,
+    /// Descriptors handed to promoted engines by fetches.
+    pub fetched: u64,
+    /// Fetches answered, and refused (not the lock holder, not the slot's
+    /// engine, one in flight already).
+    #[serde(default)]
+    pub fetches: u64,
+    pub fetches_refused: u64,
+    /// Descriptors not kept, by reason (`wrong_type`, `full`, `bad_name`).
+    #[serde(default)]
+    pub refused: std::collections::BTreeMap<String, u64>,
+}
+
 /// The fields of gmsd's status report that tools read; the rest of the
 /// report is kept as gmsd wrote it (`gmsd status --json` documents it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -603,6 +629,7 @@ mod tests {
             }],
             gms: Some(gms.clone()),
             gms_daemons: vec![gms],
+            fdstore: None,
             exit_status: None,
             updated_unix_us: 1_700_000_000_100_000,
         }

@@ -97,6 +97,7 @@ impl Maker for RuncMaker {
                     gms: shadow.gms,
                     single: shadow.no_shadow,
                     shadows: shadow.shadows,
+                    fdstore_max: shadow.fdstore_max,
                     listen: shadow.listen.clone(),
                     hang: shadow.hang.clone(),
                     runc,

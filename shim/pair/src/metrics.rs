@@ -26,6 +26,90 @@ fn label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// What a pair's fd store holds and did (`shadow.dev/fdstore-max`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FdStoreFigures {
+    pub fds: u64,
+    pub max: u64,
+    pub stored: u64,
+    pub removed: u64,
+    pub hung_up: u64,
+    pub fetched: u64,
+    pub fetches: u64,
+    pub fetches_refused: u64,
+    /// Descriptors not kept, by reason (every reason, 0 included).
+    pub refused: Vec<(&'static str, u64)>,
+}
+
+/// The fd store's part of a pair's metrics text (appended to [`render`]'s
+/// for a pair that has a store).
+pub fn render_fdstore(containerd: &str, namespace: &str, id: &str, f: &FdStoreFigures) -> String {
+    let base = format!(
+        "containerd=\"{}\",namespace=\"{}\",pair=\"{}\"",
+        label(containerd),
+        label(namespace),
+        label(id)
+    );
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, lines: &[(String, u64)]| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (labels, value) in lines {
+            let _ = writeln!(out, "{name}{{{base}{labels}}} {value}");
+        }
+    };
+    let one = |v: u64| [(String::new(), v)];
+    metric(
+        "shadow_fdstore_fds",
+        "gauge",
+        "Descriptors the pair's fd store holds.",
+        &one(f.fds),
+    );
+    metric(
+        "shadow_fdstore_max",
+        "gauge",
+        "The fd store's bound (shadow.dev/fdstore-max).",
+        &one(f.max),
+    );
+    let ops = [
+        ("stored", f.stored),
+        ("removed", f.removed),
+        ("hung_up", f.hung_up),
+        ("fetched", f.fetched),
+    ];
+    let ops: Vec<(String, u64)> = ops
+        .iter()
+        .map(|(op, n)| (format!(",op=\"{op}\""), *n))
+        .collect();
+    metric(
+        "shadow_fdstore_descriptors_total",
+        "counter",
+        "Descriptors the fd store kept (stored), dropped (removed, hung_up) and handed to a promoted engine (fetched).",
+        &ops,
+    );
+    let refused: Vec<(String, u64)> = f
+        .refused
+        .iter()
+        .map(|(reason, n)| (format!(",reason=\"{}\"", label(reason)), *n))
+        .collect();
+    metric(
+        "shadow_fdstore_refused_total",
+        "counter",
+        "Descriptors sent to the fd store and not kept, by reason.",
+        &refused,
+    );
+    metric(
+        "shadow_fdstore_fetches_total",
+        "counter",
+        "Fetches of the fd store, answered (to the lock holder) and refused (not the lock holder, not the slot's engine, one in flight).",
+        &[
+            (",result=\"answered\"".to_string(), f.fetches),
+            (",result=\"refused\"".to_string(), f.fetches_refused),
+        ],
+    );
+    out
+}
+
 /// The metrics text of one pair. `containerd` (the owning containerd's
 /// address) is a label too: two containerds on a host may each have a
 /// pair of the same namespace and id. `notify_dropped`: the datagrams the
@@ -320,6 +404,33 @@ mod tests {
             ms(160),
         );
         p.snapshot()
+    }
+
+    #[test]
+    fn the_fd_store_has_its_figures() {
+        let f = FdStoreFigures {
+            fds: 3,
+            max: 1024,
+            stored: 10,
+            removed: 6,
+            hung_up: 1,
+            fetched: 3,
+            fetches: 2,
+            fetches_refused: 2,
+            refused: vec![("wrong_type", 4), ("full", 0)],
+        };
+        let text = render_fdstore("c", "n", "p", &f);
+        let base = "containerd=\"c\",namespace=\"n\",pair=\"p\"";
+        for line in [
+            format!("shadow_fdstore_fds{{{base}}} 3"),
+            format!("shadow_fdstore_max{{{base}}} 1024"),
+            format!("shadow_fdstore_descriptors_total{{{base},op=\"removed\"}} 6"),
+            format!("shadow_fdstore_refused_total{{{base},reason=\"wrong_type\"}} 4"),
+            format!("shadow_fdstore_refused_total{{{base},reason=\"full\"}} 0"),
+            format!("shadow_fdstore_fetches_total{{{base},result=\"refused\"}} 2"),
+        ] {
+            assert_has_line(&text, &line);
+        }
     }
 
     #[test]

@@ -67,6 +67,10 @@ pub struct PairConfig {
     /// Shadows every pair keeps parked when its spec has no
     /// `shadow.dev/shadows`: 1 to `shadow_contract::annotations::MAX_SHADOWS`.
     pub shadows: u8,
+    /// The fd store's bound for pairs whose spec has no
+    /// `shadow.dev/fdstore-max`: 0 (no store) to
+    /// `shadow_contract::fdstore::MAX_MAX`.
+    pub fdstore_max: u32,
 }
 
 impl Default for PairConfig {
@@ -79,6 +83,7 @@ impl Default for PairConfig {
             listen: String::new(),
             watchdog: String::new(),
             shadows: 1,
+            fdstore_max: shadow_contract::fdstore::DEFAULT_MAX,
             gms: GmsMode::Auto,
             gms_max_bytes: 0,
             gms_max_allocations: 0,
@@ -122,6 +127,13 @@ impl PairConfig {
             return Err(format!(
                 "pair.shadows = {}: must be 1 to {max}",
                 self.shadows
+            ));
+        }
+        if self.fdstore_max > shadow_contract::fdstore::MAX_MAX {
+            return Err(format!(
+                "pair.fdstore_max = {}: must be 0 (no store) to {}",
+                self.fdstore_max,
+                shadow_contract::fdstore::MAX_MAX
             ));
         }
         if self.lock_poll_fast_ms == 0 || self.lock_poll_idle_ms == 0 {
@@ -238,5 +250,11 @@ mod tests {
         }
         let c = Config::parse("[pair]\nshadows = 2\n", Path::new("t.toml")).unwrap();
         assert_eq!(c.pair.shadows, 2);
+        let e = Config::parse("[pair]\nfdstore_max = 16385\n", Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pair.fdstore_max") && e.contains("16384"), "{e}");
+        let c = Config::parse("[pair]\nfdstore_max = 0\n", Path::new("t.toml")).unwrap();
+        assert_eq!(c.pair.fdstore_max, 0);
     }
 }

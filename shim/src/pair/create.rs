@@ -18,6 +18,8 @@ use super::cgroup::PairCgroup;
 use super::config::GmsMode;
 use super::dirs::{PairDirs, CUDA_SOCKETS, HOST_SOCKETS};
 use super::engine::{EngineSlot, SharedOutput};
+use super::fdstore::FdStore;
+use super::fetch::FetchSocket;
 use super::gms::{GmsDaemons, InPod};
 use super::gpus::{self, Gpu};
 use super::host::Machine;
@@ -48,6 +50,8 @@ pub struct PairRequest {
     pub single: bool,
     /// `shadow.dev/shadows` (else the config's `pair.shadows`).
     pub shadows: Option<u8>,
+    /// `shadow.dev/fdstore-max` (else the config's `pair.fdstore_max`).
+    pub fdstore_max: Option<u32>,
     /// `shadow.dev/listen`: the sockets the pair owns (else the config's).
     pub listen: Option<Vec<shadow_contract::listen::Listen>>,
     /// The hang-detection annotations (the watchdog else the config's).
@@ -251,11 +255,33 @@ async fn create_steps(
     }
 
     let lock_file = lock::create_lock_file(&dirs.pair.join(shadow_contract::paths::LOCK_FILE))?;
-    // One notify socket per slot: each engine its own kernel queue.
+    // One notify socket per slot: each engine its own kernel queue. With
+    // an fd store, descriptors may be sent on them, and each slot has a
+    // fetch socket too.
+    let fdstore_max = req.fdstore_max.unwrap_or(cfg.fdstore_max) as usize;
     let notify = slot_ids
         .iter()
-        .map(|s| NotifySocket::bind(&dirs.pair.join(shadow_contract::paths::slot_notify_file(s))))
+        .map(|s| {
+            NotifySocket::bind(
+                &dirs.pair.join(shadow_contract::paths::slot_notify_file(s)),
+                fdstore_max > 0,
+            )
+        })
         .collect::<Result<Vec<_>>>()?;
+    let fdstore = if fdstore_max > 0 {
+        let fetch = slot_ids
+            .iter()
+            .map(|s| {
+                FetchSocket::bind(&dirs.pair.join(shadow_contract::paths::slot_fdstore_file(s)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Some((
+            Arc::new(std::sync::Mutex::new(FdStore::new(fdstore_max)?)),
+            fetch,
+        ))
+    } else {
+        None
+    };
 
     let pins = if spec::needs_pinned_namespaces(spec) {
         let p = PinnedNamespaces::pin(&dirs.ns)?;
@@ -373,6 +399,7 @@ async fn create_steps(
             listen_names: listen.as_ref().map_or(&[], |l| l.names()),
             listen_mounts: listen.as_ref().map_or(&[], |l| l.mounts()),
             watchdog,
+            fdstore: fdstore.is_some(),
         };
         let engine = spec::engine_spec(spec, &inputs)?;
         let dir = &dirs.slots[slot.index()];
@@ -406,13 +433,16 @@ async fn create_steps(
     };
     let output = Arc::new(SharedOutput::new(out, err).with_stdin(stdin));
     let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
-    let host = Arc::new(Machine::new(
-        engines.clone(),
-        output.clone(),
-        rt.router.clone(),
-        lock_file,
-        listen,
-    ));
+    let host = Arc::new(
+        Machine::new(
+            engines.clone(),
+            output.clone(),
+            rt.router.clone(),
+            lock_file,
+            listen,
+        )
+        .with_fdstore(fdstore.as_ref().map(|(s, _)| s.clone())),
+    );
     log::info!(
         "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {listen_count})",
         req.id,
@@ -430,6 +460,7 @@ async fn create_steps(
         router: rt.router.clone(),
         events: rt.events.clone(),
         notify: Some(notify),
+        fdstore,
         lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
         state_json: dirs.state_json.clone(),
         containerd: rt.containerd.clone(),

@@ -3,7 +3,7 @@
 //! supervisor reaches this through [`super::host::Host`], so that its
 //! ordering logic is tested without runc.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -89,18 +89,22 @@ impl runc::io::Io for SharedOutput {
 }
 
 /// Start one engine: `runc run --detach` of the slot's bundle, with the
-/// pair's listening sockets as its descriptors 3.. A previous generation's
-/// stopped container of the same id is removed first.
+/// pair's listening sockets as its descriptors 3.., then `stored` (the fd
+/// store's copies, with their names), as systemd hands a restarted service
+/// its sockets and its store. A previous generation's stopped container of
+/// the same id is removed first.
 pub async fn run_engine(
     e: &EngineSlot,
     output: Arc<SharedOutput>,
     fresh: bool,
     listen: Option<&ListenSockets>,
+    stored: &[(String, OwnedFd)],
 ) -> Result<u32> {
     if !fresh {
         let _ = e.client.delete_force(&e.runc_id).await;
     }
-    let inherit = listen.map(ListenSockets::fds).unwrap_or_default();
+    let mut inherit = listen.map(ListenSockets::fds).unwrap_or_default();
+    inherit.extend(stored.iter().map(|(_, fd)| fd.as_fd()));
     e.client
         .run_detached(&e.runc_id, &e.bundle, RuncStdio::Fds(output), &inherit)
         .await

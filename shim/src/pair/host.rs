@@ -6,6 +6,7 @@
 //! tests use a fake, so the order races of a failover run without root.
 
 use std::future::Future;
+use std::os::fd::OwnedFd;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -17,9 +18,11 @@ use shadow_pair::{FileId, SlotId};
 use tokio::time::Instant;
 
 use super::engine::{create_engine, run_engine, EngineSlot, SharedOutput};
+use super::fdstore;
 use super::listen::ListenSockets;
 use super::lock::{self, LockLook};
-use crate::error::Result;
+use super::notify::{close_off_runtime, release_now, Close};
+use crate::error::{Error, Result};
 use crate::exits::ExitRouter;
 
 /// A reaped engine, as the supervisor sees it: its status and when the
@@ -114,7 +117,19 @@ pub struct Machine {
     /// What runc holds for each slot: the one record of which engine
     /// Create made and whether a slot ran.
     held: std::sync::Mutex<Vec<Held>>,
+    /// The pair's fd store, handed to every engine started (after the
+    /// listening sockets), if the pair has one.
+    fdstore: Option<fdstore::Shared>,
+    /// The `LISTEN_FDNAMES` each slot's bundle says now (`None`: as Create
+    /// wrote it, the listening sockets only).
+    inherited: std::sync::Mutex<Vec<Option<Vec<String>>>>,
 }
+
+/// The longest `LISTEN_FDNAMES` an engine is started with: one environment
+/// string may be at most 128 KiB (`MAX_ARG_STRLEN`). A store whose names
+/// are longer is not handed at the start (the engine fetches it once it
+/// holds the lock).
+const FDNAMES_MAX: usize = 96 << 10;
 
 impl Machine {
     pub fn new(
@@ -126,6 +141,7 @@ impl Machine {
     ) -> Self {
         let cgroups: Vec<String> = engines.iter().map(|e| e.cgroup.clone()).collect();
         let held = vec![Held::Nothing; engines.len()];
+        let engines_len = engines.len();
         Machine {
             engines,
             output,
@@ -134,7 +150,61 @@ impl Machine {
             listen: std::sync::Mutex::new(listen.map(Arc::new)),
             cgroups,
             held: std::sync::Mutex::new(held),
+            fdstore: None,
+            inherited: std::sync::Mutex::new(vec![None; engines_len]),
         }
+    }
+
+    /// Hands `store` to every engine started from now on.
+    pub fn with_fdstore(mut self, store: Option<fdstore::Shared>) -> Self {
+        self.fdstore = store;
+        self
+    }
+
+    /// The fd store's copies for the start of `slot`'s engine, with its
+    /// bundle's `LISTEN_FDS`/`LISTEN_FDNAMES` made to say them. None when
+    /// the pair has no store, or the engine shares a PID namespace (it is
+    /// then no `LISTEN_PID=1`: it fetches instead), or the names are too
+    /// long for one environment string.
+    fn stored_for_start(
+        &self,
+        slot: SlotId,
+        listen: Option<&ListenSockets>,
+    ) -> Vec<(String, OwnedFd)> {
+        let e = &self.engines[slot.index()];
+        let Some(store) = &self.fdstore else {
+            return Vec::new();
+        };
+        if e.kills_rest_on_exit {
+            return Vec::new();
+        }
+        let mut stored = fdstore::lock(store).copies();
+        let mut names: Vec<String> = listen.map(|l| l.names().to_vec()).unwrap_or_default();
+        let listen_only = names.clone();
+        names.extend(stored.iter().map(|(n, _)| n.clone()));
+        if names.iter().map(|n| n.len() + 1).sum::<usize>() > FDNAMES_MAX {
+            log::warn!(
+                "{}: the fd store's {} names are too long for LISTEN_FDNAMES: not handed at the start (the engine fetches them once it holds the lock)",
+                e.runc_id,
+                stored.len()
+            );
+            release_now(stored.drain(..).map(|(_, fd)| fd).collect());
+            names = listen_only.clone();
+        }
+        let mut inherited = self.inherited.lock().unwrap_or_else(|p| p.into_inner());
+        let now = inherited[slot.index()].clone().unwrap_or(listen_only);
+        if now != names {
+            if let Err(err) = rewrite_inherited(&e.bundle, &names) {
+                log::warn!(
+                    "{}: the fd store is not handed at the start: {err}",
+                    e.runc_id
+                );
+                release_now(stored.drain(..).map(|(_, fd)| fd).collect());
+                return stored;
+            }
+            inherited[slot.index()] = Some(names);
+        }
+        stored
     }
 
     fn held(&self) -> std::sync::MutexGuard<'_, Vec<Held>> {
@@ -147,6 +217,26 @@ impl Machine {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
+}
+
+/// Makes the bundle's `config.json` give its engine `names` in
+/// `LISTEN_FDS`/`LISTEN_FDNAMES` (written whole, then renamed).
+fn rewrite_inherited(bundle: &std::path::Path, names: &[String]) -> Result<()> {
+    let path = bundle.join("config.json");
+    let text =
+        std::fs::read(&path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    let spec: serde_json::Value = serde_json::from_slice(&text).map_err(|e| Error::Internal {
+        what: format!("engine spec {}", path.display()),
+        reason: e.to_string(),
+    })?;
+    let spec = super::spec::with_inherited(&spec, names)?;
+    let bytes = serde_json::to_vec(&spec).map_err(|e| Error::Internal {
+        what: format!("engine spec {}", path.display()),
+        reason: e.to_string(),
+    })?;
+    let tmp = bundle.join("config.json.new");
+    std::fs::write(&tmp, bytes).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| Error::io(format!("renaming {}", tmp.display()), e))
 }
 
 /// The supervisor's instant of a reaper's wall-clock stamp, measured back
@@ -190,7 +280,15 @@ impl Host for Machine {
             l.repair();
         }
         let fresh = held == Held::Nothing;
-        run_engine(e, self.output.clone(), fresh, listen.as_deref()).await
+        let stored = self.stored_for_start(slot, listen.as_deref());
+        let started = run_engine(e, self.output.clone(), fresh, listen.as_deref(), &stored).await;
+        // Our copies: the engine has its own (or never started).
+        close_off_runtime(
+            stored.into_iter().map(|(_, fd)| fd).collect(),
+            Close::Release,
+        )
+        .await;
+        started
     }
 
     async fn end_created(&self, slot: SlotId) {

@@ -14,6 +14,8 @@ pub mod config;
 mod create;
 pub mod dirs;
 pub mod engine;
+pub mod fdstore;
+pub mod fetch;
 pub mod gms;
 pub mod gpus;
 pub mod host;

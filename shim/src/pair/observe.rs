@@ -19,9 +19,19 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::fdstore;
 use super::host::Host;
 use super::input::{Input, Inputs};
-use super::notify::{DropCounts, Gate, NotifySocket, Queue, Received};
+use super::notify::{
+    close_off_runtime, discard, Close, DropCounts, Dropped, Gate, NotifySocket, Queue, Received,
+};
+
+/// Whether a datagram asks the fd store to drop descriptors.
+fn is_remove(bytes: &[u8]) -> bool {
+    bytes
+        .split(|b| *b == b'\n')
+        .any(|l| l == b"FDSTOREREMOVE=1")
+}
 
 /// The pair's monotonic clock: `Duration` since the supervisor started,
 /// on tokio's clock (paused in tests).
@@ -59,13 +69,18 @@ pub fn exit_of(status: i32) -> Exit {
 /// drop since the supervisor published the counts is told to it, the
 /// others only counted). Never blocks on the supervisor: a full queue
 /// drops, it does not wait.
+/// With an fd store, its datagrams (`FDSTORE=1` with fds,
+/// `FDSTOREREMOVE=1`) go to the store here, on the engine's own budget,
+/// and never to the supervisor.
+#[allow(clippy::too_many_arguments)]
 pub fn notify(
     id: &str,
     slot: SlotId,
-    sock: NotifySocket,
+    sock: Arc<NotifySocket>,
     host: Arc<dyn Host>,
     queue: Arc<Queue>,
     drops: Arc<DropCounts>,
+    store: Option<fdstore::Shared>,
     tx: Inputs,
 ) -> JoinHandle<()> {
     let mut gate = Gate::new(id, queue, drops, Instant::now());
@@ -83,7 +98,68 @@ pub fn notify(
             // A flood keeps the socket readable: yield to State, Kill and
             // the supervisor as any other task does.
             tokio::task::consume_budget().await;
+            let slot_of = |pid| host.slot_of_pid(pid).filter(|s| *s == slot);
+            let weight = match &got {
+                Received::Store(_, fds) => fds.len() as u64,
+                _ => 1,
+            };
             let verdict = match got {
+                Received::Store(d, fds) => match &store {
+                    Some(store) => match gate.admit_store(d.pid, at, slot_of) {
+                        Ok(_) => {
+                            let (out, first) = {
+                                let mut st = fdstore::lock(store);
+                                let out = st.store(&d.bytes, fds);
+                                (out, st.touch())
+                            };
+                            if first {
+                                fdstore::nudge(&tx);
+                            }
+                            if let Some(why) = out.why {
+                                log::debug!(
+                                    "pair {id}: fd store kept {} of the descriptors slot {slot} sent, not the others: {why:?}",
+                                    out.kept
+                                );
+                            }
+                            let none_kept = out.kept == 0;
+                            discard(out.refused).await;
+                            // A datagram that stored nothing counts as a
+                            // drop: a flood of them pauses the reader.
+                            if none_kept {
+                                Err(Dropped::StoreRefused)
+                            } else {
+                                Ok(())
+                            }
+                        }
+                        Err(why) => {
+                            discard(fds).await;
+                            Err(why)
+                        }
+                    },
+                    None => {
+                        discard(fds).await;
+                        Err(Dropped::Fds)
+                    }
+                },
+                Received::Datagram(d) if store.is_some() && is_remove(&d.bytes) => {
+                    match gate.admit_store(d.pid, at, slot_of) {
+                        Ok(_) => {
+                            let (gone, first) = match &store {
+                                Some(s) => {
+                                    let mut st = fdstore::lock(s);
+                                    (st.remove(&d.bytes), st.touch())
+                                }
+                                None => (Vec::new(), false),
+                            };
+                            if first {
+                                fdstore::nudge(&tx);
+                            }
+                            close_off_runtime(gone, Close::Release).await;
+                            Ok(())
+                        }
+                        Err(why) => Err(why),
+                    }
+                }
                 Received::Datagram(d) => {
                     let mut gone = false;
                     let forward = |slot| {
@@ -104,12 +180,7 @@ pub fn notify(
                     // Only the engine of `slot` can reach this socket (it is
                     // bound in that engine alone): a sender found anywhere
                     // else is nobody's.
-                    let verdict = gate.admit(
-                        &d,
-                        at,
-                        |pid| host.slot_of_pid(pid).filter(|s| *s == slot),
-                        forward,
-                    );
+                    let verdict = gate.admit(&d, at, slot_of, forward);
                     if gone {
                         return;
                     }
@@ -118,7 +189,7 @@ pub fn notify(
                 Received::Dropped(why) => Err(why),
             };
             if let Err(why) = verdict {
-                let after = gate.dropped(why, at);
+                let after = gate.dropped_weighing(why, at, weight);
                 // Only a nudge: a full queue has the supervisor busy anyway.
                 if after.tell
                     && matches!(

@@ -13,12 +13,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use shadow_contract::state::{PairState, PromotionRecord};
-use shadow_pair::metrics::GmsFigures;
+use shadow_contract::state::{FdStoreStatus, PairState, PromotionRecord};
+use shadow_pair::metrics::{FdStoreFigures, GmsFigures};
 use shadow_pair::{Pair, Promotion, SlotId};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::fdstore::{self, Refused};
 use super::notify::DropCounts;
 use super::state_file;
 
@@ -110,6 +111,8 @@ pub struct Publisher {
     counters_written: Option<(Instant, u64)>,
     recorded: u64,
     exit_status: Option<u32>,
+    /// The pair's fd store, if it has one (read at each write).
+    fdstore: Option<fdstore::Shared>,
 }
 
 /// Where a publisher writes.
@@ -143,7 +146,34 @@ impl Publisher {
             counters_written: None,
             recorded: 0,
             exit_status: None,
+            fdstore: None,
         }
+    }
+
+    /// Writes the pair's fd store's figures too.
+    pub fn with_fdstore(mut self, store: Option<fdstore::Shared>) -> Self {
+        self.fdstore = store;
+        self
+    }
+
+    fn fdstore_figures(&self) -> Option<FdStoreFigures> {
+        let mut store = fdstore::lock(self.fdstore.as_ref()?);
+        store.take_moved();
+        let c = store.counts();
+        Some(FdStoreFigures {
+            fds: store.len() as u64,
+            max: store.max() as u64,
+            stored: c.stored,
+            removed: c.removed,
+            hung_up: c.hung_up,
+            fetched: c.fetched,
+            fetches: c.fetches,
+            fetches_refused: c.fetches_refused,
+            refused: Refused::ALL
+                .iter()
+                .map(|r| (r.label(), c.refused.get(r).copied().unwrap_or(0)))
+                .collect(),
+        })
     }
 
     /// The engine created at Create has `pid`: the task's until another
@@ -223,7 +253,12 @@ impl Publisher {
     /// due a write of their own (zero: now); None when none moved.
     pub fn counters_due(&self, pair: &Pair, now: Instant) -> Option<Duration> {
         let (at, refused) = self.counters_written?;
-        let moved = self.drops.moved() || pair.ready_refused() != refused;
+        let moved = self.drops.moved()
+            || pair.ready_refused() != refused
+            || self
+                .fdstore
+                .as_ref()
+                .is_some_and(|s| fdstore::lock(s).moved());
         moved.then(|| (at + COUNTERS_EVERY).saturating_duration_since(now))
     }
 
@@ -254,6 +289,7 @@ impl Publisher {
         }
         let snap = pair.snapshot();
         let notify_dropped = self.drops.take();
+        let fdstore = self.fdstore_figures();
         self.counters_written = Some((now, snap.ready_refused));
         let state = PairState {
             containerd: self.containerd.clone(),
@@ -266,6 +302,17 @@ impl Publisher {
             promotions: self.promotions.iter().cloned().collect(),
             gms: key.2.first().cloned().and_then(state_file::gms),
             gms_daemons: key.2.iter().cloned().filter_map(state_file::gms).collect(),
+            fdstore: fdstore.as_ref().map(|f| FdStoreStatus {
+                fds: f.fds,
+                max: f.max,
+                stored: f.stored,
+                removed: f.removed,
+                hung_up: f.hung_up,
+                fetched: f.fetched,
+                fetches: f.fetches,
+                fetches_refused: f.fetches_refused,
+                refused: f.refused.iter().map(|(r, n)| (r.to_string(), *n)).collect(),
+            }),
             exit_status: self.exit_status,
             updated_unix_us: unix_us(SystemTime::now()),
         };
@@ -281,7 +328,7 @@ impl Publisher {
             }
             Err(e) => log::warn!("pair {}: encoding state: {e}", self.id),
         }
-        let text = shadow_pair::metrics::render(
+        let mut text = shadow_pair::metrics::render(
             &self.containerd,
             &self.namespace,
             &self.id,
@@ -289,6 +336,14 @@ impl Publisher {
             &figures,
             &notify_dropped,
         );
+        if let Some(f) = &fdstore {
+            text.push_str(&shadow_pair::metrics::render_fdstore(
+                &self.containerd,
+                &self.namespace,
+                &self.id,
+                f,
+            ));
+        }
         if let Err(e) = write_atomic(&self.metrics_file, text.as_bytes()) {
             log::warn!(
                 "pair {}: writing metrics {}: {e}",

@@ -277,6 +277,7 @@ impl Rig {
             router: Arc::new(ExitRouter::default()),
             events,
             notify: None,
+            fdstore: None,
             lock_path: None,
             state_json: dir.path().join("state.json"),
             containerd: "/run/containerd/containerd.sock".into(),

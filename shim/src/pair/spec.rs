@@ -42,6 +42,10 @@ pub struct EngineInputs<'a> {
     pub listen_mounts: &'a [(PathBuf, PathBuf)],
     /// The watchdog interval (`WATCHDOG_USEC`), if the pair has one.
     pub watchdog: Option<std::time::Duration>,
+    /// The pair has an fd store: the slot's fetch socket
+    /// ([`paths::slot_fdstore_file`]) is bound at [`paths::FDSTORE_SOCKET`]
+    /// and named in `SHADOW_FDSTORE_SOCKET`.
+    pub fdstore: bool,
 }
 
 /// Whether an engine of this spec has no PID namespace of its own (the
@@ -229,6 +233,30 @@ pub fn with_contract_env(env: &[String], contract: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// `engine` (an engine's spec) with its socket-activation entries
+/// (`LISTEN_FDS`, `LISTEN_PID`, `LISTEN_FDNAMES`) for descriptors named
+/// `names` (none: no entries).
+pub fn with_inherited(engine: &Value, names: &[String]) -> Result<Value> {
+    let mut out = engine.clone();
+    let env = out
+        .pointer_mut("/process/env")
+        .and_then(Value::as_array_mut)
+        .ok_or_else(|| Error::InvalidArgument("engine spec has no process env".into()))?;
+    env.retain(|v| {
+        v.as_str()
+            .and_then(env::name_of)
+            .is_none_or(|k| !env::LISTEN.contains(&k))
+    });
+    if !names.is_empty() {
+        env.extend(
+            shadow_contract::listen::env_entries(names)
+                .into_iter()
+                .map(Value::String),
+        );
+    }
+    Ok(out)
+}
+
 /// The spec of one engine. Pure: the same inputs give the same spec.
 pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     let mut out = spec.clone();
@@ -251,6 +279,9 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     ];
     if !e.gms_sockets.is_empty() {
         ours.push(env::entry(env::GMS_SOCKET_DIR, paths::GMS_DIR));
+    }
+    if e.fdstore {
+        ours.push(env::entry(env::FDSTORE_SOCKET, paths::FDSTORE_SOCKET));
     }
     if !e.listen_names.is_empty() {
         ours.extend(shadow_contract::listen::env_entries(e.listen_names));
@@ -308,6 +339,12 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         &e.pair_dir.join(paths::slot_notify_file(e.slot)),
         paths::NOTIFY_SOCKET.to_string(),
     ));
+    if e.fdstore {
+        mounts.push(bind_file(
+            &e.pair_dir.join(paths::slot_fdstore_file(e.slot)),
+            paths::FDSTORE_SOCKET.to_string(),
+        ));
+    }
     for socket in e.gms_sockets {
         let name = socket.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
             Error::InvalidArgument(format!("GMS socket {} has no name", socket.display()))
@@ -390,6 +427,7 @@ mod tests {
             listen_names: &[],
             listen_mounts: &[],
             watchdog: None,
+            fdstore: false,
         }
     }
 

@@ -40,6 +40,12 @@
 //! tests' stand-in for weights changed under it), exits with the contract's
 //! `CORRUPT_EXIT`.
 //!
+//! With `--memo` it keeps a counter in the pair's fd store (a memfd named
+//! `memo`, fetched once it holds the lock, else taken from what it
+//! inherited at its start), adds one each time it becomes active, and
+//! ends its answers with `memo=<n> memo_from=fetched|inherited|new
+//! inherited=<descriptors of the store it got at its start>`.
+//!
 //! Flags: `--port N`, `--no-notify` (lock only), `--crash CODE` (exit with
 //! CODE right after start), `--weights-mib N`, `--seed N` (`--help`).
 
@@ -103,6 +109,64 @@ struct Cli {
     /// Send WATCHDOG_USEC=X: this engine's own watchdog interval.
     #[arg(long)]
     watchdog_usec: Option<u64>,
+    /// Keep a counter in the pair's fd store: once active, take the memfd
+    /// named `memo` (fetched, else inherited), add one, or store a new one
+    /// holding 1; answers end with `memo=<n> memo_from=<how>`.
+    #[arg(long)]
+    memo: bool,
+}
+
+/// What `--memo` found: the counter after this engine's increment, and
+/// where its memfd came from (`fetched`, `inherited`, `new`, `none`).
+struct Memo {
+    count: u64,
+    from: &'static str,
+    /// How many of the store's descriptors the engine got at its start.
+    inherited: usize,
+    /// Held for the engine's life.
+    _fd: Option<OwnedFd>,
+}
+
+/// `--memo`, once the engine holds the lock: `inherited` is what it got
+/// at its start (the store after the listening sockets).
+fn memo(inherited: Vec<shadow_contract::fdstore::Stored>) -> Memo {
+    use std::os::unix::fs::FileExt;
+    let at_start = inherited.len();
+    let (found, from) = match shadow_contract::fdstore::fetch() {
+        Ok(got) => (got, "fetched"),
+        Err(shadow_contract::fdstore::FetchError::NoStore) => (inherited, "inherited"),
+        Err(e) => fail("fetching the fd store", e),
+    };
+    let memo = found.into_iter().find(|s| s.name == "memo").map(|s| s.fd);
+    let (fd, from) = match memo {
+        Some(fd) => (fd, from),
+        None => {
+            let fd = nix::sys::memfd::memfd_create("memo", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+                .unwrap_or_else(|e| fail("memfd_create", e));
+            (fd, "new")
+        }
+    };
+    let file = std::fs::File::from(fd);
+    let mut now = [0u8; 8];
+    let before = match file.read_at(&mut now, 0) {
+        Ok(8) => u64::from_le_bytes(now),
+        _ => 0,
+    };
+    let count = before + 1;
+    file.write_at(&count.to_le_bytes(), 0)
+        .unwrap_or_else(|e| fail("writing the memo", e));
+    let fd = OwnedFd::from(file);
+    if from == "new" {
+        use std::os::fd::AsFd;
+        shadow_contract::fdstore::store(&[fd.as_fd()], "memo", true)
+            .unwrap_or_else(|e| fail("storing the memo", e));
+    }
+    Memo {
+        count,
+        from,
+        inherited: at_start,
+        _fd: Some(fd),
+    }
 }
 
 /// The watchdog's pings, paced from whichever loop the engine is in.
@@ -381,6 +445,7 @@ fn main() {
         stall_start_ms,
         extend_start_us,
         watchdog_usec,
+        memo: keep_memo,
     } = Cli::parse();
     if let Some(r) = rank {
         run_rank(r);
@@ -435,7 +500,11 @@ fn main() {
     // The pair's socket (already listening: connections wait in its backlog
     // until an active engine accepts), else one bound now and listening
     // only once active, so that connections reach the active.
-    let inherited = shadow_contract::listen::inherited().into_iter().next();
+    let (inherited, stored) =
+        shadow_contract::fdstore::split_inherited(shadow_contract::listen::inherited(), |name| {
+            name.starts_with("tcp-") || name.starts_with("unix-")
+        });
+    let inherited = inherited.into_iter().next();
     let listen_kind = if inherited.is_some() {
         "inherited"
     } else {
@@ -490,6 +559,17 @@ fn main() {
         }
     });
     let lock_us = now_us();
+    let memo = if keep_memo {
+        memo(stored)
+    } else {
+        drop(stored);
+        Memo {
+            count: 0,
+            from: "none",
+            inherited: 0,
+            _fd: None,
+        }
+    };
     // The test's stand-in for a failed digest check on promotion: the host
     // backend seals committed weights, so nothing can really change them.
     // A reader that becomes active while `/weights-corrupt` exists in the
@@ -548,7 +628,15 @@ fn main() {
             if let Ok((mut c, _)) = listener.accept() {
                 let _ = writeln!(
                     c,
-                    "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us} ranks={ranks} gms={names} listen={listen_kind}"
+                    "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us} ranks={ranks} gms={names} listen={listen_kind}{}",
+                    if keep_memo {
+                        format!(
+                            " memo={} memo_from={} inherited={}",
+                            memo.count, memo.from, memo.inherited
+                        )
+                    } else {
+                        String::new()
+                    }
                 );
             }
         }

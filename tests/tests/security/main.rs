@@ -5,6 +5,7 @@
 
 mod control;
 mod dirs;
+mod fdstore;
 mod gms;
 mod gpus;
 mod memory;

@@ -93,6 +93,19 @@ fn survive(id: &str, attack: &str, args: &[&str]) {
 /// [`survive`], the pair made with `annotations`; the state after the
 /// attack, before the failover.
 fn survive_with(id: &str, attack: &str, args: &[&str], annotations: &[(&str, &str)]) -> PairState {
+    survive_checking(id, attack, args, annotations, |_, _, _, _| {})
+}
+
+/// [`survive_with`], running `after` (given the shim's pid and how many
+/// descriptors it held before the attack) once the attack has ended and
+/// the shim answered, before the failover.
+pub(super) fn survive_checking(
+    id: &str,
+    attack: &str,
+    args: &[&str],
+    annotations: &[(&str, &str)],
+    after: impl FnOnce(&Containerd, &PairEnv, u32, usize),
+) -> PairState {
     let cd = Containerd::start().expect("containerd");
     let env = hostile_env(&cd, "gms = \"off\"");
     let mut cmd = vec!["/bin/hostile-engine", attack];
@@ -105,6 +118,8 @@ fn survive_with(id: &str, attack: &str, args: &[&str], annotations: &[(&str, &st
     });
     let active = st.pair.active.expect("active slot");
     let shim = shim_pid(&cd, id);
+    // The attacker waits a second after parking before it attacks.
+    let fds_before = std::fs::read_dir(format!("/proc/{shim}/fd")).map_or(0, |d| d.count());
     let attacked = format!("attack={attack} step=attacked");
     let cpu_before = cpu_time(shim);
     let mut polls = 0;
@@ -140,6 +155,7 @@ fn survive_with(id: &str, attack: &str, args: &[&str], annotations: &[(&str, &st
         "{attack}: {polls} ctr task ps answered during the attack; shim cpu {cpu:?}, rss {} KiB; {report}",
         rss_kib(shim)
     );
+    after(&cd, &env, shim, fds_before);
     let holder = st.pid_of(active).expect("active pid");
     let st = env.state(&cd, id).expect("state.json");
     assert!(

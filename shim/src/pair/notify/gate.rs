@@ -34,6 +34,13 @@ pub const BURST: u32 = 200;
 /// two and a half times that.
 pub const PING_RATE_PER_SEC: u32 = 100;
 pub const PING_BURST: u32 = 20;
+/// Each engine's third bucket, for the fd store's datagrams (`FDSTORE=1`,
+/// `FDSTOREREMOVE=1`): a busy engine stores and removes a descriptor per
+/// connection, thousands a second, and these never take from the other
+/// two, so no amount of storing pushes out a `READY=1` or a ping. Nor do
+/// they wait in the supervisor's queue: the reader hands them to the store.
+pub const STORE_RATE_PER_SEC: u32 = 20_000;
+pub const STORE_BURST: u32 = 4_000;
 /// Datagrams dropped in one second past which the reader pauses for the
 /// rest of that second, leaving the flood in the kernel's queue (which
 /// then blocks or refuses the flooder) instead of spending the shim's CPU.
@@ -188,6 +195,8 @@ pub struct Gate {
     buckets: [Bucket; MAX_SLOTS],
     /// Each engine's bucket for watchdog pings ([`PING_RATE_PER_SEC`]).
     ping_buckets: [Bucket; MAX_SLOTS],
+    /// Each engine's bucket for the fd store ([`STORE_RATE_PER_SEC`]).
+    store_buckets: [Bucket; MAX_SLOTS],
     /// pid -> (slot, when looked up).
     slots: HashMap<u32, (Option<SlotId>, Instant)>,
     /// pid -> (its last forwarded text, that datagram's sequence number).
@@ -208,6 +217,9 @@ impl Gate {
             ping_buckets: std::array::from_fn(|_| {
                 Bucket::full_of(now, PING_RATE_PER_SEC, PING_BURST)
             }),
+            store_buckets: std::array::from_fn(|_| {
+                Bucket::full_of(now, STORE_RATE_PER_SEC, STORE_BURST)
+            }),
             slots: HashMap::new(),
             last: HashMap::new(),
             drops,
@@ -215,6 +227,44 @@ impl Gate {
             second: now,
             dropped_this_second: 0,
         }
+    }
+
+    /// The slot of `pid` (looked up at most once per [`SLOT_TTL`]).
+    fn slot(
+        &mut self,
+        pid: u32,
+        now: Instant,
+        slot_of: impl FnOnce(u32) -> Option<SlotId>,
+    ) -> (Option<SlotId>, Instant) {
+        match self.slots.get(&pid) {
+            Some((slot, at)) if now.saturating_duration_since(*at) < SLOT_TTL => (*slot, *at),
+            _ => {
+                if self.slots.len() >= PIDS_MAX {
+                    self.slots.clear();
+                }
+                let slot = slot_of(pid);
+                self.slots.insert(pid, (slot, now));
+                (slot, now)
+            }
+        }
+    }
+
+    /// Whether an fd-store datagram of `pid` may reach the store: its
+    /// sender is an engine (`slot_of`) and that engine's store bucket has
+    /// a token. Never queued, never coalesced (a store is no repeat).
+    pub fn admit_store(
+        &mut self,
+        pid: u32,
+        now: Instant,
+        slot_of: impl FnOnce(u32) -> Option<SlotId>,
+    ) -> std::result::Result<SlotId, Dropped> {
+        let Some(slot) = self.slot(pid, now, slot_of).0 else {
+            return Err(Dropped::NotAnEngine);
+        };
+        if !self.store_buckets[slot.index()].take(1, now) {
+            return Err(Dropped::RateLimited);
+        }
+        Ok(slot)
     }
 
     /// Whether `d` goes to the supervisor or why not. `slot_of` looks a
@@ -234,17 +284,7 @@ impl Gate {
                 return Err(Dropped::Coalesced);
             }
         }
-        let (slot, looked_up) = match self.slots.get(&d.pid) {
-            Some((slot, at)) if now.saturating_duration_since(*at) < SLOT_TTL => (*slot, *at),
-            _ => {
-                if self.slots.len() >= PIDS_MAX {
-                    self.slots.clear();
-                }
-                let slot = slot_of(d.pid);
-                self.slots.insert(d.pid, (slot, now));
-                (slot, now)
-            }
-        };
+        let (slot, looked_up) = self.slot(d.pid, now, slot_of);
         let Some(slot) = slot else {
             return Err(Dropped::NotAnEngine);
         };
@@ -270,14 +310,22 @@ impl Gate {
     /// Count a drop; log the counts if [`LOG_EVERY`] has passed. Says how
     /// long the reader should pause (past [`DROPS_PER_SEC_MAX`] drops in a
     /// second, until that second ends) and whether to tell the supervisor.
+    #[cfg(test)]
     pub fn dropped(&mut self, why: Dropped, now: Instant) -> AfterDrop {
+        self.dropped_weighing(why, now, 1)
+    }
+
+    /// [`Gate::dropped`] for a datagram that weighs `weight` drops towards
+    /// the pause (one per descriptor it carried: receiving and closing
+    /// them is the cost, not the datagram).
+    pub fn dropped_weighing(&mut self, why: Dropped, now: Instant, weight: u64) -> AfterDrop {
         let tell = self.drops.count(why);
         self.log(now);
         if now.saturating_duration_since(self.second) >= Duration::from_secs(1) {
             self.second = now;
             self.dropped_this_second = 0;
         }
-        self.dropped_this_second += 1;
+        self.dropped_this_second += weight.max(1);
         let pause = (self.dropped_this_second > DROPS_PER_SEC_MAX)
             .then(|| (self.second + Duration::from_secs(1)).saturating_duration_since(now));
         AfterDrop { pause, tell }

@@ -10,6 +10,8 @@
 //! - `socket.rs` reads the socket: what a datagram carries besides its
 //!   text (fds, oversize, truncation, no credentials) is dropped there,
 //!   whole, never half read, and fds never closed on the runtime thread;
+//!   a datagram with `FDSTORE=1` keeps its fds, for the pair's fd store
+//!   (`crate::pair::fdstore`), on a socket of a pair that has one;
 //! - `gate.rs` decides which datagrams reach the supervisor (coalescing,
 //!   a token bucket per engine, the bounded input queue) and counts and
 //!   logs what is dropped.
@@ -18,6 +20,7 @@ mod gate;
 mod socket;
 
 pub use self::gate::{DropCounts, Gate, Queue, SenderSlot, QUEUE_MAX};
-#[cfg(test)]
 pub use self::socket::Dropped;
-pub use self::socket::{Datagram, NotifySocket, Received};
+pub use self::socket::{
+    close_off_runtime, discard, release_now, Close, Datagram, NotifySocket, Received,
+};

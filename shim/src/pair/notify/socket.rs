@@ -18,7 +18,7 @@
 //! supervisor is the gate's (`gate.rs`).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
@@ -61,10 +61,13 @@ pub enum Dropped {
     RateLimited,
     /// [`QUEUE_MAX`] inputs were already waiting.
     QueueFull,
+    /// `FDSTORE=1` whose descriptors the fd store kept none of (full,
+    /// wrong types, a bad name; the store counts each descriptor).
+    StoreRefused,
 }
 
 impl Dropped {
-    pub(super) const ALL: [Dropped; 8] = [
+    pub(super) const ALL: [Dropped; 9] = [
         Dropped::NoCredentials,
         Dropped::Oversized,
         Dropped::Truncated,
@@ -73,6 +76,7 @@ impl Dropped {
         Dropped::Coalesced,
         Dropped::RateLimited,
         Dropped::QueueFull,
+        Dropped::StoreRefused,
     ];
 
     /// The `reason` label of `shadow_notify_dropped_total`.
@@ -86,6 +90,7 @@ impl Dropped {
             Dropped::Coalesced => "coalesced",
             Dropped::RateLimited => "rate_limited",
             Dropped::QueueFull => "queue_full",
+            Dropped::StoreRefused => "fdstore_refused",
         }
     }
 
@@ -99,6 +104,7 @@ impl Dropped {
             Dropped::Coalesced => "coalesced",
             Dropped::RateLimited => "rate limited",
             Dropped::QueueFull => "queue full",
+            Dropped::StoreRefused => "fd store refused",
         }
     }
 }
@@ -107,6 +113,9 @@ impl Dropped {
 #[derive(Debug)]
 pub enum Received {
     Datagram(Datagram),
+    /// `FDSTORE=1` with descriptors, on a socket that accepts them: for
+    /// the pair's fd store (`crate::pair::fdstore`), which decides.
+    Store(Datagram, Vec<OwnedFd>),
     Dropped(Dropped),
 }
 
@@ -116,8 +125,10 @@ pub struct NotifySocket {
 
 impl NotifySocket {
     /// Bind at `path` (replacing a stale file), world-writable so that
-    /// engines running as any user can notify.
-    pub fn bind(path: &Path) -> Result<Self> {
+    /// engines running as any user can notify. `fds`: descriptors may be
+    /// sent (the pair has an fd store); else the kernel refuses them at
+    /// the sender where it can.
+    pub fn bind(path: &Path, fds: bool) -> Result<Self> {
         let _ = std::fs::remove_file(path);
         let sock = UnixDatagram::bind(path)
             .map_err(|e| Error::io(format!("binding notify socket {}", path.display()), e))?;
@@ -131,7 +142,9 @@ impl NotifySocket {
                 e,
             )
         })?;
-        refuse_rights(&sock, path);
+        if !fds {
+            refuse_rights(&sock, path);
+        }
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
             .map_err(|e| Error::io(format!("chmod notify socket {}", path.display()), e))?;
@@ -148,27 +161,48 @@ impl NotifySocket {
             .map_err(|e| Error::io("reading the notify socket", e))?;
         let dropped = if got.truncated {
             Some(Dropped::Truncated)
-        } else if !got.fds.is_empty() {
-            Some(Dropped::Fds)
         } else if got.len > MAX_DATAGRAM {
             Some(Dropped::Oversized)
+        } else if !got.fds.is_empty() && !is_store(&got.bytes) {
+            Some(Dropped::Fds)
+        } else if got.pid.is_none_or(|p| p <= 0) {
+            Some(Dropped::NoCredentials)
         } else {
             None
         };
-        if !got.fds.is_empty() {
+        if dropped.is_some() && !got.fds.is_empty() {
             discard(got.fds).await;
+            return Ok(Received::Dropped(dropped.unwrap_or(Dropped::Fds)));
         }
         if let Some(why) = dropped {
             return Ok(Received::Dropped(why));
         }
-        match got.pid {
-            Some(pid) if pid > 0 => Ok(Received::Datagram(Datagram {
-                pid: pid as u32,
-                bytes: got.bytes,
-            })),
-            _ => Ok(Received::Dropped(Dropped::NoCredentials)),
+        let d = Datagram {
+            pid: got.pid.unwrap_or_default() as u32,
+            bytes: got.bytes,
+        };
+        if got.fds.is_empty() {
+            Ok(Received::Datagram(d))
+        } else {
+            Ok(Received::Store(d, got.fds))
         }
     }
+
+    /// Whether a datagram waits unread (the fd store's fetch waits for the
+    /// notify sockets to be read up to the fetch). Never blocks.
+    pub fn has_unread(&self) -> bool {
+        let mut fds = [nix::poll::PollFd::new(
+            self.sock.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0)
+    }
+}
+
+/// Whether a datagram's text asks for its descriptors to be stored (a line
+/// `FDSTORE=1`, as sd_notify(3) has it).
+pub fn is_store(bytes: &[u8]) -> bool {
+    bytes.split(|b| *b == b'\n').any(|l| l == b"FDSTORE=1")
 }
 
 /// `SO_PASSRIGHTS` off (Linux >= 6.16): a sender passing fds gets `EPERM`
@@ -277,10 +311,24 @@ fn recv_raw(fd: RawFd) -> io::Result<Raw> {
     })
 }
 
+/// How a descriptor is closed on the closer thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Close {
+    /// Sent unasked: a socket is reset (linger 0), never waited on.
+    Abort,
+    /// The shim's copy of a descriptor an engine shares (the fd store's):
+    /// a plain close, so that what an engine wrote still goes out if this
+    /// was the last copy. It may block (an engine's `SO_LINGER`): only the
+    /// closer thread ever waits on it.
+    Release,
+}
+
+type Batch = (Vec<OwnedFd>, Close, OwnedSemaphorePermit);
+
 /// The thread that closes fds engines passed, and the bound on how many
 /// may wait for it.
 struct Closer {
-    tx: std::sync::mpsc::Sender<(Vec<OwnedFd>, OwnedSemaphorePermit)>,
+    tx: std::sync::mpsc::Sender<Batch>,
     room: Arc<Semaphore>,
 }
 
@@ -288,13 +336,13 @@ fn closer() -> Option<&'static Closer> {
     static CLOSER: OnceLock<Option<Closer>> = OnceLock::new();
     CLOSER
         .get_or_init(|| {
-            let (tx, rx) = std::sync::mpsc::channel::<(Vec<OwnedFd>, OwnedSemaphorePermit)>();
+            let (tx, rx) = std::sync::mpsc::channel::<Batch>();
             let spawned = std::thread::Builder::new()
                 .name("notify-fd-closer".into())
                 .spawn(move || {
-                    for (fds, permit) in rx {
+                    for (fds, how, permit) in rx {
                         for fd in fds {
-                            close_quickly(fd);
+                            close(fd, how);
                         }
                         drop(permit);
                     }
@@ -313,9 +361,26 @@ fn closer() -> Option<&'static Closer> {
         .as_ref()
 }
 
-/// Close fds an engine passed us, off the runtime thread. Waits (the
-/// socket unread) while [`CLOSER_BACKLOG`] fds already wait.
-async fn discard(fds: Vec<OwnedFd>) {
+fn close(fd: OwnedFd, how: Close) {
+    match how {
+        Close::Abort => close_quickly(fd),
+        Close::Release => drop(fd),
+    }
+}
+
+/// Close fds an engine passed us unasked, off the runtime thread. Waits
+/// (the socket unread) while [`CLOSER_BACKLOG`] fds already wait.
+pub async fn discard(fds: Vec<OwnedFd>) {
+    close_off_runtime(fds, Close::Abort).await
+}
+
+/// Close fds off the runtime thread, as `how` says; waits while
+/// [`CLOSER_BACKLOG`] fds already wait (the caller, a reader, then reads
+/// nothing: the kernel's queue pushes back on the sender).
+pub async fn close_off_runtime(fds: Vec<OwnedFd>, how: Close) {
+    if fds.is_empty() {
+        return;
+    }
     let Some(c) = closer() else {
         // No thread: the least blocking close we can do, here.
         fds.into_iter().for_each(close_quickly);
@@ -326,9 +391,29 @@ async fn discard(fds: Vec<OwnedFd>) {
         fds.into_iter().for_each(close_quickly);
         return;
     };
-    if let Err(back) = c.tx.send((fds, permit)) {
-        let (fds, _permit) = back.0;
+    if let Err(back) = c.tx.send((fds, how, permit)) {
+        let (fds, _, _permit) = back.0;
         fds.into_iter().for_each(close_quickly);
+    }
+}
+
+/// [`Close::Release`] without waiting for room: for what a pair's fd
+/// store holds when the pair ends (bounded by the store's own size).
+pub fn release_now(fds: Vec<OwnedFd>) {
+    if fds.is_empty() {
+        return;
+    }
+    let Some(c) = closer() else {
+        drop(fds);
+        return;
+    };
+    // Outside the backlog's count: a permit of nothing.
+    let Ok(permit) = Arc::new(Semaphore::new(0)).try_acquire_many_owned(0) else {
+        drop(fds);
+        return;
+    };
+    if let Err(back) = c.tx.send((fds, Close::Release, permit)) {
+        drop(back.0 .0);
     }
 }
 
@@ -359,7 +444,7 @@ mod tests {
     async fn sender_pid_comes_from_the_kernel() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("notify.sock");
-        let s = NotifySocket::bind(&p).unwrap();
+        let s = NotifySocket::bind(&p, false).unwrap();
         // A real other process sends, as an engine would.
         let status = std::process::Command::new("python3")
             .args([
@@ -389,11 +474,56 @@ mod tests {
         assert_eq!(d.bytes, b"READY=1");
     }
 
+    /// On a socket of a pair with an fd store, `FDSTORE=1` keeps its fds
+    /// for the store; fds with any other text are still dropped; without
+    /// a store every fd is.
+    #[tokio::test]
+    async fn fds_reach_the_store_only_with_fdstore_1() {
+        let d = tempfile::tempdir().unwrap();
+        let send = |p: &Path, text: &[u8]| {
+            let f = std::fs::File::open("/dev/null").unwrap();
+            let c = std::os::unix::net::UnixDatagram::unbound().unwrap();
+            let raw = [f.as_raw_fd()];
+            nix::sys::socket::sendmsg(
+                c.as_raw_fd(),
+                &[io::IoSlice::new(text)],
+                &[nix::sys::socket::ControlMessage::ScmRights(&raw)],
+                MsgFlags::empty(),
+                Some(&nix::sys::socket::UnixAddr::new(p).unwrap()),
+            )
+        };
+        let p = d.path().join("with.sock");
+        let s = NotifySocket::bind(&p, true).unwrap();
+        send(&p, b"FDSTORE=1\nFDNAME=conn-1\n").unwrap();
+        send(&p, b"STATUS=parked").unwrap();
+        match s.recv().await.unwrap() {
+            Received::Store(d, fds) => {
+                assert_eq!(d.pid, std::process::id());
+                assert_eq!(fds.len(), 1);
+                assert!(is_store(&d.bytes));
+            }
+            other => panic!("not for the store: {other:?}"),
+        }
+        assert!(matches!(
+            s.recv().await.unwrap(),
+            Received::Dropped(Dropped::Fds)
+        ));
+        let p = d.path().join("without.sock");
+        let s = NotifySocket::bind(&p, false).unwrap();
+        // Refused at the sender where the kernel can, else dropped here.
+        if send(&p, b"FDSTORE=1\n").is_ok() {
+            assert!(matches!(
+                s.recv().await.unwrap(),
+                Received::Dropped(Dropped::Fds) | Received::Store(..)
+            ));
+        }
+    }
+
     #[tokio::test]
     async fn oversized_datagrams_are_dropped_whole() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("notify.sock");
-        let s = NotifySocket::bind(&p).unwrap();
+        let s = NotifySocket::bind(&p, false).unwrap();
         let c = std::os::unix::net::UnixDatagram::unbound().unwrap();
         let mut big = b"READY=1\n".to_vec();
         big.resize(MAX_DATAGRAM + 1, b'x');

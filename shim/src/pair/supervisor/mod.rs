@@ -35,6 +35,8 @@ use tokio::time::Instant;
 use super::command::Command;
 use super::config::PairConfig;
 use super::engine::SharedOutput;
+use super::fdstore;
+use super::fetch::{self, FetchSocket, Fetchers};
 use super::host::Host;
 use super::input::{self, Input, Inputs};
 use super::made::Made;
@@ -71,6 +73,8 @@ pub struct Parts {
     pub events: EventSink,
     /// Each slot's notify socket (its engine's alone).
     pub notify: Option<Vec<NotifySocket>>,
+    /// The pair's fd store and each slot's fetch socket (`None`: no store).
+    pub fdstore: Option<(fdstore::Shared, Vec<FetchSocket>)>,
     /// The election lock file, watched for closes (inotify).
     pub lock_path: Option<PathBuf>,
     pub state_json: PathBuf,
@@ -156,6 +160,10 @@ pub struct Supervisor {
     router: Arc<ExitRouter>,
     events: EventSink,
     notify: Option<Vec<NotifySocket>>,
+    /// The pair's fd store (for state.json), and the fetch sockets until
+    /// the pair starts.
+    fdstore: Option<fdstore::Shared>,
+    fetch: Option<Vec<FetchSocket>>,
     /// Datagrams the notify readers forwarded and this task has not taken.
     notify_queue: Arc<Queue>,
     /// What the notify reader dropped, by reason (published as a metric).
@@ -203,7 +211,8 @@ impl Supervisor {
             },
             notify_drops.clone(),
             SystemTime::now(),
-        );
+        )
+        .with_fdstore(p.fdstore.as_ref().map(|(s, _)| s.clone()));
         let now = Instant::now();
         let pair = if p.single {
             Pair::single(p.config.restart.clone())
@@ -235,6 +244,8 @@ impl Supervisor {
             router: p.router,
             events: p.events,
             notify: p.notify,
+            fdstore: p.fdstore.as_ref().map(|(s, _)| s.clone()),
+            fetch: p.fdstore.map(|(_, f)| f),
             notify_queue: Arc::new(Queue::default()),
             notify_drops,
             lock_path: p.lock_path,
@@ -314,16 +325,21 @@ impl Supervisor {
     /// its lock file, its gmsds' deaths and its GPUs' XIDs.
     fn observe(&mut self) {
         if let Some(socks) = self.notify.take() {
-            for (slot, sock) in self.pair.slot_ids().zip(socks) {
+            let socks: Vec<Arc<NotifySocket>> = socks.into_iter().map(Arc::new).collect();
+            for (slot, sock) in self.pair.slot_ids().zip(&socks) {
                 self.observers.push(observe::notify(
                     &self.id,
                     slot,
-                    sock,
+                    sock.clone(),
                     self.host.clone(),
                     self.notify_queue.clone(),
                     self.notify_drops.clone(),
+                    self.fdstore.clone(),
                     self.tx.clone(),
                 ));
+            }
+            if let (Some(store), Some(fetch)) = (&self.fdstore, self.fetch.take()) {
+                self.observe_fdstore(store.clone(), fetch, socks);
             }
         }
         if let Some(path) = self.lock_path.take() {
@@ -342,6 +358,35 @@ impl Supervisor {
             self.xid_stop.clone(),
             self.tx.clone(),
         );
+    }
+
+    /// The fd store's hang-up watcher and each slot's fetch server.
+    fn observe_fdstore(
+        &mut self,
+        store: fdstore::Shared,
+        fetch: Vec<FetchSocket>,
+        notify: Vec<Arc<NotifySocket>>,
+    ) {
+        match fdstore::watch_hangups(&self.id, store.clone(), self.tx.clone()) {
+            Ok(task) => self.observers.push(task),
+            Err(e) => log::warn!("pair {}: fd store hang-ups not watched: {e}", self.id),
+        }
+        let fetchers = Arc::new(Fetchers {
+            id: self.id.clone(),
+            store,
+            host: self.host.clone(),
+            notify,
+            tx: self.tx.clone(),
+        });
+        for (slot, sock) in self.pair.slot_ids().zip(fetch) {
+            match fetch::serve(slot, sock, fetchers.clone()) {
+                Ok(task) => self.observers.push(task),
+                Err(e) => log::warn!(
+                    "pair {}: slot {slot}'s fd store socket not served: {e}",
+                    self.id
+                ),
+            }
+        }
     }
 
     /// Start both engines inline (Start waits for them), so that a spec

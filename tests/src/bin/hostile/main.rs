@@ -14,6 +14,7 @@
 
 mod common;
 mod dirs;
+mod fdstore;
 mod gms;
 mod gpus;
 mod notify;
@@ -68,6 +69,21 @@ const ATTACKS: &[Attack] = &[
         name: "notify-garbage",
         about: "as the parked shadow, send oversized, malformed, lying and fd-laden datagrams for N seconds",
         run: notify::garbage,
+    },
+    Attack {
+        name: "fdstore-fetch",
+        about: "as the parked shadow, fetch the fd store without holding the lock",
+        run: fdstore::fetch,
+    },
+    Attack {
+        name: "fdstore-flood",
+        about: "as the parked shadow, store wrong types and bad names, then flood the fd store past its bound for N seconds",
+        run: fdstore::flood,
+    },
+    Attack {
+        name: "fdstore-churn",
+        about: "as the parked shadow, store and remove a memfd R times a second for N seconds, pinging (a busy engine)",
+        run: fdstore::churn,
     },
     Attack {
         name: "notify-ready-liar",
