@@ -80,6 +80,15 @@ pub fn edit_spec(mut spec: Value, root: &Path) -> Result<Value> {
         }
         .into());
     }
+    if let Some(n) = annotations.fdstore_max.filter(|n| *n > 0) {
+        // Nobody reads the notify socket on this path: no store to keep.
+        return Err(shadow_contract::annotations::AnnotationError {
+            key: shadow_contract::annotations::FDSTORE_MAX.to_string(),
+            value: n.to_string(),
+            allowed: "0 here: a pair assembled by the OCI hooks has no runtime to keep an fd store (the shim's pairs do)".to_string(),
+        }
+        .into());
+    }
     let layout = PairLayout::of(root, &name);
     let slot = annotations.slot;
     let all: HashMap<String, String> = spec
@@ -217,6 +226,14 @@ mod tests {
         assert!(edit_spec(spec(json!({PAIR_NAME: "../etc"})), t.path()).is_err());
         let e = edit_spec(spec(json!({PAIR_NAME: "p", SLOT: "4"})), t.path()).unwrap_err();
         assert!(e.to_string().contains(SLOT), "{e}");
+        // No fd store on this path.
+        let key = shadow_contract::annotations::FDSTORE_MAX;
+        let e = edit_spec(spec(json!({PAIR_NAME: "p", key: "16"})), t.path()).unwrap_err();
+        assert!(
+            e.to_string().contains("no runtime to keep an fd store"),
+            "{e}"
+        );
+        assert!(edit_spec(spec(json!({PAIR_NAME: "p", key: "0"})), t.path()).is_ok());
         // Slots beyond 1: a pair of several shadows.
         let edited = edit_spec(spec(json!({PAIR_NAME: "p", SLOT: "3"})), t.path()).unwrap();
         assert!(
