@@ -17,6 +17,9 @@ Engine authors use three things from here:
   more time before the start timeout (EXTEND_TIMEOUT_USEC).
 - ``listen_socket()``: the pair's listening socket when the runtime hands
   one down (``shadow.dev/listen``: LISTEN_FDS), else None.
+- ``fdstore_store``, ``fdstore_remove``, ``fdstore_fetch``: the pair's fd
+  store (``FDSTORE=1``): descriptors that outlive the engine, fetched by
+  the engine that takes over.
 - ``Gms.verify_weights()``: the digest its writer recorded at commit,
   recomputed on the GPU; a promoted engine calls it before ``READY=1`` and
   exits with ``CORRUPT_EXIT`` on ``WeightsCorrupt``.
@@ -26,8 +29,8 @@ Only torch and the standard library are needed; the contract helpers
 ``extend_start``) need no torch.
 """
 
-from .contract import (CORRUPT_EXIT, FailoverLock, Progress, Watchdog, extend_start, listen_socket, listen_sockets,
-                       notify, watchdog_interval)
+from .contract import (CORRUPT_EXIT, FailoverLock, FdStoreError, Progress, Watchdog, extend_start, fdstore_fetch,
+                       fdstore_remove, fdstore_store, listen_socket, listen_sockets, notify, watchdog_interval)
 
 _CLIENT = ("Gms", "GmsError", "KvCache", "WeightsCorrupt", "find_library")
 

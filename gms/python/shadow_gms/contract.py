@@ -7,7 +7,9 @@ shadow. Notifications follow systemd's datagram protocol, so the shim (or a
 test) learns who is parked and who is ready. A pair with
 ``shadow.dev/listen`` hands its listening sockets down by systemd's socket
 activation (LISTEN_FDS, LISTEN_PID, LISTEN_FDNAMES, descriptors from 3):
-``listen_socket()`` takes them.
+``listen_socket()`` takes them. The pair's fd store (``FDSTORE=1``) keeps
+descriptors an engine stores across its death: ``fdstore_store``,
+``fdstore_remove``, and ``fdstore_fetch`` for the engine that takes over.
 
 A pair with ``shadow.dev/watchdog`` gives its engines systemd's watchdog
 (WATCHDOG_USEC, WATCHDOG_PID): once armed by a first ``WATCHDOG=1``, an
@@ -20,6 +22,7 @@ its last ping. ``extend_start()`` asks for more time before the start
 timeout (``shadow.dev/start-timeout``) ends an engine still starting.
 """
 
+import array
 import fcntl
 import os
 import socket
@@ -155,6 +158,107 @@ def listen_socket(name=None):
         if name is None or n == name:
             return sock
     return None
+
+
+FDSTORE_SOCKET = "SHADOW_FDSTORE_SOCKET"
+# The fetch protocol's bounds (shadow_contract::fdstore).
+_FDS_PER_PACKET = 64
+_PACKET_MAX = _FDS_PER_PACKET * 256 + 64
+
+
+def _valid_fdname(name):
+    return 0 < len(name) <= 255 and all(0x20 <= ord(c) < 0x7F and c != ":" for c in name)
+
+
+def fdstore_store(fds, name, poll=True, path=None, timeout=1.0):
+    """Stores the descriptors ``fds`` (ints or objects with ``fileno()``)
+    in the pair's fd store under ``name`` (sd_notify's ``FDSTORE=1``,
+    ``FDNAME=``; ``poll=False`` sends ``FDPOLL=0``: keep a socket whose peer
+    hung up). Only sockets and memfds are kept. Returns False when there is
+    no NOTIFY_SOCKET; waits up to ``timeout`` seconds for room."""
+    if not _valid_fdname(name):
+        raise ValueError(f"FDNAME {name!r}: 1 to 255 printable ASCII characters, no ':'")
+    lines = ["FDSTORE=1", f"FDNAME={name}"] + ([] if poll else ["FDPOLL=0"])
+    return _notify_with_fds(lines, [f if isinstance(f, int) else f.fileno() for f in fds], path, timeout)
+
+
+def fdstore_remove(name, path=None, timeout=1.0):
+    """Drops every descriptor stored under ``name`` (``FDSTOREREMOVE=1``)."""
+    return _notify_with_fds(["FDSTOREREMOVE=1", f"FDNAME={name}"], [], path, timeout)
+
+
+def _notify_with_fds(lines, fds, path, timeout):
+    path = path or os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    msg = ("\n".join(lines) + "\n").encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(timeout)
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+        s.sendmsg([msg], anc, 0, path)
+    return True
+
+
+class FdStoreError(Exception):
+    """The fd store refused a fetch (``ERROR=``), or its answer broke the protocol."""
+
+
+def fdstore_fetch(path=None, timeout=10.0):
+    """The whole fd store, ``[(name, fd)]`` (the caller owns each fd), for
+    the engine that holds the election lock; call it right after taking the
+    lock. None when the pair has no store (no SHADOW_FDSTORE_SOCKET)."""
+    path = path or os.environ.get(FDSTORE_SOCKET)
+    if not path:
+        return None
+    out = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        try:
+            while True:
+                msg, anc, flags, _ = s.recvmsg(_PACKET_MAX, socket.CMSG_SPACE(_FDS_PER_PACKET * 4))
+                fds = []
+                for level, kind, data in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        arr = array.array("i")
+                        arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+                        fds.extend(arr)
+                for fd in fds:
+                    os.set_inheritable(fd, False)
+                line = msg.decode("utf-8", "replace").rstrip("\n")
+                if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+                    _close(fds)
+                    raise FdStoreError("a packet or its descriptors did not fit")
+                if line.startswith("FDNAMES="):
+                    names = line[len("FDNAMES="):].split(":")
+                    if len(names) != len(fds):
+                        _close(fds)
+                        raise FdStoreError(f"{len(names)} names for {len(fds)} descriptors")
+                    out.extend(zip(names, fds))
+                elif line.startswith("END="):
+                    _close(fds)
+                    if line[4:] != str(len(out)):
+                        raise FdStoreError(f"{line} after {len(out)} descriptors")
+                    return out
+                elif line.startswith("ERROR="):
+                    _close(fds)
+                    raise FdStoreError(f"the fd store refused: {line[6:]}")
+                else:
+                    _close(fds)
+                    raise FdStoreError(f"unknown packet {line!r}")
+        except BaseException:
+            _close([fd for _, fd in out])
+            raise
+
+
+def _close(fds):
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 WATCHDOG_USEC = "WATCHDOG_USEC"

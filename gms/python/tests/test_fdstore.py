@@ -1,0 +1,125 @@
+"""Tests of shadow_gms.contract's fd-store helpers, standard library only:
+what they send on NOTIFY_SOCKET (the datagram and its descriptors, as
+sd_notify(3) has them) and how a fetch reads the store's packets, against a
+stand-in for the shim's sockets. `cargo test -p gms` runs them.
+"""
+
+import array
+import os
+import socket
+import sys
+import tempfile
+import threading
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from shadow_gms.contract import FdStoreError, fdstore_fetch, fdstore_remove, fdstore_store  # noqa: E402
+
+LIMIT_S = 20
+
+
+def recv_with_fds(sock):
+    msg, anc, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
+    fds = array.array("i")
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return msg, list(fds)
+
+
+class StoreTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self.dir.cleanup)
+        self.path = os.path.join(self.dir.name, "notify.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.addCleanup(self.sock.close)
+        self.sock.bind(self.path)
+        self.sock.settimeout(LIMIT_S)
+
+    def test_store_sends_fdstore_with_the_descriptors(self):
+        r, w = os.pipe()
+        self.addCleanup(os.close, r)
+        self.addCleanup(os.close, w)
+        self.assertTrue(fdstore_store([w], "conn-1", path=self.path))
+        msg, fds = recv_with_fds(self.sock)
+        self.assertEqual(msg, b"FDSTORE=1\nFDNAME=conn-1\n")
+        self.assertEqual(len(fds), 1)
+        # The same pipe: what is written on the received copy reads at r.
+        os.write(fds[0], b"x")
+        os.close(fds[0])
+        self.assertEqual(os.read(r, 1), b"x")
+        self.assertTrue(fdstore_store([w], "keep", poll=False, path=self.path))
+        msg, fds = recv_with_fds(self.sock)
+        self.assertEqual(msg, b"FDSTORE=1\nFDNAME=keep\nFDPOLL=0\n")
+        for fd in fds:
+            os.close(fd)
+
+    def test_remove_and_bad_names(self):
+        self.assertTrue(fdstore_remove("conn-1", path=self.path))
+        msg, fds = recv_with_fds(self.sock)
+        self.assertEqual((msg, fds), (b"FDSTOREREMOVE=1\nFDNAME=conn-1\n", []))
+        for bad in ["", "a:b", "x" * 256, "tab\there"]:
+            with self.assertRaises(ValueError):
+                fdstore_store([0], bad, path=self.path)
+
+    def test_without_a_socket_nothing_is_sent(self):
+        env = os.environ.pop("NOTIFY_SOCKET", None)
+        try:
+            self.assertFalse(fdstore_store([0], "x"))
+            self.assertIsNone(fdstore_fetch(path=""))
+        finally:
+            if env is not None:
+                os.environ["NOTIFY_SOCKET"] = env
+
+
+class FetchTest(unittest.TestCase):
+    """A stand-in for the shim's fetch socket answers each connection with
+    the packets the test gives it."""
+
+    def serve(self, answers):
+        d = tempfile.TemporaryDirectory()
+        self.addCleanup(d.cleanup)
+        path = os.path.join(d.name, "fdstore.sock")
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.addCleanup(srv.close)
+        srv.bind(path)
+        srv.listen(4)
+        srv.settimeout(LIMIT_S)
+
+        def run():
+            for packets in answers:
+                c, _ = srv.accept()
+                with c:
+                    for text, n in packets:
+                        fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(n)]
+                        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+                        c.sendmsg([text], anc)
+                        for fd in fds:
+                            os.close(fd)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.addCleanup(t.join, LIMIT_S)
+        return path
+
+    def test_a_fetch_reads_names_and_descriptors_until_end(self):
+        path = self.serve([
+            [(b"FDNAMES=a:b\n", 2), (b"FDNAMES=c\n", 1), (b"END=3\n", 0)],
+            [(b"ERROR=not the lock holder\n", 0)],
+            [(b"FDNAMES=a\n", 1), (b"END=2\n", 0)],
+        ])
+        got = fdstore_fetch(path=path)
+        self.assertEqual([n for n, _ in got], ["a", "b", "c"])
+        for _, fd in got:
+            self.assertFalse(os.get_inheritable(fd))
+            os.close(fd)
+        with self.assertRaisesRegex(FdStoreError, "not the lock holder"):
+            fdstore_fetch(path=path)
+        with self.assertRaises(FdStoreError):
+            fdstore_fetch(path=path)
+
+
+if __name__ == "__main__":
+    unittest.main()
