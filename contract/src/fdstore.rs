@@ -241,6 +241,47 @@ fn recv_packet(fd: RawFd) -> Result<(Vec<u8>, Vec<OwnedFd>), FetchError> {
     Ok((buf, fds))
 }
 
+/// How many bytes have been written to the TCP connection `sock` so far,
+/// by every process that held it: what the peer acknowledged (`TCP_INFO`'s
+/// `tcpi_bytes_acked`) plus what is still queued, unsent or unacknowledged
+/// (`ioctl(SIOCOUTQ)`). A promoted engine resumes a connection the dead
+/// engine was answering right after this many bytes of the answer. Not for
+/// a connection whose write side was shut down (the FIN counts in the queue).
+pub fn bytes_written(sock: BorrowedFd<'_>) -> io::Result<u64> {
+    // SAFETY: tcp_info is plain old data, all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: a valid descriptor, a buffer of `len` bytes owned here and a
+    // length the kernel updates in place.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // Kernels before 4.2 have no tcpi_bytes_acked: a shorter answer.
+    let end_of_acked = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_acked) + 8;
+    if (len as usize) < end_of_acked {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "TCP_INFO has no tcpi_bytes_acked on this kernel",
+        ));
+    }
+    let mut queued: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int into `queued`.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(info.tcpi_bytes_acked + queued.max(0) as u64)
+}
+
 /// The descriptors of `inherited` (`crate::listen::inherited`) that are
 /// not among the `listen` sockets' names: the store, handed at start.
 pub fn split_inherited(
@@ -265,6 +306,35 @@ pub fn split_inherited(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a process wrote is what the socket says, whether the peer read
+    /// it, left it unacknowledged, or left it queued.
+    #[test]
+    fn the_socket_says_how_much_was_written() {
+        use std::io::{Read, Write};
+        use std::os::fd::AsFd;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        assert_eq!(bytes_written(s.as_fd()).unwrap(), 0);
+        s.write_all(&[7u8; 1000]).unwrap();
+        let mut got = [0u8; 100];
+        c.read_exact(&mut got).unwrap();
+        assert_eq!(bytes_written(s.as_fd()).unwrap(), 1000);
+        // The peer stops reading: the rest waits in the queues.
+        s.set_nonblocking(true).unwrap();
+        let mut total = 1000u64;
+        let chunk = vec![1u8; 1 << 16];
+        while let Ok(n) = s.write(&chunk) {
+            total += n as u64;
+        }
+        assert_eq!(bytes_written(s.as_fd()).unwrap(), total);
+        // Another copy of the socket says the same (the promoted engine's).
+        let twin = s.as_fd().try_clone_to_owned().unwrap();
+        assert_eq!(bytes_written(twin.as_fd()).unwrap(), total);
+        let f = std::fs::File::open("/dev/null").unwrap();
+        assert!(bytes_written(f.as_fd()).is_err());
+    }
 
     #[test]
     fn the_bound_parses_from_zero_to_its_maximum() {

@@ -114,9 +114,16 @@ fn what_an_engine_stores_outlives_it_through_failovers() {
         first.2, "new",
         "the first engine found an empty store: {first:?}"
     );
+    let mut killed = 0;
     for round in 2..=4u64 {
-        let st = run.env.wait_protected(&cd, id, LONG);
-        kill(active_pid(&st).expect("an active engine"));
+        // state.json may still show the engine killed last, until its reap.
+        let st = until("protected by a new active", LONG, STEP, || {
+            run.env
+                .state(&cd, id)
+                .filter(|s| s.pair.protected && active_pid(s).is_some_and(|p| p != killed))
+        });
+        killed = active_pid(&st).expect("an active engine");
+        kill(killed);
         let m = run.memo_is(round);
         assert_eq!(m.2, "fetched", "round {round}: {m:?}");
         eprintln!(
@@ -159,11 +166,15 @@ fn a_single_engine_restarted_in_place_gets_the_store_at_its_start() {
         first.3, 0,
         "nothing stored before the first start: {first:?}"
     );
+    let mut killed = 0;
     for round in 2..=3u64 {
         let st = until("the engine serving", LONG, STEP, || {
-            run.env.state(&cd, id).filter(|s| active_pid(s).is_some())
+            run.env
+                .state(&cd, id)
+                .filter(|s| active_pid(s).is_some_and(|p| p != killed))
         });
-        kill(active_pid(&st).expect("an active engine"));
+        killed = active_pid(&st).expect("an active engine");
+        kill(killed);
         let m = run.memo_is(round);
         assert_eq!(m.3, 1, "the restarted engine inherited the memo: {m:?}");
     }

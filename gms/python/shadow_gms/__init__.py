@@ -29,7 +29,7 @@ Only torch and the standard library are needed; the contract helpers
 ``extend_start``) need no torch.
 """
 
-from .contract import (CORRUPT_EXIT, FailoverLock, FdStoreError, Progress, Watchdog, extend_start, fdstore_fetch,
+from .contract import (CORRUPT_EXIT, FailoverLock, FdStoreError, bytes_written, Progress, Watchdog, extend_start, fdstore_fetch,
                        fdstore_remove, fdstore_store, listen_socket, listen_sockets, notify, watchdog_interval)
 
 _CLIENT = ("Gms", "GmsError", "KvCache", "WeightsCorrupt", "find_library")

@@ -201,6 +201,29 @@ def _notify_with_fds(lines, fds, path, timeout):
     return True
 
 
+# struct tcp_info (linux/tcp.h): 8 one-byte fields, 24 u32s, then
+# tcpi_pacing_rate and tcpi_max_pacing_rate (u64) before tcpi_bytes_acked.
+_TCPI_BYTES_ACKED = 8 + 24 * 4 + 2 * 8
+_SIOCOUTQ = 0x5411
+
+
+def bytes_written(sock):
+    """How many bytes have been written to the TCP connection ``sock`` (a
+    socket or a descriptor) so far, by every process that held it: what the
+    peer acknowledged (TCP_INFO's tcpi_bytes_acked) plus what is still
+    queued (SIOCOUTQ). A promoted engine resumes an answer the dead engine
+    was writing right after this many bytes."""
+    fd = sock if isinstance(sock, int) else sock.fileno()
+    with socket.socket(fileno=os.dup(fd)) as s:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    if len(info) < _TCPI_BYTES_ACKED + 8:
+        raise OSError("TCP_INFO has no tcpi_bytes_acked on this kernel")
+    acked = int.from_bytes(info[_TCPI_BYTES_ACKED:_TCPI_BYTES_ACKED + 8], "little")
+    queued = array.array("i", [0])
+    fcntl.ioctl(fd, _SIOCOUTQ, queued, True)
+    return acked + max(0, queued[0])
+
+
 class FdStoreError(Exception):
     """The fd store refused a fetch (``ERROR=``), or its answer broke the protocol."""
 

@@ -14,7 +14,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from shadow_gms.contract import FdStoreError, fdstore_fetch, fdstore_remove, fdstore_store  # noqa: E402
+from shadow_gms.contract import FdStoreError, bytes_written, fdstore_fetch, fdstore_remove, fdstore_store  # noqa: E402
 
 LIMIT_S = 20
 
@@ -72,6 +72,28 @@ class StoreTest(unittest.TestCase):
         finally:
             if env is not None:
                 os.environ["NOTIFY_SOCKET"] = env
+
+
+class BytesWrittenTest(unittest.TestCase):
+    def test_what_was_written_is_what_the_socket_says(self):
+        with socket.socket() as lst:
+            lst.bind(("127.0.0.1", 0))
+            lst.listen()
+            c = socket.create_connection(lst.getsockname())
+            s, _ = lst.accept()
+            with c, s:
+                self.assertEqual(bytes_written(s), 0)
+                s.sendall(b"x" * 1000)
+                c.recv(100)
+                self.assertEqual(bytes_written(s), 1000)
+                s.setblocking(False)
+                total = 1000
+                try:
+                    while True:
+                        total += s.send(b"y" * 65536)
+                except BlockingIOError:
+                    pass
+                self.assertEqual(bytes_written(s.fileno()), total)
 
 
 class FetchTest(unittest.TestCase):

@@ -30,13 +30,21 @@
 //! pair is taken as whole again only once every shadow has parked, and
 //! "both engines" are all of them.
 //!
+//! The pair owns its socket (`shadow.dev/listen`) and the test engine
+//! stores every connection it accepts until it has answered it
+//! (`--resume`), so no request may go unanswered through any of it: a
+//! client waits in the backlog while no engine serves, and what a dying
+//! engine accepted is answered by the next. `--lossy` runs it as before
+//! (engines on their own port, nothing stored), where refused and cut
+//! requests are only counted.
+//!
 //! The restart budget is set for the soak's rate: every respawn it causes
 //! fits in one window (`max_restarts_in_window` = 4 × the planned kills per
 //! 10 minutes), and kills before an engine parks (promotion kills, bursts)
 //! stay under `max_consecutive_failures`.
 
 use clap::Parser;
-use shadow_contract::annotations::{SHADOWS, WATCHDOG};
+use shadow_contract::annotations::{LISTEN, SHADOWS, WATCHDOG};
 use shadow_contract::state::{HangCause, PairState};
 use shadow_tests::bench::{profile, signal};
 use shadow_tests::pair::{ask, free_port, shim_pid, until, PairEnv};
@@ -91,6 +99,11 @@ struct Cli {
     /// the lock.
     #[arg(long, default_value_t = 1)]
     shadows: u8,
+    /// Engines that bind their own port and store nothing: the soak as it
+    /// ran before the pair's socket and fd store (refused and cut
+    /// requests are then only counted, not failures).
+    #[arg(long)]
+    lossy: bool,
 }
 
 const LONG: Duration = Duration::from_secs(60);
@@ -388,14 +401,19 @@ fn main() {
     let port = free_port();
     let id = "soak";
     let shadows = cli.shadows.to_string();
+    // The pair owns the socket (nobody is refused: a client waits in its
+    // backlog) and every engine stores what it accepted until it has
+    // answered (what a dying engine accepted is answered by the next).
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let mut annotations = vec![(WATCHDOG, WATCHDOG_INTERVAL), (SHADOWS, shadows.as_str())];
+    let port_s = port.to_string();
+    let mut cmd = vec!["/bin/test-engine", "--port", &port_s];
+    if !cli.lossy {
+        annotations.push((LISTEN, listen.as_str()));
+        cmd.push("--resume");
+    }
     let ctr = env
-        .run(
-            &cd,
-            id,
-            &[(WATCHDOG, WATCHDOG_INTERVAL), (SHADOWS, &shadows)],
-            &["--rm", "--net-host"],
-            &["/bin/test-engine", "--port", &port.to_string()],
-        )
+        .run(&cd, id, &annotations, &["--rm", "--net-host"], &cmd)
         .expect("ctr run");
     let pair = Pair { cd: &cd, env, id };
     let started = Instant::now();
@@ -585,7 +603,8 @@ fn main() {
         misfires.total()
     );
     println!(
-        "requests: {answered} answered, {wrong} wrong, {unanswered} unanswered (refused or cut while no engine served)"
+        "requests: {answered} answered, {wrong} wrong, {unanswered} unanswered (refused, cut or timed out){}",
+        if cli.lossy { " (--lossy: engines on their own port, no store)" } else { " (the pair's socket, every accepted connection stored until answered)" }
     );
     println!("weights loaded {loads} times (1 + {gmsd_killed} gmsd kills expected)");
     let rss_growth = after.shim_rss_kib as i64 - before.shim_rss_kib as i64;
@@ -614,6 +633,11 @@ fn main() {
     }
     if answered == 0 {
         failed.push("no answer at all".into());
+    }
+    if unanswered > 0 && !cli.lossy {
+        failed.push(format!(
+            "{unanswered} requests unanswered (refused, reset in flight or timed out) with the pair's socket and fd store"
+        ));
     }
     if misfires.total() > 0 {
         failed.push(format!(

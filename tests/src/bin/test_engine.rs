@@ -44,7 +44,10 @@
 //! `memo`, fetched once it holds the lock, else taken from what it
 //! inherited at its start), adds one each time it becomes active, and
 //! ends its answers with `memo=<n> memo_from=fetched|inherited|new
-//! inherited=<descriptors of the store it got at its start>`.
+//! inherited=<descriptors of the store it got at its start>`. With
+//! `--resume` it stores each connection it accepts until it has answered
+//! it, and once active answers every connection the dead engine stored and
+//! had not answered (the socket tells: `fdstore::bytes_written`).
 //!
 //! Flags: `--port N`, `--no-notify` (lock only), `--crash CODE` (exit with
 //! CODE right after start), `--weights-mib N`, `--seed N` (`--help`).
@@ -114,6 +117,10 @@ struct Cli {
     /// holding 1; answers end with `memo=<n> memo_from=<how>`.
     #[arg(long)]
     memo: bool,
+    /// Store each accepted connection until it is answered; once active,
+    /// answer every connection the dead engine stored and had not.
+    #[arg(long)]
+    resume: bool,
 }
 
 /// What `--memo` found: the counter after this engine's increment, and
@@ -127,17 +134,70 @@ struct Memo {
     _fd: Option<OwnedFd>,
 }
 
-/// `--memo`, once the engine holds the lock: `inherited` is what it got
-/// at its start (the store after the listening sockets).
-fn memo(inherited: Vec<shadow_contract::fdstore::Stored>) -> Memo {
-    use std::os::unix::fs::FileExt;
-    let at_start = inherited.len();
-    let (found, from) = match shadow_contract::fdstore::fetch() {
+/// Answers one connection with `line`. With a name (`--resume`) the
+/// connection is stored first, under it, and removed once answered: the
+/// write side shut down first, so the client sees the end at once.
+fn answer(mut c: std::net::TcpStream, line: &str, name: Option<String>) {
+    use std::os::fd::AsFd;
+    if let Some(name) = &name {
+        if let Err(e) = shadow_contract::fdstore::store(&[c.as_fd()], name, true) {
+            eprintln!("test-engine: storing {name}: {e}");
+        }
+    }
+    let _ = c.write_all(line.as_bytes());
+    if let Some(name) = &name {
+        let _ = c.shutdown(std::net::Shutdown::Write);
+        let _ = shadow_contract::fdstore::remove(name);
+    }
+}
+
+/// `--resume`, once the engine holds the lock: every connection the dead
+/// engine stored (`c-…`) and had not answered (the socket says no byte of
+/// the line was written) gets this engine's line; every one is removed.
+fn answer_stored(found: Vec<shadow_contract::fdstore::Stored>, line: &str) {
+    use std::os::fd::AsFd;
+    let (mut answered, mut done) = (0, 0);
+    for s in found.into_iter().filter(|s| s.name.starts_with("c-")) {
+        let mut c = std::net::TcpStream::from(s.fd);
+        if shadow_contract::fdstore::bytes_written(c.as_fd()).is_ok_and(|n| n == 0) {
+            let _ = c.write_all(line.as_bytes());
+            answered += 1;
+        } else {
+            done += 1;
+        }
+        let _ = c.shutdown(std::net::Shutdown::Write);
+        let _ = shadow_contract::fdstore::remove(&s.name);
+    }
+    if answered + done > 0 {
+        println!("test-engine: resumed {answered} connections the dead engine had accepted ({done} it had answered)");
+    }
+}
+
+/// The store, once the engine holds the lock: fetched, else (no fetch
+/// socket) what it inherited at its start; and which.
+fn take_store(
+    inherited: Vec<shadow_contract::fdstore::Stored>,
+) -> (Vec<shadow_contract::fdstore::Stored>, &'static str) {
+    match shadow_contract::fdstore::fetch() {
         Ok(got) => (got, "fetched"),
         Err(shadow_contract::fdstore::FetchError::NoStore) => (inherited, "inherited"),
         Err(e) => fail("fetching the fd store", e),
-    };
-    let memo = found.into_iter().find(|s| s.name == "memo").map(|s| s.fd);
+    }
+}
+
+/// `--memo`, once the engine holds the lock: `found` is the store
+/// (`from`: how it came), `at_start` how many of its descriptors the
+/// engine inherited at its start.
+fn memo(
+    found: &mut Vec<shadow_contract::fdstore::Stored>,
+    from: &'static str,
+    at_start: usize,
+) -> Memo {
+    use std::os::unix::fs::FileExt;
+    let memo = found
+        .iter()
+        .position(|s| s.name == "memo")
+        .map(|i| found.swap_remove(i).fd);
     let (fd, from) = match memo {
         Some(fd) => (fd, from),
         None => {
@@ -446,6 +506,7 @@ fn main() {
         extend_start_us,
         watchdog_usec,
         memo: keep_memo,
+        resume,
     } = Cli::parse();
     if let Some(r) = rank {
         run_rank(r);
@@ -504,6 +565,15 @@ fn main() {
         shadow_contract::fdstore::split_inherited(shadow_contract::listen::inherited(), |name| {
             name.starts_with("tcp-") || name.starts_with("unix-")
         });
+    // What it inherited of the store: kept only where nothing can be
+    // fetched (a parked engine holding every connection would keep them
+    // open after the serving engine is done with them).
+    let at_start = stored.len();
+    let stored = if std::env::var_os(env::FDSTORE_SOCKET).is_some() {
+        Vec::new()
+    } else {
+        stored
+    };
     let inherited = inherited.into_iter().next();
     let listen_kind = if inherited.is_some() {
         "inherited"
@@ -559,10 +629,14 @@ fn main() {
         }
     });
     let lock_us = now_us();
-    let memo = if keep_memo {
-        memo(stored)
+    let (mut found, from) = if keep_memo || resume {
+        take_store(stored)
     } else {
-        drop(stored);
+        (stored, "inherited")
+    };
+    let memo = if keep_memo {
+        memo(&mut found, from, at_start)
+    } else {
         Memo {
             count: 0,
             from: "none",
@@ -604,6 +678,23 @@ fn main() {
         .as_ref()
         .map(|w| (w.sum, w.loaded, w.names.as_str()))
         .unwrap_or((0, false, ""));
+    let line = format!(
+        "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us} ranks={ranks} gms={names} listen={listen_kind}{}\n",
+        if keep_memo {
+            format!(
+                " memo={} memo_from={} inherited={}",
+                memo.count, memo.from, memo.inherited
+            )
+        } else {
+            String::new()
+        }
+    );
+    if resume {
+        answer_stored(found, &line);
+    } else {
+        drop(found);
+    }
+    let mut served = 0u64;
     // The serving loop: one poll over the sockets, its timeout the next
     // ping's, so that pings come from here and stop when this loop does.
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -625,19 +716,9 @@ fn main() {
             .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
             .collect();
         if ready[0] {
-            if let Ok((mut c, _)) = listener.accept() {
-                let _ = writeln!(
-                    c,
-                    "slot={slot} boot={boot} weights={sum:016x} loaded={loaded} lock_us={lock_us} ready_us={ready_us} ranks={ranks} gms={names} listen={listen_kind}{}",
-                    if keep_memo {
-                        format!(
-                            " memo={} memo_from={} inherited={}",
-                            memo.count, memo.from, memo.inherited
-                        )
-                    } else {
-                        String::new()
-                    }
-                );
+            if let Ok((c, _)) = listener.accept() {
+                served += 1;
+                answer(c, &line, resume.then(|| format!("c-{boot}-{served}")));
             }
         }
         if ready.get(1) == Some(&true) {
