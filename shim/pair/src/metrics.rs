@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 
 use crate::failure::{ColdRestartCause, HangCause};
 use crate::pair::{EngineState, Snapshot};
+use shadow_contract::state::FdStoreStatus;
 
 /// What one GMS daemon of the pair holds, as its status reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -26,37 +27,40 @@ fn label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-/// What a pair's fd store holds and did (`shadow.dev/fdstore-max`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct FdStoreFigures {
-    pub fds: u64,
-    pub max: u64,
-    pub stored: u64,
-    pub removed: u64,
-    pub hung_up: u64,
-    pub fetched: u64,
-    pub fetches: u64,
-    pub fetches_refused: u64,
-    /// Descriptors not kept, by reason (every reason, 0 included).
-    pub refused: Vec<(&'static str, u64)>,
-}
-
-/// The fd store's part of a pair's metrics text (appended to [`render`]'s
-/// for a pair that has a store).
-pub fn render_fdstore(containerd: &str, namespace: &str, id: &str, f: &FdStoreFigures) -> String {
-    let base = format!(
+/// The labels every sample of a pair has.
+fn base_labels(containerd: &str, namespace: &str, id: &str) -> String {
+    format!(
         "containerd=\"{}\",namespace=\"{}\",pair=\"{}\"",
         label(containerd),
         label(namespace),
         label(id)
-    );
+    )
+}
+
+/// One metric family: its HELP and TYPE lines, then a sample per
+/// `(extra labels, value)`.
+fn family<V: std::fmt::Display>(
+    out: &mut String,
+    base: &str,
+    name: &str,
+    kind: &str,
+    help: &str,
+    lines: &[(String, V)],
+) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+    for (labels, value) in lines {
+        let _ = writeln!(out, "{name}{{{base}{labels}}} {value}");
+    }
+}
+
+/// The fd store's part of a pair's metrics text (appended to [`render`]'s
+/// for a pair that has a store).
+pub fn render_fdstore(containerd: &str, namespace: &str, id: &str, f: &FdStoreStatus) -> String {
+    let base = base_labels(containerd, namespace, id);
     let mut out = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, lines: &[(String, u64)]| {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} {kind}");
-        for (labels, value) in lines {
-            let _ = writeln!(out, "{name}{{{base}{labels}}} {value}");
-        }
+        family(&mut out, &base, name, kind, help, lines)
     };
     let one = |v: u64| [(String::new(), v)];
     metric(
@@ -122,19 +126,10 @@ pub fn render(
     gms: &[GmsFigures],
     notify_dropped: &[(&str, u64)],
 ) -> String {
-    let base = format!(
-        "containerd=\"{}\",namespace=\"{}\",pair=\"{}\"",
-        label(containerd),
-        label(namespace),
-        label(id)
-    );
+    let base = base_labels(containerd, namespace, id);
     let mut out = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, lines: &[(String, String)]| {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} {kind}");
-        for (labels, value) in lines {
-            let _ = writeln!(out, "{name}{{{base}{labels}}} {value}");
-        }
+        family(&mut out, &base, name, kind, help, lines)
     };
     let one = |v: String| vec![(String::new(), v)];
     metric(
@@ -408,7 +403,7 @@ mod tests {
 
     #[test]
     fn the_fd_store_has_its_figures() {
-        let f = FdStoreFigures {
+        let f = FdStoreStatus {
             fds: 3,
             max: 1024,
             stored: 10,
@@ -417,7 +412,7 @@ mod tests {
             fetched: 3,
             fetches: 2,
             fetches_refused: 2,
-            refused: vec![("wrong_type", 4), ("full", 0)],
+            refused: [("wrong_type".to_string(), 4), ("full".to_string(), 0)].into(),
         };
         let text = render_fdstore("c", "n", "p", &f);
         let base = "containerd=\"c\",namespace=\"n\",pair=\"p\"";

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use serde::Serialize;
 use shadow_contract::fdstore::{name_is_valid, DEFAULT_NAME};
+use shadow_contract::state::FdStoreStatus;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::task::JoinHandle;
@@ -174,16 +175,29 @@ impl FdStore {
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    pub fn max(&self) -> usize {
-        self.max
-    }
-
-    pub fn counts(&self) -> &Counts {
-        &self.counts
+    /// What the store holds and did, as state.json and the metrics say it
+    /// (every reason of refusal, 0 included).
+    pub fn status(&self) -> FdStoreStatus {
+        let c = &self.counts;
+        FdStoreStatus {
+            fds: self.entries.len() as u64,
+            max: self.max as u64,
+            stored: c.stored,
+            removed: c.removed,
+            hung_up: c.hung_up,
+            fetched: c.fetched,
+            fetches: c.fetches,
+            fetches_refused: c.fetches_refused,
+            refused: Refused::ALL
+                .iter()
+                .map(|r| {
+                    (
+                        r.label().to_string(),
+                        c.refused.get(r).copied().unwrap_or(0),
+                    )
+                })
+                .collect(),
+        }
     }
 
     /// Records a change; true when it is the first since the publisher
@@ -438,10 +452,10 @@ mod tests {
         );
         assert_eq!((out.kept, out.refused.len()), (2, 2));
         assert_eq!(out.why, Some(Refused::WrongType));
-        assert_eq!(st.len(), 2);
+        assert_eq!(st.status().fds, 2);
         let names: Vec<String> = st.copies().into_iter().map(|(n, _)| n).collect();
         assert_eq!(names, ["conn-1", "conn-1"]);
-        assert_eq!(st.counts().refused[&Refused::WrongType], 2);
+        assert_eq!(st.status().refused["wrong_type"], 2);
     }
 
     #[test]
@@ -460,8 +474,8 @@ mod tests {
             assert_eq!((out.kept, out.why), (0, Some(Refused::BadName)));
         }
         assert_eq!(st.remove(b"FDSTOREREMOVE=1\nFDNAME=stored\n").len(), 2);
-        assert_eq!(st.len(), 0);
-        assert_eq!(st.counts().removed, 2);
+        assert_eq!(st.status().fds, 0);
+        assert_eq!(st.status().removed, 2);
     }
 
     /// A socket whose peer hung up is dropped (unless FDPOLL=0); one whose
@@ -499,7 +513,7 @@ mod tests {
         assert_eq!(gone.len(), 1);
         let names: Vec<String> = st.copies().into_iter().map(|(n, _)| n).collect();
         assert_eq!(names, ["one", "three"]);
-        assert_eq!(st.counts().hung_up, 1);
+        assert_eq!(st.status().hung_up, 1);
         drop(s1);
     }
 }

@@ -14,12 +14,12 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use shadow_contract::state::{FdStoreStatus, PairState, PromotionRecord};
-use shadow_pair::metrics::{FdStoreFigures, GmsFigures};
+use shadow_pair::metrics::GmsFigures;
 use shadow_pair::{Pair, Promotion, SlotId};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::fdstore::{self, Refused};
+use super::fdstore;
 use super::notify::DropCounts;
 use super::state_file;
 
@@ -156,24 +156,11 @@ impl Publisher {
         self
     }
 
-    fn fdstore_figures(&self) -> Option<FdStoreFigures> {
+    /// The store's figures now (and the store's changes seen).
+    fn fdstore_figures(&self) -> Option<FdStoreStatus> {
         let mut store = fdstore::lock(self.fdstore.as_ref()?);
         store.take_moved();
-        let c = store.counts();
-        Some(FdStoreFigures {
-            fds: store.len() as u64,
-            max: store.max() as u64,
-            stored: c.stored,
-            removed: c.removed,
-            hung_up: c.hung_up,
-            fetched: c.fetched,
-            fetches: c.fetches,
-            fetches_refused: c.fetches_refused,
-            refused: Refused::ALL
-                .iter()
-                .map(|r| (r.label(), c.refused.get(r).copied().unwrap_or(0)))
-                .collect(),
-        })
+        Some(store.status())
     }
 
     /// The engine created at Create has `pid`: the task's until another
@@ -302,17 +289,7 @@ impl Publisher {
             promotions: self.promotions.iter().cloned().collect(),
             gms: key.2.first().cloned().and_then(state_file::gms),
             gms_daemons: key.2.iter().cloned().filter_map(state_file::gms).collect(),
-            fdstore: fdstore.as_ref().map(|f| FdStoreStatus {
-                fds: f.fds,
-                max: f.max,
-                stored: f.stored,
-                removed: f.removed,
-                hung_up: f.hung_up,
-                fetched: f.fetched,
-                fetches: f.fetches,
-                fetches_refused: f.fetches_refused,
-                refused: f.refused.iter().map(|(r, n)| (r.to_string(), *n)).collect(),
-            }),
+            fdstore: fdstore.clone(),
             exit_status: self.exit_status,
             updated_unix_us: unix_us(SystemTime::now()),
         };

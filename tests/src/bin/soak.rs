@@ -283,23 +283,47 @@ fn kill_active(pair: &Pair<'_>, st: &PairState, what: &str) -> PairState {
 struct Stream {
     answered: AtomicU64,
     unanswered: AtomicU64,
+    /// Of `unanswered`, by why: refused, cut, timed out.
+    lost: [AtomicU64; 3],
     wrong: AtomicU64,
     first_wrong: Mutex<Option<String>>,
 }
 
-/// One request: the whole answer line, or None when no engine answered
-/// or the answer was cut (the engine was killed while writing it: the
-/// line has no newline yet), which is a request lost in flight.
-fn ask_line(port: u16) -> Option<String> {
+/// Why a request went unanswered.
+#[derive(Debug, Clone, Copy)]
+enum Lost {
+    /// connect(2) refused or timed out: nobody listened.
+    Refused,
+    /// Reset or closed before a whole line: lost in flight.
+    Cut,
+    /// Connected, and no answer within the read timeout.
+    Timeout,
+}
+
+/// One request: the whole answer line, or why there was none (a line
+/// without its newline was cut: the engine was killed while writing it).
+fn ask_line(port: u16) -> Result<String, Lost> {
     let mut s = TcpStream::connect_timeout(
         &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
         Duration::from_millis(500),
     )
-    .ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    .map_err(|_| Lost::Refused)?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))
+        .map_err(|_| Lost::Cut)?;
     let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    text.ends_with('\n').then_some(text)
+    match s.read_to_string(&mut text) {
+        Ok(_) if text.ends_with('\n') => Ok(text),
+        Ok(_) => Err(Lost::Cut),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Err(Lost::Timeout)
+        }
+        Err(_) => Err(Lost::Cut),
+    }
 }
 
 /// Whether a whole answer is right: a slot of the pair (`0 ..= shadows`),
@@ -318,16 +342,17 @@ fn right(line: &str, weights: &str, shadows: u8) -> bool {
 fn stream(port: u16, weights: String, shadows: u8, stop: Arc<AtomicBool>, tally: Arc<Stream>) {
     while !stop.load(Ordering::Relaxed) {
         match ask_line(port) {
-            Some(line) if right(&line, &weights, shadows) => {
+            Ok(line) if right(&line, &weights, shadows) => {
                 tally.answered.fetch_add(1, Ordering::Relaxed);
             }
-            Some(line) => {
+            Ok(line) => {
                 tally.wrong.fetch_add(1, Ordering::Relaxed);
                 let mut first = tally.first_wrong.lock().unwrap_or_else(|p| p.into_inner());
                 first.get_or_insert(line);
             }
-            None => {
+            Err(why) => {
                 tally.unanswered.fetch_add(1, Ordering::Relaxed);
+                tally.lost[why as usize].fetch_add(1, Ordering::Relaxed);
             }
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -603,7 +628,10 @@ fn main() {
         misfires.total()
     );
     println!(
-        "requests: {answered} answered, {wrong} wrong, {unanswered} unanswered (refused, cut or timed out){}",
+        "requests: {answered} answered, {wrong} wrong, {unanswered} unanswered ({} refused, {} cut, {} timed out){}",
+        tally.lost[Lost::Refused as usize].load(Ordering::Relaxed),
+        tally.lost[Lost::Cut as usize].load(Ordering::Relaxed),
+        tally.lost[Lost::Timeout as usize].load(Ordering::Relaxed),
         if cli.lossy { " (--lossy: engines on their own port, no store)" } else { " (the pair's socket, every accepted connection stored until answered)" }
     );
     println!("weights loaded {loads} times (1 + {gmsd_killed} gmsd kills expected)");
