@@ -26,6 +26,16 @@ use super::notify::{
     close_off_runtime, discard, Close, DropCounts, Dropped, Gate, NotifySocket, Queue, Received,
 };
 
+/// Whether `pid` is gone (no such process, not even a zombie).
+fn gone(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    pid > 0
+        && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+            == Err(nix::errno::Errno::ESRCH)
+}
+
 /// Whether a datagram asks the fd store to drop descriptors.
 fn is_remove(bytes: &[u8]) -> bool {
     bytes
@@ -99,13 +109,19 @@ pub fn notify(
             // the supervisor as any other task does.
             tokio::task::consume_budget().await;
             let slot_of = |pid| host.slot_of_pid(pid).filter(|s| *s == slot);
+            // What an engine stored just before it died is read after its
+            // death, when its pid names no cgroup any more: a sender that is
+            // gone (reaped) counts for the slot whose socket it used, which
+            // only that slot's engine can reach. A live pid elsewhere still
+            // counts for nobody.
+            let store_slot_of = |pid| slot_of(pid).or_else(|| gone(pid).then_some(slot));
             let weight = match &got {
                 Received::Store(_, fds) => fds.len() as u64,
                 _ => 1,
             };
             let verdict = match got {
                 Received::Store(d, fds) => match &store {
-                    Some(store) => match gate.admit_store(d.pid, at, slot_of) {
+                    Some(store) => match gate.admit_store(d.pid, at, store_slot_of) {
                         Ok(_) => {
                             let (out, first) = {
                                 let mut st = fdstore::lock(store);
@@ -142,7 +158,7 @@ pub fn notify(
                     }
                 },
                 Received::Datagram(d) if store.is_some() && is_remove(&d.bytes) => {
-                    match gate.admit_store(d.pid, at, slot_of) {
+                    match gate.admit_store(d.pid, at, store_slot_of) {
                         Ok(_) => {
                             let (gone, first) = match &store {
                                 Some(s) => {

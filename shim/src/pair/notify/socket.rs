@@ -121,6 +121,9 @@ pub enum Received {
 
 pub struct NotifySocket {
     sock: UnixDatagram,
+    /// A datagram was read and its reader has not come back for the next:
+    /// it may not have been acted on yet (see [`NotifySocket::has_unread`]).
+    in_hand: std::sync::atomic::AtomicBool,
 }
 
 impl NotifySocket {
@@ -148,17 +151,25 @@ impl NotifySocket {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
             .map_err(|e| Error::io(format!("chmod notify socket {}", path.display()), e))?;
-        Ok(NotifySocket { sock })
+        Ok(NotifySocket {
+            sock,
+            in_hand: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
     /// Read the next datagram: one the supervisor may look at, or why it
     /// was dropped. Waits (without reading) while the closer is behind.
     pub async fn recv(&self) -> Result<Received> {
+        use std::sync::atomic::Ordering;
+        // Back for the next: the one before has been acted on.
+        self.in_hand.store(false, Ordering::Release);
         let got = self
             .sock
             .async_io(Interest::READABLE, || recv_raw(self.sock.as_raw_fd()))
             .await
             .map_err(|e| Error::io("reading the notify socket", e))?;
+        // In the same poll as the read: nothing runs in between.
+        self.in_hand.store(true, Ordering::Release);
         let dropped = if got.truncated {
             Some(Dropped::Truncated)
         } else if got.len > MAX_DATAGRAM {
@@ -188,9 +199,14 @@ impl NotifySocket {
         }
     }
 
-    /// Whether a datagram waits unread (the fd store's fetch waits for the
-    /// notify sockets to be read up to the fetch). Never blocks.
+    /// Whether a datagram waits unread, or was read and may not have been
+    /// acted on yet (its reader has not come back for the next): the fd
+    /// store's fetch waits until neither, so that what was stored before
+    /// it is in its answer. Never blocks.
     pub fn has_unread(&self) -> bool {
+        if self.in_hand.load(std::sync::atomic::Ordering::Acquire) {
+            return true;
+        }
         let mut fds = [nix::poll::PollFd::new(
             self.sock.as_fd(),
             nix::poll::PollFlags::POLLIN,
@@ -569,7 +585,10 @@ mod tests {
         // Bound without SO_PASSRIGHTS off, as on a kernel without it.
         let sock = UnixDatagram::bind(&p).unwrap();
         setsockopt(&sock, sockopt::PassCred, &true).unwrap();
-        let s = NotifySocket { sock };
+        let s = NotifySocket {
+            sock,
+            in_hand: std::sync::atomic::AtomicBool::new(false),
+        };
         let (tcp, _peer) = lingering_socket(30);
         let c = std::os::unix::net::UnixDatagram::unbound().unwrap();
         let fds = [tcp.as_raw_fd()];
