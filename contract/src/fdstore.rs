@@ -102,13 +102,33 @@ pub fn remove(name: &str) -> io::Result<()> {
     send(format!("FDSTOREREMOVE=1\nFDNAME={name}\n").as_bytes(), &[])
 }
 
+/// The socket [`store`] and [`remove`] send from: made once per process,
+/// so that a store right after an `accept` is one `sendmsg` (a connection
+/// accepted and not yet stored dies with its engine). `None` without
+/// `NOTIFY_SOCKET`.
+fn sender() -> io::Result<Option<&'static (UnixDatagram, UnixAddr)>> {
+    use std::sync::OnceLock;
+    static SENDER: OnceLock<Option<(UnixDatagram, UnixAddr)>> = OnceLock::new();
+    if let Some(made) = SENDER.get() {
+        return Ok(made.as_ref());
+    }
+    let made = match std::env::var_os(env::NOTIFY_SOCKET) {
+        None => None,
+        Some(path) => {
+            let sock = UnixDatagram::unbound()?;
+            sock.set_write_timeout(Some(SEND_TIMEOUT))?;
+            let addr = UnixAddr::new(Path::new(&path)).map_err(io::Error::from)?;
+            Some((sock, addr))
+        }
+    };
+    // Another thread may have made one meanwhile: either is as good.
+    Ok(SENDER.get_or_init(|| made).as_ref())
+}
+
 fn send(text: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-    let Some(path) = std::env::var_os(env::NOTIFY_SOCKET) else {
+    let Some((sock, addr)) = sender()? else {
         return Ok(());
     };
-    let sock = UnixDatagram::unbound()?;
-    sock.set_write_timeout(Some(SEND_TIMEOUT))?;
-    let addr = UnixAddr::new(Path::new(&path)).map_err(io::Error::from)?;
     let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
     let rights = [ControlMessage::ScmRights(&raw)];
     let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &rights };
@@ -117,7 +137,7 @@ fn send(text: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         &[IoSlice::new(text)],
         cmsgs,
         MsgFlags::MSG_NOSIGNAL,
-        Some(&addr),
+        Some(addr),
     )
     .map_err(io::Error::from)?;
     if sent != text.len() {
@@ -241,45 +261,82 @@ fn recv_packet(fd: RawFd) -> Result<(Vec<u8>, Vec<OwnedFd>), FetchError> {
     Ok((buf, fds))
 }
 
-/// How many bytes have been written to the TCP connection `sock` so far,
-/// by every process that held it: what the peer acknowledged (`TCP_INFO`'s
-/// `tcpi_bytes_acked`) plus what is still queued, unsent or unacknowledged
-/// (`ioctl(SIOCOUTQ)`). A promoted engine resumes a connection the dead
-/// engine was answering right after this many bytes of the answer. Not for
-/// a connection whose write side was shut down (the FIN counts in the queue).
-pub fn bytes_written(sock: BorrowedFd<'_>) -> io::Result<u64> {
-    // SAFETY: tcp_info is plain old data, all zeroes is a valid value.
+/// `SIOCOUTQ` (bytes in a TCP socket's send queue, sent or not, not yet
+/// acknowledged): the same request number as `TIOCOUTQ` on Linux.
+const SIOCOUTQ: libc::Ioctl = libc::TIOCOUTQ;
+
+/// TCP states (`include/net/tcp_states.h`) in which this side's FIN is in
+/// the sequence space: it takes one sequence number, counted by
+/// `SIOCOUTQ` until acknowledged and by `tcpi_bytes_acked` after.
+const FIN_SENT: [u8; 5] = [
+    4,  // FIN_WAIT1
+    5,  // FIN_WAIT2
+    6,  // TIME_WAIT
+    9,  // LAST_ACK
+    11, // CLOSING
+];
+
+/// `tcpi_state` and `tcpi_bytes_acked` of a TCP socket.
+fn tcp_acked(fd: BorrowedFd<'_>) -> io::Result<(u8, u64)> {
+    // SAFETY: tcp_info is a C struct of integers: all zeroes is a value.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: a valid descriptor, a buffer of `len` bytes owned here and a
-    // length the kernel updates in place.
-    let rc = unsafe {
+    // SAFETY: getsockopt writes at most `len` bytes into `info`, which is
+    // that large, and sets `len` to what it wrote; `fd` is open (borrowed).
+    let r = unsafe {
         libc::getsockopt(
-            sock.as_raw_fd(),
+            fd.as_raw_fd(),
             libc::IPPROTO_TCP,
             libc::TCP_INFO,
             (&mut info as *mut libc::tcp_info).cast(),
             &mut len,
         )
     };
-    if rc != 0 {
+    if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    // Kernels before 4.2 have no tcpi_bytes_acked: a shorter answer.
-    let end_of_acked = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_acked) + 8;
-    if (len as usize) < end_of_acked {
+    let need = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_acked) + 8;
+    if (len as usize) < need {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
-            "TCP_INFO has no tcpi_bytes_acked on this kernel",
+            "the kernel's tcp_info has no tcpi_bytes_acked",
         ));
     }
-    let mut queued: libc::c_int = 0;
-    // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int into `queued`.
-    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
-    if rc != 0 {
+    Ok((info.tcpi_state, info.tcpi_bytes_acked))
+}
+
+fn out_queue(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ writes one int through the pointer, to `n`.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), SIOCOUTQ, &mut n as *mut libc::c_int) };
+    if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(info.tcpi_bytes_acked + queued.max(0) as u64)
+    u64::try_from(n).map_err(|_| io::Error::other(format!("SIOCOUTQ {n}")))
+}
+
+/// How many bytes the processes that held this accepted TCP socket wrote
+/// to it, in all: those acknowledged by the peer (`tcpi_bytes_acked`,
+/// which on an accepted socket starts after the handshake; on a socket
+/// that connected it counts the SYN as one) and those still in the send queue (`SIOCOUTQ`), less one
+/// for this side's FIN if it was sent. The sum holds only while nobody
+/// writes; ACKs may move bytes from one count to the other between the two
+/// calls, so it is read again until the acknowledged count stood still
+/// (it only grows) around the queue's. An error for a socket that is not
+/// TCP (a Unix socket has no such counts).
+pub fn bytes_written(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    for _ in 0..1000 {
+        let (_, before) = tcp_acked(fd)?;
+        let queued = out_queue(fd)?;
+        let (state, after) = tcp_acked(fd)?;
+        if before == after {
+            let fin = u64::from(FIN_SENT.contains(&state));
+            return Ok((after + queued).saturating_sub(fin));
+        }
+    }
+    Err(io::Error::other(
+        "the socket's acknowledged count never stood still",
+    ))
 }
 
 /// The descriptors of `inherited` (`crate::listen::inherited`) that are
@@ -306,34 +363,96 @@ pub fn split_inherited(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    use std::os::fd::AsFd;
+    use std::time::Instant;
 
-    /// What a process wrote is what the socket says, whether the peer read
-    /// it, left it unacknowledged, or left it queued.
-    #[test]
-    fn the_socket_says_how_much_was_written() {
-        use std::io::{Read, Write};
-        use std::os::fd::AsFd;
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut s, _) = l.accept().unwrap();
-        assert_eq!(bytes_written(s.as_fd()).unwrap(), 0);
-        s.write_all(&[7u8; 1000]).unwrap();
-        let mut got = [0u8; 100];
-        c.read_exact(&mut got).unwrap();
-        assert_eq!(bytes_written(s.as_fd()).unwrap(), 1000);
-        // The peer stops reading: the rest waits in the queues.
+    /// A loopback connection: (the accepted side, the client).
+    fn tcp_pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        (s, c)
+    }
+
+    /// Writes until the socket takes no more (the peer not reading), the
+    /// last writes taken only in part: how many bytes it took.
+    fn fill(s: &mut TcpStream) -> u64 {
         s.set_nonblocking(true).unwrap();
-        let mut total = 1000u64;
-        let chunk = vec![1u8; 1 << 16];
-        while let Ok(n) = s.write(&chunk) {
-            total += n as u64;
+        let chunk = vec![0x5au8; 7001];
+        let mut total = 0u64;
+        let mut stuck = 0;
+        while stuck < 50 {
+            match s.write(&chunk) {
+                Ok(n) => {
+                    total += n as u64;
+                    stuck = 0;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    stuck += 1;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => panic!("write: {e}"),
+            }
         }
-        assert_eq!(bytes_written(s.as_fd()).unwrap(), total);
-        // Another copy of the socket says the same (the promoted engine's).
-        let twin = s.as_fd().try_clone_to_owned().unwrap();
-        assert_eq!(bytes_written(twin.as_fd()).unwrap(), total);
-        let f = std::fs::File::open("/dev/null").unwrap();
-        assert!(bytes_written(f.as_fd()).is_err());
+        s.set_nonblocking(false).unwrap();
+        total
+    }
+
+    /// What a process wrote is what the kernel's counts say, whether the
+    /// peer read it (acknowledged), left it in its window, or it is still
+    /// queued here (a write only partly taken included); the SYN is not
+    /// counted, the FIN is taken off.
+    #[test]
+    fn the_bytes_written_are_the_kernels_counts() {
+        let (mut s, mut c) = tcp_pair();
+        assert_eq!(bytes_written(s.as_fd()).unwrap(), 0, "the SYN is no byte");
+        s.write_all(b"hello").unwrap();
+        let mut five = [0u8; 5];
+        c.read_exact(&mut five).unwrap();
+        assert_eq!(bytes_written(s.as_fd()).unwrap(), 5);
+        // The peer stops reading: the rest sits in its window and in our
+        // send queue, the last write only partly taken.
+        let wrote = 5 + fill(&mut s);
+        assert!(wrote > 100_000, "{wrote}");
+        assert_eq!(bytes_written(s.as_fd()).unwrap(), wrote);
+        assert!(out_queue(s.as_fd()).unwrap() > 0, "some still queued");
+        // Another owner of the socket (a copy, as the store holds) counts
+        // the same.
+        let copy = s.as_fd().try_clone_to_owned().unwrap();
+        assert_eq!(bytes_written(copy.as_fd()).unwrap(), wrote);
+        // Our FIN: one sequence number, not a byte written.
+        s.shutdown(Shutdown::Write).unwrap();
+        let (state, acked) = tcp_acked(s.as_fd()).unwrap();
+        assert!(FIN_SENT.contains(&state), "state {state}");
+        assert_eq!(acked + out_queue(s.as_fd()).unwrap(), wrote + 1);
+        assert_eq!(bytes_written(s.as_fd()).unwrap(), wrote);
+        // The peer reads it all, the FIN acknowledged too.
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).unwrap();
+        assert_eq!(5 + got.len() as u64, wrote, "all but the hello read before");
+        let t = Instant::now();
+        while out_queue(s.as_fd()).unwrap() > 0 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (_, acked) = tcp_acked(s.as_fd()).unwrap();
+        assert_eq!(acked, wrote + 1, "the FIN acknowledged");
+        assert_eq!(bytes_written(s.as_fd()).unwrap(), wrote);
+        // The side that connected is another matter: the kernel counts
+        // its SYN, acknowledged by the SYN-ACK, as one byte acknowledged.
+        // The engine only ever counts accepted connections.
+        let (s, mut c) = tcp_pair();
+        assert_eq!(bytes_written(s.as_fd()).unwrap(), 0);
+        assert_eq!(bytes_written(c.as_fd()).unwrap(), 1, "the SYN");
+        c.write_all(b"xyz").unwrap();
+        assert_eq!(bytes_written(c.as_fd()).unwrap(), 4);
+    }
+
+    #[test]
+    fn a_unix_socket_has_no_count() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert!(bytes_written(a.as_fd()).is_err());
     }
 
     #[test]

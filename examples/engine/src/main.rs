@@ -29,13 +29,25 @@
 //! stops the pings and the runtime ends the engine; one waiting on its
 //! client (reading the request, writing the answer) is not stuck.
 //!
-//! Usage: `shadow-engine serve --weights FILE [--port N] [--kv-mib N]`,
+//! With the pair's fd store (`SHADOW_FDSTORE_SOCKET`, `shadow.dev/fdstore-max`)
+//! a connection outlives the engine answering it: each one is stored
+//! with a memfd of its state as soon as it is accepted, its request is
+//! taken off the socket only once its answer is recorded, and every step
+//! of the answer is recorded before its bytes are written; the engine that
+//! takes the lock next fetches the store and goes on with each answer
+//! from the byte the socket got to (`continuity`, `conn`; README.md,
+//! "Continuity"). `--no-fdstore` turns this off.
+//!
+//! Usage: `shadow-engine serve --weights FILE [--port N] [--kv-mib N] [--no-fdstore]`,
 //! `shadow-engine generate --out FILE --mib N [--seed N]` (`--help`).
 
+mod conn;
+mod continuity;
+
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -53,10 +65,14 @@ use nix::sys::socket::{
 };
 use serde_json::{json, Value};
 use shadow_contract::env;
+use shadow_contract::fdstore::{self, FetchError, Stored};
 use shadow_contract::watchdog::{self, Pacer, Progress};
 use shadow_engine::model::{generate, verify, Decoder, Model};
 use shadow_engine::openai::{self, StreamHead};
 use shadow_engine::{Error, Result};
+
+use conn::Conn;
+use continuity::{Link, Progress as Phase, Track, Work};
 
 /// Largest request head + body the server reads.
 const MAX_REQUEST: usize = 64 << 10;
@@ -233,6 +249,11 @@ struct Args {
     /// KV cache, in MiB: reserved while parked, materialised on wake.
     #[arg(long, default_value_t = 16)]
     kv_mib: u64,
+    /// Keep no connection in the pair's fd store: each one dies with this
+    /// engine, as in a pair without a store (to measure what the store
+    /// costs a request that no failover touches).
+    #[arg(long)]
+    no_fdstore: bool,
 }
 
 fn main() {
@@ -259,6 +280,17 @@ fn serve(args: Args) -> Result<()> {
     });
     let slot = std::env::var(env::ENGINE_ID).unwrap_or_else(|_| "-".into());
     let boot_us = now_us();
+    // What the pair hands down: its listening sockets (`tcp-<port>`,
+    // `unix-<file>`), then its fd store. A store this engine fetches once
+    // it takes the lock: what it was handed at its start (the active
+    // engine's connections, as they were then) is fetched again then, so
+    // it is closed now and a parked engine holds none of it.
+    let (listening, inherited_store) =
+        fdstore::split_inherited(shadow_contract::listen::inherited(), is_listen_name);
+    let use_store = !args.no_fdstore && has_store();
+    let fetches = std::env::var_os(env::FDSTORE_SOCKET).is_some()
+        && std::env::var_os(env::LOCK_PATH).is_some();
+    let mut inherited_store = (use_store && !fetches).then_some(inherited_store);
     let t0 = Instant::now();
     let kv_bytes = args.kv_mib << 20;
     let (source, gms_kv) = attach(&args.weights, &slot, kv_bytes)?;
@@ -273,10 +305,7 @@ fn serve(args: Args) -> Result<()> {
     let port = args.port;
     let sockerr =
         |what: &str, e: nix::Error| Error::Usage(format!("{what} on 127.0.0.1:{port}: {e}"));
-    let (sock, address): (OwnedFd, String) = match shadow_contract::listen::inherited()
-        .into_iter()
-        .next()
-    {
+    let (sock, address): (OwnedFd, String) = match listening.into_iter().next() {
         Some(s) => (s.fd, format!("inherited socket {}", s.name)),
         None => {
             let sock = socket(
@@ -316,7 +345,6 @@ fn serve(args: Args) -> Result<()> {
         listen(&sock, Backlog::new(256).unwrap_or(Backlog::MAXCONN))
             .map_err(|e| sockerr("listen", e))?;
     }
-    let listener = TcpListener::from(sock);
     notify(sd_notify::NotifyState::Ready);
     let ready_us = now_us();
     println!(
@@ -326,33 +354,243 @@ fn serve(args: Args) -> Result<()> {
         ready_us.saturating_sub(lock_us)
     );
     let _ = std::io::stdout().flush();
+    // The connections the engine before this one left in the store, once
+    // ready (new ones wait in the listening socket's backlog meanwhile):
+    // they go to the workers first.
+    let resumed = if use_store {
+        take_over(&slot, inherited_store.take().unwrap_or_default())
+    } else {
+        VecDeque::new()
+    };
+    let keeper = use_store.then(|| continuity::Keeper::new(&slot, boot_us));
 
     let info = json!({
         "slot": slot, "boot_us": boot_us.to_string(), "source": source.name(),
         "load_ms": load_ms, "init_ms": init_ms,
     });
-    let bytes = source.bytes();
     let live = Live::new(pacer);
-    let (to_workers, from_acceptor) = mpsc::channel::<TcpStream>();
+    let ctx = Ctx {
+        model: &model,
+        bytes: source.bytes(),
+        kv: &kv,
+        info: &info,
+        live: &live,
+    };
+    let (to_workers, from_acceptor) = mpsc::channel::<Job>();
     let from_acceptor = Mutex::new(from_acceptor);
     std::thread::scope(|s| {
         for worker in 0..WORKERS {
-            let (model, kv, info, live, from_acceptor) =
-                (&model, &kv, &info, &live, &from_acceptor);
+            let (ctx, from_acceptor) = (&ctx, &from_acceptor);
             s.spawn(move || loop {
                 // A worker that panicked poisons nothing the others need.
                 let next = from_acceptor
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .recv();
-                let Ok(conn) = next else { return };
-                answer(conn, model, bytes, kv, info, live, worker);
-                live.idle();
+                let Ok(job) = next else { return };
+                match job {
+                    Job::Fresh(conn, link) => answer(conn, link, ctx, worker),
+                    Job::Resume(r) => go_on(r, ctx, worker),
+                }
+                ctx.live.idle();
             });
         }
-        accept_loop(&listener, &to_workers, &live);
+        accept_loop(sock.as_fd(), &to_workers, &live, resumed, keeper);
     });
     Ok(())
+}
+
+/// Whether the runtime keeps a store for this engine: a pair's
+/// (`SHADOW_FDSTORE_SOCKET`, set when `shadow.dev/fdstore-max` is not 0)
+/// or systemd's (`FDSTORE`, its `FileDescriptorStoreMax=`), reached
+/// through `NOTIFY_SOCKET`. A runtime without one is sent no descriptors.
+fn has_store() -> bool {
+    let systemd = std::env::var("FDSTORE")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .is_some_and(|n| n > 0);
+    std::env::var_os(env::NOTIFY_SOCKET).is_some()
+        && (std::env::var_os(env::FDSTORE_SOCKET).is_some() || systemd)
+}
+
+/// Whether an inherited descriptor is one of the pair's listening sockets
+/// (`shadow_contract::listen`'s names; `unknown` when none was given),
+/// not a descriptor of its store.
+fn is_listen_name(name: &str) -> bool {
+    name.starts_with("tcp-") || name.starts_with("unix-") || name == "unknown"
+}
+
+/// What a worker reads from, computes with and reports to.
+struct Ctx<'a> {
+    model: &'a Model,
+    /// The weights the model was built from.
+    bytes: &'a [u8],
+    kv: &'a Kv,
+    info: &'a Value,
+    live: &'a Live,
+}
+
+/// A worker's next connection.
+enum Job {
+    /// A connection to read a request from: accepted now, or left by the
+    /// engine before with nothing recorded (its request, if any, still in
+    /// the socket).
+    Fresh(Conn, Link),
+    /// An answer the engine before this one recorded, to go on with.
+    Resume(Resumed),
+}
+
+/// A recorded answer and how far it got.
+struct Resumed {
+    conn: Conn,
+    link: Link,
+    work: Work,
+    /// `Recorded` (nothing written), `Answering(n)` or `Finishing(n)`.
+    progress: Phase,
+    /// Bytes of the answer already in the socket.
+    written: u64,
+}
+
+/// What the store holds for a new active engine, fetched (the store
+/// answers the lock holder; it may not yet see this engine as one, so a
+/// refusal is tried again a few times); without a fetch socket, what this
+/// engine was handed at its start.
+fn fetch_store(inherited: Vec<Stored>) -> Vec<Stored> {
+    for attempt in 1..=5u32 {
+        match fdstore::fetch() {
+            Ok(got) => return got,
+            Err(FetchError::NoStore) => return inherited,
+            Err(e) => {
+                eprintln!("shadow-engine: fetching the fd store (attempt {attempt}): {e}");
+                std::thread::sleep(Duration::from_millis(20 * u64::from(attempt)));
+            }
+        }
+    }
+    inherited
+}
+
+/// How a takeover went, by kind, for its log line.
+#[derive(Default)]
+struct Takeover {
+    fetched: usize,
+    descriptors: usize,
+    /// Resumed with no request recorded: served as new connections.
+    fresh: usize,
+    /// Plain answers recorded, written on.
+    plain: usize,
+    /// Streams recorded, decoded again and written on.
+    streams: usize,
+    /// Answered already: closed.
+    done: usize,
+    /// Nothing this engine can go on from: closed.
+    dropped: usize,
+}
+
+/// Once this engine holds the lock and is ready: every connection the
+/// store holds (each a socket and its state memfd under one name) becomes
+/// a job for the workers, or is closed when done or beyond resuming; all
+/// are said in one line.
+fn take_over(slot: &str, inherited: Vec<Stored>) -> VecDeque<Job> {
+    let t0 = Instant::now();
+    let stored = fetch_store(inherited);
+    let mut t = Takeover {
+        descriptors: stored.len(),
+        ..Takeover::default()
+    };
+    let mut jobs = VecDeque::new();
+    for entry in continuity::group(stored) {
+        t.fetched += 1;
+        let name = entry.name.clone();
+        match resume(entry) {
+            Ok(Some(job)) => {
+                match &job {
+                    Job::Fresh(..) => t.fresh += 1,
+                    Job::Resume(r) if matches!(r.work, Work::Plain(_)) => t.plain += 1,
+                    Job::Resume(_) => t.streams += 1,
+                }
+                jobs.push_back(job);
+            }
+            Ok(None) => t.done += 1,
+            Err(why) => {
+                t.dropped += 1;
+                eprintln!("shadow-engine: stored connection {name}: {why}: closed");
+                let _ = fdstore::remove(&name);
+            }
+        }
+    }
+    println!(
+        "shadow-engine slot {slot} took over: {} connections fetched ({} descriptors), {} resumed (request unread {}, plain {}, stream {}), done {}, dropped {}; fetched and sorted in {:.1} ms",
+        t.fetched,
+        t.descriptors,
+        t.fresh + t.plain + t.streams,
+        t.fresh,
+        t.plain,
+        t.streams,
+        t.done,
+        t.dropped,
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    let _ = std::io::stdout().flush();
+    jobs
+}
+
+/// The job of one stored connection; None when it was done (now closed).
+fn resume(entry: continuity::Entry) -> std::result::Result<Option<Job>, String> {
+    let Some(state) = entry.state else {
+        return Err("a socket without its state".into());
+    };
+    let track = Track::fetched(entry.name, state);
+    let saved = track.read().map_err(|e| format!("state refused: {e}"))?;
+    let Some(sock) = entry.socket else {
+        // The store let go of the socket when its client hung up: after
+        // the answer (its state says done), or before.
+        if saved.progress == Phase::Done {
+            Link::new(Some(track)).drop_entry();
+            return Ok(None);
+        }
+        return Err("its socket is gone: the client hung up".into());
+    };
+    let conn = Conn::from_fd(sock).map_err(|e| format!("socket: {e}"))?;
+    let _ = conn.set_blocking();
+    let link = Link::new(Some(track));
+    // What the socket got: none before the answer starts, which a state
+    // that lagged (its updates failed, and so did its removal) would
+    // contradict; all the resumption goes by once it has.
+    let sent = continuity::bytes_written(conn.as_fd());
+    let unstarted = |p: Phase| match sent {
+        Ok(n) if n > 0 => Err(format!("{n} bytes written, its state says {p:?}")),
+        _ => Ok(()),
+    };
+    let written = match saved.progress {
+        Phase::New => {
+            unstarted(Phase::New)?;
+            return Ok(Some(Job::Fresh(conn, link)));
+        }
+        Phase::Done => {
+            link.finish(conn.as_fd());
+            return Ok(None);
+        }
+        Phase::Recorded => {
+            unstarted(Phase::Recorded)?;
+            // The request may still be in the socket: taken off, so that
+            // the close is no reset.
+            conn.drain(usize::try_from(saved.request_len).unwrap_or(usize::MAX));
+            0
+        }
+        Phase::Answering(_) | Phase::Finishing(_) => sent.map_err(|e| {
+            format!(
+                "an answer under way, but no count of the bytes written ({e}): only TCP has one"
+            )
+        })?,
+    };
+    let work = saved.work.ok_or("no answer recorded")?;
+    Ok(Some(Job::Resume(Resumed {
+        conn,
+        link,
+        work,
+        progress: saved.progress,
+        written,
+    })))
 }
 
 /// Takes the election lock, blocking until this engine is the active one.
@@ -534,10 +772,17 @@ fn poll_timeout(wait: Option<Duration>) -> PollTimeout {
     }
 }
 
-/// The serving loop: waits for an idle worker, accepts one connection for
-/// it, hands it over; between these, and at least each half interval, it
-/// pings when the workers' progress allows.
-fn accept_loop(listener: &TcpListener, to_workers: &mpsc::Sender<TcpStream>, live: &Live) {
+/// The serving loop: waits for an idle worker, hands it the next resumed
+/// connection, else accepts one for it (stored at once with its state
+/// when there is a `keeper`); between these, and at least each half
+/// interval, it pings when the workers' progress allows.
+fn accept_loop(
+    listener: BorrowedFd<'_>,
+    to_workers: &mpsc::Sender<Job>,
+    live: &Live,
+    mut resumed: VecDeque<Job>,
+    mut keeper: Option<continuity::Keeper>,
+) {
     loop {
         {
             let mut st = live.lock();
@@ -554,14 +799,35 @@ fn accept_loop(listener: &TcpListener, to_workers: &mpsc::Sender<TcpStream>, liv
                 }
             }
         }
-        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        if let Some(job) = resumed.pop_front() {
+            live.lock().idle -= 1;
+            if to_workers.send(job).is_err() {
+                return; // every worker is gone
+            }
+            continue;
+        }
+        if let Some(k) = keeper.as_mut() {
+            k.prepare();
+        }
+        let mut fds = [PollFd::new(listener, PollFlags::POLLIN)];
         // EINTR or a timeout: the tick below, then again.
         if poll(&mut fds, poll_timeout(live.wait())).is_ok_and(|n| n > 0) {
             // accept errors (ECONNABORTED, EMFILE) concern one peer.
-            if let Ok((conn, _)) = listener.accept() {
-                live.lock().idle -= 1;
-                if to_workers.send(conn).is_err() {
-                    return; // every worker is gone
+            if let Ok(fd) = conn::accept(listener) {
+                // Stored first: until the store holds it, the connection
+                // dies with this engine.
+                let link = match keeper.as_mut() {
+                    Some(k) => k.keep(fd.as_fd()),
+                    None => Link::new(None),
+                };
+                match Conn::from_fd(fd) {
+                    Ok(conn) => {
+                        live.lock().idle -= 1;
+                        if to_workers.send(Job::Fresh(conn, link)).is_err() {
+                            return; // every worker is gone
+                        }
+                    }
+                    Err(_) => link.drop_entry(),
                 }
             }
         }
@@ -618,57 +884,198 @@ enum Reply<'a> {
     /// already in the KV cache: [`stream`] writes it as it decodes.
     Stream {
         head: StreamHead,
+        prompt: String,
         decoder: Decoder<'a>,
         max_tokens: usize,
     },
 }
 
-/// One request, one response, connection closed.
-fn answer(
-    mut conn: TcpStream,
-    model: &Model,
-    bytes: &[u8],
-    kv: &Kv,
-    info: &Value,
-    live: &Live,
-    worker: usize,
-) {
+/// One request, one response, connection closed. With a link to the store
+/// the request is read with `MSG_PEEK` and taken off the socket only once
+/// its answer is recorded (a plain answer's bytes, a stream's head and
+/// prompt), and every step of the answer is recorded before its bytes are
+/// written; without one, as without a store.
+fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-    let reply = match read_request(&mut conn) {
-        Ok((method, path, body)) => live.computing(worker, |step| {
-            route(&method, &path, &body, model, bytes, kv, info, step)
-        }),
-        Err(reason) => Reply::Json(400, json!({ "error": reason })),
+    let on = |method: &str, path: &str, body: &[u8]| {
+        ctx.live.computing(worker, |step| {
+            route(
+                method, path, body, ctx.model, ctx.bytes, ctx.kv, ctx.info, step,
+            )
+        })
+    };
+    let bad = |reason: String| Reply::Json(400, json!({ "error": reason }));
+    let reply = if link.tracked() {
+        let (reply, request_len, whole) = match conn::peek_request(&conn, MAX_REQUEST) {
+            Ok(req) => (on(&req.method, &req.path, &req.body), req.len, true),
+            Err(e) => (bad(e.reason), e.peeked, false),
+        };
+        let reply = match reply {
+            Reply::Json(status, body) => Plain(openai::json_response(status, &body)),
+            Reply::Stream {
+                head,
+                prompt,
+                decoder,
+                max_tokens,
+            } => Streamed(head, prompt, decoder, max_tokens),
+        };
+        let work = match &reply {
+            Plain(bytes) => Work::Plain(bytes.clone()),
+            Streamed(head, prompt, _, max_tokens) => Work::Stream {
+                head: head.clone(),
+                prompt: prompt.clone(),
+                max_tokens: *max_tokens,
+            },
+        };
+        link.record(request_len as u64, &work);
+        // Recorded: now the request may leave the socket.
+        if whole {
+            let _ = conn.consume(request_len);
+        } else {
+            conn.drain(request_len);
+        }
+        reply
+    } else {
+        match read_request(&mut conn) {
+            Ok((method, path, body)) => match on(&method, &path, &body) {
+                Reply::Json(status, body) => Plain(openai::json_response(status, &body)),
+                Reply::Stream {
+                    head,
+                    prompt,
+                    decoder,
+                    max_tokens,
+                } => Streamed(head, prompt, decoder, max_tokens),
+            },
+            Err(reason) => Plain(openai::json_response(400, &json!({ "error": reason }))),
+        }
     };
     match reply {
-        Reply::Json(status, body) => {
-            let _ = conn.write_all(&openai::json_response(status, &body));
+        Plain(bytes) => {
+            link.note(Phase::Answering(0));
+            let _ = conn.write_all(&bytes);
         }
-        Reply::Stream {
-            head,
-            decoder,
-            max_tokens,
-        } => stream(conn, &head, decoder, max_tokens, live, worker),
+        Streamed(head, _, decoder, max_tokens) => {
+            link.note(Phase::Answering(0));
+            stream(
+                &mut conn,
+                &mut link,
+                &head,
+                decoder,
+                max_tokens,
+                openai::STREAM_HEAD,
+                ctx.live,
+                worker,
+            );
+        }
     }
+    link.finish(conn.as_fd());
 }
 
-/// Streams a completion: the (constant) response head, then each token's
-/// event with a write of its own as soon as it is decoded, then the final
-/// event and `[DONE]`, as [`openai::stream_bytes`] says; the close ends the
-/// body. Decode steps feed the watchdog; the writes are waits on the client.
-/// A client gone (or not reading for [`WRITE_TIMEOUT`]) ends the stream.
+/// An answer ready to write.
+enum Ready<'a> {
+    /// Its bytes, whole.
+    Plain(Vec<u8>),
+    /// A stream's head, prompt, decoder (after the prefill) and length.
+    Streamed(StreamHead, String, Decoder<'a>, usize),
+}
+use Ready::{Plain, Streamed};
+
+/// Goes on with an answer the engine before this one recorded: what the
+/// socket did not get of it yet (the kernel's count of the bytes written
+/// says where that starts), then for a stream the tokens still to decode,
+/// recorded as they go, as [`answer`] does. The prompt and the tokens
+/// already sent are computed again (the KV cache died with that engine),
+/// step by step under the watchdog. A count beyond what was recorded (a
+/// state that lags the socket) is not gone on with: closed.
+fn go_on(r: Resumed, ctx: &Ctx<'_>, worker: usize) {
+    let Resumed {
+        mut conn,
+        mut link,
+        work,
+        progress,
+        written,
+    } = r;
+    let written = usize::try_from(written).unwrap_or(usize::MAX);
+    let _ = conn.set_write_timeout(Some(WRITE_TIMEOUT));
+    let beyond = |name: &str, len: usize| {
+        eprintln!(
+            "shadow-engine: resuming {name}: {written} bytes written, more than the {len} recorded: closed"
+        );
+    };
+    if progress == Phase::Recorded {
+        link.note(Phase::Answering(0));
+    }
+    match work {
+        Work::Plain(bytes) => {
+            let Some(rest) = bytes.get(written..) else {
+                beyond("a plain answer", bytes.len());
+                link.drop_entry();
+                return;
+            };
+            let _ = ctx.live.waiting(worker, || conn.write_all(rest));
+        }
+        Work::Stream {
+            head,
+            prompt,
+            max_tokens,
+        } => {
+            let (n, finishing) = match progress {
+                Phase::Answering(n) => (n, false),
+                Phase::Finishing(n) => (n, true),
+                _ => (0, false),
+            };
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            if max_tokens > MAX_TOKENS || n > max_tokens {
+                eprintln!("shadow-engine: resuming a stream at {n} of {max_tokens} tokens: closed");
+                link.drop_entry();
+                return;
+            }
+            let decoder = ctx.live.computing(worker, |step| {
+                ctx.model.resume_with(ctx.bytes, &prompt, n, step)
+            });
+            // The sequence's state back in the KV cache, as at its start.
+            let _ = ctx.kv.write(prompt.as_bytes());
+            let sent = openai::stream_bytes(&head, decoder.generated(), finishing);
+            let Some(rest) = sent.get(written..) else {
+                beyond("a stream", sent.len());
+                link.drop_entry();
+                return;
+            };
+            if finishing {
+                let _ = ctx.live.waiting(worker, || conn.write_all(rest));
+            } else {
+                stream(
+                    &mut conn, &mut link, &head, decoder, max_tokens, rest, ctx.live, worker,
+                );
+            }
+        }
+    }
+    link.finish(conn.as_fd());
+}
+
+/// Streams a completion: `first` (the response head, or what a resumed
+/// stream still owes of the events so far), then each token's event with
+/// a write of its own as soon as it is decoded, then the final event and
+/// `[DONE]`, as [`openai::stream_bytes`] says; the close ends the body.
+/// Each event's count is recorded before its bytes are written, so the
+/// bytes in the socket never go beyond what the state says. Decode steps
+/// feed the watchdog; the writes are waits on the client. A client gone
+/// (or not reading for [`WRITE_TIMEOUT`]) ends the stream.
+#[allow(clippy::too_many_arguments)]
 fn stream(
-    mut conn: TcpStream,
+    conn: &mut Conn,
+    link: &mut Link,
     head: &StreamHead,
     mut decoder: Decoder<'_>,
     max_tokens: usize,
+    first: &[u8],
     live: &Live,
     worker: usize,
 ) {
-    let _ = conn.set_nodelay(true);
+    conn.set_nodelay();
     let _ = conn.set_write_timeout(Some(WRITE_TIMEOUT));
     let mut send = |bytes: &[u8]| live.waiting(worker, || conn.write_all(bytes)).is_ok();
-    if !send(openai::STREAM_HEAD) {
+    if !send(first) {
         return;
     }
     live.computing(worker, |step| {
@@ -676,17 +1083,21 @@ fn stream(
             let index = decoder.tokens();
             let token = decoder.next_token();
             step();
+            link.note(Phase::Answering(index as u64 + 1));
             if !send(&openai::token_event(head, index, token)) {
                 return;
             }
         }
+        link.note(Phase::Finishing(decoder.tokens() as u64));
         if send(&openai::final_event(head, decoder.tokens())) {
             send(openai::DONE_EVENT);
         }
     });
 }
 
-fn read_request(conn: &mut TcpStream) -> std::result::Result<(String, String, Vec<u8>), String> {
+/// Reads a whole request off the socket (a connection the store does not
+/// hold).
+fn read_request(conn: &mut Conn) -> std::result::Result<(String, String, Vec<u8>), String> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
     loop {
@@ -698,41 +1109,23 @@ fn read_request(conn: &mut TcpStream) -> std::result::Result<(String, String, Ve
         if buf.len() > MAX_REQUEST {
             return Err(format!("request larger than {MAX_REQUEST} bytes"));
         }
-        let mut headers = [httparse::EMPTY_HEADER; 32];
-        let mut req = httparse::Request::new(&mut headers);
-        match req.parse(&buf) {
-            Ok(httparse::Status::Complete(head)) => {
-                let len = req
-                    .headers
-                    .iter()
-                    .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-                    .and_then(|h| {
-                        std::str::from_utf8(h.value)
-                            .ok()?
-                            .trim()
-                            .parse::<usize>()
-                            .ok()
-                    })
-                    .unwrap_or(0);
-                if head + len > MAX_REQUEST {
-                    return Err(format!("request larger than {MAX_REQUEST} bytes"));
-                }
-                let method = req.method.unwrap_or("").to_owned();
-                let path = req.path.unwrap_or("").to_owned();
-                while buf.len() < head + len {
-                    let n = conn
-                        .read(&mut chunk)
-                        .map_err(|e| format!("read body: {e}"))?;
-                    if n == 0 {
-                        return Err("connection closed inside the body".into());
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                }
-                return Ok((method, path, buf[head..head + len].to_vec()));
-            }
-            Ok(httparse::Status::Partial) => continue,
-            Err(e) => return Err(format!("bad HTTP request: {e}")),
+        let Some(head) = conn::parse_head(&buf)? else {
+            continue;
+        };
+        let total = head.head_len + head.body_len;
+        if total > MAX_REQUEST {
+            return Err(format!("request larger than {MAX_REQUEST} bytes"));
         }
+        while buf.len() < total {
+            let n = conn
+                .read(&mut chunk)
+                .map_err(|e| format!("read body: {e}"))?;
+            if n == 0 {
+                return Err("connection closed inside the body".into());
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        return Ok((head.method, head.path, buf[head.head_len..total].to_vec()));
     }
 }
 
@@ -779,6 +1172,7 @@ fn route<'a>(
                 }
                 return Reply::Stream {
                     head,
+                    prompt: prompt.to_owned(),
                     decoder,
                     max_tokens,
                 };

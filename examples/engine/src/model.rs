@@ -311,9 +311,23 @@ impl Model {
     /// (`generated` decode steps). Its [`Decoder::generated`] are the
     /// tokens already sent; the next ones follow as they would have.
     pub fn resume<'a>(&'a self, bytes: &'a [u8], prompt: &str, generated: usize) -> Decoder<'a> {
+        self.resume_with(bytes, prompt, generated, || {})
+    }
+
+    /// [`resume`](Self::resume), calling `step` after each decode step (as
+    /// [`complete_with`](Self::complete_with)): recomputing a long prefix
+    /// feeds the engine's watchdog like decoding it did.
+    pub fn resume_with<'a>(
+        &'a self,
+        bytes: &'a [u8],
+        prompt: &str,
+        generated: usize,
+        mut step: impl FnMut(),
+    ) -> Decoder<'a> {
         let mut d = self.start(bytes, prompt);
         for _ in 0..generated {
             d.next_token();
+            step();
         }
         d
     }

@@ -207,21 +207,38 @@ _TCPI_BYTES_ACKED = 8 + 24 * 4 + 2 * 8
 _SIOCOUTQ = 0x5411
 
 
-def bytes_written(sock):
-    """How many bytes have been written to the TCP connection ``sock`` (a
-    socket or a descriptor) so far, by every process that held it: what the
-    peer acknowledged (TCP_INFO's tcpi_bytes_acked) plus what is still
-    queued (SIOCOUTQ). A promoted engine resumes an answer the dead engine
-    was writing right after this many bytes."""
-    fd = sock if isinstance(sock, int) else sock.fileno()
-    with socket.socket(fileno=os.dup(fd)) as s:
-        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+# TCP states in which this side's FIN takes a sequence number (counted by
+# SIOCOUTQ until acknowledged, by tcpi_bytes_acked after): FIN_WAIT1,
+# FIN_WAIT2, TIME_WAIT, LAST_ACK, CLOSING.
+_FIN_SENT = (4, 5, 6, 9, 11)
+
+
+def _tcp_acked(s):
+    info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
     if len(info) < _TCPI_BYTES_ACKED + 8:
         raise OSError("TCP_INFO has no tcpi_bytes_acked on this kernel")
-    acked = int.from_bytes(info[_TCPI_BYTES_ACKED:_TCPI_BYTES_ACKED + 8], "little")
-    queued = array.array("i", [0])
-    fcntl.ioctl(fd, _SIOCOUTQ, queued, True)
-    return acked + max(0, queued[0])
+    return info[0], int.from_bytes(info[_TCPI_BYTES_ACKED:_TCPI_BYTES_ACKED + 8], "little")
+
+
+def bytes_written(sock):
+    """How many bytes have been written to the accepted TCP connection
+    ``sock`` (a socket or a descriptor) so far, by every process that held
+    it: what the peer acknowledged (TCP_INFO's tcpi_bytes_acked) plus what
+    is still queued (SIOCOUTQ), less this side's FIN if it was sent; read
+    again until no ACK moved bytes between the two counts. A promoted
+    engine resumes an answer the dead engine was writing right after this
+    many bytes (shadow_contract::fdstore::bytes_written)."""
+    fd = sock if isinstance(sock, int) else sock.fileno()
+    with socket.socket(fileno=os.dup(fd)) as s:
+        for _ in range(1000):
+            _, before = _tcp_acked(s)
+            queued = array.array("i", [0])
+            fcntl.ioctl(fd, _SIOCOUTQ, queued, True)
+            state, after = _tcp_acked(s)
+            if before == after:
+                fin = 1 if state in _FIN_SENT else 0
+                return max(0, after + max(0, queued[0]) - fin)
+    raise OSError("the socket's acknowledged count never stood still")
 
 
 class FdStoreError(Exception):

@@ -94,6 +94,9 @@ class BytesWrittenTest(unittest.TestCase):
                 except BlockingIOError:
                     pass
                 self.assertEqual(bytes_written(s.fileno()), total)
+                # Our FIN is no byte written.
+                s.shutdown(socket.SHUT_WR)
+                self.assertEqual(bytes_written(s), total)
 
 
 class FetchTest(unittest.TestCase):
