@@ -38,7 +38,7 @@ INSTALL_FROM ?= $(TARGET)/release
 # The shim's config file; installed only where none exists yet.
 CONFDIR ?= /etc/containerd
 
-.PHONY: deps build release lint test demo bench-recovery bench-shim bench-failover bench-hang soak install uninstall example check-root check-cargo
+.PHONY: deps build release lint test demo bench-recovery bench-shim bench-failover bench-hang bench-continuity soak install uninstall example check-root check-cargo
 
 check-root:
 	@if [ "$$(id -u)" != 0 ]; then echo "this target needs root (containerd, runc, mounts)" >&2; exit 1; fi
@@ -110,6 +110,14 @@ bench-failover: deps release
 BENCH_HANG_ARGS ?= 30
 bench-hang: deps release
 	$(CARGO) run -q --release -p shadow-tests --bin bench-hang -- $(BENCH_HANG_ARGS)
+
+# The reference engine as a pair that owns its socket, fd store on (the
+# default) vs off (--no-fdstore), no kills: requests/s and p50/p99 of plain
+# and streamed completions, arms alternating, medians over repeats, and the
+# ratio on/off (docs/benchmark.md, "The fd store's cost").
+BENCH_CONTINUITY_ARGS ?=
+bench-continuity: deps release
+	$(CARGO) run -q --release -p shadow-tests --bin bench-continuity -- $(BENCH_CONTINUITY_ARGS)
 
 # 1000 SIGKILLs of a pair's active engine under a request stream, then kills
 # of the shadow, of both, of gmsd, during a promotion and 50 ms apart, then
