@@ -910,15 +910,7 @@ fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
             Ok(req) => (on(&req.method, &req.path, &req.body), req.len, true),
             Err(e) => (bad(e.reason), e.peeked, false),
         };
-        let reply = match reply {
-            Reply::Json(status, body) => Plain(openai::json_response(status, &body)),
-            Reply::Stream {
-                head,
-                prompt,
-                decoder,
-                max_tokens,
-            } => Streamed(head, prompt, decoder, max_tokens),
-        };
+        let reply = Ready::from(reply);
         let work = match &reply {
             Plain(bytes) => Work::Plain(bytes.clone()),
             Streamed(head, prompt, _, max_tokens) => Work::Stream {
@@ -937,15 +929,7 @@ fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
         reply
     } else {
         match read_request(&mut conn) {
-            Ok((method, path, body)) => match on(&method, &path, &body) {
-                Reply::Json(status, body) => Plain(openai::json_response(status, &body)),
-                Reply::Stream {
-                    head,
-                    prompt,
-                    decoder,
-                    max_tokens,
-                } => Streamed(head, prompt, decoder, max_tokens),
-            },
+            Ok((method, path, body)) => Ready::from(on(&method, &path, &body)),
             Err(reason) => Plain(openai::json_response(400, &json!({ "error": reason }))),
         }
     };
@@ -977,6 +961,21 @@ enum Ready<'a> {
     Plain(Vec<u8>),
     /// A stream's head, prompt, decoder (after the prefill) and length.
     Streamed(StreamHead, String, Decoder<'a>, usize),
+}
+
+impl<'a> From<Reply<'a>> for Ready<'a> {
+    /// A route's reply as it is sent: a JSON answer as its bytes.
+    fn from(reply: Reply<'a>) -> Ready<'a> {
+        match reply {
+            Reply::Json(status, body) => Ready::Plain(openai::json_response(status, &body)),
+            Reply::Stream {
+                head,
+                prompt,
+                decoder,
+                max_tokens,
+            } => Ready::Streamed(head, prompt, decoder, max_tokens),
+        }
+    }
 }
 use Ready::{Plain, Streamed};
 
