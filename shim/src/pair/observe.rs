@@ -36,13 +36,6 @@ fn gone(pid: u32) -> bool {
             == Err(nix::errno::Errno::ESRCH)
 }
 
-/// Whether a datagram asks the fd store to drop descriptors.
-fn is_remove(bytes: &[u8]) -> bool {
-    bytes
-        .split(|b| *b == b'\n')
-        .any(|l| l == b"FDSTOREREMOVE=1")
-}
-
 /// The pair's monotonic clock: `Duration` since the supervisor started,
 /// on tokio's clock (paused in tests).
 pub struct Clock {
@@ -157,7 +150,7 @@ pub fn notify(
                         Err(Dropped::Fds)
                     }
                 },
-                Received::Datagram(d) if store.is_some() && is_remove(&d.bytes) => {
+                Received::Datagram(d) if store.is_some() && d.lines.remove => {
                     match gate.admit_store(d.pid, at, store_slot_of) {
                         Ok(_) => {
                             let (gone, first) = match &store {

@@ -236,10 +236,7 @@ impl Host for FakeHost {
 fn notify(pid: u32, slot: SlotId, text: &str) -> Input {
     let now = Instant::now();
     Input::Notify {
-        datagram: Datagram {
-            pid,
-            bytes: text.as_bytes().to_vec(),
-        },
+        datagram: Datagram::new(pid, text.as_bytes().to_vec()),
         at: now,
         slot: SenderSlot {
             slot,
@@ -706,10 +703,7 @@ async fn a_gate_lookup_older_than_the_respawn_is_not_credited_to_it() {
         .await;
     assert!(!st.pair.protected);
     let stale = Input::Notify {
-        datagram: Datagram {
-            pid: old,
-            bytes: b"STATUS=parked".to_vec(),
-        },
+        datagram: Datagram::new(old, b"STATUS=parked".to_vec()),
         at: Instant::now(),
         slot: SenderSlot {
             slot: S0,

@@ -17,7 +17,7 @@ use std::time::Duration;
 use shadow_pair::{SlotId, MAX_DATAGRAM, MAX_SLOTS};
 use tokio::time::Instant;
 
-use super::socket::{Datagram, Dropped};
+use super::socket::{Datagram, Dropped, Lines};
 
 /// Inputs waiting for the supervisor, at most (the bound of its channel):
 /// a datagram that finds them all taken is dropped; the other observers
@@ -161,22 +161,13 @@ impl Bucket {
 
 /// What a datagram costs: one token per `KEY=VALUE` line (what the
 /// supervisor may act on) other than a watchdog ping, at least one;
-/// counted without parsing. `None`: it holds pings and nothing else, and
-/// costs one token of the ping bucket.
-fn cost(bytes: &[u8]) -> Option<u32> {
-    let mut pings = 0usize;
-    let mut others = 0usize;
-    for line in bytes.split(|b| *b == b'\n') {
-        if line == b"WATCHDOG=1" {
-            pings += 1;
-        } else if line.contains(&b'=') {
-            others += 1;
-        }
-    }
-    if pings > 0 && others == 0 {
+/// counted without parsing, as it was read. `None`: it holds pings and
+/// nothing else, and costs one token of the ping bucket.
+fn cost(lines: &Lines) -> Option<u32> {
+    if lines.pings > 0 && lines.others == 0 {
         return None;
     }
-    Some(others.clamp(1, BURST as usize + 1) as u32)
+    Some(lines.others.clamp(1, BURST + 1))
 }
 
 /// Decides which datagrams reach the supervisor; see the module doc.
@@ -289,7 +280,7 @@ impl Gate {
             return Err(Dropped::NotAnEngine);
         };
         // An empty bucket refuses before the datagram is even looked at.
-        let (bucket, cost) = match cost(&d.bytes) {
+        let (bucket, cost) = match cost(&d.lines) {
             Some(n) => (&mut self.buckets[slot.index()], n),
             None => (&mut self.ping_buckets[slot.index()], 1),
         };
@@ -393,10 +384,7 @@ mod tests {
     }
 
     fn dg(pid: u32, text: &[u8]) -> Datagram {
-        Datagram {
-            pid,
-            bytes: text.to_vec(),
-        }
+        Datagram::new(pid, text.to_vec())
     }
 
     #[test]
@@ -478,9 +466,9 @@ mod tests {
         }
         assert_eq!(pings, 80);
         // A ping mixed with another line costs the other line only.
-        assert_eq!(cost(b"WATCHDOG=1\nSTATUS=x"), Some(1));
-        assert_eq!(cost(b"WATCHDOG=1\nWATCHDOG=1\n"), None);
-        assert_eq!(cost(b"WATCHDOG=trigger"), Some(1));
+        assert_eq!(cost(&Lines::of(b"WATCHDOG=1\nSTATUS=x")), Some(1));
+        assert_eq!(cost(&Lines::of(b"WATCHDOG=1\nWATCHDOG=1\n")), None);
+        assert_eq!(cost(&Lines::of(b"WATCHDOG=trigger")), Some(1));
         // Pings alone, as fast as they come: the burst, then the rate.
         let (mut g, q, now) = gate();
         let passed = (0..1000)

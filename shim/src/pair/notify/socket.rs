@@ -40,6 +40,53 @@ const CLOSER_BACKLOG: usize = 1024;
 pub struct Datagram {
     pub pid: u32,
     pub bytes: Vec<u8>,
+    /// What its lines are, counted once as it is read.
+    pub lines: Lines,
+}
+
+impl Datagram {
+    pub fn new(pid: u32, bytes: Vec<u8>) -> Datagram {
+        let lines = Lines::of(&bytes);
+        Datagram { pid, bytes, lines }
+    }
+}
+
+/// What a datagram's lines are, found in one pass over its bytes without
+/// parsing them: every datagram read is looked at this way (a flood's
+/// too, before it is refused), so it is the one scan a datagram costs
+/// the reader; the supervisor parses only what the gate lets through.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Lines {
+    /// `WATCHDOG=1` lines.
+    pub pings: u32,
+    /// Other lines with a `=`: what the supervisor may act on.
+    pub others: u32,
+    /// A line `FDSTORE=1` (sd_notify(3)): its fds are for the store.
+    pub store: bool,
+    /// A line `FDSTOREREMOVE=1`: it asks the store to drop descriptors.
+    pub remove: bool,
+}
+
+impl Lines {
+    pub fn of(bytes: &[u8]) -> Lines {
+        let mut lines = Lines::default();
+        for line in bytes.split(|b| *b == b'\n') {
+            match line {
+                b"WATCHDOG=1" => lines.pings += 1,
+                b"FDSTORE=1" => {
+                    lines.store = true;
+                    lines.others += 1;
+                }
+                b"FDSTOREREMOVE=1" => {
+                    lines.remove = true;
+                    lines.others += 1;
+                }
+                _ if line.contains(&b'=') => lines.others += 1,
+                _ => {}
+            }
+        }
+        lines
+    }
 }
 
 /// Why a datagram did not reach the supervisor.
@@ -174,28 +221,25 @@ impl NotifySocket {
             Some(Dropped::Truncated)
         } else if got.len > MAX_DATAGRAM {
             Some(Dropped::Oversized)
-        } else if !got.fds.is_empty() && !is_store(&got.bytes) {
-            Some(Dropped::Fds)
         } else if got.pid.is_none_or(|p| p <= 0) {
             Some(Dropped::NoCredentials)
         } else {
             None
         };
-        if dropped.is_some() && !got.fds.is_empty() {
-            discard(got.fds).await;
-            return Ok(Received::Dropped(dropped.unwrap_or(Dropped::Fds)));
-        }
-        if let Some(why) = dropped {
-            return Ok(Received::Dropped(why));
-        }
-        let d = Datagram {
-            pid: got.pid.unwrap_or_default() as u32,
-            bytes: got.bytes,
+        let d = match dropped {
+            None => Datagram::new(got.pid.unwrap_or_default() as u32, got.bytes),
+            Some(why) => {
+                discard(got.fds).await;
+                return Ok(Received::Dropped(why));
+            }
         };
-        if got.fds.is_empty() {
-            Ok(Received::Datagram(d))
-        } else {
-            Ok(Received::Store(d, got.fds))
+        match (got.fds.is_empty(), d.lines.store) {
+            (true, _) => Ok(Received::Datagram(d)),
+            (false, true) => Ok(Received::Store(d, got.fds)),
+            (false, false) => {
+                discard(got.fds).await;
+                Ok(Received::Dropped(Dropped::Fds))
+            }
         }
     }
 
@@ -213,12 +257,6 @@ impl NotifySocket {
         )];
         nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0)
     }
-}
-
-/// Whether a datagram's text asks for its descriptors to be stored (a line
-/// `FDSTORE=1`, as sd_notify(3) has it).
-pub fn is_store(bytes: &[u8]) -> bool {
-    bytes.split(|b| *b == b'\n').any(|l| l == b"FDSTORE=1")
 }
 
 /// `SO_PASSRIGHTS` off (Linux >= 6.16): a sender passing fds gets `EPERM`
@@ -516,7 +554,7 @@ mod tests {
             Received::Store(d, fds) => {
                 assert_eq!(d.pid, std::process::id());
                 assert_eq!(fds.len(), 1);
-                assert!(is_store(&d.bytes));
+                assert!(d.lines.store);
             }
             other => panic!("not for the store: {other:?}"),
         }
