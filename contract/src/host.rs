@@ -38,8 +38,9 @@ pub fn is_containerd_key(name: &str) -> bool {
 pub const SUN_PATH_MAX: usize = 107;
 
 /// Longest socket below a pair directory without GPUs:
-/// `/gms/gms-host.sock`, and `/pair/notify0.sock` (the slots' notify
-/// sockets, [`crate::paths::slot_notify_file`]) is no longer.
+/// `/gms/gms-host.sock`; `/pair/notify0.sock` and `/pair/store0.sock`
+/// (each slot's notify and fd-store sockets, [`crate::paths`]) are no
+/// longer (a test checks it).
 pub const HOST_SOCKETS: usize = "/gms/".len() + crate::paths::GMS_HOST_SOCKET.len();
 /// … and with GPUs: `/gms/gms-GPU-<36-character UUID>.sock`.
 pub const CUDA_SOCKETS: usize = "/gms/gms-GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.sock".len();
@@ -99,6 +100,40 @@ pub fn metrics_file_name(key: &str, namespace: &str, id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every socket the shim binds below a pair directory, for every slot
+    /// a pair may have, fits the room [`pair_root`] leaves: a longer one
+    /// would fail Create for ids and namespaces shortened to the limit.
+    #[test]
+    fn every_pair_socket_fits_the_room_left_for_it() {
+        use crate::paths::{slot_fdstore_file, slot_notify_file};
+        for slot in 0..=crate::annotations::MAX_SHADOWS {
+            for name in [slot_notify_file(slot), slot_fdstore_file(slot)] {
+                let path = format!("/pair/{name}");
+                assert!(
+                    path.len() <= HOST_SOCKETS,
+                    "{path}: longer than {HOST_SOCKETS}"
+                );
+            }
+        }
+        // At the limit: a namespace and an id long enough to be shortened.
+        let ns = "n".repeat(80);
+        let root = pair_root(
+            Path::new("/tmp/shadow-it-XXXXXX/pairs"),
+            "1a2b3c4d",
+            &ns,
+            &"i".repeat(90),
+            HOST_SOCKETS,
+        );
+        let store = root
+            .join("pair")
+            .join(slot_fdstore_file(crate::annotations::MAX_SHADOWS));
+        assert!(
+            store.as_os_str().len() <= SUN_PATH_MAX,
+            "{}",
+            store.display()
+        );
+    }
 
     #[test]
     fn keys_are_short_stable_and_ignore_the_scheme() {

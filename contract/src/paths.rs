@@ -21,9 +21,11 @@ pub fn slot_notify_file(slot: impl std::fmt::Display) -> String {
 }
 /// The host-side name of slot `slot`'s fd-store fetch socket, bound in its
 /// engine at [`FDSTORE_SOCKET`] (one per slot, as the notify sockets: the
-/// socket a connection comes in on says whose it is).
+/// socket a connection comes in on says whose it is): `store0.sock`, no
+/// longer than `gms-host.sock` either, so that every pair directory the
+/// shim shortens to fit `sun_path` fits this socket too.
 pub fn slot_fdstore_file(slot: impl std::fmt::Display) -> String {
-    format!("fdstore{slot}.sock")
+    format!("store{slot}.sock")
 }
 /// `SHADOW_FDSTORE_SOCKET`'s value.
 pub const FDSTORE_SOCKET: &str = "/run/shadow/pair/fdstore.sock";

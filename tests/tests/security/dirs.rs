@@ -93,10 +93,10 @@ fn an_engine_cannot_write_host_directories_and_a_gmsd_that_will_not_start_ends_t
     let pair = tree(&root.join("pair"));
     let want: BTreeMap<String, String> = [
         ("engine.lock", "file 0 bytes"),
-        ("fdstore0.sock", "socket"),
-        ("fdstore1.sock", "socket"),
         ("notify0.sock", "socket"),
         ("notify1.sock", "socket"),
+        ("store0.sock", "socket"),
+        ("store1.sock", "socket"),
     ]
     .into_iter()
     .map(|(a, b)| (a.to_string(), b.to_string()))
