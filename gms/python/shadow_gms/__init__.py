@@ -19,7 +19,8 @@ Engine authors use three things from here:
   one down (``shadow.dev/listen``: LISTEN_FDS), else None.
 - ``fdstore_store``, ``fdstore_remove``, ``fdstore_fetch``: the pair's fd
   store (``FDSTORE=1``): descriptors that outlive the engine, fetched by
-  the engine that takes over.
+  the engine that takes over (``fdstore_inherited``: those handed at
+  start; ``bytes_written``: how much of an answer a connection has).
 - ``Gms.verify_weights()``: the digest its writer recorded at commit,
   recomputed on the GPU; a promoted engine calls it before ``READY=1`` and
   exits with ``CORRUPT_EXIT`` on ``WeightsCorrupt``.
@@ -30,7 +31,7 @@ Only torch and the standard library are needed; the contract helpers
 """
 
 from .contract import (CORRUPT_EXIT, FailoverLock, FdStoreError, bytes_written, Progress, Watchdog, extend_start, fdstore_fetch,
-                       fdstore_remove, fdstore_store, listen_socket, listen_sockets, notify, watchdog_interval)
+                       fdstore_inherited, fdstore_remove, fdstore_store, listen_socket, listen_sockets, notify, watchdog_interval)
 
 _CLIENT = ("Gms", "GmsError", "KvCache", "WeightsCorrupt", "find_library")
 
@@ -47,4 +48,5 @@ def __getattr__(name):
 
 
 __all__ = ["CORRUPT_EXIT", "FailoverLock", "Gms", "GmsError", "KvCache", "Progress", "Watchdog", "WeightsCorrupt",
-           "extend_start", "find_library", "listen_socket", "listen_sockets", "notify", "watchdog_interval"]
+           "extend_start", "fdstore_fetch", "fdstore_inherited", "fdstore_remove", "fdstore_store",
+           "FdStoreError", "bytes_written", "find_library", "listen_socket", "listen_sockets", "notify", "watchdog_interval"]

@@ -26,6 +26,7 @@ import array
 import fcntl
 import os
 import socket
+import stat
 import threading
 import time
 
@@ -118,6 +119,56 @@ class FailoverLock:
 
 LISTEN_FDS_START = 3
 _inherited = None
+_inherited_store = []
+
+
+def _is_store_fd(fd):
+    """Whether an inherited descriptor is one of the fd store's (handed
+    after the listening sockets): a memfd, or a connected stream socket
+    (an accepted connection), rather than a socket to accept or receive on."""
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return True
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False
+            if s.type != socket.SOCK_STREAM:
+                return False
+            try:
+                s.getpeername()
+            except OSError:
+                return False
+            return True
+    except OSError:
+        return False
+
+
+def _take_inherited():
+    global _inherited, _inherited_store
+    if _inherited is not None:
+        return
+    _inherited, _inherited_store = [], []
+    try:
+        if int(os.environ.get("LISTEN_PID", "")) != os.getpid():
+            return
+        n = int(os.environ.get("LISTEN_FDS", ""))
+    except ValueError:
+        return
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
+    for i in range(max(0, min(n, 16384))):
+        fd = LISTEN_FDS_START + i
+        name = names[i] if i < len(names) and names[i] else "unknown"
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            continue  # not open
+        if _is_store_fd(fd):
+            _inherited_store.append((name, fd))
+            continue
+        try:
+            _inherited.append((name, socket.socket(fileno=fd)))
+        except OSError:
+            continue
 
 
 def listen_sockets():
@@ -127,28 +178,24 @@ def listen_sockets():
     LISTEN_FDS a count; then descriptors 3.. are taken (made
     non-inheritable) and wrapped once; later calls return the same sockets.
     A parked engine holds them but must not ``accept`` before it is active.
+    The fd store's descriptors that come after them (memfds, accepted
+    connections) are not among them: ``fdstore_inherited()`` has those.
     """
-    global _inherited
-    if _inherited is not None:
-        return list(_inherited)
-    _inherited = []
-    try:
-        if int(os.environ.get("LISTEN_PID", "")) != os.getpid():
-            return []
-        n = int(os.environ.get("LISTEN_FDS", ""))
-    except ValueError:
-        return []
-    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
-    for i in range(max(0, min(n, 1024))):
-        fd = LISTEN_FDS_START + i
-        try:
-            os.set_inheritable(fd, False)
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            continue
-        name = names[i] if i < len(names) and names[i] else "unknown"
-        _inherited.append((name, sock))
+    _take_inherited()
     return list(_inherited)
+
+
+def fdstore_inherited():
+    """The fd store's descriptors handed at this engine's start, after the
+    listening sockets, ``[(name, fd)]``; the first call's caller owns them
+    (later calls return none). An engine that fetches the store when it
+    takes over closes these at once: a parked engine holding copies of
+    every stored connection would keep each open after the serving engine
+    is done with it."""
+    global _inherited_store
+    _take_inherited()
+    out, _inherited_store = _inherited_store, []
+    return out
 
 
 def listen_socket(name=None):

@@ -146,5 +146,35 @@ class FetchTest(unittest.TestCase):
             fdstore_fetch(path=path)
 
 
+# Run in a child: LISTEN_PID must be its pid, and descriptors 3.. its own.
+INHERIT = r"""
+import os, socket, sys
+sys.path.insert(0, sys.argv[1])
+lst = socket.socket(); lst.bind(("127.0.0.1", 0)); lst.listen(4)
+client = socket.create_connection(lst.getsockname())
+conn, _ = lst.accept()
+mem = os.memfd_create("state")
+for want, fd in ((3, lst.fileno()), (4, conn.fileno()), (5, mem)):
+    os.dup2(fd, want + 10)
+for want in (3, 4, 5):
+    os.dup2(want + 10, want)
+    os.close(want + 10)
+os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS="3", LISTEN_FDNAMES="tcp-8000:c-1:c-1")
+from shadow_gms.contract import fdstore_inherited, listen_sockets
+print([n for n, _ in listen_sockets()], fdstore_inherited(), fdstore_inherited())
+"""
+
+
+class InheritedTest(unittest.TestCase):
+    def test_the_stores_descriptors_are_no_listening_sockets(self):
+        import subprocess
+
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        out = subprocess.run([sys.executable, "-c", INHERIT, root], capture_output=True, text=True,
+                             timeout=LIMIT_S)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), "['tcp-8000'] [('c-1', 4), ('c-1', 5)] []")
+
+
 if __name__ == "__main__":
     unittest.main()
