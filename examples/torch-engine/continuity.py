@@ -1,0 +1,498 @@
+"""Continuity for the torch engine: an accepted connection, and the request
+on it, outlive the engine answering it (the pair's fd store; the pattern is
+docs/engine-contract.md's "The pair's fd store").
+
+Why a module of its own: none of it needs torch or a GPU, so the whole
+resume logic runs in ``make test`` (test_continuity.py) with a fake model,
+and the engine only plugs its ``generate`` into it.
+
+Every connection is stored the moment it is accepted, together with a
+memfd of its resume state, both under one name (``c-<boot>-<n>``); it is
+removed once its answer is written. The state is this engine's own format:
+
+    offset size
+     0      8   magic b"SHDWTRCH"
+     8      4   version (1), little-endian like every field
+    12      4   zero
+    16      8   record length
+    24      8   answer length
+    32      8   phase: 0 new, 1 recorded, 2 answering, 3 done
+    40     24   zero
+    64      …   record: JSON {"request": base64 of the request's bytes,
+                "id", "created"} (a stream's head, chosen once)
+     …      …   answer: a plain answer's whole response bytes
+
+The phase word is the commit point: the record, then the answer, are
+written before the phase that names them, and the phase is one 8-byte
+``pwrite`` at a fixed offset of one page (SIGKILL does not split it).
+``new``: the request, if any, is still in the socket (it is read with
+``MSG_PEEK`` and recorded before a byte of it is consumed). ``recorded``:
+nothing of the answer is written yet. ``answering``: some of it may be;
+how much, the socket says (``bytes_written``: what the peer acknowledged
+plus what is queued), and the promoted engine writes the rest. A plain
+answer's bytes are in the state; a stream's are a pure function of its
+head and its tokens, which the model recomputes from the prompt (the KV
+cache died with the engine), so every byte after the ones the client has
+is the byte the dead engine would have written.
+
+Each resumable connection carries one request (``Connection: close``): the
+answer ends with the connection, which the engine shuts down for writing
+before it closes (its copy in the store must not keep the client waiting).
+"""
+
+import base64
+import json
+import os
+import select
+import socket
+import struct
+import time
+import uuid
+
+MAGIC = b"SHDWTRCH"
+VERSION = 1
+HEADER = 64
+PHASE_AT = 32
+NEW, RECORDED, ANSWERING, DONE = 0, 1, 2, 3
+# A request larger than this is refused (413): it could not be recorded.
+REQUEST_MAX = 1 << 20
+# The most read back from a state memfd; more is no state of ours.
+STATE_MAX = 8 << 20
+MODEL = "shadow-torch"
+
+
+class State:
+    """One connection's resume state, in a memfd this object owns."""
+
+    def __init__(self, fd):
+        self.fd = fd
+        self.record_len = 0
+
+    @classmethod
+    def create(cls, name):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.pwrite(fd, MAGIC + struct.pack("<II", VERSION, 0) + bytes(HEADER - 16), 0)
+        except OSError:
+            os.close(fd)
+            raise
+        return cls(fd)
+
+    def _phase(self, phase):
+        os.pwrite(self.fd, struct.pack("<Q", phase), PHASE_AT)
+
+    def record(self, request, head):
+        data = json.dumps({"request": base64.b64encode(request).decode(), **head}).encode()
+        os.pwrite(self.fd, data, HEADER)
+        os.pwrite(self.fd, struct.pack("<Q", len(data)), 16)
+        self.record_len = len(data)
+        self._phase(RECORDED)
+
+    def answer(self, data):
+        """A plain answer's bytes, before the first of them is written."""
+        os.pwrite(self.fd, data, HEADER + self.record_len)
+        os.pwrite(self.fd, struct.pack("<Q", len(data)), 24)
+        self._phase(ANSWERING)
+
+    def answering(self):
+        """A stream: its bytes follow from the record."""
+        self._phase(ANSWERING)
+
+    def done(self):
+        self._phase(DONE)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def read_state(fd):
+    """(phase, record, answer, record length) of a state memfd; NEW and
+    Nones for one that is not ours or not whole (then the socket is read
+    afresh)."""
+    try:
+        head = os.pread(fd, HEADER, 0)
+        if len(head) < HEADER or head[:8] != MAGIC:
+            return NEW, None, None, 0
+        version, = struct.unpack_from("<I", head, 8)
+        record_len, answer_len, phase = struct.unpack_from("<QQQ", head, 16)
+        if version != VERSION or phase not in (NEW, RECORDED, ANSWERING, DONE):
+            return NEW, None, None, 0
+        if phase == NEW or record_len + answer_len > STATE_MAX:
+            return NEW, None, None, 0
+        raw = os.pread(fd, record_len, HEADER)
+        record = json.loads(raw)
+        record["request"] = base64.b64decode(record["request"])
+        answer = os.pread(fd, answer_len, HEADER + record_len) if answer_len else None
+        if answer is not None and len(answer) != answer_len:
+            return NEW, None, None, 0
+        return phase, record, answer, record_len
+    except (OSError, ValueError, KeyError, TypeError):
+        return NEW, None, None, 0
+
+
+class BadRequest(Exception):
+    def __init__(self, status, why):
+        super().__init__(why)
+        self.status = status
+
+
+def request_length(data):
+    """The length of the whole request at the start of ``data`` (its head
+    and the body its Content-Length says), or None while it is not all in."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        if len(data) > REQUEST_MAX:
+            raise BadRequest(431, "request head too large")
+        return None
+    length = 0
+    for line in data[:end].split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == b"content-length":
+            try:
+                length = int(value.strip())
+            except ValueError:
+                raise BadRequest(400, "bad Content-Length") from None
+            if length < 0:
+                raise BadRequest(400, "bad Content-Length")
+        elif key.strip().lower() == b"transfer-encoding":
+            raise BadRequest(411, "a body needs a Content-Length")
+    total = end + 4 + length
+    if total > REQUEST_MAX:
+        raise BadRequest(413, "request too large")
+    return total if len(data) >= total else None
+
+
+def peek_request(sock, timeout):
+    """The whole request waiting in ``sock``, read without consuming it;
+    None if the peer closed first or it did not all come within
+    ``timeout`` seconds (None: no limit). Between looks the socket's
+    ``SO_RCVLOWAT`` is one more byte than it holds, so that the wait ends
+    when more has come (or the peer closed), not at once."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    size, have = 65536, 0
+    try:
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            if not select.select([sock], [], [], left)[0]:
+                return None
+            data = sock.recv(size, socket.MSG_PEEK)
+            if not data:
+                return None
+            total = request_length(data)
+            if total is not None:
+                return data[:total]
+            if len(data) >= size:
+                size *= 2  # more waits than was looked at: look again
+                continue
+            if len(data) == have:
+                return None  # readable and nothing more: the peer closed
+            have = len(data)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, have + 1)
+    finally:
+        if have:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+
+def parse(raw):
+    """(method, path, body) of a whole request."""
+    end = raw.find(b"\r\n\r\n")
+    line = raw[:end].split(b"\r\n", 1)[0].decode("latin-1")
+    parts = line.split()
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise BadRequest(400, f"bad request line {line[:80]!r}")
+    return parts[0], parts[1], raw[end + 4:]
+
+
+def new_head():
+    return {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time())}
+
+
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 411: "Length Required",
+           413: "Content Too Large", 431: "Request Header Fields Too Large",
+           503: "Service Unavailable"}
+
+
+def plain_response(status, body):
+    data = json.dumps(body).encode()
+    return (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n"
+            "Connection: close\r\n\r\n").encode() + data
+
+
+STREAM_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+               b"Cache-Control: no-cache\r\nConnection: close\r\n\r\n")
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def _event(head, text, finish, usage=None):
+    body = {"id": head["id"], "object": "text_completion", "created": head["created"], "model": MODEL,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def token_event(head, text):
+    return _event(head, text, None)
+
+
+def final_event(head, prompt_tokens, completion_tokens):
+    return _event(head, "", "length", {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                       "total_tokens": prompt_tokens + completion_tokens})
+
+
+class Plain:
+    """A whole answer: ``status`` and a JSON ``body``; ``after`` runs once it
+    is written (the test hang)."""
+
+    def __init__(self, status, body, after=None):
+        self.status, self.body, self.after = status, body, after
+
+
+class Stream:
+    """A streamed completion: ``run(emit)`` generates it, calling
+    ``emit(text)`` with each token's text as the token is decoded (each is
+    one event on the wire at once); the prompt's token count goes into the
+    usage."""
+
+    def __init__(self, prompt_tokens, run):
+        self.prompt_tokens, self.run = prompt_tokens, run
+
+
+class Writer:
+    """Writes an answer's bytes from offset ``skip`` on: what the client
+    already has is passed over, the rest sent; ``before`` runs once, before
+    the first byte is (the engine's weights check)."""
+
+    def __init__(self, sock, skip=0, before=None):
+        self.sock, self.skip, self.sent, self.before = sock, skip, 0, before
+
+    def write(self, data):
+        if self.skip >= len(data):
+            self.skip -= len(data)
+            return
+        if self.before is not None:
+            before, self.before = self.before, None
+            before()
+        data, self.skip = data[self.skip:], 0
+        self.sock.sendall(data)
+        self.sent += len(data)
+
+
+class Conn:
+    """An accepted connection, with its state and its name in the store."""
+
+    def __init__(self, sock, name, state, stored):
+        self.sock, self.name, self.state, self.stored = sock, name, state, stored
+
+
+class Continuity:
+    """What the engine does with each connection. ``answer(method, path,
+    body, head)`` routes a request and returns a Plain or a Stream;
+    ``store``, ``remove`` and ``written`` are shadow_gms's
+    ``fdstore_store``, ``fdstore_remove`` and ``bytes_written`` (tests pass
+    others). ``enabled`` False: connections are answered the same way and
+    stored nowhere (no store, or ``--no-fdstore``)."""
+
+    def __init__(self, answer, store, remove, written, enabled=True, log=None):
+        self.answer, self.store, self.remove, self.written = answer, store, remove, written
+        self.enabled = enabled
+        self.log = log or (lambda **_: None)
+        # Runs before the first byte of every answer is written.
+        self.before_write = None
+        self.boot = f"{os.getpid()}.{time.time_ns() // 1000}"
+        self.served = 0
+        self.stats = {"resumed": 0, "answered_again": 0, "continued": 0, "done": 0}
+
+    def accepted(self, sock):
+        """A connection just accepted: stored (with its state) first."""
+        self.served += 1
+        name = f"c-{self.boot}-{self.served}"
+        if not self.enabled:
+            return Conn(sock, name, None, False)
+        state = State.create(name)
+        try:
+            stored = bool(self.store([sock, state.fd], name))
+        except OSError as e:
+            self.log(event="fdstore-store-failed", error=str(e))
+            stored = False
+        return Conn(sock, name, state, stored)
+
+    def serve(self, conn, timeout=None):
+        """Reads, records and answers the one request of a new connection."""
+        try:
+            raw = peek_request(conn.sock, timeout)
+            if raw is None:
+                return
+            head = new_head()
+            try:
+                method, path, body = parse(raw)
+            except BadRequest as e:
+                self._consume(conn.sock, len(raw))
+                return self._write(conn, Plain(e.status, {"error": str(e)}), head, self._writer(conn.sock))
+            if conn.state is not None:
+                conn.state.record(raw, head)
+            self._consume(conn.sock, len(raw))
+            self._write(conn, self.answer(method, path, body, head), head, self._writer(conn.sock))
+        except BadRequest as e:
+            try:
+                self._writer(conn.sock).write(plain_response(e.status, {"error": str(e)}))
+            except OSError:
+                pass
+        except OSError:
+            pass  # the client went away
+        except Exception as e:  # noqa: BLE001 (a stream whose model failed mid-way)
+            self.log(event="answer-failed", name=conn.name, error=repr(e))
+        finally:
+            self.finish(conn)
+
+    def take_over(self, fetched):
+        """The store as the promoted engine fetched it, ``[(name, fd)]``:
+        every connection the dead engine held, as Conns with their phase,
+        in the order stored. Descriptors of no connection are closed."""
+        by_name = {}
+        for name, fd in fetched:
+            by_name.setdefault(name, []).append(fd)
+        out = []
+        for name, fds in by_name.items():
+            sock, state_fd, rest = None, None, []
+            for fd in fds:
+                if sock is None and _is_socket(fd):
+                    sock = socket.socket(fileno=fd)
+                elif state_fd is None and not _is_socket(fd):
+                    state_fd = fd
+                else:
+                    rest.append(fd)
+            for fd in rest:
+                os.close(fd)
+            if sock is None or not name.startswith("c-"):
+                if sock is not None:
+                    sock.close()
+                if state_fd is not None:
+                    os.close(state_fd)
+                if name.startswith("c-"):
+                    self.remove(name)
+                continue
+            out.append(Conn(sock, name, State(state_fd) if state_fd is not None else None, True))
+        return out
+
+    def resume(self, conn, timeout=None):
+        """Answers a connection the dead engine held: a request it had not
+        recorded is read from the socket; one it had is answered again if
+        nothing was written, else continued right after the client's last
+        byte; one it had answered is only closed."""
+        phase, record, answer, record_len = (read_state(conn.state.fd) if conn.state is not None
+                                             else (NEW, None, None, 0))
+        self.stats["resumed"] += 1
+        if phase == NEW:
+            return self.serve(conn, timeout)
+        try:
+            if phase == DONE:
+                self.stats["done"] += 1
+                return
+            conn.state.record_len = record_len
+            raw, head = record["request"], {"id": record["id"], "created": record["created"]}
+            # The request, if the dead engine had not consumed it yet.
+            self._consume_pending(conn.sock, len(raw))
+            skip = self.written(conn.sock) if phase == ANSWERING else 0
+            self.stats["continued" if skip else "answered_again"] += 1
+            if phase == ANSWERING and answer is not None:
+                self._writer(conn.sock, skip).write(answer)
+                conn.state.done()
+                return
+            method, path, body = parse(raw)
+            self._write(conn, self.answer(method, path, body, head), head, self._writer(conn.sock, skip),
+                        resumed=phase == ANSWERING)
+        except OSError:
+            pass
+        except Exception as e:  # noqa: BLE001 (a record it cannot use, a model that failed)
+            self.log(event="resume-failed", name=conn.name, error=repr(e))
+        finally:
+            self.finish(conn)
+
+    def _writer(self, sock, skip=0):
+        return Writer(sock, skip, self.before_write)
+
+    def _write(self, conn, reply, head, w, resumed=False):
+        state = conn.state
+        if isinstance(reply, Stream):
+            if state is not None and not resumed:
+                state.answering()
+            w.write(STREAM_HEAD)
+            n = [0]
+
+            def emit(text):
+                w.write(token_event(head, text))
+                n[0] += 1
+
+            reply.run(emit)
+            w.write(final_event(head, reply.prompt_tokens, n[0]))
+            w.write(DONE_EVENT)
+        else:
+            data = plain_response(reply.status, reply.body)
+            if state is not None and not resumed:
+                state.answer(data)
+            w.write(data)
+        if state is not None:
+            state.done()
+        if isinstance(reply, Plain) and reply.after is not None:
+            conn.sock.shutdown(socket.SHUT_WR)
+            reply.after()
+
+    @staticmethod
+    def _consume(sock, n):
+        while n > 0:
+            got = sock.recv(min(n, 65536))
+            if not got:
+                return
+            n -= len(got)
+
+    @staticmethod
+    def _consume_pending(sock, n):
+        """Consumes up to ``n`` bytes that wait now (a request the dead
+        engine recorded and may or may not have read)."""
+        while n > 0:
+            try:
+                got = sock.recv(min(n, 65536), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not got:
+                return
+            n -= len(got)
+
+    def finish(self, conn):
+        """Ends a connection: the write side shut down (the client sees the
+        end at once, whatever copies the store holds), what the client sent
+        since drained (a close with unread bytes would reset), then closed
+        and removed from the store."""
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        try:
+            conn.sock.setblocking(False)
+            while conn.sock.recv(65536):
+                pass
+        except OSError:
+            pass
+        conn.sock.close()
+        if conn.state is not None:
+            conn.state.close()
+        if conn.stored:
+            try:
+                self.remove(conn.name)
+            except OSError as e:
+                self.log(event="fdstore-remove-failed", error=str(e))
+
+
+def _is_socket(fd):
+    import stat
+    try:
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except OSError:
+        return False
