@@ -36,6 +36,18 @@ listening socket at start, holds it while parked without accepting, and
 serves on it once active: connections that arrive during a failover wait
 in its backlog instead of being refused. Without it, it binds ENGINE_PORT.
 
+With the pair's fd store (NOTIFY_SOCKET and SHADOW_FDSTORE_SOCKET, unless
+ENGINE_NO_FDSTORE=1) every connection is stored the moment it is accepted,
+with a memfd of what its request needs to be resumed (continuity.py), and
+removed once answered; one request per connection (Connection: close). A
+promoted engine fetches the store right after it takes the lock and,
+once READY=1, finishes every answer the dead engine had begun: a request
+not yet answered is answered, a streamed completion continues right after
+the last byte the client has (the socket counts what was written), with
+the same tokens, recomputed from the prompt. POST /v1/completions speaks
+OpenAI's completions API, "stream": true as server-sent events ending with
+``data: [DONE]``.
+
 With a watchdog (WATCHDOG_USEC, shadow.dev/watchdog) the main process pings
 WATCHDOG=1 each half interval from the loops that work, never from a timer:
 while parked from its wait for the lock (the flock waits in a thread; the
@@ -52,7 +64,8 @@ GMS_SOCKET_DIR, LISTEN_FDS/LISTEN_PID/LISTEN_FDNAMES (as the shim sets
 them); ENGINE_PORT (default 8000),
 ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB (per GPU), GMS_LIB,
 ENGINE_TP (default 1: N > 1 runs N ranks, one per GPU, tp.py),
-WATCHDOG_USEC/WATCHDOG_PID (as the shim sets them), SHADOW_TEST_HANG.
+WATCHDOG_USEC/WATCHDOG_PID (as the shim sets them), SHADOW_FDSTORE_SOCKET
+(as the shim sets it), ENGINE_NO_FDSTORE, SHADOW_TEST_HANG.
 Prints one JSON line per phase on stdout.
 """
 
@@ -60,10 +73,10 @@ import json
 import math
 import os
 import select
+import socket
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 # cuBLAS workspaces of 16 MiB per stream, not the 32 MiB torch gives Hopper,
 # set before torch starts cuBLAS: a parked engine keeps one per stream it
@@ -75,8 +88,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "gms", "python"))
-from shadow_gms import CORRUPT_EXIT, FailoverLock, Gms, Watchdog, WeightsCorrupt, listen_socket, notify  # noqa: E402
+from shadow_gms import (CORRUPT_EXIT, FailoverLock, FdStoreError, Gms, Watchdog, WeightsCorrupt,  # noqa: E402
+                        bytes_written, fdstore_fetch, fdstore_inherited, fdstore_remove, fdstore_store,
+                        listen_socket, notify)
 from heartbeat import Heartbeat  # noqa: E402
+import continuity  # noqa: E402
+from continuity import Continuity, Plain, Stream  # noqa: E402
 
 VOCAB = 32000
 HEAD_DIM = 128
@@ -157,9 +174,10 @@ class Model(torch.nn.Module):
         return F.linear(F.rms_norm(x[-1:], (self.hidden,), self.norm), self.embed)
 
     @torch.no_grad()
-    def generate(self, tokens, max_tokens, kv, step=None):
+    def generate(self, tokens, max_tokens, kv, step=None, emit=None):
         """``step`` is called after each decode step (its token read back:
-        the step is done on the GPU), for the watchdog."""
+        the step is done on the GPU), for the watchdog; ``emit`` with each
+        token as it is decoded (a streamed answer's events)."""
         max_seq = kv[0][0].shape[0]
         tokens = tokens[-(max_seq - max_tokens):]
         ids = torch.tensor(tokens, device="cuda")
@@ -168,6 +186,8 @@ class Model(torch.nn.Module):
         for _ in range(max_tokens):
             nxt = int(logits.argmax(-1)[0])
             out.append(nxt)
+            if emit is not None:
+                emit(nxt)
             if step is not None:
                 step()
             logits = self.forward(torch.tensor([nxt], device="cuda"), kv, pos)
@@ -321,6 +341,11 @@ def main():
     # The pair's socket, if handed down: held from now on, accepted on only
     # once active.
     inherited = listen_socket()
+    # The store's descriptors handed at start: fetched instead once this
+    # engine takes over (a parked engine holding copies of every stored
+    # connection would keep them open after they are answered).
+    for _, fd in fdstore_inherited():
+        os.close(fd)
 
     if tp > 1:
         # 1. initialise the group: ranks, shards through each GPU's GMS, NCCL.
@@ -335,7 +360,10 @@ def main():
         log(event="parked", engine=engine_id, pid=os.getpid(), tp=tp, kv_addr=hex(kv.addr),
             kv_bytes=kv.nbytes, init_s=round(time.perf_counter() - t_start, 3))
         # The group checks every rank's shard on wake, before it accepts.
-        wake, generate, hang = (lambda: Done(group.wake() or {})), group.generate, group.hang
+        wake, hang = (lambda: Done(group.wake() or {})), group.hang
+
+        def generate(tokens, max_tokens, step=None, emit=None):
+            return emitted(group.generate(tokens, max_tokens, step), emit)
     else:
         kv, wake, generate = one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start)
         hang = None
@@ -430,9 +458,9 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
         t1 = time.perf_counter()
         return Check(pending, then=grow, launch_ms=round((t1 - t0) * 1e3, 3))
 
-    def generate(tokens, max_tokens, step=None):
+    def generate(tokens, max_tokens, step=None, emit=None):
         if fast.fits(tokens, max_tokens):
-            return fast.generate(tokens, max_tokens)
+            return emitted(fast.generate(tokens, max_tokens), emit)
         # The rows Model.generate uses: the prompt (cut to what leaves room
         # for the answer) and the answer.
         grow()
@@ -442,9 +470,18 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
             # where a pointer lives, and an address not mapped yet has no
             # answer.
             caches.extend(token_views(kv.tensor(DTYPE), layers, hidden, max_seq))
-        return model.generate(tokens, max_tokens, caches, step)
+        return model.generate(tokens, max_tokens, caches, step, emit)
 
     return kv, wake, generate
+
+
+def emitted(out, emit):
+    """Tokens decoded all at once (the CUDA-graph path, a TP group): each
+    emitted once they are all there."""
+    if emit is not None:
+        for t in out:
+            emit(t)
+    return out
 
 
 class Check:
@@ -501,6 +538,40 @@ def verify_or_exit(engine_id, check, when, figures=True):
     return out
 
 
+def store_enabled():
+    """Whether this engine keeps its connections in the pair's fd store:
+    the runtime has one (NOTIFY_SOCKET and SHADOW_FDSTORE_SOCKET), and
+    ENGINE_NO_FDSTORE=1 does not turn it off."""
+    return bool(os.environ.get("NOTIFY_SOCKET") and os.environ.get("SHADOW_FDSTORE_SOCKET")
+                and os.environ.get("ENGINE_NO_FDSTORE") != "1")
+
+
+def take_store(engine_id):
+    """The fd store, fetched right after the lock was taken: every
+    connection the dead engine held, [(name, fd)]."""
+    if not store_enabled():
+        return []
+    t0 = time.perf_counter()
+    try:
+        got = fdstore_fetch() or []
+    except (FdStoreError, OSError) as e:
+        # What it held stays in the store; this engine serves new requests.
+        log(event="fdstore-fetch-failed", engine=engine_id, error=str(e))
+        return []
+    log(event="fdstore-fetched", engine=engine_id, fds=len(got), ms=round((time.perf_counter() - t0) * 1e3, 3))
+    return got
+
+
+def listening(port, inherited):
+    if inherited is not None:
+        return inherited
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    return sock
+
+
 def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
     """Steps 2-5 of the contract, the same for one process and a group.
     ``heartbeat`` paces the watchdog's pings; ``hang(rank)`` makes rank
@@ -512,15 +583,15 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
     woke_at = time.time()
 
     # 4. wake: the weights check is launched (a group also backs every
-    # rank's KV cache and checks every shard first), then the port. The
-    # check runs on the GPU while the engine accepts and starts on its
-    # first request; nothing is answered before it has passed, and the KV
-    # cache starts growing once it has.
+    # rank's KV cache and checks every shard first), then the store is
+    # fetched and the port taken. The check runs on the GPU while the
+    # engine accepts and starts on its first request; nothing is written
+    # before it has passed, and the KV cache starts growing once it has.
     check = verify_or_exit(engine_id, wake, "promoted", figures=False)
+    fetched = take_store(engine_id)
     wake_ms = (time.perf_counter() - t_wake) * 1e3
     serve_lock = threading.Lock()
     unchecked = [check]
-
     answered = []
 
     def settle():
@@ -533,75 +604,24 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
             if check.then is not None:
                 check.then()
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        # One connection at a time, on the loop that pings: with a watchdog a
-        # client that stalls mid-request loses it after a quarter interval
-        # rather than hold the pings back (without one it waits, as before).
-        timeout = heartbeat.watchdog.interval / 4 if heartbeat.enabled else None
+    def before_write():
+        settle()
+        if not answered:
+            answered.append(True)
+            log(event="first-answer", engine=engine_id, ms=round((time.perf_counter() - t_wake) * 1e3, 3))
 
-        def log_message(self, *args):
-            pass
+    def test_hang(body):
+        """SHADOW_TEST_HANG=1 only: answers, then hangs a GPU step in the
+        serving path (rank 0), or has rank ``rank`` of a group hang."""
+        try:
+            rank = int(json.loads(body or b"{}").get("rank", 0))
+        except (ValueError, TypeError, AttributeError) as e:
+            return Plain(400, {"error": f"bad request: {e}"})
+        ranks = heartbeat.ranks
+        if not 0 <= rank <= ranks:
+            return Plain(400, {"error": f"rank {rank}: this engine has ranks 0..{ranks}"})
 
-        def handle_one_request(self):
-            # A keep-alive connection serves many requests before the loop
-            # sees it again: a ping (if due) after each.
-            super().handle_one_request()
-            heartbeat.ping()
-
-        def reply(self, code, body):
-            settle()
-            if not answered:
-                answered.append(True)
-                log(event="first-answer", engine=engine_id, ms=round((time.perf_counter() - t_wake) * 1e3, 3))
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path == "/health":
-                self.reply(200, {"engine": engine_id, "role": "active", "pid": os.getpid()})
-            else:
-                self.reply(404, {"error": "not found"})
-
-        def do_POST(self):
-            if TEST_HANG and self.path == "/test/hang":
-                return self.test_hang()
-            if self.path != "/v1/completions":
-                return self.reply(404, {"error": "not found"})
-            try:
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                prompt = str(req.get("prompt", ""))
-                max_tokens = max(1, min(int(req.get("max_tokens", 8)), 256))
-            except (ValueError, TypeError) as e:
-                return self.reply(400, {"error": f"bad request: {e}"})
-            tokens = [b % VOCAB for b in prompt.encode()] or [0]
-            try:
-                with serve_lock:
-                    out = generate(tokens, max_tokens, heartbeat.ping)
-            except KvUnavailable as e:
-                return self.reply(503, {"error": f"KV cache: {e}"})
-            text = "".join(chr(32 + t % 95) for t in out)
-            self.reply(200, {"object": "text_completion", "engine": engine_id, "pid": os.getpid(),
-                             "choices": [{"index": 0, "text": text, "tokens": out}],
-                             "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(out)}})
-
-        def test_hang(self):
-            """SHADOW_TEST_HANG=1 only: answers, then hangs a GPU step in the
-            serving path (rank 0), or has rank ``rank`` of a group hang."""
-            try:
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                rank = int(req.get("rank", 0))
-            except (ValueError, TypeError) as e:
-                return self.reply(400, {"error": f"bad request: {e}"})
-            ranks = heartbeat.ranks
-            if not 0 <= rank <= ranks:
-                return self.reply(400, {"error": f"rank {rank}: this engine has ranks 0..{ranks}"})
-            self.reply(200, {"hanging": rank, "engine": engine_id, "pid": os.getpid()})
-            self.wfile.flush()
+        def hang_now():
             log(event="test-hang", engine=engine_id, rank=rank)
             if rank == 0:
                 with serve_lock:
@@ -609,31 +629,82 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
             else:
                 hang(rank)
 
-    if inherited is not None:
-        server = HTTPServer(("127.0.0.1", port), Handler, bind_and_activate=False)
-        server.socket.close()
-        server.socket = inherited
-        addr = inherited.getsockname()
-        server.server_name, server.server_port = str(addr[0]), int(addr[1])
-        port = server.server_port
-    else:
-        HTTPServer.allow_reuse_address = True
-        server = HTTPServer(("127.0.0.1", port), Handler)
+        return Plain(200, {"hanging": rank, "engine": engine_id, "pid": os.getpid()}, after=hang_now)
+
+    def answer(method, path, body, head):
+        """One request: OpenAI's completions (plain, or streamed as
+        server-sent events), /health, and the test hang."""
+        if method == "GET" and path == "/health":
+            return Plain(200, {"engine": engine_id, "role": "active", "pid": os.getpid()})
+        if method == "POST" and TEST_HANG and path == "/test/hang":
+            return test_hang(body)
+        if method != "POST" or path != "/v1/completions":
+            return Plain(404, {"error": "not found"})
+        try:
+            req = json.loads(body or b"{}")
+            prompt = str(req.get("prompt", ""))
+            max_tokens = max(1, min(int(req.get("max_tokens", 8)), 256))
+            stream = bool(req.get("stream", False))
+        except (ValueError, TypeError, AttributeError) as e:
+            return Plain(400, {"error": f"bad request: {e}"})
+        tokens = [b % VOCAB for b in prompt.encode()] or [0]
+        if stream:
+            def run(emit):
+                with serve_lock:
+                    generate(tokens, max_tokens, heartbeat.ping, lambda t: emit(chr(32 + t % 95)))
+            return Stream(len(tokens), run)
+        try:
+            with serve_lock:
+                out = generate(tokens, max_tokens, heartbeat.ping)
+        except KvUnavailable as e:
+            return Plain(503, {"error": f"KV cache: {e}"})
+        text = "".join(chr(32 + t % 95) for t in out)
+        return Plain(200, {"id": head["id"], "object": "text_completion", "created": head["created"],
+                           "model": continuity.MODEL, "engine": engine_id, "pid": os.getpid(),
+                           "choices": [{"index": 0, "text": text, "tokens": out, "finish_reason": "length"}],
+                           "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(out),
+                                     "total_tokens": len(tokens) + len(out)}})
+
+    cont = Continuity(answer, fdstore_store, fdstore_remove, bytes_written, enabled=store_enabled(), log=log)
+    cont.before_write = before_write
+    # One connection at a time, on the loop that pings: with a watchdog a
+    # client that stalls mid-request loses it after a quarter interval
+    # rather than hold the pings back (without one it waits).
+    client_timeout = heartbeat.watchdog.interval / 4 if heartbeat.enabled else None
+    server = listening(port, inherited)
+    port = server.getsockname()[1]
     promote_ms = (time.perf_counter() - t_wake) * 1e3
 
     # 5. ready.
     notify("READY=1", f"STATUS=active engine {engine_id}", f"MAINPID={os.getpid()}")
     log(event="active", engine=engine_id, pid=os.getpid(), woke_at=woke_at,
         wake_ms=round(wake_ms, 3), kv_bytes=kv.nbytes, promote_ms=round(promote_ms, 3), port=port,
-        socket="inherited" if inherited is not None else "own")
+        socket="inherited" if inherited is not None else "own", fdstore=cont.enabled)
     try:
+        # What the dead engine was answering, first: those clients have
+        # waited longest.
+        conns = cont.take_over(fetched)
+        if conns:
+            t0 = time.perf_counter()
+            for conn in conns:
+                conn.sock.settimeout(client_timeout)
+                cont.resume(conn, timeout=client_timeout)
+                heartbeat.ping()
+            log(event="resumed", engine=engine_id, connections=len(conns),
+                ms=round((time.perf_counter() - t0) * 1e3, 3), **cont.stats)
         # The serving loop: one request at a time, and between them (at
         # least each time a ping is due) a ping if every rank beat.
         while True:
-            if unchecked and not select.select([server.socket], [], [], 0)[0]:
+            if unchecked and not select.select([server], [], [], 0)[0]:
                 settle()  # nobody waiting: the check's verdict now
-            server.timeout = heartbeat.wait()
-            server.handle_request()
+            if select.select([server], [], [], heartbeat.wait())[0]:
+                try:
+                    sock, _ = server.accept()
+                except (BlockingIOError, InterruptedError):
+                    sock = None
+                if sock is not None:
+                    sock.settimeout(client_timeout)
+                    cont.serve(cont.accepted(sock), timeout=client_timeout)
             heartbeat.ping()
     finally:
         lock.release()

@@ -1235,6 +1235,131 @@ def test_device_memory_back_to_start():
     figure("device memory used before / after all tests", f"{start} / {seen[-1]}", "MiB")
 
 
+def stream_completion(port, prompt, max_tokens, timeout=30.0):
+    """One streamed completion (OpenAI's `"stream": true`), read to the end:
+    (the response head, its events' data, the longest silence between two
+    reads in s)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got, last, gap = b"", time.time(), 0.0
+        while True:
+            b = s.recv(65536)
+            now = time.time()
+            if not b:
+                break
+            gap, last = max(gap, now - last), now
+            got += b
+    finally:
+        s.close()
+    head, _, rest = got.partition(b"\r\n\r\n")
+    return head, [e[6:] for e in rest.split(b"\n\n") if e.startswith(b"data: ")], gap
+
+
+def stream_text(head, events):
+    """A whole stream's text, or why it is not whole."""
+    if not head.startswith(b"HTTP/1.1 200"):
+        return None, f"head {head[:60]!r}"
+    if not events or events[-1] != b"[DONE]":
+        return None, f"no [DONE] after {len(events)} events"
+    bodies = [json.loads(e) for e in events[:-1]]
+    if len({b["id"] for b in bodies}) != 1:
+        return None, "more than one id"
+    if bodies[-1]["choices"][0].get("finish_reason") != "length":
+        return None, "no final event"
+    return "".join(b["choices"][0]["text"] for b in bodies), None
+
+
+def test_containerd_continuity():
+    """Issue 24 on the GPU: the torch engine stores every connection in the
+    pair's fd store; streamed and plain completions in flight through three
+    SIGKILLs of the serving engine all complete, each identical to an
+    undisturbed one; the stall a client saw (longest silence in a cut
+    stream) p50 and max."""
+    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
+    STATE["rt"] = Session.runtime = rt
+    baseline = gpu_used_mib()
+    cid, port = "cont", 19700 + os.getpid() % 10
+    run, events = shadows_pair(rt, cid, port, 1)
+    try:
+        st = poll_until(lambda: all_parked(rt, cid), 240, "continuity pair: shadow parked")
+    except AssertionError:
+        raise AssertionError(f"{run.stderr_tail()}\ncontainerd: {rt.log_tail()}") from None
+    # Longer than the CUDA-graph window: eager decode over the KV cache,
+    # one event per decoded token.
+    prompt, n = "a stream that outlives its engine", 200
+    head, evs, _ = stream_completion(port, prompt, n)
+    reference, why = stream_text(head, evs)
+    assert reference is not None, why
+    plain_ref = request(port, prompt, max_tokens=n, timeout=30)["choices"][0]["text"]
+    assert plain_ref == reference, "a stream's text is the plain answer's"
+    out, stop = [], threading.Event()
+
+    def client(k):
+        while not stop.is_set():
+            t = time.time()
+            try:
+                if k % 2 == 0:
+                    h, e, gap = stream_completion(port, prompt, n)
+                    text, why = stream_text(h, e)
+                else:
+                    text, why, gap = request(port, prompt, max_tokens=n, timeout=30)["choices"][0]["text"], None, 0.0
+            except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
+                text, why, gap = None, f"{failure_kind(e)}: {e!r}", 0.0
+            out.append((t, time.time(), k % 2 == 0, text, why, gap))
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
+    for th in threads:
+        th.start()
+    kills = []
+    try:
+        for k in range(3):
+            st = poll_until(lambda: all_parked(rt, cid), 240, f"kill {k}: protected")
+            # Four clients in a loop: two streams and two plain requests
+            # are always in flight.
+            poll_until(lambda: len(out) >= 4 * (k + 1), 120, "answers before the kill")
+            kills.append(time.time())
+            os.kill(st["pids"][st["pair"]["active"]], signal.SIGKILL)
+            poll_until(lambda: (lambda s: s and s["pair"]["failovers"] == k + 1)(rt.state(cid)), 60,
+                       f"kill {k}: failed over")
+        poll_until(lambda: all_parked(rt, cid), 240, "protected after the kills")
+        poll_until(lambda: sum(1 for r in list(out) if r[0] > kills[-1]) >= 4, 120,
+                   "requests begun after the last kill answered")
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(60)
+    bad = [(r[2], r[4]) for r in out if r[3] != reference]
+    cut = [r for r in out if any(r[0] < at < r[1] for at in kills)]
+    stalls = sorted(round(r[5] * 1e3, 1) for r in cut if r[2])
+    resumed = [e for e in list(events) if e.get("event") == "resumed"]
+    print(f"  continuity: {len(out)} requests, {len(cut)} cut by a kill ({len(stalls)} streams), "
+          f"resumed {resumed}", flush=True)
+    assert not bad, f"{len(bad)} of {len(out)} answers not the undisturbed one: {bad[:5]}"
+    assert cut, "no request was in flight at a kill"
+    figure("continuity, torch engine through containerd: requests through 3 SIGKILLs, failed",
+           f"{len(bad)} of {len(out)}", "", "0")
+    figure("continuity: requests in flight at a kill (all complete and identical)", len(cut), "")
+    if stalls:
+        figure("continuity: stall a cut stream saw (longest silence), p50 / max",
+               f"{stalls[len(stalls) // 2]} / {stalls[-1]}", "ms")
+    figure("continuity: connections the promoted engines resumed",
+           [(e.get("connections"), e.get("continued"), e.get("answered_again")) for e in resumed], "")
+    rt.ctr("task", "kill", "--signal", "SIGKILL", cid)
+    assert run.wait(60) != 0
+    left = poll_until(lambda: (lambda p: None if p else "none")(
+        ctr_pair.our_processes([rt.address, rt.state_dir, ENGINE])), 30, "no engine, gmsd or shim left")
+    assert left == "none"
+    seen = []
+    try:
+        poll_until(lambda: (lambda m: seen.append(m) or m <= baseline + 64)(gpu_used_mib()), 60,
+                   "device memory back to the start")
+    except AssertionError:
+        raise AssertionError(f"device memory {seen[-1]} MiB, was {baseline} MiB: {app_mib()}") from None
+
+
 TESTS = [v for k, v in list(globals().items()) if k.startswith("test_")]
 
 
