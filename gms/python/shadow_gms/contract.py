@@ -241,11 +241,22 @@ def _notify_with_fds(lines, fds, path, timeout):
     if path.startswith("@"):
         path = "\0" + path[1:]
     msg = ("\n".join(lines) + "\n").encode()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    global _sender
+    with _sender_lock:
+        # One socket per process, made once: a store right after an accept
+        # is then one sendmsg (a connection accepted and not yet stored
+        # dies with its engine). A forked child makes its own.
+        if _sender is None or _sender[0] != os.getpid():
+            _sender = (os.getpid(), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC))
+        s = _sender[1]
         s.settimeout(timeout)
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
         s.sendmsg([msg], anc, 0, path)
     return True
+
+
+_sender = None
+_sender_lock = threading.Lock()
 
 
 # struct tcp_info (linux/tcp.h): 8 one-byte fields, 24 u32s, then
