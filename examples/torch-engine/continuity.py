@@ -317,7 +317,9 @@ class Continuity:
             return Conn(sock, name, None, False)
         state = State.create(name)
         try:
-            stored = bool(self.store([sock, state.fd], name))
+            # poll=False (FDPOLL=0): removed once answered, so the runtime
+            # need not watch it for a hang-up.
+            stored = bool(self.store([sock, state.fd], name, poll=False))
         except OSError as e:
             self.log(event="fdstore-store-failed", error=str(e))
             stored = False

@@ -529,7 +529,11 @@ impl Keeper {
         let Some(track) = self.spare.take() else {
             return Link::new(None);
         };
-        match fdstore::store(&[conn, track.fd()], &track.name, true) {
+        // FDPOLL=0: this engine removes every connection itself once it
+        // is done with it, so the shim need not watch them for a hang-up
+        // (two epoll_ctl and a wake-up per connection saved); one whose
+        // engine died first is closed by the engine that fetches it.
+        match fdstore::store(&[conn, track.fd()], &track.name, false) {
             Ok(()) => Link::new(Some(track)),
             Err(e) => {
                 self.say(format!("storing {}: {e}", track.name));

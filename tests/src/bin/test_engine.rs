@@ -140,7 +140,8 @@ struct Memo {
 fn answer(mut c: std::net::TcpStream, line: &str, name: Option<String>) {
     use std::os::fd::AsFd;
     if let Some(name) = &name {
-        if let Err(e) = shadow_contract::fdstore::store(&[c.as_fd()], name, true) {
+        // FDPOLL=0: removed once answered (no hang-up watch needed).
+        if let Err(e) = shadow_contract::fdstore::store(&[c.as_fd()], name, false) {
             eprintln!("test-engine: storing {name}: {e}");
         }
     }
