@@ -169,6 +169,18 @@ class ContinuityTest(unittest.TestCase):
             self.assertLess(time.monotonic(), deadline, f"{self.runtime.stored} of {n} stored")
             self.runtime.drain(0.05)
 
+    def kill_and_take_over(self):
+        """SIGKILLs the engine; a second engine (this process) takes the
+        store over, as a promoted engine does: it and the one connection
+        the store held."""
+        os.kill(self.engine.pid, signal.SIGKILL)
+        self.engine.wait()
+        self.runtime.drain(0.2)
+        cont = continuity.Continuity(fake_answer, fdstore_store, fdstore_remove, bytes_written)
+        conns = cont.take_over(self.runtime.take())
+        self.assertEqual(len(conns), 1, [c.name for c in conns])
+        return cont, conns
+
     def phase_is(self, phase):
         """Waits until the one stored connection's state says ``phase``."""
         deadline = time.monotonic() + 10
@@ -200,13 +212,7 @@ class ContinuityTest(unittest.TestCase):
         first = read_all(s, until=b"data: ")
         while first.count(b"\n\ndata: ") < 5:
             first += s.recv(65536)
-        os.kill(self.engine.pid, signal.SIGKILL)
-        self.engine.wait()
-        self.runtime.drain(0.2)
-        # The second engine takes the store over, as a promoted engine does.
-        cont = continuity.Continuity(fake_answer, fdstore_store, fdstore_remove, bytes_written)
-        conns = cont.take_over(self.runtime.take())
-        self.assertEqual(len(conns), 1, [c.name for c in conns])
+        cont, conns = self.kill_and_take_over()
         for c in conns:
             cont.resume(c, timeout=10)
         self.assertEqual(cont.stats["continued"], 1, cont.stats)
@@ -229,12 +235,7 @@ class ContinuityTest(unittest.TestCase):
         p = post(self.port, {"prompt": "plain", "max_tokens": 10})
         self.stored(1)
         self.phase_is(continuity.RECORDED)
-        os.kill(self.engine.pid, signal.SIGKILL)
-        self.engine.wait()
-        self.runtime.drain(0.2)
-        cont = continuity.Continuity(fake_answer, fdstore_store, fdstore_remove, bytes_written)
-        conns = cont.take_over(self.runtime.take())
-        self.assertEqual(len(conns), 1)
+        cont, conns = self.kill_and_take_over()
         phase = continuity.read_state(conns[0].state.fd)[0]
         self.assertEqual(phase, continuity.RECORDED)
         cont.resume(conns[0], timeout=10)
@@ -249,12 +250,7 @@ class ContinuityTest(unittest.TestCase):
     def test_a_connection_whose_request_had_not_come_is_read_by_the_next_engine(self):
         c = socket.create_connection(("127.0.0.1", self.port), timeout=10)
         self.stored(1)
-        os.kill(self.engine.pid, signal.SIGKILL)
-        self.engine.wait()
-        self.runtime.drain(0.2)
-        cont = continuity.Continuity(fake_answer, fdstore_store, fdstore_remove, bytes_written)
-        conns = cont.take_over(self.runtime.take())
-        self.assertEqual(len(conns), 1)
+        cont, conns = self.kill_and_take_over()
         resumed = threading.Thread(target=cont.resume, args=(conns[0], 10))
         resumed.start()
         # Sent after the engine that accepted it died: the next one reads it.

@@ -192,6 +192,18 @@ def smi(*query):
     return out.stdout.strip()
 
 
+def memory_back(baseline):
+    """Waits until the GPU's used memory is back within 64 MiB of
+    ``baseline``; returns it (MiB)."""
+    seen = []
+    try:
+        poll_until(lambda: (lambda m: seen.append(m) or m <= baseline + 64)(gpu_used_mib()), 60,
+                   "device memory back to the start")
+    except AssertionError:
+        raise AssertionError(f"device memory {seen[-1]} MiB, was {baseline} MiB: {app_mib()}") from None
+    return seen[-1]
+
+
 def gpu_used_mib():
     return int(smi("--query-gpu=memory.used", "-i", "0").splitlines()[0])
 
@@ -804,13 +816,8 @@ def containerd_pair(tp):
     left = glob.glob(os.path.join(glob.escape(rt.state_dir), "*", ctr_pair.NS, cid))
     assert not left, f"pair dir left: {left}"
     assert rt.ctr("containers", "ls", "-q").stdout.strip() == "", "container left"
-    seen = []
-    try:
-        poll_until(lambda: (lambda m: seen.append(m) or m <= baseline + 64)(gpu_used_mib()), 60,
-                   "device memory back to the start")
-    except AssertionError:
-        raise AssertionError(f"device memory {seen[-1]} MiB, was {baseline} MiB: {app_mib()}") from None
-    figure(f"TP={tp} through containerd: device memory before / after the pair", f"{baseline} / {seen[-1]}",
+    after = memory_back(baseline)
+    figure(f"TP={tp} through containerd: device memory before / after the pair", f"{baseline} / {after}",
            "MiB")
 
 
@@ -1156,13 +1163,7 @@ def test_containerd_pair_two_shadows():
         figure(f"shadows={shadows}, torch engine through containerd: two SIGKILLs of whoever serves 20 ms apart "
                "-> first correct answer after each, per burst", bursts, "ms")
         figure(f"shadows={shadows}: device memory of each parked shadow (nvidia-smi)", parked, "MiB")
-    seen = []
-    try:
-        poll_until(lambda: (lambda m: seen.append(m) or m <= baseline + 64)(gpu_used_mib()), 60,
-                   "device memory back to the start")
-    except AssertionError:
-        raise AssertionError(f"device memory {seen[-1]} MiB, was {baseline} MiB: {app_mib()}") from None
-    figure("shadows pairs: device memory before / after", f"{baseline} / {seen[-1]}", "MiB")
+    figure("shadows pairs: device memory before / after", f"{baseline} / {memory_back(baseline)}", "MiB")
 
 
 def test_containerd_runc_cold_restart():
@@ -1352,12 +1353,7 @@ def test_containerd_continuity():
     left = poll_until(lambda: (lambda p: None if p else "none")(
         ctr_pair.our_processes([rt.address, rt.state_dir, ENGINE])), 30, "no engine, gmsd or shim left")
     assert left == "none"
-    seen = []
-    try:
-        poll_until(lambda: (lambda m: seen.append(m) or m <= baseline + 64)(gpu_used_mib()), 60,
-                   "device memory back to the start")
-    except AssertionError:
-        raise AssertionError(f"device memory {seen[-1]} MiB, was {baseline} MiB: {app_mib()}") from None
+    figure("continuity: device memory before / after", f"{baseline} / {memory_back(baseline)}", "MiB")
 
 
 TESTS = [v for k, v in list(globals().items()) if k.startswith("test_")]
