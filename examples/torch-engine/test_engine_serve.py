@@ -96,8 +96,9 @@ class FetchServer:
             except OSError:
                 return
             with c:
-                # What the dead engine sent before it died is read first.
-                self.runtime.drain(0.05)
+                # What the dead engine sent before it died is read first
+                # (all of it waits in the queue: it is dead).
+                self.runtime.drain(0)
                 with self.runtime.lock:
                     items = [(n, fd) for n, fds in self.runtime.store.items() for fd in fds]
                 for i in range(0, len(items), 8):
