@@ -552,14 +552,20 @@ def take_store(engine_id):
     if not store_enabled():
         return []
     t0 = time.perf_counter()
-    try:
-        got = fdstore_fetch() or []
-    except (FdStoreError, OSError) as e:
-        # What it held stays in the store; this engine serves new requests.
-        log(event="fdstore-fetch-failed", engine=engine_id, error=str(e))
-        return []
-    log(event="fdstore-fetched", engine=engine_id, fds=len(got), ms=round((time.perf_counter() - t0) * 1e3, 3))
-    return got
+    for attempt in range(1, 6):
+        try:
+            got = fdstore_fetch() or []
+            log(event="fdstore-fetched", engine=engine_id, fds=len(got), attempt=attempt,
+                ms=round((time.perf_counter() - t0) * 1e3, 3))
+            return got
+        except (FdStoreError, OSError) as e:
+            # The store answers the lock's holder: a refusal while the
+            # runtime cannot tell who holds it is tried again.
+            log(event="fdstore-fetch-failed", engine=engine_id, attempt=attempt, error=str(e))
+            time.sleep(0.02 * attempt)
+    # What the dead engine held stays in the store; this engine serves new
+    # requests.
+    return []
 
 
 def listening(port, inherited):
