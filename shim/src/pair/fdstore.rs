@@ -15,7 +15,7 @@
 //! closed plainly ([`Close::Release`]): a connection whose engine closed it
 //! first must still send what that engine wrote.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -78,7 +78,6 @@ pub struct Counts {
 /// One stored descriptor.
 #[derive(Debug)]
 struct Entry {
-    token: u64,
     name: String,
     fd: OwnedFd,
     /// Registered on the epoll (a socket stored without `FDPOLL=0`).
@@ -98,7 +97,12 @@ pub struct Stored {
 #[derive(Debug)]
 pub struct FdStore {
     max: usize,
-    entries: Vec<Entry>,
+    /// By token: the order stored (a fetch hands them out in it).
+    entries: BTreeMap<u64, Entry>,
+    /// The tokens stored under each name: a remove finds its entries
+    /// without a walk over the whole store (a busy engine removes one per
+    /// connection, with hundreds stored).
+    by_name: HashMap<String, Vec<u64>>,
     next_token: u64,
     epoll: Epoll,
     counts: Counts,
@@ -167,7 +171,8 @@ impl FdStore {
             .map_err(|e| Error::sys("epoll_create1 for the fd store", e))?;
         Ok(FdStore {
             max,
-            entries: Vec::new(),
+            entries: BTreeMap::new(),
+            by_name: HashMap::new(),
             next_token: 0,
             epoll,
             counts: Counts::default(),
@@ -258,39 +263,32 @@ impl FdStore {
                     .epoll
                     .add(&fd, EpollEvent::new(EpollFlags::empty(), token))
                     .is_ok();
-            self.entries.push(Entry {
+            self.by_name.entry(name.clone()).or_default().push(token);
+            self.entries.insert(
                 token,
-                name: name.clone(),
-                fd,
-                polled,
-            });
+                Entry {
+                    name: name.clone(),
+                    fd,
+                    polled,
+                },
+            );
             self.counts.stored += 1;
             out.kept += 1;
         }
         out
     }
 
-    fn take(&mut self, keep: impl Fn(&Entry) -> bool) -> Vec<OwnedFd> {
-        let mut gone = Vec::new();
-        let mut kept = Vec::with_capacity(self.entries.len());
-        for e in self.entries.drain(..) {
-            if keep(&e) {
-                kept.push(e);
-            } else {
-                gone.push(e);
+    /// Takes the entry of `token` out (its name's list too): its
+    /// descriptor, to close.
+    fn take_token(&mut self, token: u64) -> Option<OwnedFd> {
+        let e = self.entries.remove(&token)?;
+        if let Some(tokens) = self.by_name.get_mut(&e.name) {
+            tokens.retain(|t| *t != token);
+            if tokens.is_empty() {
+                self.by_name.remove(&e.name);
             }
         }
-        self.entries = kept;
-        gone.into_iter()
-            .map(|e| {
-                if e.polled {
-                    // Before the close: the registration belongs to the
-                    // open file, which the engine's copies keep alive.
-                    let _ = self.epoll.delete(&e.fd);
-                }
-                e.fd
-            })
-            .collect()
+        Some(unwatch(&self.epoll, e))
     }
 
     /// `FDSTOREREMOVE=1`: the descriptors stored under the datagram's
@@ -299,7 +297,13 @@ impl FdStore {
         let (Some(name), _) = name_and_poll(text) else {
             return Vec::new();
         };
-        let gone = self.take(|e| e.name != name);
+        let tokens = self.by_name.remove(&name).unwrap_or_default();
+        let (entries, epoll) = (&mut self.entries, &self.epoll);
+        let gone: Vec<OwnedFd> = tokens
+            .into_iter()
+            .filter_map(|t| entries.remove(&t))
+            .map(|e| unwatch(epoll, e))
+            .collect();
         self.counts.removed += gone.len() as u64;
         gone
     }
@@ -327,7 +331,7 @@ impl FdStore {
         if tokens.is_empty() {
             return Vec::new();
         }
-        let gone = self.take(|e| !tokens.contains(&e.token));
+        let gone: Vec<OwnedFd> = tokens.iter().filter_map(|t| self.take_token(*t)).collect();
         self.counts.hung_up += gone.len() as u64;
         gone
     }
@@ -337,7 +341,7 @@ impl FdStore {
     /// descriptors) is left out, and said.
     pub fn copies(&self) -> Vec<(String, OwnedFd)> {
         let mut out = Vec::with_capacity(self.entries.len());
-        for e in &self.entries {
+        for e in self.entries.values() {
             match e.fd.try_clone() {
                 Ok(fd) => out.push((e.name.clone(), fd)),
                 Err(err) => log::warn!("fd store: copying {:?}: {err}", e.name),
@@ -362,9 +366,23 @@ impl FdStore {
     }
 }
 
+/// An entry's descriptor, taken off the hang-up watch first: the
+/// registration belongs to the open file, which the engines' copies keep
+/// alive after the shim's is closed.
+fn unwatch(epoll: &Epoll, e: Entry) -> OwnedFd {
+    if e.polled {
+        let _ = epoll.delete(&e.fd);
+    }
+    e.fd
+}
+
 impl Drop for FdStore {
     fn drop(&mut self) {
-        let all = self.take(|_| false);
+        self.by_name.clear();
+        let all: Vec<OwnedFd> = std::mem::take(&mut self.entries)
+            .into_values()
+            .map(|e| unwatch(&self.epoll, e))
+            .collect();
         release_now(all);
     }
 }
@@ -476,6 +494,35 @@ mod tests {
         assert_eq!(st.remove(b"FDSTOREREMOVE=1\nFDNAME=stored\n").len(), 2);
         assert_eq!(st.status().fds, 0);
         assert_eq!(st.status().removed, 2);
+    }
+
+    /// A remove drops every descriptor of its name, from any datagram,
+    /// and nothing else; what is left keeps the order it was stored in.
+    #[test]
+    fn a_remove_takes_its_name_only_and_the_order_stays() {
+        let mut st = FdStore::new(16).unwrap();
+        for name in ["a", "b", "a", "c", "b"] {
+            let text = format!("FDSTORE=1\nFDNAME={name}\n");
+            assert_eq!(
+                st.store(text.as_bytes(), vec![memfd(name), memfd(name)])
+                    .kept,
+                2
+            );
+        }
+        assert_eq!(st.remove(b"FDSTOREREMOVE=1\nFDNAME=b\n").len(), 4);
+        assert!(
+            st.remove(b"FDSTOREREMOVE=1\nFDNAME=b\n").is_empty(),
+            "gone already"
+        );
+        assert!(st.remove(b"FDSTOREREMOVE=1\nFDNAME=zz\n").is_empty());
+        let names: Vec<String> = st.copies().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["a", "a", "a", "a", "c", "c"]);
+        assert_eq!(st.remove(b"FDSTOREREMOVE=1\nFDNAME=a\n").len(), 4);
+        let names: Vec<String> = st.copies().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["c", "c"]);
+        assert_eq!((st.status().fds, st.status().removed), (2, 8));
+        // Room again for what the bound refused before.
+        assert_eq!(st.store(b"FDSTORE=1\nFDNAME=d\n", vec![memfd("d")]).kept, 1);
     }
 
     /// A socket whose peer hung up is dropped (unless FDPOLL=0); one whose
