@@ -101,6 +101,10 @@ struct Opts {
         value_parser = ["gms", "shadow", "none"]
     )]
     listen_arms: Vec<String>,
+    /// Run the engines with `--no-fdstore` (no connection kept in the
+    /// pair's fd store: what a kill finds in flight is lost).
+    #[arg(long)]
+    no_fdstore: bool,
     /// Directory of report.json and timeline.svg.
     #[arg(long, default_value = "target/shadow-bench")]
     out: PathBuf,
@@ -434,7 +438,7 @@ fn run() -> Result<()> {
             prompts: prompts.clone(),
             timeout: Duration::from_secs(2),
         };
-        let cmd: Vec<String> = [
+        let mut cmd: Vec<String> = [
             "/bin/shadow-engine",
             "serve",
             "--weights",
@@ -444,6 +448,9 @@ fn run() -> Result<()> {
         ]
         .map(String::from)
         .to_vec();
+        if o.no_fdstore {
+            cmd.push("--no-fdstore".into());
+        }
         let socket = if o.listen_arms.contains(arm) {
             ", the pair's listening socket"
         } else {

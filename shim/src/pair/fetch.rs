@@ -219,7 +219,8 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
     }
     // Everything sent to the notify sockets before this fetch is in the
     // store once each socket has been seen with nothing unread.
-    let until = Instant::now() + DRAIN_WAIT;
+    let asked = Instant::now();
+    let until = asked + DRAIN_WAIT;
     let mut read_up = vec![false; shared.notify.len()];
     loop {
         for (seen, sock) in read_up.iter_mut().zip(&shared.notify) {
@@ -230,6 +231,7 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
         }
         tokio::time::sleep(DRAIN_LOOK).await;
     }
+    let drained = asked.elapsed();
     let copies = fdstore::lock(&shared.store).copies();
     let total = copies.len();
     // SAFETY: as in `refuse`: the AsyncFd owns the connection until
@@ -258,8 +260,10 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
         Ok(()) => {
             shared.count(|st| st.fetched(total));
             log::info!(
-                "pair {}: slot {slot} fetched the fd store ({total} descriptors)",
-                shared.id
+                "pair {}: slot {slot} fetched the fd store ({total} descriptors; the notify sockets read up in {:.1} ms, answered in {:.1} ms)",
+                shared.id,
+                drained.as_secs_f64() * 1e3,
+                asked.elapsed().as_secs_f64() * 1e3
             );
         }
         Err(e) => log::warn!("pair {}: answering slot {slot}'s fetch: {e}", shared.id),
