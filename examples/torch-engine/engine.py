@@ -589,12 +589,11 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
     woke_at = time.time()
 
     # 4. wake: the weights check is launched (a group also backs every
-    # rank's KV cache and checks every shard first), then the store is
-    # fetched and the port taken. The check runs on the GPU while the
+    # rank's KV cache and checks every shard first), then the port taken
+    # (the store is fetched once READY=1 is sent). The check runs on the GPU while the
     # engine accepts and starts on its first request; nothing is written
     # before it has passed, and the KV cache starts growing once it has.
     check = verify_or_exit(engine_id, wake, "promoted", figures=False)
-    fetched = take_store(engine_id)
     wake_ms = (time.perf_counter() - t_wake) * 1e3
     serve_lock = threading.Lock()
     unchecked = [check]
@@ -688,8 +687,9 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
         socket="inherited" if inherited is not None else "own", fdstore=cont.enabled)
     try:
         # What the dead engine was answering, first: those clients have
-        # waited longest.
-        conns = cont.take_over(fetched)
+        # waited longest. Fetched after READY=1, which then never waits on
+        # the runtime's answer.
+        conns = cont.take_over(take_store(engine_id))
         if conns:
             t0 = time.perf_counter()
             for conn in conns:

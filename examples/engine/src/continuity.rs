@@ -487,10 +487,15 @@ pub struct Keeper {
 /// How long storing pauses after a store failed.
 const PAUSE: Duration = Duration::from_secs(5);
 
+/// What every name this engine stores begins with (then `-<n>`).
+pub fn own_prefix(slot: &str, boot_us: u128) -> String {
+    format!("conn-{slot}-{boot_us}")
+}
+
 impl Keeper {
     pub fn new(slot: &str, boot_us: u128) -> Keeper {
         Keeper {
-            prefix: format!("conn-{slot}-{boot_us}"),
+            prefix: own_prefix(slot, boot_us),
             next: 0,
             spare: None,
             said: false,

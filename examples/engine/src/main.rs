@@ -355,13 +355,11 @@ fn serve(args: Args) -> Result<()> {
     );
     let _ = std::io::stdout().flush();
     // The connections the engine before this one left in the store, once
-    // ready (new ones wait in the listening socket's backlog meanwhile):
-    // they go to the workers first.
-    let resumed = if use_store {
-        take_over(&slot, inherited_store.take().unwrap_or_default())
-    } else {
-        VecDeque::new()
-    };
+    // ready: fetched on a thread of their own while the acceptor serves
+    // new connections (the fetch waits on the runtime, which is busiest
+    // right after a failover), and handed to the workers first once here.
+    let (resumed_tx, resumed) = mpsc::channel::<VecDeque<Job>>();
+    let inherited_store = inherited_store.take().unwrap_or_default();
     let keeper = use_store.then(|| continuity::Keeper::new(&slot, boot_us));
 
     let info = json!({
@@ -394,6 +392,15 @@ fn serve(args: Args) -> Result<()> {
                 }
                 ctx.live.idle();
             });
+        }
+        if use_store {
+            let slot = &slot;
+            s.spawn(move || {
+                let own = continuity::own_prefix(slot, boot_us);
+                let _ = resumed_tx.send(take_over(slot, &own, inherited_store));
+            });
+        } else {
+            drop(resumed_tx);
         }
         accept_loop(sock.as_fd(), &to_workers, &live, resumed, keeper);
     });
@@ -487,10 +494,10 @@ struct Takeover {
 }
 
 /// Once this engine holds the lock and is ready: every connection the
-/// store holds (each a socket and its state memfd under one name) becomes
-/// a job for the workers, or is closed when done or beyond resuming; all
-/// are said in one line.
-fn take_over(slot: &str, inherited: Vec<Stored>) -> VecDeque<Job> {
+/// store holds (each a socket and its state memfd under one name), but
+/// those named `own`-… (this engine's), becomes a job for the workers, or
+/// is closed when done or beyond resuming; all are said in one line.
+fn take_over(slot: &str, own: &str, inherited: Vec<Stored>) -> VecDeque<Job> {
     let t0 = Instant::now();
     let stored = fetch_store(inherited);
     let mut t = Takeover {
@@ -498,7 +505,13 @@ fn take_over(slot: &str, inherited: Vec<Stored>) -> VecDeque<Job> {
         ..Takeover::default()
     };
     let mut jobs = VecDeque::new();
-    for entry in continuity::group(stored) {
+    // The fetch runs while this engine serves: what it stored itself since
+    // is in the answer too, and is its own workers' (these copies close).
+    let own = format!("{own}-");
+    for entry in continuity::group(stored)
+        .into_iter()
+        .filter(|e| !e.name.starts_with(&own))
+    {
         t.fetched += 1;
         let name = entry.name.clone();
         match resume(entry) {
@@ -772,6 +785,10 @@ fn poll_timeout(wait: Option<Duration>) -> PollTimeout {
     }
 }
 
+/// How often the acceptor looks for the takeover's jobs while they are
+/// being fetched.
+const TAKEOVER_LOOK: Duration = Duration::from_millis(1);
+
 /// The serving loop: waits for an idle worker, hands it the next resumed
 /// connection, else accepts one for it (stored at once with its state
 /// when there is a `keeper`); between these, and at least each half
@@ -780,10 +797,24 @@ fn accept_loop(
     listener: BorrowedFd<'_>,
     to_workers: &mpsc::Sender<Job>,
     live: &Live,
-    mut resumed: VecDeque<Job>,
+    taken_over: mpsc::Receiver<VecDeque<Job>>,
     mut keeper: Option<continuity::Keeper>,
 ) {
+    let mut resumed = VecDeque::new();
+    // Until the takeover's jobs are here: looked for at least each
+    // millisecond.
+    let mut awaiting = true;
     loop {
+        if awaiting {
+            match taken_over.try_recv() {
+                Ok(jobs) => {
+                    resumed.extend(jobs);
+                    awaiting = false;
+                }
+                Err(mpsc::TryRecvError::Empty) => {}
+                Err(mpsc::TryRecvError::Disconnected) => awaiting = false,
+            }
+        }
         {
             let mut st = live.lock();
             while st.idle == 0 {
@@ -811,7 +842,12 @@ fn accept_loop(
         }
         let mut fds = [PollFd::new(listener, PollFlags::POLLIN)];
         // EINTR or a timeout: the tick below, then again.
-        if poll(&mut fds, poll_timeout(live.wait())).is_ok_and(|n| n > 0) {
+        let wait = match (live.wait(), awaiting) {
+            (w, false) => w,
+            (None, true) => Some(TAKEOVER_LOOK),
+            (Some(w), true) => Some(w.min(TAKEOVER_LOOK)),
+        };
+        if poll(&mut fds, poll_timeout(wait)).is_ok_and(|n| n > 0) {
             // accept errors (ECONNABORTED, EMFILE) concern one peer.
             if let Ok(fd) = conn::accept(listener) {
                 // Stored first: until the store holds it, the connection
