@@ -45,6 +45,7 @@ import json
 import os
 import select
 import socket
+import stat
 import struct
 import time
 import uuid
@@ -400,7 +401,7 @@ class Continuity:
             conn.state.record_len = record_len
             raw, head = record["request"], {"id": record["id"], "created": record["created"]}
             # The request, if the dead engine had not consumed it yet.
-            self._consume_pending(conn.sock, len(raw))
+            self._consume(conn.sock, len(raw), waiting_only=True)
             skip = self.written(conn.sock) if phase == ANSWERING else 0
             self.stats["continued" if skip else "answered_again"] += 1
             if phase == ANSWERING and answer is not None:
@@ -447,20 +448,14 @@ class Continuity:
             reply.after()
 
     @staticmethod
-    def _consume(sock, n):
-        while n > 0:
-            got = sock.recv(min(n, 65536))
-            if not got:
-                return
-            n -= len(got)
-
-    @staticmethod
-    def _consume_pending(sock, n):
-        """Consumes up to ``n`` bytes that wait now (a request the dead
-        engine recorded and may or may not have read)."""
+    def _consume(sock, n, waiting_only=False):
+        """Consumes ``n`` bytes of the request; ``waiting_only``: only what
+        waits now (a request the dead engine recorded and may or may not
+        have read)."""
+        flags = socket.MSG_DONTWAIT if waiting_only else 0
         while n > 0:
             try:
-                got = sock.recv(min(n, 65536), socket.MSG_DONTWAIT)
+                got = sock.recv(min(n, 65536), flags)
             except (BlockingIOError, InterruptedError):
                 return
             if not got:
@@ -493,7 +488,6 @@ class Continuity:
 
 
 def _is_socket(fd):
-    import stat
     try:
         return stat.S_ISSOCK(os.fstat(fd).st_mode)
     except OSError:
