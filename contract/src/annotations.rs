@@ -2,7 +2,8 @@
 //! and by the OCI hook, so one container spec can serve both paths.
 //!
 //! - `shadow.dev/pair`, `shadow.dev/gms`, `shadow.dev/shadow`,
-//!   `shadow.dev/listen`, `shadow.dev/shadows`, `shadow.dev/fdstore-max`
+//!   `shadow.dev/listen`, `shadow.dev/shadows`, `shadow.dev/fdstore-max`,
+//!   `shadow.dev/accept`
 //!   ask the shim to make (and shape) an engine pair;
 //! - `shadow.dev/watchdog`, `shadow.dev/probe` (with `-period`, `-timeout`,
 //!   `-failures`) and `shadow.dev/start-timeout` tell the shim how to find
@@ -19,6 +20,7 @@ use std::fmt;
 
 pub use crate::error::AnnotationError;
 use crate::fdstore;
+use crate::handoff::{self, Accept};
 use crate::hang::{self, HangSettings};
 use crate::listen::{self, Listen};
 
@@ -50,9 +52,12 @@ pub const LISTEN: &str = listen::KEY;
 /// How many descriptors the pair's fd store keeps (`0`: no store; see
 /// [`crate::fdstore`], which spells the key).
 pub const FDSTORE_MAX: &str = fdstore::KEY;
+/// Who accepts the pair's connections: `engine` (the default) or
+/// `runtime` (see [`crate::handoff`], which spells the key).
+pub const ACCEPT: &str = handoff::KEY;
 
 /// Every key of the set.
-pub const KEYS: [&str; 14] = [
+pub const KEYS: [&str; 15] = [
     PAIR,
     GMS,
     SHADOW,
@@ -61,6 +66,7 @@ pub const KEYS: [&str; 14] = [
     SLOT,
     LISTEN,
     FDSTORE_MAX,
+    ACCEPT,
     WATCHDOG,
     PROBE,
     PROBE_PERIOD,
@@ -187,6 +193,8 @@ pub struct Annotations {
     pub listen: Option<Vec<Listen>>,
     /// `shadow.dev/fdstore-max`: the fd store's bound (`0`: none).
     pub fdstore_max: Option<u32>,
+    /// `shadow.dev/accept`: who accepts the pair's connections.
+    pub accept: Option<Accept>,
     /// The hang-detection keys ([`HANG_KEYS`]), validated; the defaults
     /// when none is given.
     pub hang: HangSettings,
@@ -245,6 +253,7 @@ impl Annotations {
                 SHADOWS => out.shadows = Some(parse_shadows(value)?),
                 LISTEN => out.listen = Some(listen::parse(value)?),
                 FDSTORE_MAX => out.fdstore_max = Some(fdstore::parse_max(value)?),
+                ACCEPT => out.accept = Some(handoff::parse(value)?),
                 _ => {
                     return Err(bad(
                         key,

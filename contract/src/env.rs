@@ -25,6 +25,12 @@ pub const LISTEN_FDNAMES: &str = "LISTEN_FDNAMES";
 /// (`shadow.dev/fdstore-max` not 0).
 pub const FDSTORE_SOCKET: &str = "SHADOW_FDSTORE_SOCKET";
 
+/// `runtime` when the runtime accepts the pair's connections
+/// (`shadow.dev/accept: runtime`): the descriptors under the listening
+/// sockets' names are hand-off sockets (`crate::handoff`). Set with
+/// `shadow.dev/listen` only; an exec never gets it.
+pub const ACCEPT: &str = crate::handoff::ENV;
+
 /// systemd's watchdog (`sd_watchdog_enabled(3)`, set with
 /// `shadow.dev/watchdog`): the interval, in microseconds, within which an
 /// engine whose watchdog is armed (by its first `WATCHDOG=1`) must ping

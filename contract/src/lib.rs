@@ -18,6 +18,8 @@
 //!   the engine's side of taking them (`LISTEN_FDS`);
 //! - [`fdstore`]: the pair's file-descriptor store (`FDSTORE=1`), the
 //!   engine's side of storing, removing and fetching;
+//! - [`handoff`]: connections the runtime accepts (`shadow.dev/accept`)
+//!   and the engine's side of receiving them;
 //! - [`watchdog`]: the engine's side of the watchdog (`WATCHDOG_USEC`):
 //!   when a ping is due, and whether every rank advanced since the last;
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
@@ -35,6 +37,7 @@ pub mod annotations;
 pub mod env;
 mod error;
 pub mod fdstore;
+pub mod handoff;
 pub mod hang;
 pub mod host;
 pub mod listen;

@@ -522,6 +522,13 @@ pub struct FdStoreStatus {
     /// Descriptors not kept, by reason (`wrong_type`, `full`, `bad_name`).
     #[serde(default)]
     pub refused: std::collections::BTreeMap<String, u64>,
+    /// Connections the runtime accepted into the store
+    /// (`shadow.dev/accept: runtime`), and handed to a serving engine
+    /// through its hand-off socket (a fetch's are counted in `fetched`).
+    #[serde(default)]
+    pub accepted: u64,
+    #[serde(default)]
+    pub handed: u64,
 }
 
 /// The fields of gmsd's status report that tools read; the rest of the

@@ -98,6 +98,7 @@ impl Maker for RuncMaker {
                     single: shadow.no_shadow,
                     shadows: shadow.shadows,
                     fdstore_max: shadow.fdstore_max,
+                    accept: shadow.accept,
                     listen: shadow.listen.clone(),
                     hang: shadow.hang.clone(),
                     runc,

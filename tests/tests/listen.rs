@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use shadow_contract::annotations::LISTEN;
+use shadow_contract::annotations::{ACCEPT, LISTEN};
 use shadow_contract::state::PairState;
 use shadow_tests::pair::{ask, free_port, task_pid, PairEnv};
 use shadow_tests::wait::until;
@@ -210,13 +210,24 @@ struct Pair {
 }
 
 fn start_pair(cd: &Containerd, id: &str, port: u16, listen: bool) -> Pair {
+    start_pair_with(cd, id, port, listen, &[])
+}
+
+fn start_pair_with(
+    cd: &Containerd,
+    id: &str,
+    port: u16,
+    listen: bool,
+    more: &[(&str, &str)],
+) -> Pair {
     let env = PairEnv::new(cd, &format!("gmsd = \"{}\"\ngms = \"host\"", gmsd())).expect("config");
     let value = format!("tcp:127.0.0.1:{port}");
-    let annotations: Vec<(&str, &str)> = if listen {
+    let mut annotations: Vec<(&str, &str)> = if listen {
         vec![(LISTEN, value.as_str())]
     } else {
         vec![]
     };
+    annotations.extend_from_slice(more);
     let port_s = port.to_string();
     let ctr = env
         .run(
@@ -318,6 +329,65 @@ fn with_the_pairs_socket_no_connection_is_refused_through_sigkills() {
     assert_eq!(own.wrong_count + runc.wrong_count, 0, "{own:?} {runc:?}");
     // The contrast proves the client sees refusals when they happen.
     assert!(runc.refused > 0, "{runc:?}");
+}
+
+/// `shadow.dev/accept: runtime`: the shim accepts, stores each connection
+/// at once and hands it to the serving engine, so not even a connection
+/// the dying engine had just been handed is lost; and a pair without a
+/// socket of its own cannot ask for it.
+#[test]
+fn when_the_runtime_accepts_no_connection_is_lost_through_sigkills() {
+    let cd = Containerd::start().expect("containerd");
+    PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
+    let (id, port) = ("accept", free_port());
+    let p = start_pair_with(&cd, id, port, true, &[(ACCEPT, "runtime")]);
+    p.env.wait_protected(&cd, id, LONG);
+    let first = until("an answer", LONG, STEP, || ask(port));
+    let good = judge(PAIR_SLOTS, first.weights.clone(), "handed");
+    let seen = under_load(port, &good, |c| kill_active(&p.env, &cd, id, 6, c));
+    let store = until("the store empty, once all is answered", LONG, STEP, || {
+        p.env
+            .state(&cd, id)
+            .and_then(|s| s.fdstore)
+            .filter(|f| f.fds == 0)
+    });
+    eprintln!("shadow.dev/accept=runtime: {seen:?}\nfd store: {store:?}");
+    p.stop(&cd, id);
+    assert!(matches!(attempt(port), Outcome::Refused));
+    assert_eq!(
+        (
+            seen.refused,
+            seen.reset_in_flight,
+            seen.timeouts,
+            seen.wrong_count
+        ),
+        (0, 0, 0, 0),
+        "{seen:?}"
+    );
+    assert!(seen.ok > 100, "{seen:?}");
+    // state.json's figures are those of its last write, which may lag.
+    assert!(store.accepted > 100 && store.handed > 0, "{store:?}");
+    assert!(
+        store.fetches >= 6,
+        "a fetch by each promoted engine: {store:?}"
+    );
+
+    let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
+    let out = cd
+        .container(Runtime::Shadow, "acceptnosock")
+        .rm()
+        .flags(&["--runtime-config-path", &env.config.display().to_string()])
+        .annotation(shadow_contract::annotations::PAIR, "true")
+        .annotation(ACCEPT, "runtime")
+        .cmd(&["/bin/test-engine"])
+        .run()
+        .expect("ctr run");
+    assert_ne!(out.code(), 0, "{out}");
+    assert!(
+        out.stderr.contains(ACCEPT) && out.stderr.contains(LISTEN),
+        "{out}"
+    );
+    cd.assert_no_leftovers();
 }
 
 #[test]

@@ -413,19 +413,50 @@ impl Track {
 /// store (a state that lags behind the bytes written must not be resumed)
 /// and the answer goes on untracked.
 #[derive(Debug)]
-pub struct Link(Option<Track>);
+pub struct Link {
+    track: Option<Track>,
+    /// The runtime's name of a connection it handed over
+    /// (`SHADOW_ACCEPT=runtime`): removed from the store once done,
+    /// tracked or not, since the store's copy keeps the connection open.
+    handed: Option<String>,
+}
 
 impl Link {
     pub fn new(track: Option<Track>) -> Link {
-        Link(track)
+        Link {
+            track,
+            handed: None,
+        }
+    }
+
+    /// A connection the runtime stored under `name` and handed over, with
+    /// its state in a memfd stored under the same name (when `track`).
+    pub fn handed(name: String, track: Option<Track>) -> Link {
+        Link {
+            track,
+            handed: Some(name),
+        }
+    }
+
+    /// A connection the runtime stored under `name` with no state yet
+    /// (handed to an engine that died before it stored one): a fresh
+    /// memfd, stored under that name.
+    pub fn adopt(name: String) -> Link {
+        let track = Track::create(name.clone()).ok().filter(|t| {
+            fdstore::store(&[t.fd()], &t.name, false)
+                .map_err(|e| eprintln!("shadow-engine: storing the state of {}: {e}", t.name))
+                .is_ok()
+        });
+        Link::handed(name, track)
     }
 
     pub fn tracked(&self) -> bool {
-        self.0.is_some()
+        self.track.is_some()
     }
 
     fn failed(&mut self, what: &str, e: &io::Error) {
-        if let Some(t) = self.0.take() {
+        if let Some(t) = self.track.take() {
+            self.handed = None;
             eprintln!(
                 "shadow-engine: connection {}: {what}: {e}: no longer resumable",
                 t.name
@@ -435,13 +466,13 @@ impl Link {
     }
 
     pub fn record(&mut self, request_len: u64, work: &Work) {
-        if let Some(Err(e)) = self.0.as_ref().map(|t| t.record(request_len, work)) {
+        if let Some(Err(e)) = self.track.as_ref().map(|t| t.record(request_len, work)) {
             self.failed("recording its answer", &e);
         }
     }
 
     pub fn note(&mut self, p: Progress) {
-        if let Some(Err(e)) = self.0.as_ref().map(|t| t.set(p)) {
+        if let Some(Err(e)) = self.track.as_ref().map(|t| t.set(p)) {
             self.failed("recording its progress", &e);
         }
     }
@@ -450,18 +481,28 @@ impl Link {
     /// the end at once, whatever copies of the socket the store still
     /// holds), the entry removed from the store. The caller closes.
     pub fn finish(mut self, sock: BorrowedFd<'_>) {
-        let Some(t) = self.0.take() else { return };
-        let _ = t.set(Progress::Done);
+        let track = self.track.take();
+        let Some(name) = track
+            .as_ref()
+            .map(|t| t.name.clone())
+            .or(self.handed.take())
+        else {
+            return;
+        };
+        if let Some(t) = &track {
+            let _ = t.set(Progress::Done);
+        }
         let _ = nix::sys::socket::shutdown(sock.as_raw_fd(), nix::sys::socket::Shutdown::Write);
-        if let Err(e) = fdstore::remove(&t.name) {
-            eprintln!("shadow-engine: removing {} from the fd store: {e}", t.name);
+        if let Err(e) = fdstore::remove(&name) {
+            eprintln!("shadow-engine: removing {name} from the fd store: {e}");
         }
     }
 
     /// Gives up on the connection: out of the store, closed by the caller.
     pub fn drop_entry(mut self) {
-        if let Some(t) = self.0.take() {
-            let _ = fdstore::remove(&t.name);
+        let name = self.track.take().map(|t| t.name).or(self.handed.take());
+        if let Some(name) = name {
+            let _ = fdstore::remove(&name);
         }
     }
 }
@@ -546,6 +587,31 @@ impl Keeper {
                 // Nothing was stored: the memfd serves the next one.
                 self.spare = Some(track);
                 Link::new(None)
+            }
+        }
+    }
+}
+
+impl Keeper {
+    /// A connection the runtime handed over under `name`: this engine's
+    /// state memfd is stored under the same name (the connection is in the
+    /// store already).
+    pub fn keep_handed(&mut self, name: String) -> Link {
+        if self.pause_until.is_some_and(|t| Instant::now() < t) {
+            return Link::handed(name, None);
+        }
+        self.prepare();
+        let Some(mut track) = self.spare.take() else {
+            return Link::handed(name, None);
+        };
+        track.name = name.clone();
+        match fdstore::store(&[track.fd()], &name, false) {
+            Ok(()) => Link::handed(name, Some(track)),
+            Err(e) => {
+                self.say(format!("storing the state of {name}: {e}"));
+                self.pause_until = Some(Instant::now() + PAUSE);
+                self.spare = Some(track);
+                Link::handed(name, None)
             }
         }
     }

@@ -287,7 +287,11 @@ fn serve(args: Args) -> Result<()> {
     // it is closed now and a parked engine holds none of it.
     let (listening, inherited_store) =
         fdstore::split_inherited(shadow_contract::listen::inherited(), is_listen_name);
-    let use_store = !args.no_fdstore && has_store();
+    // Handed its connections by the runtime (`SHADOW_ACCEPT=runtime`): they
+    // are in the store already, and its fetch once active is what makes
+    // them go to this engine.
+    let handed = shadow_contract::handoff::enabled();
+    let use_store = (handed || !args.no_fdstore) && has_store();
     let fetches = std::env::var_os(env::FDSTORE_SOCKET).is_some()
         && std::env::var_os(env::LOCK_PATH).is_some();
     let mut inherited_store = (use_store && !fetches).then_some(inherited_store);
@@ -402,7 +406,7 @@ fn serve(args: Args) -> Result<()> {
         } else {
             drop(resumed_tx);
         }
-        accept_loop(sock.as_fd(), &to_workers, &live, resumed, keeper);
+        accept_loop(sock.as_fd(), handed, &to_workers, &live, resumed, keeper);
     });
     Ok(())
 }
@@ -550,7 +554,20 @@ fn take_over(slot: &str, own: &str, inherited: Vec<Stored>) -> VecDeque<Job> {
 /// The job of one stored connection; None when it was done (now closed).
 fn resume(entry: continuity::Entry) -> std::result::Result<Option<Job>, String> {
     let Some(state) = entry.state else {
-        return Err("a socket without its state".into());
+        // One the runtime accepted and handed to an engine that died
+        // before it stored a state (or to nobody yet): its request, if
+        // any, is still in the socket.
+        return match entry.socket {
+            Some(sock) if shadow_contract::handoff::is_accepted_name(&entry.name) => {
+                let conn = Conn::from_fd(sock).map_err(|e| format!("socket: {e}"))?;
+                let _ = conn.set_blocking();
+                match continuity::bytes_written(conn.as_fd()) {
+                    Ok(n) if n > 0 => Err(format!("{n} bytes written, and no state")),
+                    _ => Ok(Some(Job::Fresh(conn, Link::adopt(entry.name)))),
+                }
+            }
+            _ => Err("a socket without its state".into()),
+        };
     };
     let track = Track::fetched(entry.name, state);
     let saved = track.read().map_err(|e| format!("state refused: {e}"))?;
@@ -795,6 +812,7 @@ const TAKEOVER_LOOK: Duration = Duration::from_millis(1);
 /// interval, it pings when the workers' progress allows.
 fn accept_loop(
     listener: BorrowedFd<'_>,
+    handed: bool,
     to_workers: &mpsc::Sender<Job>,
     live: &Live,
     taken_over: mpsc::Receiver<VecDeque<Job>>,
@@ -849,14 +867,8 @@ fn accept_loop(
         };
         if poll(&mut fds, poll_timeout(wait)).is_ok_and(|n| n > 0) {
             // accept errors (ECONNABORTED, EMFILE) concern one peer.
-            if let Ok(fd) = conn::accept(listener) {
-                // Stored first: until the store holds it, the connection
-                // dies with this engine.
-                let link = match keeper.as_mut() {
-                    Some(k) => k.keep(fd.as_fd()),
-                    None => Link::new(None),
-                };
-                match Conn::from_fd(fd) {
+            match next_connection(listener, handed, keeper.as_mut()) {
+                Ok((fd, link)) => match Conn::from_fd(fd) {
                     Ok(conn) => {
                         live.lock().idle -= 1;
                         if to_workers.send(Job::Fresh(conn, link)).is_err() {
@@ -864,11 +876,47 @@ fn accept_loop(
                         }
                     }
                     Err(_) => link.drop_entry(),
+                },
+                // Nothing will come again: the engine ends.
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    eprintln!("shadow-engine: {e}: exiting");
+                    std::process::exit(1);
                 }
+                Err(_) => {}
             }
         }
         live.tick();
     }
+}
+
+/// The next connection and its link to the store: handed over by the
+/// runtime (stored already, under its name: this engine stores its state
+/// memfd beside it), or accepted and stored first (until the store holds
+/// it, the connection dies with this engine).
+fn next_connection(
+    listener: BorrowedFd<'_>,
+    handed: bool,
+    keeper: Option<&mut continuity::Keeper>,
+) -> std::io::Result<(OwnedFd, Link)> {
+    if handed {
+        let h = shadow_contract::handoff::receive(listener)?.ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the runtime closed the hand-off socket",
+            )
+        })?;
+        let link = match keeper {
+            Some(k) => k.keep_handed(h.name),
+            None => Link::handed(h.name, None),
+        };
+        return Ok((h.conn, link));
+    }
+    let fd = conn::accept(listener)?;
+    let link = match keeper {
+        Some(k) => k.keep(fd.as_fd()),
+        None => Link::new(None),
+    };
+    Ok((fd, link))
 }
 
 /// The engine's KV cache.

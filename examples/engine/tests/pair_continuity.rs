@@ -11,7 +11,9 @@
 //! end with `[DONE]`, every event parse, its id stay the same, and its
 //! text be that of the same request undisturbed; every plain answer must
 //! be the undisturbed one; no connection may be reset, refused or time
-//! out; and once all is answered the store is empty. The verdict never
+//! out; and once all is answered the store is empty. It runs twice: with
+//! each engine accepting, and with the runtime accepting and handing
+//! connections over (`shadow.dev/accept: runtime`). The verdict never
 //! depends on how long anything took: the figures printed (the longest
 //! silence a streaming client saw around a kill) are for reading.
 
@@ -24,7 +26,7 @@ use std::time::{Duration, Instant};
 mod common;
 
 use serde_json::Value;
-use shadow_contract::annotations::LISTEN;
+use shadow_contract::annotations::{ACCEPT, LISTEN};
 use shadow_tests::pair::{free_port, until};
 use shadow_tests::Containerd;
 
@@ -341,13 +343,31 @@ impl Shared {
     }
 }
 
+/// Each engine accepts, and stores what it accepted with its state.
 #[test]
 fn streams_and_answers_survive_kills_of_the_serving_engine() {
+    survive_kills("engine");
+}
+
+/// The runtime accepts (`shadow.dev/accept: runtime`): each connection is
+/// in the store before any engine has it, and is handed to the serving one.
+#[test]
+fn streams_and_answers_survive_kills_when_the_runtime_accepts() {
+    survive_kills("runtime");
+}
+
+fn survive_kills(accept: &str) {
     let cd = Containerd::start().unwrap();
     let port = free_port();
     let id = "engine-continuity";
     let listen = format!("tcp:127.0.0.1:{port}");
-    let (env, ctr) = common::run_pair(&cd, id, &[(LISTEN, listen.as_str())], port);
+    let (env, ctr) = common::run_pair(
+        &cd,
+        id,
+        &[(LISTEN, listen.as_str()), (ACCEPT, accept)],
+        port,
+    );
+    println!("accepted by the {accept}");
     env.wait_protected(&cd, id, LONG);
 
     // The undisturbed answers, before any kill.

@@ -80,6 +80,8 @@ pub fn render_fdstore(containerd: &str, namespace: &str, id: &str, f: &FdStoreSt
         ("removed", f.removed),
         ("hung_up", f.hung_up),
         ("fetched", f.fetched),
+        ("accepted", f.accepted),
+        ("handed", f.handed),
     ];
     let ops: Vec<(String, u64)> = ops
         .iter()
@@ -88,7 +90,7 @@ pub fn render_fdstore(containerd: &str, namespace: &str, id: &str, f: &FdStoreSt
     metric(
         "shadow_fdstore_descriptors_total",
         "counter",
-        "Descriptors the fd store kept (stored), dropped (removed, hung_up) and handed to a promoted engine (fetched).",
+        "Descriptors the fd store kept (stored), dropped (removed, hung_up), handed to a promoted engine (fetched), and connections the runtime accepted into it (accepted) and handed to the serving engine (handed).",
         &ops,
     );
     let refused: Vec<(String, u64)> = f
@@ -413,6 +415,8 @@ mod tests {
             fetches: 2,
             fetches_refused: 2,
             refused: [("wrong_type".to_string(), 4), ("full".to_string(), 0)].into(),
+            accepted: 7,
+            handed: 5,
         };
         let text = render_fdstore("c", "n", "p", &f);
         let base = "containerd=\"c\",namespace=\"n\",pair=\"p\"";
@@ -420,6 +424,8 @@ mod tests {
             format!("shadow_fdstore_fds{{{base}}} 3"),
             format!("shadow_fdstore_max{{{base}}} 1024"),
             format!("shadow_fdstore_descriptors_total{{{base},op=\"removed\"}} 6"),
+            format!("shadow_fdstore_descriptors_total{{{base},op=\"accepted\"}} 7"),
+            format!("shadow_fdstore_descriptors_total{{{base},op=\"handed\"}} 5"),
             format!("shadow_fdstore_refused_total{{{base},reason=\"wrong_type\"}} 4"),
             format!("shadow_fdstore_refused_total{{{base},reason=\"full\"}} 0"),
             format!("shadow_fdstore_fetches_total{{{base},result=\"refused\"}} 2"),

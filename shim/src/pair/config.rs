@@ -71,6 +71,11 @@ pub struct PairConfig {
     /// `shadow.dev/fdstore-max`: 0 (no store) to
     /// `shadow_contract::fdstore::MAX_MAX`.
     pub fdstore_max: u32,
+    /// Who accepts the connections of pairs whose spec has no
+    /// `shadow.dev/accept`: `engine` (each engine, on the sockets it
+    /// inherits) or `runtime` (the shim, which hands them to the serving
+    /// engine; needs listening sockets and an fd store).
+    pub accept: String,
 }
 
 impl Default for PairConfig {
@@ -84,6 +89,9 @@ impl Default for PairConfig {
             watchdog: String::new(),
             shadows: 1,
             fdstore_max: shadow_contract::fdstore::DEFAULT_MAX,
+            accept: shadow_contract::handoff::Accept::Engine
+                .as_str()
+                .to_string(),
             gms: GmsMode::Auto,
             gms_max_bytes: 0,
             gms_max_allocations: 0,
@@ -136,6 +144,8 @@ impl PairConfig {
                 shadow_contract::fdstore::MAX_MAX
             ));
         }
+        shadow_contract::handoff::parse(&self.accept)
+            .map_err(|e| format!("pair.accept = {:?}: {}", self.accept, e.allowed))?;
         if self.lock_poll_fast_ms == 0 || self.lock_poll_idle_ms == 0 {
             return Err("pair.lock_poll_fast_ms and pair.lock_poll_idle_ms must be ≥ 1".into());
         }
@@ -256,5 +266,14 @@ mod tests {
         assert!(e.contains("pair.fdstore_max") && e.contains("16384"), "{e}");
         let c = Config::parse("[pair]\nfdstore_max = 0\n", Path::new("t.toml")).unwrap();
         assert_eq!(c.pair.fdstore_max, 0);
+        let e = Config::parse("[pair]\naccept = \"kernel\"\n", Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("pair.accept") && e.contains("engine|runtime"),
+            "{e}"
+        );
+        let c = Config::parse("[pair]\naccept = \"runtime\"\n", Path::new("t.toml")).unwrap();
+        assert_eq!(c.pair.accept, "runtime");
     }
 }

@@ -22,6 +22,7 @@ use super::fdstore::FdStore;
 use super::fetch::FetchSocket;
 use super::gms::{GmsDaemons, InPod};
 use super::gpus::{self, Gpu};
+use super::handoff::Handoff;
 use super::host::Machine;
 use super::leftovers::{self, PairName};
 use super::listen::{ListenSockets, Site};
@@ -52,6 +53,8 @@ pub struct PairRequest {
     pub shadows: Option<u8>,
     /// `shadow.dev/fdstore-max` (else the config's `pair.fdstore_max`).
     pub fdstore_max: Option<u32>,
+    /// `shadow.dev/accept` (else the config's `pair.accept`).
+    pub accept: Option<shadow_contract::handoff::Accept>,
     /// `shadow.dev/listen`: the sockets the pair owns (else the config's).
     pub listen: Option<Vec<shadow_contract::listen::Listen>>,
     /// The hang-detection annotations (the watchdog else the config's).
@@ -313,6 +316,20 @@ async fn create_steps(
         }
         None => None,
     };
+    let accept = match req.accept {
+        Some(a) => a,
+        None => shadow_contract::handoff::parse(&cfg.accept)?,
+    };
+    let accept_runtime = accept == shadow_contract::handoff::Accept::Runtime;
+    if accept_runtime && (listen.is_none() || fdstore.is_none()) {
+        return Err(Error::InvalidArgument(format!(
+            "container {}: {}=runtime needs the pair's listening sockets ({}) and its fd store ({} not 0): the shim accepts on the first and keeps each connection in the second",
+            req.id,
+            shadow_contract::annotations::ACCEPT,
+            shadow_contract::annotations::LISTEN,
+            shadow_contract::annotations::FDSTORE_MAX,
+        )));
+    }
 
     // The probe runs from the pair's network namespace (the sandbox's, or
     // the pinned one), opened now: nothing is opened by path later.
@@ -400,6 +417,7 @@ async fn create_steps(
             listen_mounts: listen.as_ref().map_or(&[], |l| l.mounts()),
             watchdog,
             fdstore: fdstore.is_some(),
+            accept_runtime,
         };
         let engine = spec::engine_spec(spec, &inputs)?;
         let dir = &dirs.slots[slot.index()];
@@ -433,6 +451,15 @@ async fn create_steps(
     };
     let output = Arc::new(SharedOutput::new(out, err).with_stdin(stdin));
     let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
+    let handoff = match (&listen, &fdstore) {
+        (Some(l), Some((store, _))) if accept_runtime => Some(Handoff::new(
+            &req.id,
+            store.clone(),
+            l.copies()?,
+            engines.len(),
+        )),
+        _ => None,
+    };
     let host = Arc::new(
         Machine::new(
             engines.clone(),
@@ -441,13 +468,15 @@ async fn create_steps(
             lock_file,
             listen,
         )
-        .with_fdstore(fdstore.as_ref().map(|(s, _)| s.clone())),
+        .with_fdstore(fdstore.as_ref().map(|(s, _)| s.clone()))
+        .with_handoff(handoff),
     );
     log::info!(
-        "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {listen_count})",
+        "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {listen_count}, accepted by the {})",
         req.id,
         dirs.root.display(),
         pins.is_some(),
+        accept.as_str(),
     );
     let parts = Parts {
         id: req.id.clone(),

@@ -3,11 +3,10 @@
 //! supervisor reaches this through [`super::host::Host`], so that its
 //! ordering logic is tested without runc.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use super::listen::ListenSockets;
 use crate::error::Result;
 use crate::runc::{RuncClient, RuncStdio};
 use async_trait::async_trait;
@@ -88,8 +87,9 @@ impl runc::io::Io for SharedOutput {
     }
 }
 
-/// Start one engine: `runc run --detach` of the slot's bundle, with the
-/// pair's listening sockets as its descriptors 3.., then `stored` (the fd
+/// Start one engine: `runc run --detach` of the slot's bundle, with
+/// `listening` (the pair's listening sockets, or the engine's hand-off
+/// sockets in their place) as its descriptors 3.., then `stored` (the fd
 /// store's copies, with their names), as systemd hands a restarted service
 /// its sockets and its store. A previous generation's stopped container of
 /// the same id is removed first.
@@ -97,13 +97,13 @@ pub async fn run_engine(
     e: &EngineSlot,
     output: Arc<SharedOutput>,
     fresh: bool,
-    listen: Option<&ListenSockets>,
+    listening: &[BorrowedFd<'_>],
     stored: &[(String, OwnedFd)],
 ) -> Result<u32> {
     if !fresh {
         let _ = e.client.delete_force(&e.runc_id).await;
     }
-    let mut inherit = listen.map(ListenSockets::fds).unwrap_or_default();
+    let mut inherit = listening.to_vec();
     inherit.extend(stored.iter().map(|(_, fd)| fd.as_fd()));
     e.client
         .run_detached(&e.runc_id, &e.bundle, RuncStdio::Fds(output), &inherit)
@@ -116,10 +116,9 @@ pub async fn run_engine(
 pub async fn create_engine(
     e: &EngineSlot,
     output: Arc<SharedOutput>,
-    listen: Option<&ListenSockets>,
+    listening: &[BorrowedFd<'_>],
 ) -> Result<u32> {
-    let inherit = listen.map(ListenSockets::fds).unwrap_or_default();
     e.client
-        .create_inheriting(&e.runc_id, &e.bundle, RuncStdio::Fds(output), &inherit)
+        .create_inheriting(&e.runc_id, &e.bundle, RuncStdio::Fds(output), listening)
         .await
 }

@@ -73,6 +73,31 @@ pub struct Counts {
     pub fetches_refused: u64,
     /// Not kept, by reason.
     pub refused: HashMap<Refused, u64>,
+    /// Connections the runtime accepted (`shadow.dev/accept: runtime`).
+    pub accepted: u64,
+    /// Of those, handed to a serving engine through its hand-off socket.
+    pub handed: u64,
+}
+
+/// One engine as a recipient of connections: its slot and the serial of
+/// its hand-off sockets (a respawn of the slot is another recipient).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recipient {
+    pub slot: shadow_pair::SlotId,
+    pub serial: u64,
+}
+
+/// What [`FdStore::hand`] did with one accepted connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hand {
+    /// Sent to the recipient.
+    Sent,
+    /// Gone from the store, or someone's already: nothing to send.
+    Gone,
+    /// The recipient's socket has no room now.
+    Full,
+    /// The recipient's socket failed (the engine died): it gets no more.
+    Lost(nix::errno::Errno),
 }
 
 /// One stored descriptor.
@@ -108,6 +133,12 @@ pub struct FdStore {
     counts: Counts,
     /// Something changed since the publisher last looked.
     moved: bool,
+    /// The names of the connections the runtime accepted, and the engine
+    /// each was handed to (through its socket or a fetch), if any yet.
+    accepted: HashMap<String, Option<Recipient>>,
+    /// Signalled when descriptors leave the store: an acceptor that
+    /// stopped at the bound goes on.
+    room: Arc<tokio::sync::Notify>,
 }
 
 /// The store as the readers, the fetch servers, the spawner and the
@@ -177,6 +208,8 @@ impl FdStore {
             epoll,
             counts: Counts::default(),
             moved: false,
+            accepted: HashMap::new(),
+            room: Arc::new(tokio::sync::Notify::new()),
         })
     }
 
@@ -193,6 +226,8 @@ impl FdStore {
             fetched: c.fetched,
             fetches: c.fetches,
             fetches_refused: c.fetches_refused,
+            accepted: c.accepted,
+            handed: c.handed,
             refused: Refused::ALL
                 .iter()
                 .map(|r| {
@@ -286,8 +321,10 @@ impl FdStore {
             tokens.retain(|t| *t != token);
             if tokens.is_empty() {
                 self.by_name.remove(&e.name);
+                self.accepted.remove(&e.name);
             }
         }
+        self.room.notify_one();
         Some(unwatch(&self.epoll, e))
     }
 
@@ -298,6 +335,10 @@ impl FdStore {
             return Vec::new();
         };
         let tokens = self.by_name.remove(&name).unwrap_or_default();
+        self.accepted.remove(&name);
+        if !tokens.is_empty() {
+            self.room.notify_one();
+        }
         let (entries, epoll) = (&mut self.entries, &self.epoll);
         let gone: Vec<OwnedFd> = tokens
             .into_iter()
@@ -346,6 +387,122 @@ impl FdStore {
                 Ok(fd) => out.push((e.name.clone(), fd)),
                 Err(err) => log::warn!("fd store: copying {:?}: {err}", e.name),
             }
+        }
+        out
+    }
+
+    /// Whether one more descriptor fits.
+    pub fn has_room(&self) -> bool {
+        self.entries.len() < self.max
+    }
+
+    /// Signalled whenever descriptors leave the store.
+    pub fn room(&self) -> Arc<tokio::sync::Notify> {
+        self.room.clone()
+    }
+
+    /// Keeps `conn`, a connection the runtime accepted on listener
+    /// `index`, under a name of its own (`accepted.<index>.<token>`): its
+    /// token, or the connection back when the store is full. It is watched
+    /// for nothing until an engine has it ([`FdStore::hand`]).
+    pub fn accept(&mut self, index: usize, conn: OwnedFd) -> std::result::Result<u64, OwnedFd> {
+        if !self.has_room() {
+            return Err(conn);
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        let name = shadow_contract::handoff::accepted_name(index, token);
+        // An engine may have stored under this name already (a guess of
+        // the next token): its descriptors stay with it, under one name.
+        self.by_name.entry(name.clone()).or_default().push(token);
+        self.accepted.insert(name.clone(), None);
+        self.entries.insert(
+            token,
+            Entry {
+                name,
+                fd: conn,
+                polled: false,
+            },
+        );
+        self.counts.stored += 1;
+        self.counts.accepted += 1;
+        Ok(token)
+    }
+
+    /// Hands the accepted connection of `token` to `who` through `send`
+    /// (given its name and descriptor; it must not block), unless it left
+    /// the store or is someone's already.
+    pub fn hand(
+        &mut self,
+        token: u64,
+        who: Recipient,
+        send: impl FnOnce(&str, BorrowedFd<'_>) -> nix::Result<()>,
+    ) -> Hand {
+        let Some(e) = self.entries.get(&token) else {
+            return Hand::Gone;
+        };
+        if !matches!(self.accepted.get(&e.name), Some(None)) {
+            return Hand::Gone;
+        }
+        match send(&e.name, e.fd.as_fd()) {
+            Ok(()) => {
+                let name = e.name.clone();
+                self.mark_handed(&name, who);
+                self.counts.handed += 1;
+                Hand::Sent
+            }
+            Err(nix::errno::Errno::EAGAIN) => Hand::Full,
+            Err(e) => Hand::Lost(e),
+        }
+    }
+
+    /// `name` (an accepted connection) is `who`'s now. From then on the
+    /// store lets it go when its client closes its side (`EPOLLRDHUP`): an
+    /// engine that never removes what it was handed cannot fill the store.
+    fn mark_handed(&mut self, name: &str, who: Recipient) {
+        let Some(slot) = self.accepted.get_mut(name) else {
+            return;
+        };
+        let first = slot.is_none();
+        *slot = Some(who);
+        if !first {
+            return;
+        }
+        for token in self.by_name.get(name).cloned().unwrap_or_default() {
+            if let Some(e) = self.entries.get_mut(&token) {
+                if !e.polled && kind_of(e.fd.as_fd()) == Kind::Socket {
+                    e.polled = self
+                        .epoll
+                        .add(&e.fd, EpollEvent::new(EpollFlags::EPOLLRDHUP, token))
+                        .is_ok();
+                }
+            }
+        }
+    }
+
+    /// A fetch's copies for `who`: every descriptor but those under the
+    /// name of a connection handed to `who` itself (it has them already);
+    /// every accepted connection is `who`'s from then on.
+    pub fn copies_for(&mut self, who: Option<Recipient>) -> Vec<(String, OwnedFd)> {
+        let Some(who) = who else {
+            return self.copies();
+        };
+        let mine = |accepted: &HashMap<String, Option<Recipient>>, name: &str| {
+            accepted.get(name).is_some_and(|r| *r == Some(who))
+        };
+        let mut out = Vec::with_capacity(self.entries.len());
+        for e in self.entries.values() {
+            if mine(&self.accepted, &e.name) {
+                continue;
+            }
+            match e.fd.try_clone() {
+                Ok(fd) => out.push((e.name.clone(), fd)),
+                Err(err) => log::warn!("fd store: copying {:?}: {err}", e.name),
+            }
+        }
+        let names: Vec<String> = self.accepted.keys().cloned().collect();
+        for name in names {
+            self.mark_handed(&name, who);
         }
         out
     }
@@ -445,6 +602,100 @@ mod tests {
         let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (s, _) = l.accept().unwrap();
         (s, c)
+    }
+
+    /// Connections the runtime accepted: handed once, never to the same
+    /// engine again by its fetch, passed on whole to the engine that
+    /// fetches next, and out of the store (name and all) by a remove.
+    #[test]
+    fn accepted_connections_go_to_one_engine_at_a_time() {
+        use shadow_pair::SlotId;
+        let a = Recipient {
+            slot: SlotId::ZERO,
+            serial: 1,
+        };
+        let b = Recipient {
+            slot: SlotId::ONE,
+            serial: 2,
+        };
+        let mut st = FdStore::new(3).unwrap();
+        let (s1, _c1) = tcp_pair();
+        let (s2, _c2) = tcp_pair();
+        let t1 = st.accept(0, OwnedFd::from(s1)).unwrap();
+        let t2 = st.accept(0, OwnedFd::from(s2)).unwrap();
+        let n1 = shadow_contract::handoff::accepted_name(0, t1);
+        let mut sent = Vec::new();
+        let out = st.hand(t1, a, |name, _| {
+            sent.push(name.to_string());
+            Ok(())
+        });
+        assert_eq!(out, Hand::Sent);
+        assert_eq!(sent, [n1.clone()]);
+        // Handed already: not again, to anyone.
+        assert_eq!(st.hand(t1, b, |_, _| Ok(())), Hand::Gone);
+        // A full socket, a dead one: nothing changes hands.
+        assert_eq!(
+            st.hand(t2, a, |_, _| Err(nix::errno::Errno::EAGAIN)),
+            Hand::Full
+        );
+        assert_eq!(
+            st.hand(t2, a, |_, _| Err(nix::errno::Errno::EPIPE)),
+            Hand::Lost(nix::errno::Errno::EPIPE)
+        );
+        // A's state memfd beside its connection; one descriptor left room.
+        let kept = st.store(
+            format!("FDSTORE=1\nFDNAME={n1}\n").as_bytes(),
+            vec![memfd("m")],
+        );
+        assert_eq!(kept.kept, 1);
+        assert!(!st.has_room());
+        let (s3, _c3) = tcp_pair();
+        assert!(
+            st.accept(0, OwnedFd::from(s3)).is_err(),
+            "a full store takes none"
+        );
+        // A fetch by A leaves out what A has: connection and memfd.
+        let names: Vec<String> = st.copies_for(Some(a)).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, [shadow_contract::handoff::accepted_name(0, t2)]);
+        // B (A died) gets everything, and everything is B's then.
+        let names: Vec<String> = st.copies_for(Some(b)).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names.len(), 3);
+        assert_eq!(st.hand(t2, a, |_, _| Ok(())), Hand::Gone);
+        assert!(st.copies_for(Some(b)).is_empty());
+        // A remove by name takes both of its descriptors, and makes room.
+        let gone = st.remove(format!("FDSTOREREMOVE=1\nFDNAME={n1}\n").as_bytes());
+        assert_eq!(gone.len(), 2);
+        assert!(st.has_room());
+        let s = st.status();
+        assert_eq!((s.fds, s.accepted, s.handed), (1, 2, 1));
+        release_now(gone);
+    }
+
+    /// A handed connection whose client closed its side leaves the store
+    /// (an engine that never removes it cannot fill the store); one handed
+    /// to nobody yet stays, its request still to be answered.
+    #[test]
+    fn a_handed_connection_goes_when_its_client_closes() {
+        let mut st = FdStore::new(8).unwrap();
+        let (s1, c1) = tcp_pair();
+        let (s2, c2) = tcp_pair();
+        let t1 = st.accept(0, OwnedFd::from(s1)).unwrap();
+        st.accept(0, OwnedFd::from(s2)).unwrap();
+        let who = Recipient {
+            slot: shadow_pair::SlotId::ZERO,
+            serial: 1,
+        };
+        assert_eq!(st.hand(t1, who, |_, _| Ok(())), Hand::Sent);
+        drop((c1, c2));
+        let gone = shadow_wait::until(
+            "the closed handed connection let go",
+            std::time::Duration::from_secs(5),
+            std::time::Duration::from_millis(2),
+            || Some(st.hung_up()).filter(|g| !g.is_empty()),
+        );
+        assert_eq!(gone.len(), 1);
+        assert_eq!(st.status().fds, 1, "the one handed to nobody stays");
+        release_now(gone);
     }
 
     #[test]

@@ -32,6 +32,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::fdstore::{self, Shared};
+use super::handoff::Handoff;
 use super::host::Host;
 use super::input::Inputs;
 use super::lock::LockSeen;
@@ -83,6 +84,9 @@ pub struct Fetchers {
     pub notify: Vec<Arc<NotifySocket>>,
     /// To nudge the supervisor when the store's figures moved.
     pub tx: Inputs,
+    /// With `shadow.dev/accept: runtime`: the fetcher serves from now on,
+    /// and is not given again what it was handed.
+    pub handoff: Option<Arc<Handoff>>,
 }
 
 impl Fetchers {
@@ -217,6 +221,11 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
         refuse(conn, &why).await;
         return;
     }
+    // The lock holder serves: new connections go to it at once.
+    let who = shared.handoff.as_ref().and_then(|h| {
+        h.serve(slot);
+        h.recipient(slot)
+    });
     // Everything sent to the notify sockets before this fetch is in the
     // store once each socket has been seen with nothing unread.
     let asked = Instant::now();
@@ -232,7 +241,7 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
         tokio::time::sleep(DRAIN_LOOK).await;
     }
     let drained = asked.elapsed();
-    let copies = fdstore::lock(&shared.store).copies();
+    let copies = fdstore::lock(&shared.store).copies_for(who);
     let total = copies.len();
     // SAFETY: as in `refuse`: the AsyncFd owns the connection until
     // `into_inner`.

@@ -6,7 +6,7 @@
 //! tests use a fake, so the order races of a failover run without root.
 
 use std::future::Future;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use super::engine::{create_engine, run_engine, EngineSlot, SharedOutput};
 use super::fdstore;
+use super::handoff::Handoff;
 use super::listen::ListenSockets;
 use super::lock::{self, LockLook};
 use super::notify::{close_off_runtime, release_now, Close};
@@ -73,6 +74,11 @@ pub trait Host: Send + Sync + 'static {
     /// The pair is gone: close what it listened on, so that clients are
     /// refused rather than queued behind engines that will not come.
     fn close_listen(&self);
+    /// The runtime's acceptors and hand-off sockets
+    /// (`shadow.dev/accept: runtime`), if the pair has them.
+    fn handoff(&self) -> Option<Arc<Handoff>> {
+        None
+    }
 }
 
 /// Where the unified cgroup hierarchy is mounted (engine cgroup paths are
@@ -123,6 +129,9 @@ pub struct Machine {
     /// The `LISTEN_FDNAMES` each slot's bundle says now (`None`: as Create
     /// wrote it, the listening sockets only).
     inherited: std::sync::Mutex<Vec<Option<Vec<String>>>>,
+    /// With `shadow.dev/accept: runtime`: each engine gets hand-off
+    /// sockets in place of the listening sockets.
+    handoff: Option<Arc<Handoff>>,
 }
 
 /// The longest `LISTEN_FDNAMES` an engine is started with: one environment
@@ -152,6 +161,23 @@ impl Machine {
             held: std::sync::Mutex::new(held),
             fdstore: None,
             inherited: std::sync::Mutex::new(vec![None; engines_len]),
+            handoff: None,
+        }
+    }
+
+    /// Hands every engine started from now on its own hand-off sockets.
+    pub fn with_handoff(mut self, handoff: Option<Arc<Handoff>>) -> Self {
+        self.handoff = handoff;
+        self
+    }
+
+    /// What `slot`'s next engine gets as descriptors 3..: the pair's
+    /// listening sockets, or fresh hand-off sockets of its own.
+    fn listening_for(&self, slot: SlotId, listen: Option<&ListenSockets>) -> Result<Vec<OwnedFd>> {
+        match (&self.handoff, listen) {
+            (Some(h), Some(_)) => h.ends_for(slot),
+            (_, Some(l)) => l.copies(),
+            (_, None) => Ok(Vec::new()),
         }
     }
 
@@ -254,7 +280,12 @@ impl Host for Machine {
     async fn create(&self, slot: SlotId) -> Result<u32> {
         let e = &self.engines[slot.index()];
         let listen = self.listen();
-        match create_engine(e, self.output.clone(), listen.as_deref()).await {
+        let listening = self.listening_for(slot, listen.as_deref())?;
+        let fds: Vec<BorrowedFd<'_>> = listening.iter().map(AsFd::as_fd).collect();
+        let created = create_engine(e, self.output.clone(), &fds).await;
+        drop(fds);
+        close_off_runtime(listening, Close::Release).await;
+        match created {
             Ok(pid) => {
                 self.held()[slot.index()] = Held::Created(pid);
                 Ok(pid)
@@ -280,14 +311,15 @@ impl Host for Machine {
             l.repair();
         }
         let fresh = held == Held::Nothing;
+        let listening = self.listening_for(slot, listen.as_deref())?;
         let stored = self.stored_for_start(slot, listen.as_deref());
-        let started = run_engine(e, self.output.clone(), fresh, listen.as_deref(), &stored).await;
+        let fds: Vec<BorrowedFd<'_>> = listening.iter().map(AsFd::as_fd).collect();
+        let started = run_engine(e, self.output.clone(), fresh, &fds, &stored).await;
+        drop(fds);
         // Our copies: the engine has its own (or never started).
-        close_off_runtime(
-            stored.into_iter().map(|(_, fd)| fd).collect(),
-            Close::Release,
-        )
-        .await;
+        let mut ours: Vec<OwnedFd> = stored.into_iter().map(|(_, fd)| fd).collect();
+        ours.extend(listening);
+        close_off_runtime(ours, Close::Release).await;
         started
     }
 
@@ -385,7 +417,14 @@ impl Host for Machine {
     }
 
     fn close_listen(&self) {
+        if let Some(h) = &self.handoff {
+            h.stop();
+        }
         drop(self.listen.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+
+    fn handoff(&self) -> Option<Arc<Handoff>> {
+        self.handoff.clone()
     }
 }
 

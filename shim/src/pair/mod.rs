@@ -18,6 +18,7 @@ pub mod fdstore;
 pub mod fetch;
 pub mod gms;
 pub mod gpus;
+pub mod handoff;
 pub mod host;
 pub mod input;
 pub mod leftovers;

@@ -46,6 +46,10 @@ pub struct EngineInputs<'a> {
     /// ([`paths::slot_fdstore_file`]) is bound at [`paths::FDSTORE_SOCKET`]
     /// and named in `SHADOW_FDSTORE_SOCKET`.
     pub fdstore: bool,
+    /// The runtime accepts the connections (`shadow.dev/accept: runtime`):
+    /// `SHADOW_ACCEPT=runtime`, and the descriptors under the listening
+    /// sockets' names are hand-off sockets.
+    pub accept_runtime: bool,
 }
 
 /// Whether an engine of this spec has no PID namespace of its own (the
@@ -285,6 +289,12 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
     }
     if !e.listen_names.is_empty() {
         ours.extend(shadow_contract::listen::env_entries(e.listen_names));
+        if e.accept_runtime {
+            ours.push(env::entry(
+                env::ACCEPT,
+                shadow_contract::handoff::Accept::Runtime.as_str(),
+            ));
+        }
     }
     if let Some(w) = e.watchdog {
         ours.push(env::entry(env::WATCHDOG_USEC, w.as_micros()));
@@ -428,6 +438,7 @@ mod tests {
             listen_mounts: &[],
             watchdog: None,
             fdstore: false,
+            accept_runtime: false,
         }
     }
 

@@ -37,7 +37,11 @@
 //! stores every connection it accepts until it has answered it
 //! (`--resume`), so no request may go unanswered through any of it: a
 //! client waits in the backlog while no engine serves, and what a dying
-//! engine accepted is answered by the next. `--lossy` runs it as before
+//! engine accepted is answered by the next. The shim accepts
+//! (`shadow.dev/accept: runtime`), so a connection is in the store from
+//! the moment it exists; `--accept engine` has the test engine accept and
+//! store each one itself (a kill between the two loses that connection).
+//! `--lossy` runs it as before
 //! (engines on their own port, nothing stored), where refused and cut
 //! requests are only counted.
 //!
@@ -47,7 +51,7 @@
 //! stay under `max_consecutive_failures`.
 
 use clap::Parser;
-use shadow_contract::annotations::{LISTEN, SHADOWS, WATCHDOG};
+use shadow_contract::annotations::{ACCEPT, LISTEN, SHADOWS, WATCHDOG};
 use shadow_contract::state::{HangCause, PairState};
 use shadow_tests::bench::{profile, signal};
 use shadow_tests::pair::{ask, free_port, shim_pid, until, PairEnv};
@@ -107,6 +111,10 @@ struct Cli {
     /// requests are then only counted, not failures).
     #[arg(long)]
     lossy: bool,
+    /// Who accepts the pair's connections (`shadow.dev/accept`): `runtime`
+    /// or `engine`.
+    #[arg(long, default_value = "runtime")]
+    accept: String,
 }
 
 const LONG: Duration = Duration::from_secs(60);
@@ -438,6 +446,7 @@ fn main() {
     let mut cmd = vec!["/bin/test-engine", "--port", &port_s];
     if !cli.lossy {
         annotations.push((LISTEN, listen.as_str()));
+        annotations.push((ACCEPT, cli.accept.as_str()));
         cmd.push("--resume");
     }
     let ctr = env
@@ -655,7 +664,7 @@ fn main() {
         tally.lost[Lost::Refused as usize].load(Ordering::Relaxed),
         tally.lost[Lost::Cut as usize].load(Ordering::Relaxed),
         tally.lost[Lost::Timeout as usize].load(Ordering::Relaxed),
-        if cli.lossy { " (--lossy: engines on their own port, no store)" } else { " (the pair's socket, every accepted connection stored until answered)" }
+        if cli.lossy { " (--lossy: engines on their own port, no store)".to_string() } else { format!(" (the pair's socket, every accepted connection stored until answered; accepted by the {})", cli.accept) }
     );
     println!("weights loaded {loads} times (1 + {gmsd_killed} gmsd kills expected)");
     println!(

@@ -47,7 +47,10 @@
 //! inherited=<descriptors of the store it got at its start>`. With
 //! `--resume` it stores each connection it accepts until it has answered
 //! it, and once active answers every connection the dead engine stored and
-//! had not answered (the socket tells: `fdstore::bytes_written`).
+//! had not answered (the socket tells: `fdstore::bytes_written`). When
+//! the runtime accepts (`SHADOW_ACCEPT=runtime`) it reads connections from
+//! its hand-off socket instead, stores nothing itself, removes each once
+//! answered, and resumes as with `--resume` (`listen=handed`).
 //!
 //! Flags: `--port N`, `--no-notify` (lock only), `--crash CODE` (exit with
 //! CODE right after start), `--weights-mib N`, `--seed N` (`--help`).
@@ -134,12 +137,14 @@ struct Memo {
     _fd: Option<OwnedFd>,
 }
 
-/// Answers one connection with `line`. With a name (`--resume`) the
-/// connection is stored first, under it, and removed once answered: the
-/// write side shut down first, so the client sees the end at once.
-fn answer(mut c: std::net::TcpStream, line: &str, name: Option<String>) {
+/// Answers one connection with `line`. With a name (`--resume`, or a
+/// connection the runtime handed over) the connection is stored under it
+/// first (unless `stored` already: the runtime's), and removed once
+/// answered: the write side shut down first, so the client sees the end
+/// at once.
+fn answer(mut c: std::net::TcpStream, line: &str, name: Option<String>, stored: bool) {
     use std::os::fd::AsFd;
-    if let Some(name) = &name {
+    if let Some(name) = name.as_ref().filter(|_| !stored) {
         // FDPOLL=0: removed once answered (no hang-up watch needed).
         if let Err(e) = shadow_contract::fdstore::store(&[c.as_fd()], name, false) {
             eprintln!("test-engine: storing {name}: {e}");
@@ -153,12 +158,16 @@ fn answer(mut c: std::net::TcpStream, line: &str, name: Option<String>) {
 }
 
 /// `--resume`, once the engine holds the lock: every connection the dead
-/// engine stored (`c-…`) and had not answered (the socket says no byte of
+/// engine stored (`c-…`), or the runtime accepted and this engine was not
+/// handed (`accepted.…`), and had not answered (the socket says no byte of
 /// the line was written) gets this engine's line; every one is removed.
 fn answer_stored(found: Vec<shadow_contract::fdstore::Stored>, line: &str) {
     use std::os::fd::AsFd;
     let (mut answered, mut done) = (0, 0);
-    for s in found.into_iter().filter(|s| s.name.starts_with("c-")) {
+    for s in found
+        .into_iter()
+        .filter(|s| s.name.starts_with("c-") || shadow_contract::handoff::is_accepted_name(&s.name))
+    {
         let mut c = std::net::TcpStream::from(s.fd);
         if shadow_contract::fdstore::bytes_written(c.as_fd()).is_ok_and(|n| n == 0) {
             let _ = c.write_all(line.as_bytes());
@@ -509,6 +518,10 @@ fn main() {
         memo: keep_memo,
         resume,
     } = Cli::parse();
+    // Handed its connections: the fetch once active is what makes it the
+    // one they go to, and what the dead engine was handed is its own.
+    let handed = shadow_contract::handoff::enabled();
+    let resume = resume || handed;
     if let Some(r) = rank {
         run_rank(r);
     }
@@ -576,7 +589,9 @@ fn main() {
         stored
     };
     let inherited = inherited.into_iter().next();
-    let listen_kind = if inherited.is_some() {
+    let listen_kind = if inherited.is_some() && handed {
+        "handed"
+    } else if inherited.is_some() {
         "inherited"
     } else {
         "own"
@@ -717,9 +732,24 @@ fn main() {
             .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
             .collect();
         if ready[0] {
-            if let Ok((c, _)) = listener.accept() {
+            if handed {
+                // Already in the store, under the runtime's name.
+                match shadow_contract::handoff::receive(listener.as_fd()) {
+                    Ok(Some(h)) => {
+                        served += 1;
+                        answer(std::net::TcpStream::from(h.conn), &line, Some(h.name), true);
+                    }
+                    Ok(None) => fail("the hand-off socket", "closed by the runtime"),
+                    Err(e) => eprintln!("test-engine: a hand-off: {e}"),
+                }
+            } else if let Ok((c, _)) = listener.accept() {
                 served += 1;
-                answer(c, &line, resume.then(|| format!("c-{boot}-{served}")));
+                answer(
+                    c,
+                    &line,
+                    resume.then(|| format!("c-{boot}-{served}")),
+                    false,
+                );
             }
         }
         if ready.get(1) == Some(&true) {

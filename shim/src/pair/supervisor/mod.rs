@@ -192,6 +192,9 @@ pub struct Supervisor {
     start_timeout: Duration,
     /// When `/proc/locks` was last polled.
     lock_polled: Instant,
+    /// The active engine the hand-off last heard of
+    /// (`shadow.dev/accept: runtime`).
+    handed_to: Option<SlotId>,
 }
 
 impl Supervisor {
@@ -263,6 +266,7 @@ impl Supervisor {
             probing,
             start_timeout: p.hang.start_timeout,
             lock_polled: now,
+            handed_to: None,
         }
     }
 
@@ -315,6 +319,7 @@ impl Supervisor {
             };
             self.carry_out(actions).await;
             if self.phase == Phase::Running {
+                self.tell_handoff();
                 self.schedule_probe();
                 self.publish(false);
             }
@@ -340,6 +345,11 @@ impl Supervisor {
             }
             if let (Some(store), Some(fetch)) = (&self.fdstore, self.fetch.take()) {
                 self.observe_fdstore(store.clone(), fetch, socks);
+            }
+            if let Some(h) = self.host.handoff() {
+                if let Err(e) = h.start(&self.tx) {
+                    log::error!("pair {}: the runtime does not accept: {e}", self.id);
+                }
             }
         }
         if let Some(path) = self.lock_path.take() {
@@ -377,6 +387,7 @@ impl Supervisor {
             host: self.host.clone(),
             notify,
             tx: self.tx.clone(),
+            handoff: self.host.handoff(),
         });
         for (slot, sock) in self.pair.slot_ids().zip(fetch) {
             match fetch::serve(slot, sock, fetchers.clone()) {
@@ -661,6 +672,19 @@ impl Supervisor {
             reports: g.cached_statuses(),
             figures: g.figures(),
         })
+    }
+
+    /// Connections go to the active engine: the hand-off hears of each
+    /// change of it.
+    fn tell_handoff(&mut self) {
+        let now = self.pair.active();
+        if now == self.handed_to {
+            return;
+        }
+        if let Some(h) = self.host.handoff() {
+            h.active_changed(self.handed_to, now);
+        }
+        self.handed_to = now;
     }
 
     fn publish(&mut self, force: bool) {

@@ -1,0 +1,403 @@
+//! The runtime accepts (`shadow.dev/accept: runtime`): an engine that
+//! accepts a connection and is killed before its `FDSTORE=1` takes that
+//! connection with it, so here the shim accepts on the pair's listening
+//! sockets itself, puts each connection in the fd store the moment it
+//! exists, and hands it to the serving engine through a hand-off socket of
+//! that engine's own (the protocol is `shadow_contract::handoff`'s).
+//!
+//! The shim touches a connection once, at its accept: it never reads,
+//! writes or waits on it, and an engine that does not read its hand-off
+//! socket only stops its own connections from coming (they wait in the
+//! store, bounded by `shadow.dev/fdstore-max`, then in the kernel's
+//! backlog). Who serves is said by the supervisor (the active engine) and
+//! by a fetch the lock holder made; an engine is handed connections only
+//! from then on, and a respawn of its slot is another engine, handed
+//! nothing until it serves. What was handed to an engine that died is the
+//! next one's through its fetch (`FdStore::copies_for`).
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use nix::sys::socket::{
+    accept4, sendmsg, socketpair, AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType,
+};
+use shadow_pair::SlotId;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::fdstore::{self, Hand, Recipient, Shared};
+use super::input::Inputs;
+use crate::error::{Error, Result};
+
+/// Connections accepted in one go before the hand-offs and the rest of the
+/// runtime get their turn.
+const ACCEPT_BATCH: usize = 64;
+
+/// One engine's hand-off sockets (the shim's ends), one per listener.
+struct Ends {
+    serial: u64,
+    socks: Vec<Arc<AsyncFd<OwnedFd>>>,
+}
+
+/// Who is handed connections now.
+struct Targets {
+    serving: Option<SlotId>,
+    /// Per slot: its current engine's ends.
+    ends: Vec<Option<Ends>>,
+    next_serial: u64,
+}
+
+/// The pair's acceptors and hand-off sockets; see the module doc.
+pub struct Handoff {
+    id: String,
+    store: Shared,
+    listeners: usize,
+    targets: Mutex<Targets>,
+    /// Bumped whenever who serves, or an engine's sockets, change.
+    changed: watch::Sender<u64>,
+    /// Copies of the pair's listening sockets, until the acceptors start.
+    listening: Mutex<Vec<OwnedFd>>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Handoff {
+    /// For a pair with `slots` engines, accepting on `listening` (copies
+    /// of its listening sockets, in their order) once started.
+    pub fn new(id: &str, store: Shared, listening: Vec<OwnedFd>, slots: usize) -> Arc<Self> {
+        let (changed, _) = watch::channel(0);
+        Arc::new(Handoff {
+            id: id.to_owned(),
+            store,
+            listeners: listening.len(),
+            listening: Mutex::new(listening),
+            targets: Mutex::new(Targets {
+                serving: None,
+                ends: (0..slots).map(|_| None).collect(),
+                next_serial: 1,
+            }),
+            changed,
+            tasks: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn targets(&self) -> MutexGuard<'_, Targets> {
+        self.targets.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Starts accepting (once; the pair started), until [`Handoff::stop`];
+    /// `tx` hears when the store's figures moved.
+    pub fn start(self: &Arc<Self>, tx: &Inputs) -> Result<()> {
+        let listening =
+            std::mem::take(&mut *self.listening.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        for (index, fd) in listening.into_iter().enumerate() {
+            // This copy's open file is the pair's one listening socket, and
+            // no engine has it in this mode: non-blocking is the shim's own.
+            let flags = fcntl(&fd, FcntlArg::F_GETFL)
+                .map_err(|e| Error::sys("fcntl(F_GETFL) of a listening socket", e))?;
+            fcntl(
+                &fd,
+                FcntlArg::F_SETFL(OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK),
+            )
+            .map_err(|e| Error::sys("fcntl(O_NONBLOCK) of a listening socket", e))?;
+            // SAFETY: the AsyncFd owns `fd` (an OwnedFd) and neither closes
+            // nor replaces it while registered.
+            let listener = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
+                .map_err(|e| Error::io("watching a listening socket", e.into()))?;
+            tasks.push(tokio::spawn(accept_and_hand(
+                self.clone(),
+                index,
+                listener,
+                tx.clone(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// The pair ended: no more accepts, every hand-off socket closed.
+    pub fn stop(&self) {
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+        let mut t = self.targets();
+        t.serving = None;
+        for e in &mut t.ends {
+            *e = None;
+        }
+    }
+
+    /// A new engine of `slot` starts: its ends of fresh hand-off sockets,
+    /// one per listener, for its `LISTEN_FDS` (blocking, as engines
+    /// expect); the shim's ends replace the slot's previous engine's. The
+    /// new engine serves only once it is said to.
+    pub fn ends_for(&self, slot: SlotId) -> Result<Vec<OwnedFd>> {
+        let mut theirs = Vec::with_capacity(self.listeners);
+        let mut ours = Vec::with_capacity(self.listeners);
+        for _ in 0..self.listeners {
+            let (mine, engine) = socketpair(
+                AddressFamily::Unix,
+                SockType::SeqPacket,
+                None,
+                SockFlag::SOCK_CLOEXEC,
+            )
+            .map_err(|e| Error::sys("socketpair(AF_UNIX, SOCK_SEQPACKET) for a hand-off", e))?;
+            let flags = fcntl(&mine, FcntlArg::F_GETFL)
+                .map_err(|e| Error::sys("fcntl(F_GETFL) of a hand-off socket", e))?;
+            fcntl(
+                &mine,
+                FcntlArg::F_SETFL(OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK),
+            )
+            .map_err(|e| Error::sys("fcntl(O_NONBLOCK) of a hand-off socket", e))?;
+            // SAFETY: the AsyncFd owns `mine` (an OwnedFd) and neither
+            // closes nor replaces it while registered.
+            let mine = unsafe { AsyncFd::register_with_interest(mine, Interest::WRITABLE) }
+                .map_err(|e| Error::io("watching a hand-off socket", e.into()))?;
+            ours.push(Arc::new(mine));
+            theirs.push(engine);
+        }
+        {
+            let mut t = self.targets();
+            let serial = t.next_serial;
+            t.next_serial += 1;
+            t.ends[slot.index()] = Some(Ends {
+                serial,
+                socks: ours,
+            });
+            if t.serving == Some(slot) {
+                t.serving = None;
+            }
+        }
+        self.bump();
+        Ok(theirs)
+    }
+
+    /// `slot`'s engine serves: it is handed what was accepted from now on
+    /// (and what waits).
+    pub fn serve(&self, slot: SlotId) {
+        let moved = {
+            let mut t = self.targets();
+            let moved = t.serving != Some(slot);
+            t.serving = Some(slot);
+            moved
+        };
+        if moved {
+            log::debug!("pair {}: connections go to slot {slot}", self.id);
+            self.bump();
+        }
+    }
+
+    /// The supervisor's active engine went from `was` to `now`: a new one
+    /// serves; none (the active died) stops the hand-offs, unless a fetch
+    /// made another one serve meanwhile.
+    pub fn active_changed(&self, was: Option<SlotId>, now: Option<SlotId>) {
+        match now {
+            Some(slot) => self.serve(slot),
+            None => {
+                let moved = {
+                    let mut t = self.targets();
+                    let moved = t.serving.is_some() && t.serving == was;
+                    if moved {
+                        t.serving = None;
+                    }
+                    moved
+                };
+                if moved {
+                    self.bump();
+                }
+            }
+        }
+    }
+
+    /// The engine now running in `slot`, as a recipient.
+    pub fn recipient(&self, slot: SlotId) -> Option<Recipient> {
+        let t = self.targets();
+        t.ends[slot.index()].as_ref().map(|e| Recipient {
+            slot,
+            serial: e.serial,
+        })
+    }
+
+    /// Whom listener `index`'s connections go to now, and through what.
+    fn current(&self, index: usize) -> Option<(Recipient, Arc<AsyncFd<OwnedFd>>)> {
+        let t = self.targets();
+        let slot = t.serving?;
+        let e = t.ends[slot.index()].as_ref()?;
+        Some((
+            Recipient {
+                slot,
+                serial: e.serial,
+            },
+            e.socks.get(index)?.clone(),
+        ))
+    }
+
+    /// A send to `who` failed for good: it died, and is handed no more.
+    fn lost(&self, who: Recipient) {
+        {
+            let mut t = self.targets();
+            let i = who.slot.index();
+            if t.ends[i].as_ref().is_some_and(|e| e.serial == who.serial) {
+                t.ends[i] = None;
+                if t.serving == Some(who.slot) {
+                    t.serving = None;
+                }
+            }
+        }
+        self.bump();
+    }
+
+    /// Hands what waits on listener `index`, in order, while there is a
+    /// recipient with room; the socket that had none, to wait on.
+    fn hand_waiting(
+        &self,
+        index: usize,
+        waiting: &mut VecDeque<u64>,
+        tx: &Inputs,
+    ) -> Option<Arc<AsyncFd<OwnedFd>>> {
+        while let Some(&token) = waiting.front() {
+            let (who, sock) = self.current(index)?;
+            let sent = {
+                let mut st = fdstore::lock(&self.store);
+                let out = st.hand(token, who, |name, conn| {
+                    send(sock.get_ref().as_fd(), name, conn)
+                });
+                (out, matches!(out, Hand::Sent) && st.touch())
+            };
+            match sent {
+                (Hand::Sent, first) => {
+                    waiting.pop_front();
+                    if first {
+                        fdstore::nudge(tx);
+                    }
+                }
+                (Hand::Gone, _) => {
+                    waiting.pop_front();
+                }
+                (Hand::Full, _) => return Some(sock),
+                (Hand::Lost(e), _) => {
+                    log::info!(
+                        "pair {}: the hand-off socket of slot {}'s engine: {e}: it is handed no more",
+                        self.id,
+                        who.slot
+                    );
+                    self.lost(who);
+                }
+            }
+        }
+        None
+    }
+}
+
+/// One packet on a hand-off socket, never waiting.
+fn send(sock: BorrowedFd<'_>, name: &str, conn: BorrowedFd<'_>) -> nix::Result<()> {
+    let text = shadow_contract::handoff::packet(name);
+    let fds = [conn.as_raw_fd()];
+    sendmsg::<()>(
+        sock.as_raw_fd(),
+        &[IoSlice::new(text.as_bytes())],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map(|_| ())
+}
+
+/// Listener `index`'s loop: accept while the store has room, keep each
+/// connection there, hand it on to whoever serves.
+async fn accept_and_hand(h: Arc<Handoff>, index: usize, listener: AsyncFd<OwnedFd>, tx: Inputs) {
+    let mut changed = h.changed.subscribe();
+    let room = fdstore::lock(&h.store).room();
+    let mut waiting: VecDeque<u64> = VecDeque::new();
+    loop {
+        let blocked = h.hand_waiting(index, &mut waiting, &tx);
+        let has_room = fdstore::lock(&h.store).has_room();
+        tokio::select! {
+            ready = listener.readable(), if has_room => {
+                let Ok(mut ready) = ready else {
+                    log::warn!("pair {}: listening socket {index} is no longer watched", h.id);
+                    return;
+                };
+                if accept_some(&h, index, listener.get_ref().as_fd(), &mut waiting, &tx) {
+                    ready.clear_ready();
+                }
+            }
+            seen = changed.changed() => {
+                if seen.is_err() {
+                    return;
+                }
+            }
+            ready = writable(blocked.as_deref()), if blocked.is_some() => {
+                if let Some(mut ready) = ready {
+                    ready.clear_ready();
+                }
+            }
+            _ = room.notified(), if !has_room => {}
+        }
+    }
+}
+
+async fn writable(
+    sock: Option<&AsyncFd<OwnedFd>>,
+) -> Option<tokio::io::unix::AsyncFdReadyGuard<'_, OwnedFd>> {
+    sock?.writable().await.ok()
+}
+
+/// Accepts up to [`ACCEPT_BATCH`] connections into the store: whether the
+/// listener has none left (its readiness is spent). Each accept happens
+/// under the store's lock, once it has room: a connection is never taken
+/// from the backlog without a place in the store.
+fn accept_some(
+    h: &Handoff,
+    index: usize,
+    listener: BorrowedFd<'_>,
+    waiting: &mut VecDeque<u64>,
+    tx: &Inputs,
+) -> bool {
+    for _ in 0..ACCEPT_BATCH {
+        let (kept, first) = {
+            let mut st = fdstore::lock(&h.store);
+            if !st.has_room() {
+                return false;
+            }
+            // Blocking and close-on-exec: the engine that is handed it
+            // gets the connection as its own accept would have made it.
+            let conn = match accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
+                // SAFETY: accept4 just returned this descriptor; it is
+                // owned here and nowhere else.
+                Ok(raw) => unsafe { OwnedFd::from_raw_fd(raw) },
+                Err(nix::errno::Errno::EAGAIN) => return true,
+                Err(nix::errno::Errno::EINTR | nix::errno::Errno::ECONNABORTED) => continue,
+                // Out of descriptors, or memory: this round ends; the
+                // next readiness tries again.
+                Err(e) => {
+                    log::warn!("pair {}: accept on listening socket {index}: {e}", h.id);
+                    return true;
+                }
+            };
+            (st.accept(index, conn), st.touch())
+        };
+        match kept {
+            Ok(token) => waiting.push_back(token),
+            // Room was there under the same lock.
+            Err(_) => return false,
+        }
+        if first {
+            fdstore::nudge(tx);
+        }
+    }
+    false
+}
