@@ -630,7 +630,7 @@ mod tests {
             Ok(())
         });
         assert_eq!(out, Hand::Sent);
-        assert_eq!(sent, [n1.clone()]);
+        assert_eq!(sent, std::slice::from_ref(&n1));
         // Handed already: not again, to anyone.
         assert_eq!(st.hand(t1, b, |_, _| Ok(())), Hand::Gone);
         // A full socket, a dead one: nothing changes hands.
