@@ -8,7 +8,11 @@ and the engine only plugs its ``generate`` into it.
 
 Every connection is stored the moment it is accepted, together with a
 memfd of its resume state, both under one name (``c-<boot>-<n>``); it is
-removed once its answer is written. The state is this engine's own format:
+removed once its answer is written. When the runtime accepts
+(``shadow.dev/accept: runtime``) the connection is in the store before this
+engine has it, under the runtime's name (``accepted.<listener>.<n>``), and
+only the state memfd is stored beside it. The state is this engine's own
+format:
 
     offset size
      0      8   magic b"SHDWTRCH"
@@ -49,6 +53,8 @@ import stat
 import struct
 import time
 import uuid
+
+from shadow_gms import is_accepted_name
 
 MAGIC = b"SHDWTRCH"
 VERSION = 1
@@ -326,6 +332,25 @@ class Continuity:
             stored = False
         return Conn(sock, name, state, stored)
 
+    def handed(self, sock, name):
+        """A connection the runtime accepted and handed over, in the store
+        already under ``name``: its state memfd is stored beside it, and
+        the name removed once it is answered."""
+        self.served += 1
+        return Conn(sock, name, self._state_for(name), True)
+
+    def _state_for(self, name):
+        """A new state memfd stored under ``name``; None when the store
+        does not take it (the answer goes on unresumable)."""
+        state = State.create(name)
+        try:
+            if self.store([state.fd], name, poll=False):
+                return state
+        except OSError as e:
+            self.log(event="fdstore-store-failed", error=str(e))
+        state.close()
+        return None
+
     def serve(self, conn, timeout=None):
         """Reads, records and answers the one request of a new connection."""
         try:
@@ -373,15 +398,25 @@ class Continuity:
                     rest.append(fd)
             for fd in rest:
                 os.close(fd)
-            if sock is None or not name.startswith("c-"):
+            ours = name.startswith("c-") or is_accepted_name(name)
+            if sock is None or not ours:
                 if sock is not None:
                     sock.close()
                 if state_fd is not None:
                     os.close(state_fd)
-                if name.startswith("c-"):
+                if ours:
                     self.remove(name)
                 continue
-            out.append(Conn(sock, name, State(state_fd) if state_fd is not None else None, True))
+            if state_fd is not None:
+                state = State(state_fd)
+            elif is_accepted_name(name):
+                # Accepted by the runtime, handed to an engine that died
+                # before it stored a state (or to nobody): the request is
+                # still in the socket; a state of its own from now on.
+                state = self._state_for(name)
+            else:
+                state = None
+            out.append(Conn(sock, name, state, True))
         return out
 
     def resume(self, conn, timeout=None):

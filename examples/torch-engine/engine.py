@@ -46,7 +46,10 @@ not yet answered is answered, a streamed completion continues right after
 the last byte the client has (the socket counts what was written), with
 the same tokens, recomputed from the prompt. POST /v1/completions speaks
 OpenAI's completions API, "stream": true as server-sent events ending with
-``data: [DONE]``.
+``data: [DONE]``. With SHADOW_ACCEPT=runtime (shadow.dev/accept: runtime) the
+inherited socket is a hand-off socket: the runtime accepts, keeps each
+connection in the store from the moment it exists, and hands it to the
+serving engine, which stores only the state memfd beside it.
 
 With a watchdog (WATCHDOG_USEC, shadow.dev/watchdog) the main process pings
 WATCHDOG=1 each half interval from the loops that work, never from a timer:
@@ -89,8 +92,8 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "gms", "python"))
 from shadow_gms import (CORRUPT_EXIT, FailoverLock, FdStoreError, Gms, Watchdog, WeightsCorrupt,  # noqa: E402
-                        bytes_written, fdstore_fetch, fdstore_inherited, fdstore_remove, fdstore_store,
-                        listen_socket, notify)
+                        accepted_by_runtime, bytes_written, fdstore_fetch, fdstore_inherited, fdstore_remove,
+                        fdstore_store, handoff_receive, listen_socket, notify)
 from heartbeat import Heartbeat  # noqa: E402
 import continuity  # noqa: E402
 from continuity import Continuity, Plain, Stream  # noqa: E402
@@ -543,7 +546,7 @@ def store_enabled():
     the runtime has one (NOTIFY_SOCKET and SHADOW_FDSTORE_SOCKET), and
     ENGINE_NO_FDSTORE=1 does not turn it off."""
     return bool(os.environ.get("NOTIFY_SOCKET") and os.environ.get("SHADOW_FDSTORE_SOCKET")
-                and os.environ.get("ENGINE_NO_FDSTORE") != "1")
+                and (os.environ.get("ENGINE_NO_FDSTORE") != "1" or accepted_by_runtime()))
 
 
 def take_store(engine_id):
@@ -566,6 +569,30 @@ def take_store(engine_id):
     # What the dead engine held stays in the store; this engine serves new
     # requests.
     return []
+
+
+def next_connection(server, handed, cont):
+    """The next connection, stored: handed over by the runtime (in the
+    store already), or accepted here and stored at once; None when there
+    was none after all."""
+    if handed:
+        try:
+            got = handoff_receive(server)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except ValueError as e:
+            log(event="handoff-refused", error=str(e))
+            return None
+        if got is None:
+            log(event="handoff-closed", why="the runtime closed the hand-off socket: the pair ended")
+            sys.exit(1)
+        name, sock = got
+        return cont.handed(sock, name)
+    try:
+        sock, _ = server.accept()
+    except (BlockingIOError, InterruptedError):
+        return None
+    return cont.accepted(sock)
 
 
 def listening(port, inherited):
@@ -677,14 +704,17 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
     # rather than hold the pings back (without one it waits).
     client_timeout = heartbeat.watchdog.interval / 4 if heartbeat.enabled else None
     server = listening(port, inherited)
-    port = server.getsockname()[1]
+    # Handed its connections (the runtime accepts): `server` is the
+    # hand-off socket, and the fetch once active is what makes them go here.
+    handed = inherited is not None and accepted_by_runtime()
+    port = port if handed else server.getsockname()[1]
     promote_ms = (time.perf_counter() - t_wake) * 1e3
 
     # 5. ready.
     notify("READY=1", f"STATUS=active engine {engine_id}", f"MAINPID={os.getpid()}")
     log(event="active", engine=engine_id, pid=os.getpid(), woke_at=woke_at,
         wake_ms=round(wake_ms, 3), kv_bytes=kv.nbytes, promote_ms=round(promote_ms, 3), port=port,
-        socket="inherited" if inherited is not None else "own", fdstore=cont.enabled)
+        socket="handed" if handed else "inherited" if inherited is not None else "own", fdstore=cont.enabled)
     try:
         # What the dead engine was answering, first: those clients have
         # waited longest. Fetched after READY=1, which then never waits on
@@ -704,13 +734,10 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
             if unchecked and not select.select([server], [], [], 0)[0]:
                 settle()  # nobody waiting: the check's verdict now
             if select.select([server], [], [], heartbeat.wait())[0]:
-                try:
-                    sock, _ = server.accept()
-                except (BlockingIOError, InterruptedError):
-                    sock = None
-                if sock is not None:
-                    sock.settimeout(client_timeout)
-                    cont.serve(cont.accepted(sock), timeout=client_timeout)
+                conn = next_connection(server, handed, cont)
+                if conn is not None:
+                    conn.sock.settimeout(client_timeout)
+                    cont.serve(conn, timeout=client_timeout)
             heartbeat.ping()
     finally:
         lock.release()

@@ -263,6 +263,52 @@ class ContinuityTest(unittest.TestCase):
         self.assertTrue(head.startswith(b"HTTP/1.1 200 OK"), raw)
         self.assertEqual(json.loads(body)["pid"], os.getpid())
 
+    def test_connections_the_runtime_accepted_are_served_and_adopted(self):
+        """shadow.dev/accept: runtime: a connection handed over is in the
+        store already, so only its state is stored beside it, and its name
+        removed once answered; one the runtime holds with no state (its
+        engine died before it stored one) gets a state of its own when a
+        promoted engine takes it over."""
+        self.engine.kill()
+        self.engine.wait()
+        calls = []
+
+        def store(fds, name, poll=True):
+            calls.append(("store", name, [continuity._is_socket(fd) for fd in fds], poll))
+            return True
+
+        def remove(name):
+            calls.append(("remove", name))
+            return True
+
+        cont = continuity.Continuity(fake_answer, store, remove, bytes_written)
+        p = post(self.port, {"prompt": "handed", "max_tokens": 3})
+        sock, _ = self.lst.accept()
+        conn = cont.handed(sock, "accepted.0.1")
+        self.assertEqual(calls, [("store", "accepted.0.1", [False], False)])
+        cont.serve(conn, timeout=10)
+        self.assertEqual(calls[-1], ("remove", "accepted.0.1"))
+        raw = read_all(p)
+        p.close()
+        self.assertTrue(raw.startswith(b"HTTP/1.1 200 OK"), raw)
+
+        calls.clear()
+        c = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        held, _ = self.lst.accept()
+        conns = cont.take_over([("accepted.0.2", os.dup(held.fileno()))])
+        held.close()
+        self.assertEqual([x.name for x in conns], ["accepted.0.2"])
+        self.assertIsNotNone(conns[0].state)
+        self.assertEqual(calls, [("store", "accepted.0.2", [False], False)])
+        resumed = threading.Thread(target=cont.resume, args=(conns[0], 10))
+        resumed.start()
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw = read_all(c)
+        c.close()
+        resumed.join()
+        self.assertTrue(raw.startswith(b"HTTP/1.1 200 OK"), raw)
+        self.assertEqual(calls[-1], ("remove", "accepted.0.2"))
+
     def test_state_round_trips_and_a_foreign_memfd_is_read_as_new(self):
         st = continuity.State.create("t")
         self.assertEqual(continuity.read_state(st.fd)[0], continuity.NEW)

@@ -1057,15 +1057,17 @@ def test_containerd_pair_kv_that_fits_once():
     assert left == "none"
 
 
-def shadows_pair(rt, cid, port, shadows):
-    """A TP=1 torch-engine pair with `shadows` shadows through containerd;
-    returns (ctr run, its events) once every shadow has parked."""
+def shadows_pair(rt, cid, port, shadows, accept="engine"):
+    """A TP=1 torch-engine pair with `shadows` shadows through containerd,
+    its connections accepted by each engine or by the runtime
+    (`shadow.dev/accept`); returns (ctr run, its events)."""
     layers, kv = (2, 2) if QUICK else (8, 8)
     env = ctr_pair.engine_env(port, layers, kv, BIN)
     args = rt.run_args(ctr_pair.SHIM_RUNTIME, cid, env, [sys.executable, ENGINE],
                        extra=["--runtime-config-path", rt.shim_config, "--annotation", "shadow.dev/pair=true",
                               "--annotation", f"shadow.dev/shadows={shadows}",
-                              "--annotation", f"shadow.dev/listen=tcp:127.0.0.1:{port}"])
+                              "--annotation", f"shadow.dev/listen=tcp:127.0.0.1:{port}",
+                              "--annotation", f"shadow.dev/accept={accept}"])
     run = Proc(f"ctr-run-{cid}", args, stdin=False)
     return run, json_events(run)
 
@@ -1279,11 +1281,21 @@ def test_containerd_continuity():
     SIGKILLs of the serving engine all complete, each identical to an
     undisturbed one; the stall a client saw (longest silence in a cut
     stream) p50 and max."""
+    continuity_through_kills("engine")
+
+
+def test_containerd_continuity_runtime_accepts():
+    """The same with `shadow.dev/accept: runtime`: the shim accepts, every
+    connection is in the store before the torch engine has it."""
+    continuity_through_kills("runtime")
+
+
+def continuity_through_kills(accept):
     rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
     STATE["rt"] = Session.runtime = rt
     baseline = gpu_used_mib()
-    cid, port = "cont", 19700 + os.getpid() % 10
-    run, events = shadows_pair(rt, cid, port, 1)
+    cid, port = f"cont{accept[0]}", 19700 + os.getpid() % 10
+    run, events = shadows_pair(rt, cid, port, 1, accept)
     try:
         st = poll_until(lambda: all_parked(rt, cid), 240, "continuity pair: shadow parked")
     except AssertionError:
@@ -1336,24 +1348,24 @@ def test_containerd_continuity():
     cut = [r for r in out if any(r[0] < at < r[1] for at in kills)]
     stalls = sorted(round(r[5] * 1e3, 1) for r in cut if r[2])
     resumed = [e for e in list(events) if e.get("event") == "resumed"]
-    print(f"  continuity: {len(out)} requests, {len(cut)} cut by a kill ({len(stalls)} streams), "
+    print(f"  continuity ({accept} accepts): {len(out)} requests, {len(cut)} cut by a kill ({len(stalls)} streams), "
           f"resumed {resumed}", flush=True)
     assert not bad, f"{len(bad)} of {len(out)} answers not the undisturbed one: {bad[:5]}"
     assert cut, "no request was in flight at a kill"
-    figure("continuity, torch engine through containerd: requests through 3 SIGKILLs, failed",
+    figure(f"continuity ({accept} accepts), torch engine through containerd: requests through 3 SIGKILLs, failed",
            f"{len(bad)} of {len(out)}", "", "0")
-    figure("continuity: requests in flight at a kill (all complete and identical)", len(cut), "")
+    figure(f"continuity ({accept} accepts): requests in flight at a kill (all complete and identical)", len(cut), "")
     if stalls:
-        figure("continuity: stall a cut stream saw (longest silence), p50 / max",
+        figure(f"continuity ({accept} accepts): stall a cut stream saw (longest silence), p50 / max",
                f"{stalls[len(stalls) // 2]} / {stalls[-1]}", "ms")
-    figure("continuity: connections the promoted engines resumed",
+    figure(f"continuity ({accept} accepts): connections the promoted engines resumed",
            [(e.get("connections"), e.get("continued"), e.get("answered_again")) for e in resumed], "")
     rt.ctr("task", "kill", "--signal", "SIGKILL", cid)
     assert run.wait(60) != 0
     left = poll_until(lambda: (lambda p: None if p else "none")(
         ctr_pair.our_processes([rt.address, rt.state_dir, ENGINE])), 30, "no engine, gmsd or shim left")
     assert left == "none"
-    figure("continuity: device memory before / after", f"{baseline} / {memory_back(baseline)}", "MiB")
+    figure(f"continuity ({accept} accepts): device memory before / after", f"{baseline} / {memory_back(baseline)}", "MiB")
 
 
 TESTS = [v for k, v in list(globals().items()) if k.startswith("test_")]

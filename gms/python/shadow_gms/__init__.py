@@ -21,6 +21,9 @@ Engine authors use three things from here:
   store (``FDSTORE=1``): descriptors that outlive the engine, fetched by
   the engine that takes over (``fdstore_inherited``: those handed at
   start; ``bytes_written``: how much of an answer a connection has).
+- ``accepted_by_runtime``, ``handoff_receive``, ``is_accepted_name``: when
+  the runtime accepts (``shadow.dev/accept: runtime``), the connections it
+  hands over on the engine's hand-off socket.
 - ``Gms.verify_weights()``: the digest its writer recorded at commit,
   recomputed on the GPU; a promoted engine calls it before ``READY=1`` and
   exits with ``CORRUPT_EXIT`` on ``WeightsCorrupt``.
@@ -30,8 +33,9 @@ Only torch and the standard library are needed; the contract helpers
 ``extend_start``) need no torch.
 """
 
-from .contract import (CORRUPT_EXIT, FailoverLock, FdStoreError, bytes_written, Progress, Watchdog, extend_start, fdstore_fetch,
-                       fdstore_inherited, fdstore_remove, fdstore_store, listen_socket, listen_sockets, notify, watchdog_interval)
+from .contract import (CORRUPT_EXIT, FailoverLock, FdStoreError, bytes_written, Progress, Watchdog, accepted_by_runtime,
+                       extend_start, fdstore_fetch, fdstore_inherited, fdstore_remove, fdstore_store, handoff_receive,
+                       is_accepted_name, listen_socket, listen_sockets, notify, watchdog_interval)
 
 _CLIENT = ("Gms", "GmsError", "KvCache", "WeightsCorrupt", "find_library")
 
@@ -49,4 +53,5 @@ def __getattr__(name):
 
 __all__ = ["CORRUPT_EXIT", "FailoverLock", "Gms", "GmsError", "KvCache", "Progress", "Watchdog", "WeightsCorrupt",
            "extend_start", "fdstore_fetch", "fdstore_inherited", "fdstore_remove", "fdstore_store",
-           "FdStoreError", "bytes_written", "find_library", "listen_socket", "listen_sockets", "notify", "watchdog_interval"]
+           "FdStoreError", "bytes_written", "find_library", "listen_socket", "listen_sockets", "notify", "watchdog_interval",
+           "accepted_by_runtime", "handoff_receive", "is_accepted_name"]

@@ -299,6 +299,53 @@ def bytes_written(sock):
     raise OSError("the socket's acknowledged count never stood still")
 
 
+ACCEPT = "SHADOW_ACCEPT"
+HANDOFF_PREFIX = "accepted."
+_HANDOFF_MAX = len("FDNAME=") + 256
+
+
+def accepted_by_runtime(environ=None):
+    """Whether the runtime accepts this pair's connections and hands them
+    over (``shadow.dev/accept: runtime``: ``SHADOW_ACCEPT=runtime``): then
+    ``listen_socket()`` is this engine's hand-off socket, read with
+    ``handoff_receive``, not a socket to ``accept`` on."""
+    return (os.environ if environ is None else environ).get(ACCEPT) == "runtime"
+
+
+def is_accepted_name(name):
+    """Whether a name of the store is that of a connection the runtime
+    accepted (``accepted.<listener>.<n>``)."""
+    return name.startswith(HANDOFF_PREFIX)
+
+
+def handoff_receive(sock):
+    """The next connection the runtime hands over on ``sock`` (a hand-off
+    socket), ``(name, socket.socket)``: it is in the store already under
+    ``name``; store a state memfd under the same name, and
+    ``fdstore_remove(name)`` once done with it (the store's copy keeps it
+    open until then). None once the runtime closed the socket (the pair
+    ended). ValueError for a packet that is not one name and one
+    descriptor (what came with it is closed)."""
+    msg, anc, flags, _ = sock.recvmsg(_HANDOFF_MAX, socket.CMSG_SPACE(4 * 4))
+    fds = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    truncated = bool(flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC))
+    if not msg and not fds and not truncated:
+        return None
+    line = msg.decode("utf-8", "replace")
+    name = line[len("FDNAME="):-1] if line.startswith("FDNAME=") and line.endswith("\n") else None
+    if truncated or len(fds) != 1 or name is None or not _valid_fdname(name):
+        _close(fds)
+        raise ValueError(f"a hand-off packet of {len(msg)} bytes with {len(fds)} descriptors: "
+                         "not FDNAME=<name> and one connection")
+    os.set_inheritable(fds[0], False)
+    return name, socket.socket(fileno=fds[0])
+
+
 class FdStoreError(Exception):
     """The fd store refused a fetch (``ERROR=``), or its answer broke the protocol."""
 

@@ -14,7 +14,8 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from shadow_gms.contract import FdStoreError, bytes_written, fdstore_fetch, fdstore_remove, fdstore_store  # noqa: E402
+from shadow_gms.contract import (FdStoreError, accepted_by_runtime, bytes_written, fdstore_fetch,  # noqa: E402
+                                 fdstore_remove, fdstore_store, handoff_receive, is_accepted_name)
 
 LIMIT_S = 20
 
@@ -174,6 +175,57 @@ class InheritedTest(unittest.TestCase):
                              timeout=LIMIT_S)
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertEqual(out.stdout.strip(), "['tcp-8000'] [('c-1', 4), ('c-1', 5)] []")
+
+
+
+class HandoffTest(unittest.TestCase):
+    """The engine's side of shadow.dev/accept: runtime, against a stand-in
+    for the shim's end of a hand-off socket."""
+
+    def setUp(self):
+        self.ours, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.addCleanup(self.ours.close)
+        self.addCleanup(self.theirs.close)
+        self.theirs.settimeout(LIMIT_S)
+
+    def witness(self):
+        """A socket pair: one end to send; reading the other tells whether
+        every copy of the sent end was closed."""
+        a, b = socket.socketpair()
+        b.settimeout(LIMIT_S)
+        self.addCleanup(b.close)
+        return a, b
+
+    def test_a_packet_gives_the_name_and_the_connection(self):
+        self.assertTrue(accepted_by_runtime({"SHADOW_ACCEPT": "runtime"}))
+        self.assertFalse(accepted_by_runtime({"SHADOW_ACCEPT": "engine"}))
+        self.assertFalse(accepted_by_runtime({}))
+        self.assertTrue(is_accepted_name("accepted.0.7"))
+        a, b = self.witness()
+        self.ours.sendmsg([b"FDNAME=accepted.0.7\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [a.fileno()]))])
+        a.close()
+        name, conn = handoff_receive(self.theirs)
+        self.assertEqual(name, "accepted.0.7")
+        self.assertFalse(conn.get_inheritable())
+        conn.sendall(b"hi")
+        self.assertEqual(b.recv(2), b"hi")
+        conn.close()
+        self.ours.close()
+        self.assertIsNone(handoff_receive(self.theirs))
+
+    def test_malformed_packets_are_refused_and_their_descriptors_closed(self):
+        for text, n in ((b"FDNAME=x\n", 0), (b"FDNAME=x\n", 2), (b"FDNAME=a:b\n", 1), (b"NAME=x\n", 1),
+                        (b"x" * 400, 1)):
+            pairs = [self.witness() for _ in range(n)]
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [a.fileno() for a, _ in pairs]))] if n else []
+            self.ours.sendmsg([text], anc)
+            for a, _ in pairs:
+                a.close()
+            with self.assertRaises(ValueError):
+                handoff_receive(self.theirs)
+            for _, b in pairs:
+                self.assertEqual(b.recv(1), b"", f"{text!r}: a descriptor was left open")
+
 
 
 if __name__ == "__main__":
