@@ -89,6 +89,15 @@ pub fn edit_spec(mut spec: Value, root: &Path) -> Result<Value> {
         }
         .into());
     }
+    if annotations.accept == Some(shadow_contract::handoff::Accept::Runtime) {
+        // Nothing on this path accepts for the engines.
+        return Err(shadow_contract::annotations::AnnotationError {
+            key: shadow_contract::annotations::ACCEPT.to_string(),
+            value: "runtime".to_string(),
+            allowed: "engine here: a pair assembled by the OCI hooks has no runtime to accept for it (the shim's pairs do)".to_string(),
+        }
+        .into());
+    }
     let layout = PairLayout::of(root, &name);
     let slot = annotations.slot;
     let all: HashMap<String, String> = spec
@@ -234,6 +243,11 @@ mod tests {
             "{e}"
         );
         assert!(edit_spec(spec(json!({PAIR_NAME: "p", key: "0"})), t.path()).is_ok());
+        // Nobody to accept for the engines on this path.
+        let key = shadow_contract::annotations::ACCEPT;
+        let e = edit_spec(spec(json!({PAIR_NAME: "p", key: "runtime"})), t.path()).unwrap_err();
+        assert!(e.to_string().contains("no runtime to accept"), "{e}");
+        assert!(edit_spec(spec(json!({PAIR_NAME: "p", key: "engine"})), t.path()).is_ok());
         // Slots beyond 1: a pair of several shadows.
         let edited = edit_spec(spec(json!({PAIR_NAME: "p", SLOT: "3"})), t.path()).unwrap();
         assert!(
