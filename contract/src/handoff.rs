@@ -29,8 +29,9 @@
 //!   handed to the fetching engine itself; it returns every other one,
 //!   handed to a dead engine or to nobody yet, and those are the fetching
 //!   engine's from then on.
-//! - a stored connection whose client has closed its side is let go by the
-//!   store (an engine that forgets a remove does not fill the store).
+//! - once the store is full, a handed connection whose client has closed
+//!   its side is let go by the store (engines that forget their removes
+//!   cannot keep it full).
 
 use std::io::{self, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use shadow_contract::annotations::{ACCEPT, LISTEN};
+use shadow_contract::annotations::{ACCEPT, FDSTORE_MAX, LISTEN};
 use shadow_contract::state::PairState;
 use shadow_tests::pair::{ask, free_port, task_pid, PairEnv};
 use shadow_tests::wait::until;
@@ -371,6 +371,41 @@ fn when_the_runtime_accepts_no_connection_is_lost_through_sigkills() {
         store.fetches >= 6,
         "a fetch by each promoted engine: {store:?}"
     );
+
+    // An engine that never removes what it was handed: a store of 16 fills,
+    // then lets go of each connection whose client closed, and no request
+    // waits for room.
+    let (id, port) = ("acceptforget", free_port());
+    let value = format!("tcp:127.0.0.1:{port}");
+    let env = PairEnv::new(&cd, &format!("gmsd = \"{}\"\ngms = \"host\"", gmsd())).expect("config");
+    let port_s = port.to_string();
+    let ctr = env
+        .run(
+            &cd,
+            id,
+            &[
+                (LISTEN, value.as_str()),
+                (ACCEPT, "runtime"),
+                (FDSTORE_MAX, "16"),
+            ],
+            &["--rm", "--net-host"],
+            &["/bin/test-engine", "--port", &port_s, "--no-remove"],
+        )
+        .expect("ctr run");
+    env.wait_protected(&cd, id, LONG);
+    for i in 0..100 {
+        assert!(
+            matches!(attempt(port), Outcome::Answer(_)),
+            "request {i} to an engine that never removes"
+        );
+    }
+    let st = until("the store's figures written", LONG, STEP, || {
+        env.state(&cd, id)
+            .and_then(|s| s.fdstore)
+            .filter(|f| f.accepted >= 100)
+    });
+    assert!(st.hung_up > 0 && st.removed == 0, "{st:?}");
+    Pair { env, ctr }.stop(&cd, id);
 
     let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
     let out = cd

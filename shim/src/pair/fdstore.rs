@@ -456,25 +456,33 @@ impl FdStore {
         }
     }
 
-    /// `name` (an accepted connection) is `who`'s now. From then on the
-    /// store lets it go when its client closes its side (`EPOLLRDHUP`): an
-    /// engine that never removes what it was handed cannot fill the store.
+    /// `name` (an accepted connection) is `who`'s now.
     fn mark_handed(&mut self, name: &str, who: Recipient) {
-        let Some(slot) = self.accepted.get_mut(name) else {
-            return;
-        };
-        let first = slot.is_none();
-        *slot = Some(who);
-        if !first {
-            return;
+        if let Some(slot) = self.accepted.get_mut(name) {
+            *slot = Some(who);
         }
-        for token in self.by_name.get(name).cloned().unwrap_or_default() {
-            if let Some(e) = self.entries.get_mut(&token) {
-                if !e.polled && kind_of(e.fd.as_fd()) == Kind::Socket {
-                    e.polled = self
-                        .epoll
-                        .add(&e.fd, EpollEvent::new(EpollFlags::EPOLLRDHUP, token))
-                        .is_ok();
+    }
+
+    /// The store is full: every connection handed to an engine is watched
+    /// from now on for its client closing its side (`EPOLLRDHUP`), and let
+    /// go when it does, so that an engine that never removes what it was
+    /// handed cannot keep the store full. Not done before: a watch costs
+    /// two `epoll_ctl` and a wake-up per connection, and an engine that
+    /// removes each one itself never needs it. One handed to nobody yet
+    /// is not watched (its request is still to be answered).
+    pub fn watch_handed(&mut self) {
+        for (name, who) in &self.accepted {
+            if who.is_none() {
+                continue;
+            }
+            for token in self.by_name.get(name).into_iter().flatten() {
+                if let Some(e) = self.entries.get_mut(token) {
+                    if !e.polled && kind_of(e.fd.as_fd()) == Kind::Socket {
+                        e.polled = self
+                            .epoll
+                            .add(&e.fd, EpollEvent::new(EpollFlags::EPOLLRDHUP, *token))
+                            .is_ok();
+                    }
                 }
             }
         }
@@ -500,9 +508,8 @@ impl FdStore {
                 Err(err) => log::warn!("fd store: copying {:?}: {err}", e.name),
             }
         }
-        let names: Vec<String> = self.accepted.keys().cloned().collect();
-        for name in names {
-            self.mark_handed(&name, who);
+        for r in self.accepted.values_mut() {
+            *r = Some(who);
         }
         out
     }
@@ -671,12 +678,13 @@ mod tests {
         release_now(gone);
     }
 
-    /// A handed connection whose client closed its side leaves the store
-    /// (an engine that never removes it cannot fill the store); one handed
-    /// to nobody yet stays, its request still to be answered.
+    /// Once the store is full, a handed connection whose client closed its
+    /// side leaves it (an engine that never removes it cannot keep the
+    /// store full); one handed to nobody yet stays, its request still to
+    /// be answered.
     #[test]
-    fn a_handed_connection_goes_when_its_client_closes() {
-        let mut st = FdStore::new(8).unwrap();
+    fn a_full_store_lets_go_of_handed_connections_whose_client_closed() {
+        let mut st = FdStore::new(2).unwrap();
         let (s1, c1) = tcp_pair();
         let (s2, c2) = tcp_pair();
         let t1 = st.accept(0, OwnedFd::from(s1)).unwrap();
@@ -687,6 +695,11 @@ mod tests {
         };
         assert_eq!(st.hand(t1, who, |_, _| Ok(())), Hand::Sent);
         drop((c1, c2));
+        // Not watched before the store is full.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(st.hung_up().is_empty());
+        assert!(!st.has_room());
+        st.watch_handed();
         let gone = shadow_wait::until(
             "the closed handed connection let go",
             std::time::Duration::from_secs(5),

@@ -324,7 +324,14 @@ async fn accept_and_hand(h: Arc<Handoff>, index: usize, listener: AsyncFd<OwnedF
     let mut waiting: VecDeque<u64> = VecDeque::new();
     loop {
         let blocked = h.hand_waiting(index, &mut waiting, &tx);
-        let has_room = fdstore::lock(&h.store).has_room();
+        let has_room = {
+            let mut st = fdstore::lock(&h.store);
+            let room = st.has_room();
+            if !room {
+                st.watch_handed();
+            }
+            room
+        };
         tokio::select! {
             ready = listener.readable(), if has_room => {
                 let Ok(mut ready) = ready else {

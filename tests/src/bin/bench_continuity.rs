@@ -1,37 +1,41 @@
 //! `make bench-continuity`: what the pair's fd store costs a request that
 //! no failover touches. The reference engine (`examples/engine`, GMS host
 //! backend, host network) through a private containerd and the shim of
-//! this binary's profile, as two pairs that both own their listening
-//! socket (`shadow.dev/listen`) and both have the default fd store:
+//! this binary's profile, as three pairs that all own their listening
+//! socket (`shadow.dev/listen`) and all have the default fd store:
 //!
 //! - **on**: `shadow-engine serve` as it ships: every connection it
 //!   accepts is stored (`FDSTORE=1`) with a memfd of its resume state,
 //!   the state is updated as the answer goes out, and the entry removed
 //!   (`FDSTOREREMOVE=1`) once it is done;
+//! - **runtime**: the same engine, but the shim accepts
+//!   (`shadow.dev/accept: runtime`): each connection is in the store from
+//!   its accept, handed to the engine, which stores only its state memfd;
 //! - **off**: the same with `--no-fdstore`: nothing stored, the request
 //!   read as before.
 //!
-//! Both pairs run for the whole bench (one per arm, reused across its
-//! repeats), so each window sees the same machine: the other pair idle.
+//! The pairs run for the whole bench (one per arm, reused across its
+//! repeats), so each window sees the same machine: the other pairs idle.
 //! A window is `--clients` closed-loop client threads, each sending
 //! `POST /v1/completions` (`max_tokens` 8, one request per connection: the
 //! engine answers `Connection: close`) and reading the answer to its end,
 //! for a 1 s warm-up and then `--secs` measured seconds; the arms
-//! alternate (on, off, on, off, …), `--repeats` windows each, for plain
+//! alternate (on, runtime, off, on, …), `--repeats` windows each, for plain
 //! answers and then for streamed ones (`"stream": true`, read to
 //! `[DONE]`) unless `--no-stream`.
 //!
 //! Printed: per arm the median over its windows of requests per second,
 //! p50 and p99 latency (connect → the engine's close), the CPU time per
 //! request of the pair's shim and of its active engine, the errors, and
-//! the ratios on/off; then each pair's `state.json` fd store figures (the
-//! "on" pair's `stored` should be 2 fds for each connection made to it,
-//! the "off" pair's 0). No time is asserted: the exit status is 1 only when the
+//! the ratios to off; then each pair's `state.json` fd store figures (the
+//! "on" and "runtime" pairs' `stored` should be 2 fds for each connection
+//! made to them, the "off" pair's 0; the "runtime" pair's `accepted` one
+//! for each). No time is asserted: the exit status is 1 only when the
 //! store was not used as the arms say (the comparison would then be
 //! meaningless), or a pair failed over.
 
 use clap::Parser;
-use shadow_contract::annotations::LISTEN;
+use shadow_contract::annotations::{ACCEPT, LISTEN};
 use shadow_contract::state::PairState;
 use shadow_tests::bench::{clock_ticks_per_s, pct, proc_cost, profile};
 use shadow_tests::pair::{free_port, shim_pid, until, PairEnv};
@@ -46,7 +50,7 @@ use std::time::{Duration, Instant};
 #[derive(Parser)]
 #[command(
     name = "bench-continuity",
-    about = "The reference engine as a pair through a private containerd, with its fd store on and off (--no-fdstore), no kills: requests/s and latency of each, and their ratio"
+    about = "The reference engine as a pair through a private containerd, with its fd store on, with the runtime accepting (shadow.dev/accept: runtime), and off (--no-fdstore), no kills: requests/s and latency of each, and their ratios"
 )]
 struct Cli {
     /// Closed-loop client threads per window.
@@ -96,10 +100,21 @@ struct Target {
     connections: AtomicU64,
 }
 
+/// What a pair does with its connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The engine accepts and stores each.
+    On,
+    /// The runtime accepts, stores and hands each over.
+    Runtime,
+    /// The engine accepts and stores nothing.
+    Off,
+}
+
 /// One pair under load: its id, arm, target and the `ctr run` attached to it.
 struct Pair {
     id: &'static str,
-    store: bool,
+    mode: Mode,
     target: Target,
     ctr: Spawned,
     /// The pair's shim and its active engine, whose CPU time each window
@@ -109,7 +124,7 @@ struct Pair {
 }
 
 impl Pair {
-    fn start(cd: &Containerd, env: &PairEnv, id: &'static str, store: bool) -> Pair {
+    fn start(cd: &Containerd, env: &PairEnv, id: &'static str, mode: Mode) -> Pair {
         let port = free_port();
         let listen = format!("tcp:127.0.0.1:{port}");
         let port_s = port.to_string();
@@ -121,14 +136,19 @@ impl Pair {
             "--port",
             &port_s,
         ];
-        if !store {
+        if mode == Mode::Off {
             cmd.push("--no-fdstore");
         }
+        let accept = if mode == Mode::Runtime {
+            "runtime"
+        } else {
+            "engine"
+        };
         let ctr = env
             .run(
                 cd,
                 id,
-                &[(LISTEN, listen.as_str())],
+                &[(LISTEN, listen.as_str()), (ACCEPT, accept)],
                 &["--rm", "--net-host"],
                 &cmd,
             )
@@ -139,7 +159,7 @@ impl Pair {
         let shim = u32::try_from(shim).expect("a pid");
         let pair = Pair {
             id,
-            store,
+            mode,
             target: Target {
                 port,
                 connections: AtomicU64::new(0),
@@ -157,10 +177,10 @@ impl Pair {
     }
 
     fn arm(&self) -> &'static str {
-        if self.store {
-            "store on"
-        } else {
-            "store off"
+        match self.mode {
+            Mode::On => "store on",
+            Mode::Runtime => "runtime",
+            Mode::Off => "store off",
         }
     }
 }
@@ -393,8 +413,9 @@ fn main() -> ExitCode {
         &format!("gms = \"host\"\ngmsd = \"{}\"", gmsd.display()),
     )
     .expect("the shim's config");
-    let on = Pair::start(&cd, &env, "store-on", true);
-    let off = Pair::start(&cd, &env, "store-off", false);
+    let on = Pair::start(&cd, &env, "store-on", Mode::On);
+    let runtime = Pair::start(&cd, &env, "accept-runtime", Mode::Runtime);
+    let off = Pair::start(&cd, &env, "store-off", Mode::Off);
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "bench-continuity: shim and engine {profile}, {} cores, {} clients, {} × ({} s warm-up + {} s) per arm, weights {} MiB, max_tokens {MAX_TOKENS}; load average {}",
@@ -414,15 +435,15 @@ fn main() -> ExitCode {
     let mut arms: Vec<Arm> = kinds
         .iter()
         .flat_map(|&kind| {
-            [&on, &off].map(|pair| Arm {
+            [&on, &runtime, &off].map(|pair| Arm {
                 kind,
                 pair,
                 windows: Vec::new(),
             })
         })
         .collect();
-    // Per kind, the arms alternate: on, off, on, off, …
-    for chunk in arms.chunks_mut(2) {
+    // Per kind, the arms alternate: on, runtime, off, on, …
+    for chunk in arms.chunks_mut(3) {
         for r in 0..cli.repeats {
             for arm in chunk.iter_mut() {
                 let w = window(arm.pair, arm.kind, cli.clients, cli.secs);
@@ -471,21 +492,26 @@ fn main() -> ExitCode {
         cli.repeats,
         1000 / clock_ticks_per_s()
     );
-    for pair in arms.chunks(2) {
-        let [a_on, a_off] = pair else { continue };
-        println!(
-            "ratio on/off, {}: req/s {:.3}, p50 {:.3}, p99 {:.3}, engine CPU/req {:.3}",
-            a_on.kind.name(),
-            a_on.median(|w| w.rps) / a_off.median(|w| w.rps),
-            a_on.median(|w| w.p50_ms) / a_off.median(|w| w.p50_ms),
-            a_on.median(|w| w.p99_ms) / a_off.median(|w| w.p99_ms),
-            a_on.median(|w| w.engine_us) / a_off.median(|w| w.engine_us),
-        );
+    for kind in arms.chunks(3) {
+        let [a_on, a_runtime, a_off] = kind else {
+            continue;
+        };
+        for a in [a_on, a_runtime] {
+            println!(
+                "ratio {}/off, {}: req/s {:.3}, p50 {:.3}, p99 {:.3}, engine CPU/req {:.3}",
+                a.pair.arm(),
+                a.kind.name(),
+                a.median(|w| w.rps) / a_off.median(|w| w.rps),
+                a.median(|w| w.p50_ms) / a_off.median(|w| w.p50_ms),
+                a.median(|w| w.p99_ms) / a_off.median(|w| w.p99_ms),
+                a.median(|w| w.engine_us) / a_off.median(|w| w.engine_us),
+            );
+        }
     }
 
     // The store's own figures: the proof that the arms are what they say.
     let mut ok = true;
-    for pair in [&on, &off] {
+    for pair in [&on, &runtime, &off] {
         let made = pair.target.connections.load(Ordering::Relaxed);
         let Some(st) = settled(&cd, &env, pair.id) else {
             println!("fd store of {} ({}): no state.json", pair.id, pair.arm());
@@ -502,33 +528,35 @@ fn main() -> ExitCode {
         match st.fdstore {
             Some(f) => {
                 println!(
-                    "fd store of {} ({}): stored {}, removed {}, hung up {}, held now {}, refused {:?}; {made} connections made to it{}",
+                    "fd store of {} ({}): stored {}, removed {}, hung up {}, held now {}, accepted {}, handed {}, refused {:?}; {made} connections made to it{}",
                     pair.id,
                     pair.arm(),
                     f.stored,
                     f.removed,
                     f.hung_up,
                     f.fds,
+                    f.accepted,
+                    f.handed,
                     f.refused,
-                    if pair.store {
-                        " (each stored as 2 fds: the socket and its state memfd)"
-                    } else {
+                    if pair.mode == Mode::Off {
                         ""
+                    } else {
+                        " (each stored as 2 fds: the socket and its state memfd)"
                     }
                 );
-                let right = if pair.store {
-                    f.stored > 0
-                } else {
-                    f.stored == 0
+                let right = match pair.mode {
+                    Mode::On => f.stored > 0 && f.accepted == 0,
+                    Mode::Runtime => f.accepted > 0 && f.handed > 0,
+                    Mode::Off => f.stored == 0,
                 };
                 if !right {
                     println!(
-                        "  wrong: the {} arm must store {}",
+                        "  wrong: the {} arm must {}",
                         pair.arm(),
-                        if pair.store {
-                            "its connections"
-                        } else {
-                            "nothing"
+                        match pair.mode {
+                            Mode::On => "store its connections, the engine accepting",
+                            Mode::Runtime => "have the runtime accept and hand over",
+                            Mode::Off => "store nothing",
                         }
                     );
                     ok = false;
@@ -545,7 +573,7 @@ fn main() -> ExitCode {
         }
     }
 
-    stop(&cd, &env, [on, off]);
+    stop(&cd, &env, [on, runtime, off]);
     if ok {
         ExitCode::SUCCESS
     } else {
@@ -553,9 +581,9 @@ fn main() -> ExitCode {
     }
 }
 
-/// Stop both pairs and check what a pair's end must leave: nothing of
+/// Stop the pairs and check what a pair's end must leave: nothing of
 /// containerd's, no pair directory, no metrics file.
-fn stop(cd: &Containerd, env: &PairEnv, pairs: [Pair; 2]) {
+fn stop(cd: &Containerd, env: &PairEnv, pairs: [Pair; 3]) {
     for p in &pairs {
         cd.ctr()
             .run(&["task", "kill", "--signal", "SIGKILL", p.id])

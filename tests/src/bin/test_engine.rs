@@ -124,6 +124,10 @@ struct Cli {
     /// answer every connection the dead engine stored and had not.
     #[arg(long)]
     resume: bool,
+    /// Never remove a connection from the store once answered (an engine
+    /// that forgets: the store must not stay full of them).
+    #[arg(long)]
+    no_remove: bool,
 }
 
 /// What `--memo` found: the counter after this engine's increment, and
@@ -142,7 +146,13 @@ struct Memo {
 /// first (unless `stored` already: the runtime's), and removed once
 /// answered: the write side shut down first, so the client sees the end
 /// at once.
-fn answer(mut c: std::net::TcpStream, line: &str, name: Option<String>, stored: bool) {
+fn answer(
+    mut c: std::net::TcpStream,
+    line: &str,
+    name: Option<String>,
+    stored: bool,
+    remove: bool,
+) {
     use std::os::fd::AsFd;
     if let Some(name) = name.as_ref().filter(|_| !stored) {
         // FDPOLL=0: removed once answered (no hang-up watch needed).
@@ -153,7 +163,9 @@ fn answer(mut c: std::net::TcpStream, line: &str, name: Option<String>, stored: 
     let _ = c.write_all(line.as_bytes());
     if let Some(name) = &name {
         let _ = c.shutdown(std::net::Shutdown::Write);
-        let _ = shadow_contract::fdstore::remove(name);
+        if remove {
+            let _ = shadow_contract::fdstore::remove(name);
+        }
     }
 }
 
@@ -517,6 +529,7 @@ fn main() {
         watchdog_usec,
         memo: keep_memo,
         resume,
+        no_remove,
     } = Cli::parse();
     // Handed its connections: the fetch once active is what makes it the
     // one they go to, and what the dead engine was handed is its own.
@@ -737,7 +750,13 @@ fn main() {
                 match shadow_contract::handoff::receive(listener.as_fd()) {
                     Ok(Some(h)) => {
                         served += 1;
-                        answer(std::net::TcpStream::from(h.conn), &line, Some(h.name), true);
+                        answer(
+                            std::net::TcpStream::from(h.conn),
+                            &line,
+                            Some(h.name),
+                            true,
+                            !no_remove,
+                        );
                     }
                     Ok(None) => fail("the hand-off socket", "closed by the runtime"),
                     Err(e) => eprintln!("test-engine: a hand-off: {e}"),
@@ -749,6 +768,7 @@ fn main() {
                     &line,
                     resume.then(|| format!("c-{boot}-{served}")),
                     false,
+                    !no_remove,
                 );
             }
         }
