@@ -130,6 +130,19 @@ def read_all(c, until=None):
     return got
 
 
+def health_while_resumed(cont, conn, c):
+    """Sends ``GET /health`` on the client side ``c`` of ``conn`` while
+    ``cont`` resumes it (the request comes after the takeover): the raw
+    answer, read to the end; ``c`` is closed."""
+    resumed = threading.Thread(target=cont.resume, args=(conn, 10))
+    resumed.start()
+    c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    raw = read_all(c)
+    c.close()
+    resumed.join()
+    return raw
+
+
 def events(raw):
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK"), head
@@ -252,13 +265,8 @@ class ContinuityTest(unittest.TestCase):
         c = socket.create_connection(("127.0.0.1", self.port), timeout=10)
         self.stored(1)
         cont, conns = self.kill_and_take_over()
-        resumed = threading.Thread(target=cont.resume, args=(conns[0], 10))
-        resumed.start()
         # Sent after the engine that accepted it died: the next one reads it.
-        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        raw = read_all(c)
-        c.close()
-        resumed.join()
+        raw = health_while_resumed(cont, conns[0], c)
         head, _, body = raw.partition(b"\r\n\r\n")
         self.assertTrue(head.startswith(b"HTTP/1.1 200 OK"), raw)
         self.assertEqual(json.loads(body)["pid"], os.getpid())
@@ -300,12 +308,7 @@ class ContinuityTest(unittest.TestCase):
         self.assertEqual([x.name for x in conns], ["accepted.0.2"])
         self.assertIsNotNone(conns[0].state)
         self.assertEqual(calls, [("store", "accepted.0.2", [False], False)])
-        resumed = threading.Thread(target=cont.resume, args=(conns[0], 10))
-        resumed.start()
-        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        raw = read_all(c)
-        c.close()
-        resumed.join()
+        raw = health_while_resumed(cont, conns[0], c)
         self.assertTrue(raw.startswith(b"HTTP/1.1 200 OK"), raw)
         self.assertEqual(calls[-1], ("remove", "accepted.0.2"))
 

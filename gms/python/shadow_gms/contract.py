@@ -304,6 +304,17 @@ HANDOFF_PREFIX = "accepted."
 _HANDOFF_MAX = len("FDNAME=") + 256
 
 
+def _rights(anc):
+    """The descriptors of a ``recvmsg``'s ancillary data (``SCM_RIGHTS``)."""
+    fds = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds
+
+
 def accepted_by_runtime(environ=None):
     """Whether the runtime accepts this pair's connections and hands them
     over (``shadow.dev/accept: runtime``: ``SHADOW_ACCEPT=runtime``): then
@@ -327,12 +338,7 @@ def handoff_receive(sock):
     ended). ValueError for a packet that is not one name and one
     descriptor (what came with it is closed)."""
     msg, anc, flags, _ = sock.recvmsg(_HANDOFF_MAX, socket.CMSG_SPACE(4 * 4))
-    fds = []
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            arr = array.array("i")
-            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
-            fds.extend(arr)
+    fds = _rights(anc)
     truncated = bool(flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC))
     if not msg and not fds and not truncated:
         return None
@@ -364,12 +370,7 @@ def fdstore_fetch(path=None, timeout=10.0):
         try:
             while True:
                 msg, anc, flags, _ = s.recvmsg(_PACKET_MAX, socket.CMSG_SPACE(_FDS_PER_PACKET * 4))
-                fds = []
-                for level, kind, data in anc:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        arr = array.array("i")
-                        arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
-                        fds.extend(arr)
+                fds = _rights(anc)
                 for fd in fds:
                     os.set_inheritable(fd, False)
                 line = msg.decode("utf-8", "replace").rstrip("\n")

@@ -102,13 +102,7 @@ impl Handoff {
         for (index, fd) in listening.into_iter().enumerate() {
             // This copy's open file is the pair's one listening socket, and
             // no engine has it in this mode: non-blocking is the shim's own.
-            let flags = fcntl(&fd, FcntlArg::F_GETFL)
-                .map_err(|e| Error::sys("fcntl(F_GETFL) of a listening socket", e))?;
-            fcntl(
-                &fd,
-                FcntlArg::F_SETFL(OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK),
-            )
-            .map_err(|e| Error::sys("fcntl(O_NONBLOCK) of a listening socket", e))?;
+            set_nonblocking(&fd, "a listening socket")?;
             // SAFETY: the AsyncFd owns `fd` (an OwnedFd) and neither closes
             // nor replaces it while registered.
             let listener = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
@@ -155,13 +149,8 @@ impl Handoff {
                 SockFlag::SOCK_CLOEXEC,
             )
             .map_err(|e| Error::sys("socketpair(AF_UNIX, SOCK_SEQPACKET) for a hand-off", e))?;
-            let flags = fcntl(&mine, FcntlArg::F_GETFL)
-                .map_err(|e| Error::sys("fcntl(F_GETFL) of a hand-off socket", e))?;
-            fcntl(
-                &mine,
-                FcntlArg::F_SETFL(OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK),
-            )
-            .map_err(|e| Error::sys("fcntl(O_NONBLOCK) of a hand-off socket", e))?;
+            // The shim's end only: the engine's stays blocking.
+            set_nonblocking(&mine, "a hand-off socket")?;
             // SAFETY: the AsyncFd owns `mine` (an OwnedFd) and neither
             // closes nor replaces it while registered.
             let mine = unsafe { AsyncFd::register_with_interest(mine, Interest::WRITABLE) }
@@ -300,6 +289,18 @@ impl Handoff {
         }
         None
     }
+}
+
+/// `O_NONBLOCK` on `fd`'s open file (`what` it is, for the error).
+fn set_nonblocking(fd: &OwnedFd, what: &str) -> Result<()> {
+    let flags = fcntl(fd, FcntlArg::F_GETFL)
+        .map_err(|e| Error::sys(format!("fcntl(F_GETFL) of {what}"), e))?;
+    fcntl(
+        fd,
+        FcntlArg::F_SETFL(OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK),
+    )
+    .map(|_| ())
+    .map_err(|e| Error::sys(format!("fcntl(O_NONBLOCK) of {what}"), e))
 }
 
 /// One packet on a hand-off socket, never waiting.
