@@ -245,6 +245,16 @@ impl Machine {
     }
 }
 
+impl Drop for Machine {
+    /// A pair dropped without its end (the Task service let go of it):
+    /// its acceptors stop with it, rather than hold its listening sockets.
+    fn drop(&mut self) {
+        if let Some(h) = &self.handoff {
+            h.stop();
+        }
+    }
+}
+
 /// Makes the bundle's `config.json` give its engine `names` in
 /// `LISTEN_FDS`/`LISTEN_FDNAMES` (written whole, then renamed).
 fn rewrite_inherited(bundle: &std::path::Path, names: &[String]) -> Result<()> {
