@@ -98,6 +98,9 @@ pub enum Hand {
     Full,
     /// The recipient's socket failed (the engine died): it gets no more.
     Lost(nix::errno::Errno),
+    /// This one send failed otherwise (out of memory): the connection stays
+    /// in the store, to no one, and the next engine's fetch has it.
+    Failed(nix::errno::Errno),
 }
 
 /// One stored descriptor.
@@ -452,7 +455,13 @@ impl FdStore {
                 Hand::Sent
             }
             Err(nix::errno::Errno::EAGAIN) => Hand::Full,
-            Err(e) => Hand::Lost(e),
+            Err(
+                e @ (nix::errno::Errno::EPIPE
+                | nix::errno::Errno::ECONNRESET
+                | nix::errno::Errno::ENOTCONN
+                | nix::errno::Errno::ECONNREFUSED),
+            ) => Hand::Lost(e),
+            Err(e) => Hand::Failed(e),
         }
     }
 

@@ -277,6 +277,14 @@ impl Handoff {
                     waiting.pop_front();
                 }
                 (Hand::Full, _) => return Some(sock),
+                (Hand::Failed(e), _) => {
+                    log::warn!(
+                        "pair {}: handing a connection to slot {}'s engine: {e}: it stays in the store for the next takeover",
+                        self.id,
+                        who.slot
+                    );
+                    waiting.pop_front();
+                }
                 (Hand::Lost(e), _) => {
                     log::info!(
                         "pair {}: the hand-off socket of slot {}'s engine: {e}: it is handed no more",
