@@ -105,6 +105,11 @@ struct Opts {
     /// pair's fd store: what a kill finds in flight is lost).
     #[arg(long)]
     no_fdstore: bool,
+    /// Who accepts the connections of the arms that own their socket
+    /// (`shadow.dev/accept`): `engine` (each engine, storing what it
+    /// accepted) or `runtime` (the shim, handing them to the serving one).
+    #[arg(long, default_value = "engine", value_parser = ["engine", "runtime"])]
+    accept: String,
     /// Directory of report.json and timeline.svg.
     #[arg(long, default_value = "target/shadow-bench")]
     out: PathBuf,
@@ -296,6 +301,7 @@ fn shim_arm(
     }
     if o.listen_arms.iter().any(|a| a == arm) {
         annotations.push((shadow_contract::annotations::LISTEN, &socket));
+        annotations.push((shadow_contract::annotations::ACCEPT, &o.accept));
     }
     let ctr = env.run(cd, id, &annotations, &["--rm", "--net-host"], &cmd)?;
     let ready = wait_healthy(w.port, Duration::from_secs(600));
