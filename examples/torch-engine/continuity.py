@@ -323,14 +323,17 @@ class Continuity:
         if not self.enabled:
             return Conn(sock, name, None, False)
         state = State.create(name)
+        return Conn(sock, name, state, self._keep([sock, state.fd], name))
+
+    def _keep(self, fds, name):
+        """Stores ``fds`` under ``name``: whether the store took them.
+        poll=False (FDPOLL=0): removed once answered, so the runtime need
+        not watch a socket for a hang-up."""
         try:
-            # poll=False (FDPOLL=0): removed once answered, so the runtime
-            # need not watch it for a hang-up.
-            stored = bool(self.store([sock, state.fd], name, poll=False))
+            return bool(self.store(fds, name, poll=False))
         except OSError as e:
             self.log(event="fdstore-store-failed", error=str(e))
-            stored = False
-        return Conn(sock, name, state, stored)
+            return False
 
     def handed(self, sock, name):
         """A connection the runtime accepted and handed over, in the store
@@ -343,11 +346,8 @@ class Continuity:
         """A new state memfd stored under ``name``; None when the store
         does not take it (the answer goes on unresumable)."""
         state = State.create(name)
-        try:
-            if self.store([state.fd], name, poll=False):
-                return state
-        except OSError as e:
-            self.log(event="fdstore-store-failed", error=str(e))
+        if self._keep([state.fd], name):
+            return state
         state.close()
         return None
 

@@ -210,15 +210,18 @@ struct Pair {
 }
 
 fn start_pair(cd: &Containerd, id: &str, port: u16, listen: bool) -> Pair {
-    start_pair_with(cd, id, port, listen, &[])
+    start_pair_with(cd, id, port, listen, &[], &[])
 }
 
+/// A pair of test engines, with `more` annotations and `args` for the
+/// engine beyond its port.
 fn start_pair_with(
     cd: &Containerd,
     id: &str,
     port: u16,
     listen: bool,
     more: &[(&str, &str)],
+    args: &[&str],
 ) -> Pair {
     let env = PairEnv::new(cd, &format!("gmsd = \"{}\"\ngms = \"host\"", gmsd())).expect("config");
     let value = format!("tcp:127.0.0.1:{port}");
@@ -229,14 +232,10 @@ fn start_pair_with(
     };
     annotations.extend_from_slice(more);
     let port_s = port.to_string();
+    let mut cmd = vec!["/bin/test-engine", "--port", &port_s];
+    cmd.extend_from_slice(args);
     let ctr = env
-        .run(
-            cd,
-            id,
-            &annotations,
-            &["--rm", "--net-host"],
-            &["/bin/test-engine", "--port", &port_s],
-        )
+        .run(cd, id, &annotations, &["--rm", "--net-host"], &cmd)
         .expect("ctr run");
     Pair { env, ctr }
 }
@@ -340,7 +339,7 @@ fn when_the_runtime_accepts_no_connection_is_lost_through_sigkills() {
     let cd = Containerd::start().expect("containerd");
     PairEnv::install_engine(&cd, Path::new(ENGINE)).expect("install engine");
     let (id, port) = ("accept", free_port());
-    let p = start_pair_with(&cd, id, port, true, &[(ACCEPT, "runtime")]);
+    let p = start_pair_with(&cd, id, port, true, &[(ACCEPT, "runtime")], &[]);
     p.env.wait_protected(&cd, id, LONG);
     let first = until("an answer", LONG, STEP, || ask(port));
     let good = judge(PAIR_SLOTS, first.weights.clone(), "handed");
@@ -376,22 +375,15 @@ fn when_the_runtime_accepts_no_connection_is_lost_through_sigkills() {
     // then lets go of each connection whose client closed, and no request
     // waits for room.
     let (id, port) = ("acceptforget", free_port());
-    let value = format!("tcp:127.0.0.1:{port}");
-    let env = PairEnv::new(&cd, &format!("gmsd = \"{}\"\ngms = \"host\"", gmsd())).expect("config");
-    let port_s = port.to_string();
-    let ctr = env
-        .run(
-            &cd,
-            id,
-            &[
-                (LISTEN, value.as_str()),
-                (ACCEPT, "runtime"),
-                (FDSTORE_MAX, "16"),
-            ],
-            &["--rm", "--net-host"],
-            &["/bin/test-engine", "--port", &port_s, "--no-remove"],
-        )
-        .expect("ctr run");
+    let forgets = start_pair_with(
+        &cd,
+        id,
+        port,
+        true,
+        &[(ACCEPT, "runtime"), (FDSTORE_MAX, "16")],
+        &["--no-remove"],
+    );
+    let env = &forgets.env;
     env.wait_protected(&cd, id, LONG);
     for i in 0..100 {
         assert!(
@@ -405,7 +397,7 @@ fn when_the_runtime_accepts_no_connection_is_lost_through_sigkills() {
             .filter(|f| f.accepted >= 100)
     });
     assert!(st.hung_up > 0 && st.removed == 0, "{st:?}");
-    Pair { env, ctr }.stop(&cd, id);
+    forgets.stop(&cd, id);
 
     let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
     let out = cd

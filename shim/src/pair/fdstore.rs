@@ -384,8 +384,13 @@ impl FdStore {
     /// a fetch or an engine's start. A copy that cannot be made (out of
     /// descriptors) is left out, and said.
     pub fn copies(&self) -> Vec<(String, OwnedFd)> {
+        self.copies_but(|_| false)
+    }
+
+    /// [`FdStore::copies`] of every entry whose name `skip` does not take.
+    fn copies_but(&self, skip: impl Fn(&str) -> bool) -> Vec<(String, OwnedFd)> {
         let mut out = Vec::with_capacity(self.entries.len());
-        for e in self.entries.values() {
+        for e in self.entries.values().filter(|e| !skip(&e.name)) {
             match e.fd.try_clone() {
                 Ok(fd) => out.push((e.name.clone(), fd)),
                 Err(err) => log::warn!("fd store: copying {:?}: {err}", e.name),
@@ -504,19 +509,7 @@ impl FdStore {
         let Some(who) = who else {
             return self.copies();
         };
-        let mine = |accepted: &HashMap<String, Option<Recipient>>, name: &str| {
-            accepted.get(name).is_some_and(|r| *r == Some(who))
-        };
-        let mut out = Vec::with_capacity(self.entries.len());
-        for e in self.entries.values() {
-            if mine(&self.accepted, &e.name) {
-                continue;
-            }
-            match e.fd.try_clone() {
-                Ok(fd) => out.push((e.name.clone(), fd)),
-                Err(err) => log::warn!("fd store: copying {:?}: {err}", e.name),
-            }
-        }
+        let out = self.copies_but(|name| self.accepted.get(name) == Some(&Some(who)));
         for r in self.accepted.values_mut() {
             *r = Some(who);
         }

@@ -171,13 +171,12 @@ impl Machine {
         self
     }
 
-    /// What `slot`'s next engine gets as descriptors 3..: the pair's
-    /// listening sockets, or fresh hand-off sockets of its own.
-    fn listening_for(&self, slot: SlotId, listen: Option<&ListenSockets>) -> Result<Vec<OwnedFd>> {
+    /// Fresh hand-off sockets for `slot`'s next engine, when the runtime
+    /// accepts (`shadow.dev/accept: runtime`); none otherwise.
+    fn handoff_ends(&self, slot: SlotId, listen: Option<&ListenSockets>) -> Result<Vec<OwnedFd>> {
         match (&self.handoff, listen) {
             (Some(h), Some(_)) => h.ends_for(slot),
-            (_, Some(l)) => l.copies(),
-            (_, None) => Ok(Vec::new()),
+            _ => Ok(Vec::new()),
         }
     }
 
@@ -245,6 +244,19 @@ impl Machine {
     }
 }
 
+/// An engine's descriptors 3..: its hand-off sockets when it has them,
+/// else the pair's listening sockets themselves.
+fn inherited_first<'a>(
+    ends: &'a [OwnedFd],
+    listen: Option<&'a ListenSockets>,
+) -> Vec<BorrowedFd<'a>> {
+    if ends.is_empty() {
+        listen.map(ListenSockets::fds).unwrap_or_default()
+    } else {
+        ends.iter().map(AsFd::as_fd).collect()
+    }
+}
+
 impl Drop for Machine {
     /// A pair dropped without its end (the Task service let go of it):
     /// its acceptors stop with it, rather than hold its listening sockets.
@@ -290,11 +302,11 @@ impl Host for Machine {
     async fn create(&self, slot: SlotId) -> Result<u32> {
         let e = &self.engines[slot.index()];
         let listen = self.listen();
-        let listening = self.listening_for(slot, listen.as_deref())?;
-        let fds: Vec<BorrowedFd<'_>> = listening.iter().map(AsFd::as_fd).collect();
+        let ends = self.handoff_ends(slot, listen.as_deref())?;
+        let fds = inherited_first(&ends, listen.as_deref());
         let created = create_engine(e, self.output.clone(), &fds).await;
         drop(fds);
-        close_off_runtime(listening, Close::Release).await;
+        close_off_runtime(ends, Close::Release).await;
         match created {
             Ok(pid) => {
                 self.held()[slot.index()] = Held::Created(pid);
@@ -321,14 +333,14 @@ impl Host for Machine {
             l.repair();
         }
         let fresh = held == Held::Nothing;
-        let listening = self.listening_for(slot, listen.as_deref())?;
+        let ends = self.handoff_ends(slot, listen.as_deref())?;
         let stored = self.stored_for_start(slot, listen.as_deref());
-        let fds: Vec<BorrowedFd<'_>> = listening.iter().map(AsFd::as_fd).collect();
+        let fds = inherited_first(&ends, listen.as_deref());
         let started = run_engine(e, self.output.clone(), fresh, &fds, &stored).await;
         drop(fds);
         // Our copies: the engine has its own (or never started).
         let mut ours: Vec<OwnedFd> = stored.into_iter().map(|(_, fd)| fd).collect();
-        ours.extend(listening);
+        ours.extend(ends);
         close_off_runtime(ours, Close::Release).await;
         started
     }

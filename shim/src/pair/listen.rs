@@ -14,7 +14,7 @@
 //! the namespace's `ip_unprivileged_port_start` needs `CAP_NET_BIND_SERVICE`
 //! in the spec's effective capabilities.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use nix::sys::socket::{
@@ -135,14 +135,13 @@ impl ListenSockets {
         mended
     }
 
-    /// The descriptors, in `LISTEN_FDS` order.
-    #[cfg(test)]
-    pub fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
-        self.fds.iter().map(std::os::fd::AsFd::as_fd).collect()
+    /// The descriptors, in `LISTEN_FDS` order, for one engine's start.
+    pub fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        self.fds.iter().map(AsFd::as_fd).collect()
     }
 
-    /// A copy of each socket, in `LISTEN_FDS` order: for one engine's
-    /// start, or the runtime's acceptors.
+    /// A copy of each socket, in `LISTEN_FDS` order, for the runtime's
+    /// acceptors.
     pub fn copies(&self) -> Result<Vec<OwnedFd>> {
         self.fds
             .iter()
