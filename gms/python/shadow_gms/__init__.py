@@ -12,6 +12,9 @@ Engine authors use three things from here:
   the cache grows as the device's memory allows (``backed``, ``wait``).
 - ``FailoverLock`` and ``notify``: the engine contract of docs/engine-contract.md
   (flock on SHADOW_LOCK_PATH, STATUS=parked / READY=1 on NOTIFY_SOCKET).
+  ``LockHolder``: the lock held by a small process of the engine's, so that
+  a large engine's death frees it in milliseconds (``start()`` early,
+  ``acquire()`` when parked).
 - ``Watchdog``, ``Progress`` and ``extend_start``: the watchdog's pings
   (``shadow.dev/watchdog``: WATCHDOG_USEC) from the loops that work, and
   more time before the start timeout (EXTEND_TIMEOUT_USEC).
@@ -29,13 +32,14 @@ Engine authors use three things from here:
   exits with ``CORRUPT_EXIT`` on ``WeightsCorrupt``.
 
 Only torch and the standard library are needed; the contract helpers
-(``FailoverLock``, ``notify``, ``listen_socket``, ``Watchdog``, ``Progress``,
-``extend_start``) need no torch.
+(``FailoverLock``, ``LockHolder``, ``notify``, ``listen_socket``, ``Watchdog``,
+``Progress``, ``extend_start``) need no torch.
 """
 
-from .contract import (CORRUPT_EXIT, FailoverLock, FdStoreError, bytes_written, Progress, Watchdog, accepted_by_runtime,
-                       extend_start, fdstore_fetch, fdstore_inherited, fdstore_remove, fdstore_store, handoff_receive,
-                       is_accepted_name, listen_socket, listen_sockets, notify, watchdog_interval)
+from .contract import (CORRUPT_EXIT, FailoverLock, FdStoreError, LockHolder, bytes_written, Progress, Watchdog,
+                       accepted_by_runtime, extend_start, fdstore_fetch, fdstore_inherited, fdstore_remove,
+                       fdstore_store, handoff_receive, is_accepted_name, listen_socket, listen_sockets, notify,
+                       watchdog_interval)
 
 _CLIENT = ("Gms", "GmsError", "KvCache", "WeightsCorrupt", "find_library")
 
@@ -51,7 +55,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'shadow_gms' has no attribute {name!r}")
 
 
-__all__ = ["CORRUPT_EXIT", "FailoverLock", "Gms", "GmsError", "KvCache", "Progress", "Watchdog", "WeightsCorrupt",
-           "extend_start", "fdstore_fetch", "fdstore_inherited", "fdstore_remove", "fdstore_store",
+__all__ = ["CORRUPT_EXIT", "FailoverLock", "Gms", "GmsError", "KvCache", "LockHolder", "Progress", "Watchdog",
+           "WeightsCorrupt", "extend_start", "fdstore_fetch", "fdstore_inherited", "fdstore_remove", "fdstore_store",
            "FdStoreError", "bytes_written", "find_library", "listen_socket", "listen_sockets", "notify", "watchdog_interval",
            "accepted_by_runtime", "handoff_receive", "is_accepted_name"]

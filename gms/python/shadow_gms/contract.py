@@ -24,7 +24,9 @@ timeout (``shadow.dev/start-timeout``) ends an engine still starting.
 
 import array
 import fcntl
+import mmap
 import os
+import signal
 import socket
 import stat
 import threading
@@ -115,6 +117,249 @@ class FailoverLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+
+# The holder process's program (``LockHolder``): a fresh interpreter that
+# imports nothing but what it runs, so that its own exit, and with it the
+# flock's release, takes a few milliseconds. Its arguments: the socket to
+# the engine, the memfd of the shared mutex, the engine's pid, the path.
+_HOLDER = """
+import ctypes, fcntl, mmap, os, sys
+link, memfd, engine, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+libc = ctypes.CDLL(None, use_errno=True)
+# Killed when the engine's thread that spawned this process ends (the
+# engine's death): the guard for the wait in flock, before the mutex.
+if libc.prctl(1, 9, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG, SIGKILL
+    os._exit(70)
+if os.getppid() != engine:  # the engine died before the prctl
+    os._exit(71)
+shared = mmap.mmap(memfd, 4096)
+os.close(memfd)
+if os.read(link, 1) != b"G":  # the engine died or let go before asking
+    os._exit(0)
+try:
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+except OSError as e:
+    os.write(link, b"E%d %s" % (e.errno or 0, str(e).encode()[:400]))
+    os._exit(72)
+os.write(link, b"L")
+# Returns the moment the engine's owning thread dies (EOWNERDEAD: the
+# kernel walks a dying thread's robust list before it frees the memory)
+# or unlocks (release); this exit then drops the flock.
+libc.pthread_mutex_lock(ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(shared))))
+os._exit(0)
+"""
+
+
+
+class LockHolder:
+    """The election lock held by a small process of this engine's, so that
+    the shadow wakes at the speed of the kill, however large this process.
+
+    The kernel drops a dead process's flock only when it closes its files,
+    after it has freed its memory: about 100 ms per GiB of resident memory.
+    An engine of gigabytes that holds the lock itself wakes its shadow that
+    much late. Here a fresh, tiny interpreter (the holder) takes the flock
+    on the engine's behalf and exits the moment the engine dies:
+
+    - the engine owns a robust, process-shared mutex (in a memfd both map)
+      from a thread of its own that lives as long as the process; the
+      holder, once it has the flock, waits on that mutex. When the engine
+      dies, the kernel marks the mutex's owner dead and wakes the holder
+      before it frees the engine's memory (a dying thread's robust futex
+      list is walked first), so the holder exits, and the lock is free,
+      in milliseconds;
+    - the holder has ``PR_SET_PDEATHSIG(SIGKILL)`` and reads EOF from its
+      socket if the engine dies before asking for the lock.
+
+    Should the holder die on its own while it holds the lock (a kill of
+    its pid alone), the lock is free and the shadow may be serving: the
+    helper then ends this engine (SIGKILL), as a lost election must.
+
+    The holder is the engine's child, in its container's cgroup: the
+    runtime, which finds who holds the lock by the holder's cgroup, sees
+    this engine's slot holding it.
+
+    ``start()`` spawns the holder (a few tens of milliseconds); call it
+    first thing, before heavy imports, from any thread: the holder is
+    spawned by, and its mutex owned by, a thread of the helper's own that
+    never ends (``PR_SET_PDEATHSIG`` fires when the spawning thread ends).
+    The holder waits to be asked: ``acquire()`` asks it to take the lock
+    and waits until it has it, pinging a watchdog meanwhile; from then on
+    the lock is held until this process dies, execs, or ``release()``s.
+    """
+
+    def __init__(self, path=None):
+        self.path = path or os.environ.get("SHADOW_LOCK_PATH", "/run/shadow/pair/engine.lock")
+        self.held = False
+        self._owner = None  # the pid that started it
+        self._proc = None
+        self._link = None
+        self._shared = None
+        self._asked = False
+        self._let_go = threading.Event()
+        self._thread = None
+        self._state = threading.Lock()  # held, against the holder's exit
+        self._gone = False
+
+    @property
+    def pid(self):
+        """The holder process's pid, or None before ``start()``."""
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self):
+        """Spawns the holder (idempotent). Returns self."""
+        if self._proc is not None and self._owner == os.getpid():
+            return self
+        import ctypes
+        import subprocess
+        import sys
+
+        if not sys.executable:
+            raise OSError("LockHolder: no sys.executable to run the holder with")
+        libc = ctypes.CDLL(None, use_errno=True)
+        memfd = os.memfd_create("shadow-lock-holder", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(memfd, 4096)
+            shared = mmap.mmap(memfd, 4096)
+            mutex = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(shared)))
+            attr = ctypes.create_string_buffer(64)
+            for call, args in [("pthread_mutexattr_init", (attr,)),
+                               ("pthread_mutexattr_setpshared", (attr, 1)),  # PTHREAD_PROCESS_SHARED
+                               ("pthread_mutexattr_setrobust", (attr, 1)),  # PTHREAD_MUTEX_ROBUST
+                               ("pthread_mutex_init", (mutex, attr))]:
+                rc = getattr(libc, call)(*args)
+                if rc != 0:
+                    raise OSError(rc, f"LockHolder: {call}: {os.strerror(rc)}")
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            ready = threading.Event()
+            let_go = self._let_go
+            failed = []
+
+            def own():
+                # This thread owns the mutex and is the holder's parent (its
+                # PDEATHSIG fires when this thread ends): it lives as long
+                # as the holder, which ends at release() or with the engine.
+                rc = libc.pthread_mutex_lock(mutex)
+                if rc != 0:
+                    failed.append(OSError(rc, f"LockHolder: pthread_mutex_lock: {os.strerror(rc)}"))
+                    ready.set()
+                    return
+                try:
+                    self._proc = subprocess.Popen(
+                        [sys.executable, "-I", "-S", "-c", _HOLDER, str(theirs.fileno()), str(memfd),
+                         str(os.getpid()), self.path],
+                        pass_fds=(theirs.fileno(), memfd), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                except BaseException as e:  # handed to start()
+                    failed.append(e)
+                    libc.pthread_mutex_unlock(mutex)
+                    ready.set()
+                    return
+                ready.set()
+                # The one reaper of the holder. A holder gone while it held
+                # the lock, unasked, has freed it: the shadow may serve
+                # already, and this engine must not go on serving beside it.
+                self._proc.wait()
+                with self._state:
+                    self._gone = True
+                    lost = self.held and not let_go.is_set()
+                if lost:
+                    os.write(2, f"LockHolder: the holder of {self.path} (pid {self._proc.pid}) died "
+                                f"({self._proc.returncode}): the lock is lost, ending this engine\n".encode())
+                    os.kill(os.getpid(), signal.SIGKILL)
+                libc.pthread_mutex_unlock(mutex)
+
+            self._thread = threading.Thread(target=own, name="shadow-lock-holder", daemon=True)
+            self._thread.start()
+            ready.wait()
+            theirs.close()
+            if failed:
+                ours.close()
+                raise failed[0]
+        finally:
+            os.close(memfd)
+        self._owner = os.getpid()
+        self._link, self._shared = ours, shared
+        return self
+
+    def acquire(self, watchdog=None, timeout=None):
+        """Asks the holder to take the lock and blocks until it has it:
+        this engine is then the active one. Starts the holder first if
+        ``start()`` was not called. Returns self.
+
+        With an enabled ``watchdog`` (as ``FailoverLock.acquire``) the
+        parked engine pings while it waits, at each timeout of
+        ``watchdog.wait()``; the wait ends the moment the holder says it
+        has the lock. With ``timeout`` (seconds) a lock still not taken by
+        then raises TimeoutError; the holder is ended, and a later
+        ``acquire()`` starts a new one. OSError when the holder could not
+        take the lock (its error) or died.
+        """
+        if self._owner is not None and self._owner != os.getpid():
+            raise OSError("LockHolder: acquire() in a process other than the one that started the holder")
+        if self.held:
+            return self
+        self.start()
+        if not self._asked:
+            self._link.sendall(b"G")
+            self._asked = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pinging = watchdog is not None and watchdog.enabled
+        while True:
+            waits = [w for w in (watchdog.wait() if pinging else None,
+                                 None if deadline is None else max(0.0, deadline - time.monotonic()))
+                     if w is not None]
+            self._link.settimeout(min(waits) if waits else None)
+            try:
+                said = self._link.recv(512)
+            except (TimeoutError, BlockingIOError):
+                if pinging:
+                    watchdog.ping()
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._end()
+                    raise TimeoutError(f"LockHolder: {self.path} not taken within {timeout} s")
+                continue
+            if said.startswith(b"L"):
+                with self._state:
+                    if not self._gone:  # else the holder died right after saying so
+                        self.held = True
+                        return self
+            status = self._end()
+            if said.startswith(b"E"):
+                errno_text, _, text = said[1:].partition(b" ")
+                raise OSError(int(errno_text or 0), f"LockHolder: flock {self.path}: {text.decode(errors='replace')}")
+            raise OSError(f"LockHolder: the holder of {self.path} died before taking it (status {status})")
+
+    def release(self):
+        """Lets go of the lock (the holder exits); a no-op if not started,
+        or in a process other than the one that started it."""
+        if self._owner == os.getpid():
+            self._end()
+
+    def _end(self):
+        """Ends the holder (a SIGKILL: it is small, so its flock goes at
+        once) and reaps it, then lets the mutex go; returns the holder's
+        exit status (negative: the signal that ended it)."""
+        status = None
+        self._let_go.set()
+        if self._proc is not None:
+            try:
+                self._proc.kill()
+            except ProcessLookupError:
+                pass  # already reaped
+        if self._thread is not None:
+            self._thread.join()
+        if self._proc is not None:
+            status = self._proc.returncode
+        if self._link is not None:
+            self._link.close()
+        self.held, self._asked = False, False
+        self._proc = self._link = self._thread = self._owner = self._shared = None
+        self._let_go = threading.Event()
+        self._gone = False
+        return status
 
 
 LISTEN_FDS_START = 3
