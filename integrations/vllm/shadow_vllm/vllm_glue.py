@@ -5,7 +5,7 @@ did not bind, nor a moment between "engine built" and "serving" at which
 something may wait; the engine contract (docs/engine-contract.md) needs
 both. vLLM's plugin point (``vllm.general_plugins``, shadow_vllm.plugin)
 runs our code in each of its processes but cannot change how the API
-server starts. So ``serve()`` below runs vLLM's own pieces in vLLM's own
+server starts. So ``run_pair()`` below runs vLLM's own pieces in vLLM's own
 order and puts the contract between them; and the EngineCore's busy loop
 is wrapped so that it pings the watchdog. Nothing else in shadow_vllm
 imports vLLM.
@@ -20,25 +20,32 @@ other version refuses to run, as these are internal names that move):
   ``vllm.logger.configure_logging_from_args``,
   ``vllm.entrypoints.serve.utils.api_utils.cli_env_setup``: what vLLM's CLI
   main does before a subcommand;
-- ``vllm.entrypoints.launchers.launcher``: ``serve_http(app, sock,
-  **uvicorn_kwargs)`` (uvicorn keyword arguments pass through to
-  ``uvicorn.Config``: ``lifespan="off"``, ``backlog``; it sets
-  ``app.state.server``), ``create_server_socket``,
-  ``create_server_unix_socket``, ``validate_api_server_args``, and what
-  ``setup_server`` does besides binding (``log_version_and_model``,
-  ``log_non_default_args``, ``set_ulimit``, the tool and reasoning parser
-  plugins);
+- ``vllm.entrypoints.launchers.launcher``: ``serve_http`` is not called
+  but done in two halves by ``_SplitServer``, with its pieces:
+  ``NoSignalServer`` (a ``uvicorn.Server`` that leaves signals alone),
+  ``watchdog_loop(server, engine)``, ``SSLCertRefresher``, ``logger``, and
+  ``H11_MAX_*_DEFAULT`` of ``launchers.utils.constants``; also
+  ``create_server_socket``, ``create_server_unix_socket``,
+  ``validate_api_server_args`` and what ``setup_server`` does besides
+  binding (``log_version_and_model``, ``log_non_default_args``,
+  ``set_ulimit``, the tool and reasoning parser plugins);
+- uvicorn (pinned with vLLM): ``Config`` keyword arguments
+  (``lifespan="off"``, ``backlog``), ``Config.load``, ``Server.startup``
+  and ``Server.serve(sockets=[sock])``, ``Server.started``,
+  ``should_exit``;
 - ``vllm.entrypoints.launchers.api_server.entry``:
   ``build_async_engine_client(args)`` (an async context manager: the
   engine, EngineCore process started, weights loaded, KV cache allocated)
   and the body of ``build_and_serve`` (``get_uvicorn_log_config``,
   ``engine_client.get_supported_tasks()``, ``build_app``,
-  ``init_app_state``, the uvicorn keyword arguments it passes);
+  ``init_app_state``, the uvicorn keyword arguments it passes to
+  ``serve_http``);
 - the FastAPI app's lifespan (``vllm.entrypoints.launchers.utils.
   server_utils.lifespan``: the stats logger task and ``freeze_gc_heap``),
   entered here before parking through ``app.router.lifespan_context``, so
   uvicorn runs with ``lifespan="off"``;
-- ``EngineClient.errored`` (a parked engine whose EngineCore died exits);
+- ``EngineClient.errored`` (a parked engine whose EngineCore died exits),
+  ``EngineClient.shutdown(timeout=)`` and ``vllm_config.shutdown_timeout``;
 - ``vllm.v1.engine.core.EngineCoreProc._process_input_queue`` and its
   ``input_queue`` (a ``queue.Queue`` whose blocking ``get`` is where an
   idle busy loop waits): wrapped by ``patch_engine_core``.
@@ -247,11 +254,82 @@ async def _park(pair, engine_client):
             os._exit(1)
 
 
+class _SplitServer:
+    """vLLM's ``serve_http`` in two halves: everything that does not need
+    the socket (routes logged, uvicorn's config built and loaded, the
+    server object made) before parking, so that after the lock only
+    uvicorn's start on the socket is left. Once serving it behaves as
+    serve_http: SIGINT/SIGTERM shut the engine down (drain or abort, per
+    vLLM's shutdown timeout) and then the HTTP server; vLLM's watchdog
+    task ends the server when the engine errored."""
+
+    def __init__(self, app, engine_client, uvicorn_kwargs, on_serving):
+        import uvicorn
+
+        from vllm.entrypoints.launchers import launcher
+        from vllm.entrypoints.launchers.utils import constants
+
+        kw = dict(uvicorn_kwargs)
+        self.ssl_refresh = kw.pop("enable_ssl_refresh", False)
+        h11_size = kw.pop("h11_max_incomplete_event_size", None)
+        h11_count = kw.pop("h11_max_header_count", None)
+        for route in app.routes:
+            methods, path = getattr(route, "methods", None), getattr(route, "path", None)
+            if methods is not None and path is not None:
+                launcher.logger.info("Route: %s, Methods: %s", path, ", ".join(methods))
+        config = uvicorn.Config(app, **kw)
+        config.h11_max_incomplete_event_size = (
+            constants.H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT if h11_size is None else h11_size)
+        config.h11_max_header_count = constants.H11_MAX_HEADER_COUNT_DEFAULT if h11_count is None else h11_count
+        config.load()
+
+        class Server(launcher.NoSignalServer):
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started:
+                    on_serving()
+
+        self.launcher = launcher
+        self.config = config
+        self.engine_client = engine_client
+        self.server = Server(config)
+        app.state.server = self.server
+
+    async def serve(self, sock):
+        loop = asyncio.get_running_loop()
+        server, engine = self.server, self.engine_client
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [loop.create_task(self.launcher.watchdog_loop(server, engine))]
+        serving = loop.create_task(server.serve(sockets=[sock]))
+        refresher = None
+        if self.ssl_refresh:
+            c = self.config
+            refresher = self.launcher.SSLCertRefresher(ssl_context=c.ssl, key_path=c.ssl_keyfile,
+                                                       cert_path=c.ssl_certfile, ca_path=c.ssl_ca_certs)
+
+        async def stop_on_signal():
+            await stop.wait()
+            timeout = engine.vllm_config.shutdown_timeout
+            _log(f"shutting down (engine {'abort' if timeout == 0 else 'drain'}, timeout {timeout} s)")
+            await loop.run_in_executor(None, lambda: engine.shutdown(timeout=timeout))
+            server.should_exit = True
+
+        tasks.append(loop.create_task(stop_on_signal()))
+        try:
+            await serving
+        finally:
+            for t in tasks:
+                t.cancel()
+            if refresher is not None:
+                refresher.stop()
+
+
 async def _serve_pair(args, pair):
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.launcher import serve_http
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
     from vllm.utils.system_utils import decorate_logs
 
@@ -264,22 +342,21 @@ async def _serve_pair(args, pair):
         await init_app_state(engine_client, app.state, args, supported_tasks)
         await warm_up(app, args, _warmup_requests(args))
         kwargs = _uvicorn_kwargs(args, get_uvicorn_log_config(args))
+        # lifespan="off": the app's lifespan is entered below, before parking.
+        # backlog: uvicorn listen()s again on the socket it is given, which
+        # only sets the backlog; the pair's own leaves it as it was.
+        server = _SplitServer(app, engine_client, dict(kwargs, lifespan="off", backlog=_backlog(pair)),
+                              on_serving=lambda: _serving(pair))
         # The app's lifespan (vLLM's startup hook: its stats task and
-        # freeze_gc_heap) runs now; uvicorn is told not to run it again.
+        # freeze_gc_heap) runs now, not on the failover path.
         async with app.router.lifespan_context(app):
             _log(f"engine built and warmed up in {time.monotonic() - started:.1f} s")
             await _park(pair, engine_client)
             sock = pair.listen if pair.listen is not None else _bind_own(args)
-            # serve_http sets app.state.server before it awaits the server.
-            ready = asyncio.ensure_future(_ready_when_serving(app, pair))
             try:
-                shutdown = await serve_http(app, sock=sock, lifespan="off", backlog=_backlog(pair), **kwargs)
+                await server.serve(sock)
             finally:
-                ready.cancel()
-    try:
-        await shutdown
-    finally:
-        sock.close()
+                sock.close()
 
 
 def _backlog(pair):
@@ -288,18 +365,13 @@ def _backlog(pair):
     return PAIR_BACKLOG if pair.listen is not None else 2048
 
 
-async def _ready_when_serving(app, pair):
-    """``READY=1`` once uvicorn serves the socket (its ``started``)."""
-    while True:
-        server = getattr(app.state, "server", None)
-        if server is not None and server.started:
-            pair.ready()
-            if pair.locked_at is not None:
-                _log(f"serving, {(time.monotonic() - pair.locked_at) * 1000:.1f} ms after taking the lock")
-            else:
-                _log("serving")
-            return
-        await asyncio.sleep(0.0005)
+def _serving(pair):
+    """``READY=1`` the moment uvicorn serves the socket."""
+    pair.ready()
+    if pair.locked_at is not None:
+        _log(f"serving, {(time.monotonic() - pair.locked_at) * 1000:.1f} ms after taking the lock")
+    else:
+        _log("serving")
 
 
 def run_pair(args, pair):
