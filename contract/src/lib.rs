@@ -20,6 +20,8 @@
 //!   engine's side of storing, removing and fetching;
 //! - [`handoff`]: connections the runtime accepts (`shadow.dev/accept`)
 //!   and the engine's side of receiving them;
+//! - [`lock`]: the election lock held by a small process of the engine's,
+//!   so that a large engine's death frees it at once;
 //! - [`watchdog`]: the engine's side of the watchdog (`WATCHDOG_USEC`):
 //!   when a ping is due, and whether every rank advanced since the last;
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
@@ -41,6 +43,7 @@ pub mod handoff;
 pub mod hang;
 pub mod host;
 pub mod listen;
+pub mod lock;
 pub mod oci;
 pub mod paths;
 pub mod state;

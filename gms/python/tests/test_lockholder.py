@@ -123,7 +123,11 @@ class LockTest(unittest.TestCase):
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
-                self.fail(f"holder {pid} was not reparented to the test")
+                # Reaped already, by its engine's own reaper thread (the
+                # holder can die, of PDEATHSIG, before that thread does).
+                if not os.path.exists(f"/proc/{pid}"):
+                    return
+                done = 0
             if done == pid:
                 return
             time.sleep(0.005)
