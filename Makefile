@@ -192,7 +192,8 @@ bench-gms: check-cargo
 .PHONY: gpu-bundle test-gpu
 # Where test-gpu finds prebuilt binaries: the GPU machine has no cargo.
 GPU_BIN_DIR ?= .device
-# Extra arguments for tests/gpu/run.py (e.g. --quick, --only failover).
+# Extra arguments for tests/gpu/run.py (e.g. --quick, --only failover,
+# --part 1/2 for half of the tests: a run spread over two device calls).
 GPU_TEST_ARGS ?=
 # Release gmsd, gms-cuda-bench, gms-cuda-probe and libgms.so into
 # $(GPU_BIN_DIR), for a GPU machine (x86-64, glibc >= Debian 12's), and

@@ -78,23 +78,35 @@ state_dir = "{self.state_dir}"
 metrics_dir = "{self.metrics_dir}"
 gmsd = "{self.bin}/gmsd"
 """)
-        self.log = open(os.path.join(base, "containerd.log"), "w")
-        self.p = subprocess.Popen([os.path.join(self.bin, "containerd"), "--config", config],
-                                  stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                  start_new_session=True)
+        self.log_path = os.path.join(base, "containerd.log")
+        with open(self.log_path, "w") as log:
+            self.p = subprocess.Popen([os.path.join(self.bin, "containerd"), "--config", config],
+                                      stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                      start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if self.ctr("version", check=False).returncode == 0:
+            if self.p.poll() is not None:
+                raise AssertionError(f"containerd ended at its start (rc {self.p.poll()}): {self.log_tail()}")
+            if self.ctr("version", check=False, timeout=10).returncode == 0:
                 break
             time.sleep(0.1)
         else:
-            raise AssertionError(f"containerd did not answer: {self.log_tail()}")
+            why = self.ctr("version", check=False, timeout=10).stderr.strip()
+            self.stop()
+            raise AssertionError(f"containerd did not answer within 30 s ({why}): {self.log_tail()}")
         self.rootfs = self._rootfs()
 
+    def alive(self):
+        return self.p.poll() is None
+
     def log_tail(self, n=3000):
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-n:]
+        """The end of containerd's log (the shim's lines are in it), also
+        once containerd has ended."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError as e:
+            return f"(no log at {self.log_path}: {e})"
 
     def ctr(self, *args, check=True, timeout=60):
         out = subprocess.run([os.path.join(self.bin, "ctr"), "--address", self.address, "--namespace", NS,
@@ -159,6 +171,7 @@ gmsd = "{self.bin}/gmsd"
         return None
 
     def stop(self):
+        """Ends containerd (its process group); again is a no-op."""
         if self.p.poll() is None:
             self.p.send_signal(signal.SIGTERM)
             try:
@@ -166,7 +179,6 @@ gmsd = "{self.bin}/gmsd"
             except subprocess.TimeoutExpired:
                 os.killpg(self.p.pid, signal.SIGKILL)
                 self.p.wait(10)
-        self.log.close()
 
 
 def engine_env(port, layers, kv_gib, bin_dir):
@@ -178,11 +190,27 @@ def engine_env(port, layers, kv_gib, bin_dir):
     return env
 
 
+def _ancestors():
+    """This process and those above it (make, a shell): never ours to end,
+    whatever their command lines name."""
+    out, pid = set(), os.getpid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
 def our_processes(markers):
-    """pid -> cmdline of processes whose command line names any marker."""
+    """pid -> cmdline of processes whose command line names any marker
+    (this process and its ancestors aside)."""
     out = {}
+    mine = _ancestors()
     for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
+        if not pid.isdigit() or int(pid) in mine:
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -4,10 +4,24 @@
 Needs only python3 + torch on the GPU machine and prebuilt binaries
 (`make gpu-bundle` puts gmsd, gms-cuda-bench and libgms.so in .device/).
 Every process a test starts is registered and killed when the test ends,
-whatever happens; every wait has a deadline. The last line is
-"N passed, M failed"; the exit status is non-zero on any failure.
+whatever happens, and each test is followed by a check that nothing of it
+is left (processes, containers and tasks of the shared containerd, mounts,
+pair directories): what is left is cleared and fails that test, so the
+next one starts clean in any order. Every wait has a deadline. A test
+that cannot run on the machine (TP=2 on one GPU) says `skip` and why. The
+last line is "N passed, M failed, K skipped"; the exit status is non-zero
+on any failure.
 
-  python3 tests/gpu/run.py [--bin-dir .device] [--only NAME] [--quick] [--own-port]
+  python3 tests/gpu/run.py [--bin-dir .device] [--only NAME[,NAME]] [--part K/N] [--quick] [--own-port]
+                           [--engine PATH]
+
+--only runs the tests whose names contain any NAME; --part K/N runs the
+K-th of N parts of the list (every test in exactly one part: a whole run
+spread over N calls of a device machine). The device-memory check runs
+last in every selection. --engine runs another engine.py in the pair
+tests (a copy of an earlier one: its figures before a change); it must
+lie in this repository, next to its continuity.py and heartbeat.py, two
+levels below the root.
 
 The torch-engine failover test plays the runtime's part of
 `shadow.dev/listen`: it owns the listening socket and hands it to both
@@ -37,12 +51,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 ARGS = sys.argv[1:]
 BIN = os.path.abspath(ARGS[ARGS.index("--bin-dir") + 1] if "--bin-dir" in ARGS else os.path.join(ROOT, ".device"))
-ONLY = ARGS[ARGS.index("--only") + 1] if "--only" in ARGS else None
+ONLY = ARGS[ARGS.index("--only") + 1].split(",") if "--only" in ARGS else None
+PART = tuple(int(x) for x in ARGS[ARGS.index("--part") + 1].split("/")) if "--part" in ARGS else None
 QUICK = "--quick" in ARGS
 OWN_PORT = "--own-port" in ARGS
 WORKER = os.path.join(HERE, "worker.py")
-ENGINE = os.path.join(ROOT, "examples", "torch-engine", "engine.py")
+ENGINE = os.path.abspath(ARGS[ARGS.index("--engine") + 1] if "--engine" in ARGS
+                         else os.path.join(ROOT, "examples", "torch-engine", "engine.py"))
 FIGURES = []
+
+
+class Skipped(Exception):
+    """The test cannot run on this machine; the message says why."""
 
 
 def figure(name, value, unit, target=None):
@@ -118,7 +138,8 @@ class Proc:
                 pass
 
     def stderr_tail(self):
-        self.err.flush()
+        if not self.err.closed:
+            self.err.flush()
         try:
             with open(self.log_path) as f:
                 return f.read()[-1500:]
@@ -132,7 +153,11 @@ class Session:
     runtime = None
 
     @classmethod
-    def cleanup(cls):
+    def end_test(cls):
+        """Ends whatever the test that just ran started, and says what it
+        had left: a list of what had to be cleared (empty: nothing). The
+        shared containerd stays up for the next test, unless it died."""
+        left = []
         for p in reversed(cls.procs):
             if p.p.poll() is None:
                 p.kill(signal.SIGTERM if p.name.startswith("gmsd") else signal.SIGKILL)
@@ -144,15 +169,73 @@ class Session:
                 p.p.wait(timeout=10)
             p.err.close()
         cls.procs = []
+        rt = cls.runtime
+        if rt is not None and not rt.alive():
+            left.append(f"containerd ended (rc {rt.p.poll()}): {rt.log_tail(1500)}")
+            rt.stop()
+            cls.runtime = rt = None
+        if rt is not None:
+            tasks = rt.ctr("task", "ls", "-q", check=False).stdout.split()
+            for cid in tasks:
+                rt.ctr("task", "kill", "--signal", "SIGKILL", cid, check=False)
+            for cid in tasks:
+                try:
+                    poll_until(lambda: rt.task(cid) is None or rt.task(cid)[1] == "STOPPED", 30,
+                               f"task {cid} stopped")
+                except AssertionError:
+                    pass
+                rt.ctr("task", "rm", "-f", cid, check=False)
+            containers = rt.ctr("containers", "ls", "-q", check=False).stdout.split()
+            for cid in containers:
+                rt.ctr("containers", "rm", cid, check=False)
+            if tasks or containers:
+                left.append(f"tasks {tasks}, containers {containers}")
+        markers = [ENGINE, os.path.join(BIN, "gmsd"), WORKER] + ([rt.address, rt.state_dir] if rt else [])
+        procs = ctr_pair.our_processes(markers)
+        if procs:
+            left.append(f"processes {procs}")
+            for pid in procs:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                poll_until(lambda: not ctr_pair.our_processes(markers), 30, "leftover processes gone")
+            except AssertionError:
+                left.append(f"still there: {ctr_pair.our_processes(markers)}")
+        if "baseline_mib" in STATE:
+            seen = []
+            try:
+                poll_until(lambda: (lambda m: seen.append(m) or m <= STATE["baseline_mib"] + 64)(gpu_used_mib()),
+                           30, "device memory back")
+            except AssertionError:
+                left.append(f"device memory {seen[-1]} MiB, was {STATE['baseline_mib']} MiB: {app_mib()}")
+        if rt is not None:
+            mounts = ctr_pair.mounts_under(rt.base)
+            pairs = glob.glob(os.path.join(glob.escape(rt.state_dir), "*", ctr_pair.NS, "*"))
+            if mounts or pairs:
+                left.append(f"mounts {mounts}, pair dirs {pairs}")
+            for d in pairs:
+                shutil.rmtree(d, ignore_errors=True)
+        return left
+
+    @classmethod
+    def cleanup(cls):
+        cls.end_test()
         if cls.runtime is not None:
-            for cid in cls.runtime.ctr("task", "ls", "-q", check=False).stdout.split():
-                cls.runtime.ctr("task", "kill", "--signal", "SIGKILL", cid, check=False)
-                time.sleep(0.5)
-                cls.runtime.ctr("task", "rm", "-f", cid, check=False)
-            for cid in cls.runtime.ctr("containers", "ls", "-q", check=False).stdout.split():
-                cls.runtime.ctr("containers", "rm", cid, check=False)
             cls.runtime.stop()
             cls.runtime = None
+
+
+def runtime():
+    """The private containerd the containerd tests share, started on first
+    use (and again if it died)."""
+    rt = Session.runtime
+    if rt is None or not rt.alive():
+        if rt is not None:
+            rt.stop()
+        rt = Session.runtime = ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
+    return rt
 
 
 def gmsd(name, max_bytes="120G"):
@@ -222,17 +305,25 @@ def app_mib():
 STATE = {}
 
 
-def test_writer_then_reader_same_values_same_addresses():
-    g = STATE["g"] = gmsd("shared")
-    w = STATE["writer"] = worker("writer", g, "writer")
+def shared_layout():
+    """A gmsd with a committed layout, its writer and one reader mapping it;
+    (gmsd, writer, reader, the writer's "committed" line). Each of the
+    first three tests makes its own: a test leaves no process behind."""
+    g = gmsd("shared")
+    w = worker("writer", g, "writer")
     assert w.event("lease")["lease"] == "rw"
     committed = w.event("committed")
-    r = STATE["reader1"] = worker("reader1", g, "reader")
+    r = worker("reader1", g, "reader")
     assert r.event("values")["equal_to_recomputed"], "reader sees other values than the writer wrote"
     mapped = r.event("mapped")
     assert mapped["ptrs"] == committed["ptrs"], (mapped["ptrs"], committed["ptrs"])
     assert mapped["sums"] == committed["sums"]
     STATE["sums"], STATE["ptrs"] = committed["sums"], committed["ptrs"]
+    return g, w, r, committed
+
+
+def test_writer_then_reader_same_values_same_addresses():
+    g, _, _, _ = shared_layout()
     st = status(g)
     assert st["backend"] == "cuda" and st["device"].startswith("GPU-"), st
     assert st["state"] == "committed" and len(st["leases"]) == 2, st
@@ -243,12 +334,12 @@ def test_writer_then_reader_same_values_same_addresses():
 
 
 def test_sigkill_writer_reader_unaffected_new_reader_same_values():
-    w, r = STATE["writer"], STATE["reader1"]
+    g, w, r, _ = shared_layout()
     w.kill()
     w.wait(20)
     r.send("check")
     assert r.event("check")["sums"] == STATE["sums"], "reader's bytes changed after the writer died"
-    r2 = worker("reader2", STATE["g"], "reader")
+    r2 = worker("reader2", g, "reader")
     assert r2.event("values")["equal_to_recomputed"]
     m = r2.event("mapped")
     assert m["sums"] == STATE["sums"] and m["ptrs"] == STATE["ptrs"]
@@ -257,7 +348,7 @@ def test_sigkill_writer_reader_unaffected_new_reader_same_values():
 
 
 def test_read_only_write_fails_that_reader_alone():
-    g, r = STATE["g"], STATE["reader1"]
+    g, _, r, _ = shared_layout()
     bad = worker("reader-write", g, "reader-write")
     bad.event("mapped")
     ev = bad.expect(lambda o: isinstance(o, dict) and o.get("event") in ("write_failed", "write_succeeded"),
@@ -272,7 +363,7 @@ def test_read_only_write_fails_that_reader_alone():
     assert r3.event("mapped")["sums"] == STATE["sums"]
     r3.send("quit")
     r3.wait(30)
-    assert len(status(g)["leases"]) == 1
+    assert len(status(g)["leases"]) == 2  # the writer's and reader1's
 
 
 def test_weights_changed_through_a_cuda_handle_are_found_by_the_digest():
@@ -342,12 +433,6 @@ def test_rw_or_ro_and_discard_before_commit():
 
 
 def test_measure_attach_and_kv_from_rust_and_python():
-    if "reader1" in STATE and STATE["reader1"].p.poll() is None:
-        STATE["reader1"].send("quit")
-        STATE["reader1"].wait(30)
-    if "g" in STATE:
-        STATE["g"].kill(signal.SIGTERM)
-        STATE["g"].wait(60)
     wg, kvg = (4, 8) if QUICK else (32, 64)
     g = gmsd("bench")
     b = Proc("gms-cuda-bench", [os.path.join(BIN, "gms-cuda-bench"), "--socket-dir", g.socket_dir,
@@ -621,10 +706,78 @@ def json_events(proc):
     return events
 
 
+class Probe:
+    """One request sent at an instant (a kill, a hang) on a thread of its
+    own, beside the stream: a new connection, which the promoted engine
+    may answer before the request the stream had in flight (that one is
+    in the fd store, and waits for the store's fetch). ``result()``: (sent,
+    answered, engine slot, tokens) or an AssertionError."""
+
+    def __init__(self, port, timeout=10.0):
+        self.out = []
+
+        def send():
+            t = time.time()
+            try:
+                body = request(port, timeout=timeout)
+                self.out.append((t, time.time(), str(body["engine"]), body["choices"][0]["tokens"]))
+            except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
+                self.out.append((t, time.time(), None, repr(e)))
+        self.th = threading.Thread(target=send, daemon=True)
+        self.th.start()
+
+    def result(self, timeout=15):
+        self.th.join(timeout)
+        if not self.out:
+            raise AssertionError("the probe request was not answered in time")
+        return self.out[0]
+
+
+def takeovers(events):
+    """What each promoted engine did with the fd store: per "resumed" line
+    (connections, their request unread, answered again, continued), and
+    the connections the engines gave up unanswered."""
+    events = list(events)
+    return ([(o.get("connections"), o.get("unread"), o.get("answered_again"), o.get("continued"))
+             for o in events if o.get("event") == "resumed"],
+            sum(1 for o in events if o.get("event") == "unanswered"))
+
+
+def first_answer_parts(events):
+    """Per promotion, the promoted engine's path from the lock to its first
+    answer in ms from the lock: READY=1 sent, the fd store's fetch returned
+    (and the attempts it took), the first answered connection taken
+    (new, or resumed from the store), the time spent awaiting the weights
+    check's verdict, the first answer sent. An engine that logs no parts
+    (an earlier engine.py, --engine) gives what its other lines say."""
+    events = list(events)
+    out = []
+    for e in events:
+        if e.get("event") != "first-answer":
+            continue
+        if "ready_ms" in e:
+            out.append({"ready": e.get("ready_ms"), "fetched": e.get("fetched_ms"),
+                        "attempts": e.get("fetch_attempts"), "conn": e.get("first_conn_ms"),
+                        "first": e.get("first_conn"), "verdict_wait": e.get("verdict_wait_ms"),
+                        "answer": e.get("ms")})
+            continue
+        same = [o for o in events if str(o.get("engine")) == str(e.get("engine")) and o.get("t", 0) <= e["t"]]
+        act = [o for o in same if o.get("event") == "active"]
+        if not act:
+            continue
+        since = act[-1]["t"]
+        fetched = [o for o in same if o.get("event") == "fdstore-fetched" and o["t"] >= since]
+        failed = [o for o in same if o.get("event") == "fdstore-fetch-failed" and o["t"] >= since]
+        ready = act[-1].get("promote_ms")
+        out.append({"ready": ready,
+                    "fetched": round(ready + fetched[-1]["ms"], 1) if fetched and ready is not None else None,
+                    "attempts": len(failed) + len(fetched), "answer": e.get("ms")})
+    return out
+
+
 def containerd_pair(tp):
     """A TP=tp torch-engine pair through `ctr run --runtime io.containerd.shadow.v1`."""
-    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
-    STATE["rt"] = Session.runtime = rt
+    rt = runtime()
     baseline = gpu_used_mib()
     cid, port = f"tp{tp}", 19000 + tp * 100 + os.getpid() % 100
     layers, kv = (2, 2) if QUICK else (8, 8)
@@ -665,6 +818,9 @@ def containerd_pair(tp):
     th = threading.Thread(target=stream_requests, args=(port, results, stop, kinds), daemon=True)
     th.start()
     latencies, parked_mib, to_lock = [], [], []
+    # Per kill: the answer to the stream's request in flight at the kill
+    # (resumed from the fd store) and to the probe sent right after it.
+    in_flight, sent_after = [], []
 
     def kill_and_time(victim, slot, what):
         """SIGKILL `victim` (a pid of the active group of `slot`): ms to the other slot's first correct answer."""
@@ -672,10 +828,16 @@ def containerd_pair(tp):
                    "10 answers from the active")
         kill_at = time.time()
         os.kill(victim, signal.SIGKILL)
+        probe = Probe(port)
         first = poll_until(lambda: next((r for r in list(results)
                                          if r[2] == str(1 - slot) and r[1] > kill_at), None),
                            60, f"an answer from the promoted shadow after {what}")
         assert first[3] == reference, f"{what}: the promoted engine answers {first[3]}, not {reference}"
+        new = probe.result()
+        assert new[2] == str(1 - slot) and new[3] == reference, f"{what}: the probe request got {new}"
+        in_flight.append(round((first[1] - kill_at) * 1e3, 1))
+        sent_after.append(round((new[1] - kill_at) * 1e3, 1))
+        first = min(first, new, key=lambda r: r[1])
         # When the promoted engine's flock returned (its "active" line): the
         # part of the figure that is the dying process's exit.
         # The line travels through ctr's stdout: it may trail the answer.
@@ -690,7 +852,7 @@ def containerd_pair(tp):
 
     failovers = 0
     try:
-        for rnd in range(5 if tp == 1 else 3):
+        for rnd in range(3):
             st = protected(rt, cid, failovers)
             slot = st["pair"]["active"]
             active, shadow = st["pids"][slot], st["pids"][1 - slot]
@@ -753,12 +915,20 @@ def containerd_pair(tp):
            [(o.get("launch_ms"), o.get("wait_ms")) for o in checks], "ms")
     figure(f"TP={tp} through containerd: the promoted engine's lock -> its first answer sent, per wake",
            [o.get("ms") for o in list(run_events) if o.get("event") == "first-answer"], "ms")
+    figure(f"TP={tp} through containerd: the promoted engine's lock -> first answer in parts (ms from the lock), "
+           "per wake", first_answer_parts(run_events), "")
+    figure(f"TP={tp} through containerd: connections the promoted engines resumed (connections, unread, answered "
+           "again, continued), and those given up unanswered", takeovers(run_events), "")
     figure(f"TP={tp} through containerd: the promoted engine's KV growth (from its first answer) to all of it "
            "backed, per wake",
            [o.get("ms") for o in list(run_events) if o.get("event") == "kv-backed"], "ms")
     target = "<= 25 ms" if tp == 1 else "<= 100 ms"
     figure(f"TP={tp} through containerd: SIGKILL of the active -> first correct answer, per round",
            latencies, "ms")
+    figure(f"TP={tp} through containerd: SIGKILL -> the answer to the stream's request in flight at the kill "
+           "(resumed from the fd store), per round", in_flight, "ms")
+    figure(f"TP={tp} through containerd: SIGKILL -> the answer to a request sent right after the kill "
+           "(a new connection), per round", sent_after, "ms")
     figure(f"TP={tp} through containerd: SIGKILL -> first correct answer, p50 of {len(latencies)}", p50, "ms", target)
     figure(f"TP={tp} through containerd: SIGKILL -> the promoted engine holds the lock, per kill", to_lock, "ms")
     figure(f"TP={tp} through containerd: parked shadow device memory per process (nvidia-smi), per round",
@@ -872,8 +1042,7 @@ def test_containerd_pair_hang():
     engine's SHADOW_TEST_HANG request): each -> the pair kills it, the
     shadow takes the lock, wakes and serves. Figures: the total and its
     parts (detected, killed, lock taken, wake, first answer)."""
-    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
-    STATE["rt"] = Session.runtime = rt
+    rt = runtime()
     cid, port = "hang", 19500 + os.getpid() % 100
     layers, kv = (2, 2) if QUICK else (8, 8)
     env = ctr_pair.engine_env(port, layers, kv, BIN)
@@ -900,7 +1069,7 @@ def test_containerd_pair_hang():
     stop, results = threading.Event(), []
     th = threading.Thread(target=stream_requests, args=(port, results, stop), daemon=True)
     th.start()
-    rows, failovers = [], 0
+    rows, failovers, probes = [], 0, []
     try:
         time.sleep(1.0)
         st = rt.state(cid)
@@ -919,10 +1088,15 @@ def test_containerd_pair_hang():
                 c.getresponse().read()
                 c.close()
                 at = time.time()
+            probe = Probe(port, timeout=30.0)
             first = poll_until(lambda: next((r for r in list(results)
                                              if r[2] == str(1 - slot) and r[1] > at), None),
                                60, f"an answer from the shadow after a hang ({how})")
             assert first[3] == reference, f"{how}: {first[3]} is not {reference}"
+            new = probe.result(40)
+            assert new[2] == str(1 - slot) and new[3] == reference, f"{how}: the probe request got {new}"
+            probes.append((round((first[1] - at) * 1e3, 1), round((new[1] - at) * 1e3, 1)))
+            first = min(first, new, key=lambda r: r[1])
             failovers += 1
             st = poll_until(up(failovers), 120, f"{how}: the hung slot back, parked")
             rec = st["promotions"][-1]
@@ -946,6 +1120,15 @@ def test_containerd_pair_hang():
         figure(f"hang ({how}) of the active, watchdog 100 ms, through containerd: hang -> first correct "
                "answer, and its parts (detected, killed, lock taken, wake to READY, READY to answer), per round",
                [r for r in rows if r["how"] == how], "ms", "detection bound (100 ms) + wake")
+    figure("hang, watchdog 100 ms: first correct answer after the detection (hang -> answer less hang -> detected), "
+           "per round", [None if r["total"] is None or r["detected"] is None else round(r["total"] - r["detected"], 1)
+                         for r in rows], "ms", "<= 20 ms")
+    figure("hang: hang -> the answer to the stream's request in flight (resumed from the fd store, or from the "
+           "backlog) / to a request sent at the hang (new connection), per round", probes, "ms")
+    figure("hang: connections the promoted engines resumed (connections, unread, answered again, continued), "
+           "and those given up unanswered", takeovers(run_events), "")
+    figure("hang: the promoted engine's lock -> first answer in parts (ms from the lock), per wake",
+           first_answer_parts(run_events), "")
     rt.ctr("task", "kill", "--signal", "SIGKILL", cid)
     assert run.wait(60) != 0
     markers = [rt.address, rt.state_dir, ENGINE]
@@ -967,8 +1150,7 @@ def test_containerd_pair_kv_that_fits_once():
     yet: it serves at once (short requests need none of it, a long one
     waits only for its rows), and libgms backs the cache as the dead
     engine's memory comes back. Three kills; every answer checked."""
-    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
-    STATE["rt"] = Session.runtime = rt
+    rt = runtime()
     total = int(smi("--query-gpu=memory.total", "-i", "0").splitlines()[0])
     layers = 2 if QUICK else 8
     weights_mib = 250 + layers * 384  # embed + 12·4096² bf16 per layer (engine.py)
@@ -1047,6 +1229,11 @@ def test_containerd_pair_kv_that_fits_once():
            [o.get("waited_ms") for o in list(events) if o.get("event") == "kv-admitted"], "ms")
     figure("KV fits once: the promoted engine's lock -> its first answer sent, per wake",
            [o.get("ms") for o in list(events) if o.get("event") == "first-answer"], "ms")
+    figure("KV fits once: the promoted engine's lock -> first answer in parts (ms from the lock), per wake",
+           first_answer_parts(events), "")
+    und = round(sorted(undisturbed)[5], 1)
+    figure("KV fits once: SIGKILL -> first correct answer, p50, less one undisturbed request",
+           round(sorted(first)[1] - und, 1), "ms", "<= 5 ms")
     figure("KV fits once: the promoted engine's wake (lock -> weights check launched), per wake",
            [o.get("wake_ms") for o in wakes], "ms")
     figure("KV fits once: parked shadow device memory (nvidia-smi), per kill", parked, "MiB", "<= 800 MiB")
@@ -1116,8 +1303,7 @@ def test_containerd_pair_two_shadows():
     recovered by a parked shadow, against a pair of one shadow in the same
     run, whose second kill waits for a respawn to park. Every answer
     checked; each parked shadow's device memory measured."""
-    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
-    STATE["rt"] = Session.runtime = rt
+    rt = runtime()
     baseline = gpu_used_mib()
     figures = {}
     for shadows in (2, 1):
@@ -1170,8 +1356,7 @@ def test_containerd_pair_two_shadows():
 
 def test_containerd_runc_cold_restart():
     """The same engine under runc-v2: SIGKILL, then a cold restart (fresh gmsd, weights loaded again)."""
-    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
-    Session.runtime = rt
+    rt = runtime()
     port = 19500 + os.getpid() % 400
     layers, kv = (2, 2) if QUICK else (8, 8)
     pair_dir = tempfile.mkdtemp(prefix="lock", dir=Session.dir)
@@ -1218,11 +1403,11 @@ def test_containerd_runc_cold_restart():
 
 
 def test_containerd_pair_tp2():
-    """TP=2 needs two GPUs (nvidia-h200-x2); on one it says so and passes."""
+    """TP=2 needs two GPUs (nvidia-h200-x2); on one it is skipped, and
+    says so."""
     n = len(smi("--query-gpu=uuid").splitlines())
     if n < 2:
-        print(f"  SKIPPED: {n} GPU on this machine; the TP=2 pair needs 2 (nvidia-h200-x2)", flush=True)
-        return
+        raise Skipped(f"{n} GPU on this machine; the TP=2 pair needs 2 (nvidia-h200-x2)")
     containerd_pair(2)
 
 def test_device_memory_back_to_start():
@@ -1291,8 +1476,7 @@ def test_containerd_continuity_runtime_accepts():
 
 
 def continuity_through_kills(accept):
-    rt = STATE.get("rt") or ctr_pair.Runtime(tempfile.mkdtemp(prefix="c", dir=Session.dir), BIN, ROOT)
-    STATE["rt"] = Session.runtime = rt
+    rt = runtime()
     baseline = gpu_used_mib()
     cid, port = f"cont{accept[0]}", 19700 + os.getpid() % 10
     run, events = shadows_pair(rt, cid, port, 1, accept)
@@ -1368,7 +1552,22 @@ def continuity_through_kills(accept):
     figure(f"continuity ({accept} accepts): device memory before / after", f"{baseline} / {memory_back(baseline)}", "MiB")
 
 
-TESTS = [v for k, v in list(globals().items()) if k.startswith("test_")]
+# The device-memory check last, whatever the order above.
+TESTS = sorted((v for k, v in list(globals().items()) if k.startswith("test_")),
+               key=lambda t: t is test_device_memory_back_to_start)
+
+
+def selected():
+    """The tests --only and --part choose, the device-memory check last."""
+    tests = [t for t in TESTS if t is not test_device_memory_back_to_start]
+    if ONLY:
+        tests = [t for t in tests if any(o in t.__name__ for o in ONLY)]
+    if PART:
+        k, n = PART
+        if not 1 <= k <= n:
+            raise SystemExit(f"--part {k}/{n}: K must be 1..N")
+        tests = [t for i, t in enumerate(tests) if i % n == k - 1]
+    return tests + [test_device_memory_back_to_start]
 
 
 def main():
@@ -1376,28 +1575,47 @@ def main():
     for tool in ("gmsd", "gms-cuda-bench", "libgms.so"):
         if not os.path.exists(os.path.join(BIN, tool)):
             print(f"missing {BIN}/{tool}: run `make gpu-bundle` on a build machine first")
-            print("0 passed, 1 failed")
+            print("0 passed, 1 failed, 0 skipped")
             return 1
     print(smi("--query-gpu=name,driver_version,memory.used,memory.total"), flush=True)
     STATE["baseline_mib"] = gpu_used_mib()
-    passed = failed = 0
-    for t in TESTS:
-        if ONLY and ONLY not in t.__name__ and t.__name__ != "test_device_memory_back_to_start":
-            continue
+    passed = failed = skipped = 0
+    t_run = time.monotonic()
+    for t in selected():
         t0 = time.monotonic()
         print(f"--- {t.__name__}", flush=True)
         try:
             t()
-            passed += 1
-            print(f"ok   {t.__name__} ({time.monotonic() - t0:.1f}s)", flush=True)
+            outcome = "ok"
+        except Skipped as e:
+            outcome = f"skip ({e})"
         except Exception:
-            failed += 1
-            print(f"FAIL {t.__name__} ({time.monotonic() - t0:.1f}s)\n{traceback.format_exc()}", flush=True)
+            outcome = f"FAIL\n{traceback.format_exc()}"
             for p in Session.procs:
-                if p.p.poll() is not None or p.name.startswith("engine"):
+                if p.p.poll() is not None or p.name.startswith(("engine", "ctr-run")):
                     tail = p.stderr_tail()
                     if tail:
                         print(f"  [{p.name} stderr] {tail[-800:]}", flush=True)
+            if Session.runtime is not None:
+                print(f"  [containerd log] {Session.runtime.log_tail(2000)}", flush=True)
+        try:
+            left = Session.end_test()
+        except Exception:
+            left = [f"clearing up failed: {traceback.format_exc()}"]
+        if left and outcome == "ok":
+            outcome = "FAIL"
+        for what in left:
+            print(f"  LEFT by {t.__name__} (cleared): {what}", flush=True)
+        word, _, rest = outcome.partition(" ")
+        if outcome.startswith("FAIL"):
+            failed += 1
+            word, rest = "FAIL", outcome[4:]
+        elif outcome.startswith("skip"):
+            skipped += 1
+        else:
+            passed += 1
+        print(f"{word:4} {t.__name__} ({time.monotonic() - t0:.1f}s){(' ' + rest) if rest.strip() else ''}",
+              flush=True)
     Session.cleanup()
     keep = os.environ.get("GPU_LOG_DIR")
     if keep:
@@ -1408,7 +1626,7 @@ def main():
                     shutil.copy(os.path.join(dirpath, f), os.path.join(keep, f"{os.path.basename(dirpath)}-{f}"))
     shutil.rmtree(Session.dir, ignore_errors=True)
     print("\n".join(["== figures =="] + FIGURES), flush=True)
-    print(f"{passed} passed, {failed} failed", flush=True)
+    print(f"{passed} passed, {failed} failed, {skipped} skipped ({time.monotonic() - t_run:.0f} s)", flush=True)
     return 1 if failed else 0
 
 
