@@ -314,7 +314,7 @@ class Continuity:
         self.before_write = None
         self.boot = f"{os.getpid()}.{time.time_ns() // 1000}"
         self.served = 0
-        self.stats = {"resumed": 0, "answered_again": 0, "continued": 0, "done": 0}
+        self.stats = {"resumed": 0, "unread": 0, "answered_again": 0, "continued": 0, "done": 0}
 
     def accepted(self, sock):
         """A connection just accepted: stored (with its state) first."""
@@ -356,6 +356,8 @@ class Continuity:
         try:
             raw = peek_request(conn.sock, timeout)
             if raw is None:
+                self.log(event="unanswered", name=conn.name,
+                         why="no whole request within the client timeout, or the client closed")
                 return
             head = new_head()
             try:
@@ -382,9 +384,16 @@ class Continuity:
     def take_over(self, fetched):
         """The store as the promoted engine fetched it, ``[(name, fd)]``:
         every connection the dead engine held, as Conns with their phase,
-        in the order stored. Descriptors of no connection are closed."""
+        in the order stored. Descriptors of no connection are closed. The
+        fetch runs while this engine serves: copies of what it stored
+        itself meanwhile (its own names) are closed, the originals are its
+        serving loop's."""
         by_name = {}
+        own = f"c-{self.boot}-"
         for name, fd in fetched:
+            if name.startswith(own):
+                os.close(fd)
+                continue
             by_name.setdefault(name, []).append(fd)
         out = []
         for name, fds in by_name.items():
@@ -428,6 +437,14 @@ class Continuity:
                                              else (NEW, None, None, 0))
         self.stats["resumed"] += 1
         if phase == NEW:
+            self.stats["unread"] += 1
+            # The dead engine may have died waiting for more of the request,
+            # its SO_RCVLOWAT raised on this very socket: a wait here would
+            # not end with the request all in.
+            try:
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            except OSError:
+                pass
             return self.serve(conn, timeout)
         try:
             if phase == DONE:

@@ -15,8 +15,8 @@ addresses. Then, per docs/engine-contract.md:
      their writer recorded (on the GPU), and bind the port (or, with an
      inherited listening socket, start accepting on it);
   5. READY=1, then serve; the check's verdict is awaited before the first
-     answer is sent (it overlaps the first request), and then the KV cache
-     starts growing at its reserved address (libgms backs what fits now
+     answer is sent (it overlaps the first request), and once that answer
+     is out the KV cache starts growing at its reserved address (libgms backs what fits now
      and the rest as the dead engine's memory comes back; the engine does
      not wait for it; a request that needs KV rows starts it sooner): a request whose KV rows are backed runs at once,
      one whose rows are not yet waits until the cache has grown (those
@@ -40,8 +40,9 @@ With the pair's fd store (NOTIFY_SOCKET and SHADOW_FDSTORE_SOCKET, unless
 ENGINE_NO_FDSTORE=1) every connection is stored the moment it is accepted,
 with a memfd of what its request needs to be resumed (continuity.py), and
 removed once answered; one request per connection (Connection: close). A
-promoted engine fetches the store right after it takes the lock and,
-once READY=1, finishes every answer the dead engine had begun: a request
+promoted engine fetches the store once READY=1 is sent, on a thread of its
+own while it serves new connections, and then finishes every answer the
+dead engine had begun before the next new one: a request
 not yet answered is answered, a streamed completion continues right after
 the last byte the client has (the socket counts what was written), with
 the same tokens, recomputed from the prompt. POST /v1/completions speaks
@@ -105,9 +106,17 @@ DTYPE = torch.bfloat16
 TEST_HANG = os.environ.get("SHADOW_TEST_HANG") == "1"
 
 
+_LOG_LOCK = threading.Lock()
+
+
 def log(**fields):
+    """One JSON line on stdout, whole (the store's fetch logs from a thread
+    of its own)."""
     fields.setdefault("t", round(time.time(), 6))
-    print(json.dumps(fields), flush=True)
+    line = json.dumps(fields) + "\n"
+    with _LOG_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 class Layer(torch.nn.Module):
@@ -549,26 +558,76 @@ def store_enabled():
                 and (os.environ.get("ENGINE_NO_FDSTORE") != "1" or accepted_by_runtime()))
 
 
+# A refused fetch (the runtime has not yet seen this engine take the lock)
+# is tried again after these pauses, in s: short first, since the runtime
+# sees the lock within milliseconds, then longer, about 2 s in all.
+FETCH_RETRY_S = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.5, 1.0)
+
+
 def take_store(engine_id):
-    """The fd store, fetched right after the lock was taken: every
-    connection the dead engine held, [(name, fd)]."""
+    """The fd store, fetched once this engine holds the lock: every
+    connection the dead engine held, [(name, fd)], and the attempts it
+    took."""
     if not store_enabled():
-        return []
+        return [], 0
     t0 = time.perf_counter()
-    for attempt in range(1, 6):
+    for attempt, pause in enumerate(FETCH_RETRY_S + (None,), start=1):
         try:
             got = fdstore_fetch() or []
             log(event="fdstore-fetched", engine=engine_id, fds=len(got), attempt=attempt,
                 ms=round((time.perf_counter() - t0) * 1e3, 3))
-            return got
+            return got, attempt
         except (FdStoreError, OSError) as e:
             # The store answers the lock's holder: a refusal while the
             # runtime cannot tell who holds it is tried again.
             log(event="fdstore-fetch-failed", engine=engine_id, attempt=attempt, error=str(e))
-            time.sleep(0.02 * attempt)
+            if pause is None:
+                break
+            time.sleep(pause)
     # What the dead engine held stays in the store; this engine serves new
     # requests.
-    return []
+    return [], len(FETCH_RETRY_S) + 1
+
+
+class Takeover:
+    """The fetch of the store, on a thread of its own, so that new
+    connections are served while it waits on the runtime (which is busiest
+    right after a failover); the serving loop resumes what it fetched as
+    soon as it is in, before the next new connection. ``fileno()`` is
+    readable once it is."""
+
+    def __init__(self, engine_id, since):
+        self.since = since
+        self.done_ms = self.attempts = None
+        self._got = None
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        self._thread = threading.Thread(target=self._run, args=(engine_id,), name="fdstore-fetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, engine_id):
+        try:
+            got, attempts = take_store(engine_id)
+        except Exception as e:  # noqa: BLE001 (logged; this engine serves new requests)
+            log(event="fdstore-fetch-failed", engine=engine_id, error=repr(e))
+            got, attempts = [], None
+        self._got, self.attempts = got, attempts
+        self.done_ms = round((time.perf_counter() - self.since) * 1e3, 3)
+        os.write(self._w, b"x")
+
+    def fileno(self):
+        return self._r
+
+    def take(self):
+        """What was fetched, once (None before the fetch is in)."""
+        try:
+            os.read(self._r, 1)
+        except BlockingIOError:
+            return None
+        os.close(self._r)
+        os.close(self._w)
+        got, self._got = self._got, None
+        return got
 
 
 def next_connection(server, handed, cont):
@@ -617,14 +676,26 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
 
     # 4. wake: the weights check is launched (a group also backs every
     # rank's KV cache and checks every shard first), then the port taken
-    # (the store is fetched once READY=1 is sent). The check runs on the GPU while the
-    # engine accepts and starts on its first request; nothing is written
-    # before it has passed, and the KV cache starts growing once it has.
+    # (the store is fetched once READY=1 is sent, on a thread of its own).
+    # The check runs on the GPU while the engine accepts and starts on its
+    # first request; nothing is written before it has passed, and the KV
+    # cache starts growing once the first answer is out.
     check = verify_or_exit(engine_id, wake, "promoted", figures=False)
     wake_ms = (time.perf_counter() - t_wake) * 1e3
     serve_lock = threading.Lock()
     unchecked = [check]
-    answered = []
+    # Run once the first answer is out (or at the first idle moment): the
+    # KV cache's growth, whose driver calls compete with the dead
+    # context's teardown.
+    after_first = []
+    # The promoted engine's path from the lock to its first answer, in ms
+    # from the lock (logged with the first answer).
+    path = {}
+    # What the serving loop has in hand: ("new" or "resumed", ms from the lock).
+    serving = (None, None)
+
+    def since_lock():
+        return round((time.perf_counter() - t_wake) * 1e3, 3)
 
     def settle():
         """The weights check's verdict, before the first answer (or at the
@@ -632,15 +703,32 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
         without answering."""
         if unchecked:
             check = unchecked.pop()
+            t0 = time.perf_counter()
             verify_or_exit(engine_id, check.result, "promoted")
+            path["verdict_wait_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             if check.then is not None:
-                check.then()
+                after_first.append(check.then)
+
+    def grow_now():
+        while after_first:
+            after_first.pop()()
 
     def before_write():
         settle()
-        if not answered:
-            answered.append(True)
-            log(event="first-answer", engine=engine_id, ms=round((time.perf_counter() - t_wake) * 1e3, 3))
+        if "first_answer_ms" not in path:
+            path["first_answer_ms"] = since_lock()
+            # The connection this answer is on: new, or resumed from the store.
+            path["first_conn"], path["first_conn_ms"] = serving
+            if takeover is not None:
+                fetch_done(takeover)
+            path.setdefault("fetched_ms", None)
+            path.setdefault("fetch_attempts", None)
+            log(event="first-answer", engine=engine_id, ms=path["first_answer_ms"], **path)
+
+    def fetch_done(t):
+        if t.done_ms is not None:
+            path.setdefault("fetched_ms", t.done_ms)
+            path.setdefault("fetch_attempts", t.attempts)
 
     def test_hang(body):
         """SHADOW_TEST_HANG=1 only: answers, then hangs a GPU step in the
@@ -712,32 +800,53 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
 
     # 5. ready.
     notify("READY=1", f"STATUS=active engine {engine_id}", f"MAINPID={os.getpid()}")
+    path["ready_ms"] = since_lock()
     log(event="active", engine=engine_id, pid=os.getpid(), woke_at=woke_at,
         wake_ms=round(wake_ms, 3), kv_bytes=kv.nbytes, promote_ms=round(promote_ms, 3), port=port,
         socket="handed" if handed else "inherited" if inherited is not None else "own", fdstore=cont.enabled)
-    try:
-        # What the dead engine was answering, first: those clients have
-        # waited longest. Fetched after READY=1, which then never waits on
-        # the runtime's answer.
-        conns = cont.take_over(take_store(engine_id))
+    # What the dead engine was answering: fetched after READY=1 (which then
+    # never waits on the runtime's answer), on a thread, while new
+    # connections are served; resumed first once in, since those clients
+    # have waited longest.
+    takeover = Takeover(engine_id, t_wake) if cont.enabled else None
+
+    def resume_fetched():
+        nonlocal takeover, serving
+        fetched = takeover.take()
+        if fetched is None:
+            return
+        fetch_done(takeover)
+        takeover = None
+        conns = cont.take_over(fetched)
         if conns:
             t0 = time.perf_counter()
             for conn in conns:
+                serving = ("resumed", since_lock())
                 conn.sock.settimeout(client_timeout)
                 cont.resume(conn, timeout=client_timeout)
                 heartbeat.ping()
+                grow_now()
             log(event="resumed", engine=engine_id, connections=len(conns),
                 ms=round((time.perf_counter() - t0) * 1e3, 3), **cont.stats)
+
+    try:
         # The serving loop: one request at a time, and between them (at
         # least each time a ping is due) a ping if every rank beat.
         while True:
-            if unchecked and not select.select([server], [], [], 0)[0]:
+            waiting = [server] if takeover is None else [takeover, server]
+            if unchecked and not select.select(waiting, [], [], 0)[0]:
                 settle()  # nobody waiting: the check's verdict now
-            if select.select([server], [], [], heartbeat.wait())[0]:
+                grow_now()
+            ready = select.select(waiting, [], [], heartbeat.wait())[0]
+            if takeover is not None and takeover in ready:
+                resume_fetched()
+            elif server in ready:
                 conn = next_connection(server, handed, cont)
                 if conn is not None:
+                    serving = ("new", since_lock())
                     conn.sock.settimeout(client_timeout)
                     cont.serve(conn, timeout=client_timeout)
+                    grow_now()
             heartbeat.ping()
     finally:
         lock.release()

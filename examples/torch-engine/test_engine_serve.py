@@ -87,6 +87,13 @@ class FetchServer:
         self.sock.bind(path)
         self.sock.listen(4)
         self.fetches = 0
+        # Fetches refused before one is answered (the runtime has not seen
+        # the lock taken yet), and a gate each answer waits at (a runtime
+        # busy right after a failover).
+        self.refuse = 0
+        self.refused = 0
+        self.gate = threading.Event()
+        self.gate.set()
         threading.Thread(target=self.run, daemon=True).start()
 
     def run(self):
@@ -96,6 +103,11 @@ class FetchServer:
             except OSError:
                 return
             with c:
+                if self.refused < self.refuse:
+                    self.refused += 1
+                    c.send(b"ERROR=slot 1 does not hold the election lock (nobody does): take the lock first")
+                    continue
+                self.gate.wait()
                 # What the dead engine sent before it died is read first
                 # (all of it waits in the queue: it is dead).
                 self.runtime.drain(0)
@@ -192,6 +204,41 @@ class EngineServeTest(unittest.TestCase):
             self.runtime.drain(0.05)
         # One fetch per engine that took the lock: the first found it empty.
         self.assertEqual(self.fetch.fetches, 2)
+
+    def test_new_connections_are_served_while_the_fetch_waits_on_the_runtime(self):
+        """The promoted engine fetches the store on a thread: a request
+        that comes while the runtime has not answered the fetch (refused
+        once, then held) is answered meanwhile; the stream the dead engine
+        began is finished once the fetch is in."""
+        a = self.engine(0)
+        self.event(a, "active")
+        b = self.engine(1)
+        s = post(self.port, {"prompt": "held", "max_tokens": 30, "stream": True})
+        first = read_all(s, until=b"data: ")
+        while first.count(b"\n\ndata: ") < 4:
+            first += s.recv(65536)
+        self.fetch.refuse = 1
+        self.fetch.gate.clear()
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait()
+        self.event(b, "active")
+        p = post(self.port, {"prompt": "new", "max_tokens": 2})
+        raw = read_all(p)
+        p.close()
+        self.assertTrue(raw.startswith(b"HTTP/1.1 200"), raw[:80])
+        self.assertEqual(self.fetch.fetches, 1, "the fetch was answered before the new request")
+        first_answer = self.event(b, "first-answer")
+        self.assertEqual(first_answer["first_conn"], "new", first_answer)
+        self.assertIsNone(first_answer["fetched_ms"], first_answer)
+        self.fetch.gate.set()
+        fetched = self.event(b, "fdstore-fetched")
+        self.assertEqual(fetched["attempt"], 2, fetched)
+        resumed = self.event(b, "resumed")
+        self.assertEqual((resumed["connections"], resumed["continued"]), (1, 1), resumed)
+        got = events(first + read_all(s))
+        s.close()
+        self.assertEqual(got[-1], b"[DONE]")
+        self.assertEqual(len(got), 32)
 
 
 if __name__ == "__main__":
