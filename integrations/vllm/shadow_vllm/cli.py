@@ -30,12 +30,15 @@ def main(argv=None):
 
 
 def serve(argv):
-    from . import lock
-    from .pair import Pair
+    from . import lock, shm
+    from .pair import Pair, _log
 
     pair = Pair.from_environ()
     pair.check()
     lock.prepare()
+    tag, removed = shm.setup()
+    if removed:
+        _log(f"removed {len(removed)} /dev/shm file(s) left by this slot's dead engine: {' '.join(removed)}")
 
     from . import vllm_glue
 

@@ -9,13 +9,15 @@ starts. It does nothing unless the API server is a ``shadow-vllm serve``
 - makes every process but the API server die with its parent
   (shadow_vllm.parentwatch), in this process and in those it forks;
 - makes the EngineCore's busy loop ping the watchdog (WATCHDOG_USEC), so
-  that a stuck step stops the pings (shadow_vllm.vllm_glue).
+  that a stuck step stops the pings (shadow_vllm.vllm_glue);
+- names the process's /dev/shm files after the engine's slot, so that the
+  next engine of the slot removes what a killed one left (shadow_vllm.shm).
 """
 
 import os
 import sys
 
-from . import parentwatch
+from . import parentwatch, shm
 from .pair import MAIN_PID_VAR
 
 _registered_in = None
@@ -31,6 +33,7 @@ def register():
         os.register_at_fork(after_in_child=parentwatch._after_fork)
     else:
         parentwatch.start_here_and_in_forks()
+        shm.apply_inherited()
     try:
         from . import vllm_glue
 

@@ -15,7 +15,8 @@ process only, which the others must follow) and measure, from the kill:
   with the very text the pair gave before any kill;
 
 then start the killed slot again and wait until it parks. /dev/shm files
-the dead engines leave are counted (``shm_files``: growing by kill means left behind) and removed at the end.
+made since the start are counted right after the kill (``shm_files``) and
+once the respawn parked (a count that grows by kill means left behind) and removed at the end.
 
 Run it with the virtualenv's python (``make vllm-env vllm-model``):
 
@@ -200,7 +201,8 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--kill", choices=("group", "main"), default="group")
-    ap.add_argument("--watchdog-usec", type=int, default=0)
+    ap.add_argument("--watchdog-usec", type=int, default=0,
+                    help="WATCHDOG_USEC for the engines; with it, the watchdog check below runs first")
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--json", help="write the figures here too")
     ap.add_argument("vllm_args", nargs="*", help="more arguments for vllm serve (after --)")
@@ -226,6 +228,8 @@ def main():
         for e in engines.values():
             print(f"slot {e.slot}: pids {sorted(e.group())}, RSS {rss_mib(e.group())} MiB", flush=True)
 
+        if args.watchdog_usec:
+            check_watchdog(rt, engines[active], engines[shadow], args.watchdog_usec / 1e6)
         for n in range(args.kills):
             victim, heir = engines[active], engines[shadow]
             group = victim.group()
@@ -278,7 +282,8 @@ def main():
             active, shadow = heir.slot, victim.slot
             parked = rt.notify.wait(lambda pid, t: pid == engines[shadow].pid and "STATUS=parked" in t,
                                     args.start_timeout)
-            print(f"slot {shadow} respawned and parked in {parked[0] - engines[shadow].started:.1f} s", flush=True)
+            print(f"slot {shadow} respawned and parked in {parked[0] - engines[shadow].started:.1f} s; "
+                  f"/dev/shm files now {len(set(shm_files()) - shm_before)}", flush=True)
             if complete(rt.port) != reference:
                 raise RuntimeError("the pair's answer changed")
     finally:
@@ -296,6 +301,54 @@ def main():
             json.dump(rounds, f, indent=1)
     ok = all(r["completion_identical"] and r["new_conn_status"] == 200 for r in rounds)
     return 0 if ok else 1
+
+
+def _comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def check_watchdog(rt, active, shadow, interval):
+    """Who pings, and that a stopped EngineCore stops the serving engine's
+    pings: the serving engine's pings come from its EngineCore's busy loop
+    (the API server pings only while parked, from its wait for the lock)."""
+    window = 4 * interval
+
+    def pings(since, until):
+        with rt.notify.cond:
+            evs = [e for e in rt.notify.events if since <= e[0] < until and e[2] == "WATCHDOG=1"]
+        out = {}
+        for _, pid, _ in evs:
+            out[pid] = out.get(pid, 0) + 1
+        return out
+
+    def who(counts, engine):
+        mine = set(engine.group())
+        return {f"{_comm(pid)}[{pid}]": n for pid, n in counts.items() if pid in mine}
+
+    t0 = time.monotonic()
+    time.sleep(window)
+    t1 = time.monotonic()
+    seen = pings(t0, t1)
+    print(f"watchdog: pings in {window:.1f} s: serving {who(seen, active)}, parked {who(seen, shadow)}", flush=True)
+    core = [p for p in active.group() if _comm(p).startswith("VLLM::EngineCor")]
+    if not core:
+        raise RuntimeError("no EngineCore process found in the serving engine's group")
+    os.kill(core[0], signal.SIGSTOP)
+    try:
+        time.sleep(interval)  # a ping already under way may still land
+        t2 = time.monotonic()
+        time.sleep(window)
+        stopped = pings(t2, time.monotonic())
+    finally:
+        os.kill(core[0], signal.SIGCONT)
+    print(f"watchdog: EngineCore {core[0]} stopped for {window:.1f} s: serving {who(stopped, active)}, "
+          f"parked {who(stopped, shadow)}", flush=True)
+    if who(stopped, active) or not who(seen, active):
+        raise RuntimeError("the serving engine's pings do not follow its EngineCore")
 
 
 def _alive(pid):
