@@ -31,6 +31,9 @@
 extern "C" {
 #endif
 
+/* gms_connect's `device` for the host backend. */
+#define GMS_DEVICE_HOST (-1)
+
 /* Lease modes for gms_connect. */
 #define GMS_MODE_RW 0
 #define GMS_MODE_RO 1
@@ -44,8 +47,13 @@ extern "C" {
  * valid until the next libgms call on this thread; do not free it. */
 const char *gms_last_error(void);
 
-/* Connects to the daemon of CUDA device `device` (an ordinal). socket_path:
- * NULL means $GMS_SOCKET_DIR/gms-<GPU-UUID>.sock (default dir
+/* Connects to the daemon of CUDA device `device` (an ordinal), or, with a
+ * negative `device` (GMS_DEVICE_HOST), to the host backend's daemon: memfds
+ * mapped into this process, for CPU engines; the calls below then work the
+ * same on host addresses (granularity: the daemon's, a page; allocations
+ * placed from $GMS_HOST_VA_BASE, default 0x3f0000000000, so that readers
+ * find the writer's addresses free). socket_path: NULL means
+ * $GMS_SOCKET_DIR/gms-<GPU-UUID>.sock, or gms-host.sock (default dir
  * /run/shadow/gms). mode: GMS_MODE_*. client: a name for `gmsd status`, or
  * NULL. While the daemon is absent or another engine holds the write lease,
  * retries for up to timeout_ms. Returns the lease granted (GMS_LEASE_*) or

@@ -12,6 +12,12 @@
 //! Ownership: the session owns every mapping and descriptor; C callers get
 //! addresses only. Strings returned by `gms_layout_json`/`gms_get_meta` are
 //! the caller's, freed with `gms_string_free`.
+//!
+//! Two backends behind the same calls: a CUDA device (`device` >= 0, the
+//! CUDA mapper) or the host backend (`device` < 0, memfds mapped into
+//! this process: a CPU engine such as vLLM's CPU build shares its weights
+//! the same way). Only the mapper differs; every entry point runs the same
+//! code over either session.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -21,30 +27,130 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use gms_core::client::{Client, Imported, KvCache, KvWatch, Weights};
+use gms_core::client::{host_socket, Client, Imported, KvCache, KvWatch, Weights};
+use gms_core::mapper::{HostRange, Mapper};
 use gms_core::protocol::{LeaseKind, Mode};
-use gms_cuda::mapper::{connect_wait, CudaMapper, CudaRange};
+use gms_cuda::mapper::{connect_wait, CudaMapper};
 use gms_cuda::parse_device;
 
-/// Everything this process holds from its GMS daemon.
-struct Session {
-    /// Field order: mappings go before the connection (the lease) ends.
-    written: BTreeMap<u64, Weights<CudaRange>>,
-    imported: Option<Imported<CudaRange>>,
-    kv: BTreeMap<i64, KvCache<CudaRange>>,
-    next_kv: i64,
-    ordinal: i32,
-    client: Client<CudaMapper>,
-    mapper: CudaMapper,
+/// What a session needs of its mapper beyond [`Mapper`]: the CUDA one has
+/// a context to make current and a device to wait for; host memory has
+/// neither.
+trait Backend: Mapper + Clone {
+    fn make_current(&self) -> Result<(), String>;
+    fn synchronize(&self) -> Result<(), String>;
 }
 
-static SESSION: Mutex<Option<Session>> = Mutex::new(None);
+impl Backend for CudaMapper {
+    fn make_current(&self) -> Result<(), String> {
+        CudaMapper::make_current(self).map_err(|e| e.to_string())
+    }
+    fn synchronize(&self) -> Result<(), String> {
+        CudaMapper::synchronize(self).map_err(|e| e.to_string())
+    }
+}
+
+/// Start of the host backend's window (`GMS_HOST_VA_BASE` overrides it).
+/// A reader maps every allocation at the writer's address, so the writer
+/// places them where another process is unlikely to have anything: far
+/// below the kernel's mmap area (near 0x7f..) and far above the heap
+/// (near 0x55..), as the CUDA mapper keeps its own window.
+const HOST_VA_BASE: u64 = 0x3f00_0000_0000;
+/// Host allocations start on 2 MiB boundaries in the window.
+const HOST_VA_ALIGN: u64 = 2 << 20;
+
+/// The host mapper with addresses of its own window: allocations are
+/// reserved at the window's next free address (skipping what this process
+/// already maps there), readers' ranges at the address asked for.
+#[derive(Clone)]
+struct HostWindow {
+    next: std::sync::Arc<Mutex<u64>>,
+}
+
+impl HostWindow {
+    fn new() -> Result<Self, String> {
+        let base = match std::env::var("GMS_HOST_VA_BASE") {
+            Ok(text) => {
+                let digits = text.trim_start_matches("0x");
+                u64::from_str_radix(digits, 16)
+                    .ok()
+                    .filter(|b| *b > 0 && b % HOST_VA_ALIGN == 0)
+                    .ok_or_else(|| {
+                        format!("GMS_HOST_VA_BASE={text}: a hex address, a multiple of 2 MiB")
+                    })?
+            }
+            Err(_) => HOST_VA_BASE,
+        };
+        Ok(HostWindow {
+            next: std::sync::Arc::new(Mutex::new(base)),
+        })
+    }
+}
+
+impl Mapper for HostWindow {
+    type Range = HostRange;
+
+    fn reserve(&self, len: u64, at: Option<u64>) -> gms_core::Result<HostRange> {
+        if at.is_some() {
+            return HostRange::reserve(len, at);
+        }
+        let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        let step = len
+            .checked_next_multiple_of(HOST_VA_ALIGN)
+            .ok_or_else(|| gms_core::Error::Invalid(format!("reservation of {len} bytes")))?;
+        // Something of this process in the way: try further up, a bounded
+        // number of times, then let the kernel choose (readers may then
+        // conflict, and say so).
+        for _ in 0..64 {
+            let at = *next;
+            *next = at.saturating_add(step);
+            match HostRange::reserve(len, Some(at)) {
+                Ok(range) => return Ok(range),
+                Err(gms_core::Error::AddressConflict(_)) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        HostRange::reserve(len, None)
+    }
+}
+
+impl Backend for HostWindow {
+    fn make_current(&self) -> Result<(), String> {
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Everything this process holds from its GMS daemon.
+struct Session<M: Mapper>
+where
+    M::Range: 'static,
+{
+    /// Field order: mappings go before the connection (the lease) ends.
+    written: BTreeMap<u64, Weights<M::Range>>,
+    imported: Option<Imported<M::Range>>,
+    kv: BTreeMap<i64, KvCache<M::Range>>,
+    next_kv: i64,
+    /// The CUDA ordinal, or -1 for the host backend.
+    ordinal: i32,
+    client: Client<M>,
+    mapper: M,
+}
+
+enum AnySession {
+    Cuda(Session<CudaMapper>),
+    Host(Session<HostWindow>),
+}
+
+static SESSION: Mutex<Option<AnySession>> = Mutex::new(None);
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
-fn session() -> MutexGuard<'static, Option<Session>> {
+fn session() -> MutexGuard<'static, Option<AnySession>> {
     // A panic caught in an earlier call must not make every later call fail.
     SESSION.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -69,13 +175,39 @@ fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> Result<T, String>) ->
     }
 }
 
-fn with_session<T>(f: impl FnOnce(&mut Session) -> Result<T, String>) -> Result<T, String> {
-    let mut guard = session();
-    let s = guard
-        .as_mut()
-        .ok_or("not connected: call gms_connect first")?;
-    s.mapper.make_current().map_err(|e| e.to_string())?;
-    f(s)
+/// Runs `$body` with `$s` bound to this process's session, whichever its
+/// backend (the body is compiled once per backend), after making the
+/// device current; "not connected" without one.
+macro_rules! with_session {
+    (|$s:ident| $body:expr) => {{
+        let mut guard = session();
+        match guard.as_mut() {
+            None => Err(String::from("not connected: call gms_connect first")),
+            Some(AnySession::Cuda(inner)) => {
+                let f = |$s: &mut Session<CudaMapper>| -> Result<_, String> {
+                    Backend::make_current(&$s.mapper)?;
+                    $body
+                };
+                f(inner)
+            }
+            Some(AnySession::Host(inner)) => {
+                let f = |$s: &mut Session<HostWindow>| -> Result<_, String> { $body };
+                f(inner)
+            }
+        }
+    }};
+}
+
+/// `$body` over the session without making anything current (for calls
+/// that touch no device).
+macro_rules! on_session {
+    ($guard:expr, |$s:ident| $body:expr) => {
+        match $guard {
+            None => Err(String::from("not connected")),
+            Some(AnySession::Cuda($s)) => $body,
+            Some(AnySession::Host($s)) => $body,
+        }
+    };
 }
 
 /// A C string argument, or None for NULL.
@@ -113,7 +245,8 @@ pub extern "C" fn gms_last_error() -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())
 }
 
-/// Connects this process to the GMS daemon of CUDA device `device`.
+/// Connects this process to the GMS daemon of CUDA device `device`, or to
+/// the host backend's daemon when `device` is negative.
 ///
 /// # Safety
 /// `socket_path` and `client` are NULL or NUL-terminated strings.
@@ -140,31 +273,51 @@ pub unsafe extern "C" fn gms_connect(
         if guard.is_some() {
             return Err("already connected (gms_disconnect first)".into());
         }
-        let selector = parse_device(&device.to_string()).map_err(|e| e.to_string())?;
-        let mapper = CudaMapper::open(&selector).map_err(|e| e.to_string())?;
-        let socket = match socket_path {
-            Some(p) => PathBuf::from(p),
-            None => {
-                let dir = std::env::var("GMS_SOCKET_DIR")
-                    .unwrap_or_else(|_| "/run/shadow/gms".to_string());
-                mapper.socket_in(&PathBuf::from(dir))
-            }
+        let dir = || {
+            PathBuf::from(
+                std::env::var("GMS_SOCKET_DIR").unwrap_or_else(|_| "/run/shadow/gms".to_string()),
+            )
         };
         let timeout = Duration::from_millis(timeout_ms.max(0) as u64);
+        if device < 0 {
+            let mapper = HostWindow::new()?;
+            let socket = socket_path
+                .map(PathBuf::from)
+                .unwrap_or_else(|| host_socket(&dir()));
+            let client = Client::connect_with_wait(mapper.clone(), &socket, mode, &name, timeout)
+                .map_err(|e| format!("{}: {e}", socket.display()))?;
+            let lease = client.lease();
+            *guard = Some(AnySession::Host(Session::new(client, mapper, -1)));
+            return Ok(lease_code(lease));
+        }
+        let selector = parse_device(&device.to_string()).map_err(|e| e.to_string())?;
+        let mapper = CudaMapper::open(&selector).map_err(|e| e.to_string())?;
+        let socket = socket_path
+            .map(PathBuf::from)
+            .unwrap_or_else(|| mapper.socket_in(&dir()));
         let client = connect_wait(mapper.clone(), &socket, mode, &name, timeout)
             .map_err(|e| format!("{}: {e}", socket.display()))?;
         let lease = client.lease();
-        *guard = Some(Session {
+        *guard = Some(AnySession::Cuda(Session::new(client, mapper, device)));
+        Ok(lease_code(lease))
+    })
+}
+
+impl<M: Mapper> Session<M>
+where
+    M::Range: 'static,
+{
+    fn new(client: Client<M>, mapper: M, ordinal: i32) -> Self {
+        Session {
             written: BTreeMap::new(),
             imported: None,
             kv: BTreeMap::new(),
             next_kv: 0,
-            ordinal: device,
+            ordinal,
             client,
             mapper,
-        });
-        Ok(lease_code(lease))
-    })
+        }
+    }
 }
 
 fn lease_code(lease: LeaseKind) -> c_int {
@@ -178,22 +331,24 @@ fn lease_code(lease: LeaseKind) -> c_int {
 #[no_mangle]
 pub extern "C" fn gms_lease() -> c_int {
     guarded("gms_lease", -1, || {
-        let guard = session();
-        let s = guard.as_ref().ok_or("not connected")?;
-        Ok(lease_code(s.client.lease()))
+        on_session!(session().as_ref(), |s| Ok(lease_code(s.client.lease())))
     })
 }
 
 /// Allocation granularity of the device in bytes; 0 if not connected.
 #[no_mangle]
 pub extern "C" fn gms_granularity() -> u64 {
-    guarded("gms_granularity", 0, || {
-        let guard = session();
-        Ok(guard.as_ref().ok_or("not connected")?.mapper.granularity())
+    guarded("gms_granularity", 0, || match session().as_ref() {
+        None => Err("not connected".into()),
+        Some(AnySession::Cuda(s)) => Ok(s.mapper.granularity()),
+        Some(AnySession::Host(s)) => Ok(s.client.welcome().granularity),
     })
 }
 
-fn allocate(s: &mut Session, size: u64, tag: &str) -> Result<*mut c_void, String> {
+fn allocate<M: Mapper>(s: &mut Session<M>, size: u64, tag: &str) -> Result<*mut c_void, String>
+where
+    M::Range: 'static,
+{
     if s.client.lease() != LeaseKind::Rw {
         return Err("this process holds an ro lease: only the writer allocates".into());
     }
@@ -212,11 +367,14 @@ pub unsafe extern "C" fn gms_allocate(size: u64, tag: *const c_char) -> *mut c_v
     guarded("gms_allocate", std::ptr::null_mut(), || {
         // SAFETY: header contract.
         let tag = unsafe { opt_str(tag, "tag") }?.unwrap_or_else(|| "weights".into());
-        with_session(|s| allocate(s, size, &tag))
+        with_session!(|s| allocate(s, size, &tag))
     })
 }
 
-fn free(s: &mut Session, ptr: *mut c_void) -> Result<c_int, String> {
+fn free<M: Mapper>(s: &mut Session<M>, ptr: *mut c_void) -> Result<c_int, String>
+where
+    M::Range: 'static,
+{
     let addr = ptr as u64;
     if s.client.welcome().committed {
         // Committed weights are immutable and outlive this engine.
@@ -234,7 +392,7 @@ fn free(s: &mut Session, ptr: *mut c_void) -> Result<c_int, String> {
 /// (layout committed), -1 = error.
 #[no_mangle]
 pub extern "C" fn gms_free(ptr: *mut c_void) -> c_int {
-    guarded("gms_free", -1, || with_session(|s| free(s, ptr)))
+    guarded("gms_free", -1, || with_session!(|s| free(s, ptr)))
 }
 
 /// PyTorch `CUDAPluggableAllocator` malloc: one GMS allocation per call,
@@ -250,7 +408,7 @@ pub extern "C" fn gms_torch_malloc(
             .ok()
             .filter(|s| *s > 0)
             .ok_or_else(|| format!("size {size}"))?;
-        with_session(|s| {
+        with_session!(|s| {
             if device != s.ordinal {
                 return Err(format!(
                     "torch asked for device {device}, libgms is connected to device {}",
@@ -272,7 +430,7 @@ pub extern "C" fn gms_torch_free(
     _stream: *mut c_void,
 ) {
     guarded("gms_torch_free", (), || {
-        with_session(|s| free(s, ptr).map(|_| ()))
+        with_session!(|s| free(s, ptr).map(|_| ()))
     })
 }
 
@@ -288,7 +446,7 @@ pub unsafe extern "C" fn gms_put_meta(key: *const c_char, value: *const c_char) 
         let key = unsafe { req_str(key, "key") }?;
         // SAFETY: header contract.
         let value = unsafe { req_str(value, "value") }?;
-        with_session(|s| s.client.put_meta(&key, &value).map_err(|e| e.to_string()))?;
+        with_session!(|s| s.client.put_meta(&key, &value).map_err(|e| e.to_string()))?;
         Ok(0)
     })
 }
@@ -306,7 +464,7 @@ pub unsafe extern "C" fn gms_get_meta(key: *const c_char, out: *mut *mut c_char)
         }
         // SAFETY: header contract.
         let key = unsafe { req_str(key, "key") }?;
-        let value = with_session(|s| s.client.get_meta(&key).map_err(|e| e.to_string()))?;
+        let value = with_session!(|s| s.client.get_meta(&key).map_err(|e| e.to_string()))?;
         match value {
             Some(v) => {
                 let p = owned_c_string(v)?;
@@ -325,9 +483,9 @@ pub unsafe extern "C" fn gms_get_meta(key: *const c_char, out: *mut *mut c_char)
 #[no_mangle]
 pub extern "C" fn gms_commit() -> i64 {
     guarded("gms_commit", -1, || {
-        with_session(|s| {
-            s.mapper.synchronize().map_err(|e| e.to_string())?;
-            let mut weights: Vec<Weights<CudaRange>> =
+        with_session!(|s| {
+            Backend::synchronize(&s.mapper)?;
+            let mut weights: Vec<Weights<_>> =
                 std::mem::take(&mut s.written).into_values().collect();
             let result = s.client.commit(&mut weights);
             s.written = weights.into_iter().map(|w| (w.addr(), w)).collect();
@@ -342,7 +500,7 @@ pub extern "C" fn gms_commit() -> i64 {
 #[no_mangle]
 pub extern "C" fn gms_import() -> c_int {
     guarded("gms_import", -1, || {
-        with_session(|s| {
+        with_session!(|s| {
             if s.imported.is_some() {
                 return Err("the layout is already imported".into());
             }
@@ -359,7 +517,7 @@ pub extern "C" fn gms_import() -> c_int {
 #[no_mangle]
 pub extern "C" fn gms_layout_json() -> *mut c_char {
     guarded("gms_layout_json", std::ptr::null_mut(), || {
-        let layout = with_session(|s| s.client.layout().map_err(|e| e.to_string()))?;
+        let layout = with_session!(|s| s.client.layout().map_err(|e| e.to_string()))?;
         let text = serde_json::to_string(&layout).map_err(|e| e.to_string())?;
         owned_c_string(text)
     })
@@ -389,7 +547,7 @@ pub unsafe extern "C" fn gms_kv_reserve(bytes: u64, addr: *mut u64) -> i64 {
         if addr.is_null() {
             return Err("addr is NULL".into());
         }
-        with_session(|s| {
+        with_session!(|s| {
             let kv = s.client.reserve_kv(bytes).map_err(|e| e.to_string())?;
             // SAFETY: non-NULL and valid per the header.
             unsafe { *addr = kv.addr() };
@@ -401,15 +559,28 @@ pub unsafe extern "C" fn gms_kv_reserve(bytes: u64, addr: *mut u64) -> i64 {
     })
 }
 
-fn kv_op(
-    kv: i64,
-    op: impl FnOnce(&mut KvCache<CudaRange>) -> gms_core::Result<()>,
-) -> Result<c_int, String> {
-    with_session(|s| {
+/// What a KV call does to a cache of either backend.
+enum KvOp {
+    Materialise,
+    Release,
+}
+
+fn kv_apply<R: gms_core::mapper::Range + 'static>(
+    cache: &mut KvCache<R>,
+    op: &KvOp,
+) -> gms_core::Result<()> {
+    match op {
+        KvOp::Materialise => cache.materialise(),
+        KvOp::Release => cache.release(),
+    }
+}
+
+fn kv_op(kv: i64, op: KvOp) -> Result<c_int, String> {
+    with_session!(|s| {
         let cache =
             s.kv.get_mut(&kv)
                 .ok_or_else(|| format!("no KV cache {kv}"))?;
-        op(cache).map_err(|e| e.to_string())?;
+        kv_apply(cache, &op).map_err(|e| e.to_string())?;
         Ok(0)
     })
 }
@@ -417,13 +588,13 @@ fn kv_op(
 /// Backs a reserved KV cache with fresh device pages (not zeroed). 0 or -1.
 #[no_mangle]
 pub extern "C" fn gms_kv_materialise(kv: i64) -> c_int {
-    guarded("gms_kv_materialise", -1, || kv_op(kv, |c| c.materialise()))
+    guarded("gms_kv_materialise", -1, || kv_op(kv, KvOp::Materialise))
 }
 
 /// The KV cache's watch, taken under the session lock and used without it:
 /// waits must not hold every other call of the process back.
 fn kv_watch(kv: i64) -> Result<KvWatch, String> {
-    with_session(|s| {
+    with_session!(|s| {
         s.kv.get(&kv)
             .map(|c| c.watch())
             .ok_or_else(|| format!("no KV cache {kv}"))
@@ -442,7 +613,7 @@ fn to_i64(n: u64) -> i64 {
 #[no_mangle]
 pub extern "C" fn gms_kv_wake(kv: i64, min_bytes: u64) -> i64 {
     guarded("gms_kv_wake", -1, || {
-        let (watch, wait) = with_session(|s| {
+        let (watch, wait) = with_session!(|s| {
             let cache =
                 s.kv.get_mut(&kv)
                     .ok_or_else(|| format!("no KV cache {kv}"))?;
@@ -487,7 +658,7 @@ pub extern "C" fn gms_kv_wait(kv: i64, bytes: u64, timeout_ms: u64) -> i64 {
 #[no_mangle]
 pub extern "C" fn gms_kv_event_fd(kv: i64) -> c_int {
     guarded("gms_kv_event_fd", -1, || {
-        with_session(|s| {
+        with_session!(|s| {
             s.kv.get(&kv)
                 .map(|c| c.watch().event_fd().as_raw_fd())
                 .ok_or_else(|| format!("no KV cache {kv}"))
@@ -511,7 +682,7 @@ pub extern "C" fn gms_kv_info_json(kv: i64) -> *mut c_char {
 /// Gives a KV cache's pages back, keeping its addresses. 0 or -1.
 #[no_mangle]
 pub extern "C" fn gms_kv_release(kv: i64) -> c_int {
-    guarded("gms_kv_release", -1, || kv_op(kv, |c| c.release()))
+    guarded("gms_kv_release", -1, || kv_op(kv, KvOp::Release))
 }
 
 /// Unmaps (1) or remaps (0) every weight mapping of this process in place.
@@ -519,7 +690,7 @@ pub extern "C" fn gms_kv_release(kv: i64) -> c_int {
 #[no_mangle]
 pub extern "C" fn gms_weights_sleep(sleep: c_int) -> c_int {
     guarded("gms_weights_sleep", -1, || {
-        with_session(|s| {
+        with_session!(|s| {
             let imported = s.imported.iter_mut().flat_map(|i| i.weights.iter_mut());
             for w in s.written.values_mut().chain(imported) {
                 let r = if sleep != 0 { w.sleep() } else { w.wake() };
@@ -536,9 +707,7 @@ pub extern "C" fn gms_weights_sleep(sleep: c_int) -> c_int {
 pub extern "C" fn gms_disconnect() {
     guarded("gms_disconnect", (), || {
         let mut guard = session();
-        if let Some(s) = guard.as_ref() {
-            let _ = s.mapper.synchronize();
-        }
+        let _ = on_session!(guard.as_ref(), |s| Backend::synchronize(&s.mapper));
         *guard = None;
         Ok(())
     })

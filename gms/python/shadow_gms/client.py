@@ -1,11 +1,14 @@
 """libgms through ctypes, and the torch glue on top of it.
 
-Tensors on a reader are views of GMS memory built through
-``__cuda_array_interface__`` (no copy, no allocation): address = the
-allocation's virtual address + the tensor's offset, with the shape, stride
-and dtype the writer recorded. Every dtype travels as an unsigned integer
-of the same width and is reinterpreted with ``Tensor.view(dtype)``, since
-the interface has no bfloat16.
+Tensors on a reader are views of GMS memory (no copy, no allocation):
+address = the allocation's virtual address + the tensor's offset, with the
+shape, stride and dtype the writer recorded. On a CUDA device they are
+built through ``__cuda_array_interface__``: every dtype travels as an
+unsigned integer of the same width and is reinterpreted with
+``Tensor.view(dtype)``, since the interface has no bfloat16. On the host
+backend (``Gms(device="host")``: memfds mapped into this process, for CPU
+engines) they are CPU tensors over the mapped bytes. Only that step
+differs: what is recorded, committed and checked is the same.
 """
 
 import contextlib
@@ -27,6 +30,9 @@ META_PREFIX = "tensor/"
 DIGEST_KEY = "shadow/weights-digest"
 DIGEST_SCHEME = "sum64-2MiB-sha256/v1"
 DIGEST_CHUNK = 2 << 20
+# Where publish_tensors places each tensor in its allocation: a boundary
+# every SIMD load and oneDNN is happy with.
+PUBLISH_ALIGN = 256
 
 
 class GmsError(RuntimeError):
@@ -50,7 +56,8 @@ class _Plan:
     making a tensor over foreign memory costs far more on the CPU than the
     GPU's sum of it, and a promotion should pay only for the sums."""
 
-    def __init__(self, allocations):
+    def __init__(self, allocations, tensor_at=None):
+        tensor_at = tensor_at or device_tensor
         per = DIGEST_CHUNK // 8
         self.allocations = sorted(allocations, key=lambda a: a["id"])
         self.bytes = sum(a["size"] for a in self.allocations)
@@ -59,7 +66,7 @@ class _Plan:
             words = a["size"] // 8
             if words * 8 != a["size"]:
                 raise GmsError(f"allocation {a['id']} has {a['size']} bytes, not a whole number of words")
-            t = device_tensor(a["va"], torch.int64, (words,))
+            t = tensor_at(a["va"], torch.int64, (words,))
             full = words // per
             views = []
             if full:
@@ -82,7 +89,7 @@ class _Plan:
         of the CPU's time on an H200 for 3.3 GiB of weights. The graph
         reads whatever the memory holds when it is replayed. Falls back to
         launching the ops one by one if capture fails."""
-        if self._graph is not None or not any(self.views):
+        if self._graph is not None or not any(self.views) or not self.views[0][0].is_cuda:
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -130,11 +137,11 @@ class _Digests:
         return out
 
 
-def weights_digests(allocations):
+def weights_digests(allocations, tensor_at=None):
     """id -> hex digest of each allocation (``{"id", "va", "size"}`` as a
     layout lists them) in memory this process maps (docs/gms-protocol.md,
-    "Weights digest")."""
-    return _Plan(allocations).start().result()
+    "Weights digest"); ``tensor_at``: ``host_tensor`` for host memory."""
+    return _Plan(allocations, tensor_at).start().result()
 
 
 class PendingCheck:
@@ -173,6 +180,35 @@ def find_library():
         if cand.exists():
             return str(cand)
     raise GmsError("libgms.so not found: set GMS_LIB (make gpu-bundle puts it in .device/)")
+
+
+HOST = "host"
+
+
+def host_tensor(ptr, dtype, shape, stride=None):
+    """A CPU tensor over memory mapped at ``ptr`` (no copy). The caller
+    keeps the mapping alive for as long as the tensor lives (GMS mappings
+    live until the lease ends); writing through a view of a committed,
+    read-only mapping is SIGSEGV."""
+    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    shape = [int(n) for n in shape]
+    if stride is None:
+        stride, acc = [], 1
+        for n in reversed(shape):
+            stride.append(acc)
+            acc *= max(n, 1)
+        stride.reverse()
+    if any(n == 0 for n in shape):
+        return torch.empty(shape, dtype=dtype)
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+    raw = (ctypes.c_ubyte * (extent * size)).from_address(int(ptr))
+    flat = torch.frombuffer(raw, dtype=torch.uint8)
+    return flat.view(dtype).as_strided(shape, stride)
+
+
+def _is_host(device):
+    return device == HOST or (isinstance(device, int) and device < 0)
 
 
 def _bind(path):
@@ -291,11 +327,16 @@ class Gms:
 
     def __init__(self, mode="rw_or_ro", client="engine", device=0, socket_path=None,
                  timeout_s=60.0, lib_path=None):
+        """``device``: a CUDA ordinal, or ``"host"`` for the host backend
+        (``$GMS_SOCKET_DIR/gms-host.sock``)."""
         self.lib = _bind(lib_path or find_library())
-        self.device = device
+        self.host = _is_host(device)
+        self.device = HOST if self.host else device
         path = socket_path.encode() if socket_path else None
-        torch.cuda.init()  # primary context first, so torch and libgms share it
-        lease = self.lib.gms_connect(path, MODES[mode], client.encode(), device, int(timeout_s * 1000))
+        if not self.host:
+            torch.cuda.init()  # primary context first, so torch and libgms share it
+        lease = self.lib.gms_connect(path, MODES[mode], client.encode(), -1 if self.host else device,
+                                     int(timeout_s * 1000))
         self._check(lease, "gms_connect")
         self.lease = LEASES[lease]
         self._pool = None
@@ -322,6 +363,17 @@ class Gms:
 
     def close(self):
         self.lib.gms_disconnect()
+
+    def tensor_at(self, ptr, dtype, shape, stride=None):
+        """A tensor over GMS memory of this backend at ``ptr`` (no copy):
+        the one step that differs between the CUDA and the host backend."""
+        if self.host:
+            return host_tensor(ptr, dtype, shape, stride)
+        return device_tensor(ptr, dtype, shape, stride)
+
+    def _synchronize(self):
+        if not self.host:
+            torch.cuda.synchronize(self.device)
 
     # -- layout -----------------------------------------------------------
     def layout(self):
@@ -352,6 +404,9 @@ class Gms:
         """Inside this block every CUDA allocation of torch is GMS memory."""
         if self.lease != "rw":
             raise GmsError("weights_pool needs the rw lease (this engine is a reader)")
+        if self.host:
+            raise GmsError("weights_pool is CUDA's (torch has no pluggable CPU allocator): "
+                           "publish_module copies into host memory")
         if self._pool is None:
             self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
                 self.lib._name, "gms_torch_malloc", "gms_torch_free")
@@ -381,11 +436,11 @@ class Gms:
     def commit_tensors(self, tensors):
         """Records each tensor's metadata and the weights digest, then
         commits. Returns the generation."""
-        torch.cuda.synchronize(self.device)
+        self._synchronize()
         allocations = self.layout()["allocations"]
         for name, meta in self.tensor_meta(tensors, allocations).items():
             self.put_meta(META_PREFIX + name, meta)
-        plan = _Plan(allocations)
+        plan = _Plan(allocations, self.tensor_at)
         digests = plan.start().result()
         self.put_meta(DIGEST_KEY, json.dumps({
             "scheme": DIGEST_SCHEME, "chunk_bytes": DIGEST_CHUNK, "allocations": digests}))
@@ -439,13 +494,56 @@ class Gms:
                 raise WeightsCorrupt(f"a weights digest of another scheme: {recorded.get('scheme')!r}", [])
             if self.lease == "ro" and not getattr(self, "_imported", False):
                 self.import_layout()
-            self._check_plan = (recorded["allocations"], _Plan(layout["allocations"]))
+            self._check_plan = (recorded["allocations"], _Plan(layout["allocations"], self.tensor_at))
         if capture:
             self._check_plan[1].capture()
         return self._check_plan
 
     def commit_module(self, module):
         return self.commit_tensors(dict(_module_tensors(module)))
+
+    # -- writer: weights copied in (any backend) ---------------------------
+    def allocate(self, nbytes, tag="weights"):
+        """Writer: a new allocation of at least ``nbytes``, mapped read-write;
+        returns its address."""
+        if self.lease != "rw":
+            raise GmsError("allocate needs the rw lease (this engine is a reader)")
+        ptr = self.lib.gms_allocate(int(nbytes), tag.encode())
+        if not ptr:
+            raise self._error(f"allocating {nbytes} bytes of {tag}")
+        return ptr
+
+    def publish_tensors(self, tensors, align=PUBLISH_ALIGN):
+        """Writer: copies ``tensors`` (name -> tensor, already loaded) into
+        one new allocation, each contiguous at an ``align``-byte boundary,
+        records them and the weights digest, and commits. Returns
+        (generation, name -> view of the committed, now read-only, copy).
+        Works on both backends: the copy is the only way onto the host
+        backend (torch has no pluggable CPU allocator), and costs a CUDA
+        writer a transient second copy of its weights."""
+        places, at = {}, 0
+        for name, t in tensors.items():
+            if t.is_meta:
+                raise GmsError(f"tensor {name} has no data (meta device): load it before publishing")
+            at = -(-at // align) * align
+            places[name] = at
+            at += t.numel() * t.element_size()
+        base = self.allocate(max(at, 1))
+        views = {}
+        for name, t in tensors.items():
+            view = self.tensor_at(base + places[name], t.dtype, tuple(t.shape))
+            view.copy_(t.detach())
+            views[name] = view
+        generation = self.commit_tensors(views)
+        return generation, views
+
+    def publish_module(self, module):
+        """Writer: ``publish_tensors`` of every parameter and buffer of
+        ``module``, which then uses the committed copy (its own tensors are
+        dropped). Returns the generation."""
+        generation, views = self.publish_tensors(dict(_module_tensors(module)))
+        _bind_module(module, views)
+        return generation
 
     # -- reader: tensors from the committed layout ------------------------
     def tensors(self):
@@ -461,7 +559,7 @@ class Gms:
             if not key.startswith(META_PREFIX):
                 continue
             m = json.loads(text)
-            out[key[len(META_PREFIX):]] = device_tensor(
+            out[key[len(META_PREFIX):]] = self.tensor_at(
                 vas[m["alloc"]] + m["offset"], m["dtype"], m["shape"], m["stride"])
         return out
 
@@ -473,14 +571,7 @@ class Gms:
         missing = [n for n, _ in _module_tensors(module) if n not in tensors]
         if missing:
             raise GmsError(f"committed layout lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
-        for name, _ in list(_module_tensors(module)):
-            owner_name, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
-            t = tensors[name]
-            if leaf in owner._parameters:
-                owner._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
-            else:
-                owner._buffers[leaf] = t
+        _bind_module(module, tensors)
         return module
 
     # -- KV ---------------------------------------------------------------
@@ -490,6 +581,25 @@ class Gms:
         gran = self.lib.gms_granularity()
         rounded = -(-nbytes // gran) * gran
         return KvCache(self, handle, addr.value, rounded)
+
+
+def _bind_module(module, tensors):
+    """Points each parameter and buffer of ``module`` at ``tensors[name]``.
+    A parameter keeps its class and attributes (vLLM hangs its weight
+    loaders and shard dims on them): only its data changes."""
+    for name, _ in list(_module_tensors(module)):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        t = tensors[name]
+        if leaf in owner._parameters:
+            old = owner._parameters[leaf]
+            if type(old) is torch.nn.Parameter or old is None:
+                owner._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+            else:
+                old.data = t
+                old.requires_grad_(False)
+        else:
+            owner._buffers[leaf] = t
 
 
 def _module_tensors(module):
