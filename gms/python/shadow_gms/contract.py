@@ -57,7 +57,11 @@ def notify(*fields, path=None, block=True):
 
 
 class FailoverLock:
-    """``flock`` on the pair's election lock; held until this process dies."""
+    """``flock`` on the pair's election lock; held until this process dies.
+
+    The kernel frees it only after this process's memory is torn down
+    (~100 ms per GiB or more): an engine of more than a few hundred MiB
+    holds it through ``LockHolder`` instead."""
 
     def __init__(self, path=None):
         self.path = path or os.environ.get("SHADOW_LOCK_PATH", "/run/shadow/pair/engine.lock")
