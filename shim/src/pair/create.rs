@@ -404,6 +404,7 @@ async fn create_steps(
         .map(GmsDaemons::sockets)
         .unwrap_or_default();
 
+    let shm_bytes = spec::shared_shm_bytes(spec);
     let mut engines = Vec::new();
     for &slot in &slot_ids {
         let inputs = spec::EngineInputs {
@@ -418,6 +419,7 @@ async fn create_steps(
             watchdog,
             fdstore: fdstore.is_some(),
             accept_runtime,
+            shm_bytes,
         };
         let engine = spec::engine_spec(spec, &inputs)?;
         let dir = &dirs.slots[slot.index()];

@@ -50,6 +50,62 @@ pub struct EngineInputs<'a> {
     /// `SHADOW_ACCEPT=runtime`, and the descriptors under the listening
     /// sockets' names are hand-off sockets.
     pub accept_runtime: bool,
+    /// The size of the `/dev/shm` the spec binds from outside (a pod's,
+    /// shared), which each engine gets as a tmpfs of its own instead (see
+    /// [`shared_shm_bytes`]); None: the source's size is unknown, and the
+    /// tmpfs has the kernel's default.
+    pub shm_bytes: Option<u64>,
+}
+
+/// Where an engine finds POSIX shared memory (`shm_open`, Python's
+/// `multiprocessing.shared_memory`, named semaphores).
+const SHM_DIR: &str = "/dev/shm";
+
+/// A mount of the spec that puts something from outside the container at
+/// `/dev/shm`: a bind (CRI's sandbox `/dev/shm`, a pod's `emptyDir`, the
+/// host's), which both engines of the pair would share. A tmpfs there
+/// (`ctr`'s default spec) is made anew for each container, and stays.
+fn binds_shm(m: &Value) -> bool {
+    let at_shm = m
+        .get("destination")
+        .and_then(Value::as_str)
+        .is_some_and(|d| d.trim_end_matches('/') == SHM_DIR);
+    let bind = m.get("type").and_then(Value::as_str) == Some("bind")
+        || m.get("options").and_then(Value::as_array).is_some_and(|o| {
+            o.iter()
+                .any(|v| matches!(v.as_str(), Some("bind" | "rbind")))
+        });
+    at_shm && bind
+}
+
+/// The size of the filesystem the spec binds at `/dev/shm`, if it binds
+/// one and its source can be measured: the cap of each engine's own tmpfs,
+/// so that an engine gets no more shared memory than the pod gave.
+pub fn shared_shm_bytes(spec: &Value) -> Option<u64> {
+    let mounts = spec.get("mounts").and_then(Value::as_array)?;
+    let source = mounts
+        .iter()
+        .rev()
+        .find(|m| binds_shm(m))?
+        .get("source")
+        .and_then(Value::as_str)?;
+    let fs = nix::sys::statvfs::statvfs(source).ok()?;
+    Some(fs.blocks().saturating_mul(fs.fragment_size()))
+}
+
+/// An engine's own `/dev/shm`: a tmpfs made when runc starts it, gone with
+/// its mount namespace when its last process dies.
+fn own_shm(bytes: Option<u64>) -> Value {
+    let mut options = vec![
+        "nosuid".to_string(),
+        "noexec".into(),
+        "nodev".into(),
+        "mode=1777".into(),
+    ];
+    if let Some(b) = bytes.filter(|b| *b > 0) {
+        options.push(format!("size={b}"));
+    }
+    json!({"destination": SHM_DIR, "type": "tmpfs", "source": "shm", "options": options})
 }
 
 /// Whether an engine of this spec has no PID namespace of its own (the
@@ -341,6 +397,13 @@ pub fn engine_spec(spec: &Value, e: &EngineInputs<'_>) -> Result<Value> {
         let d = m.get("destination").and_then(Value::as_str).unwrap_or("");
         !in_contract_dirs(d) && !sockets.iter().any(|s| s == d)
     });
+    // A /dev/shm shared by both engines (a pod's) would carry what a dead
+    // engine left there (a SIGKILLed vLLM's `psm_*` and `sem.mp-*` files)
+    // to the next one, and pile it up in the pod's memory, failover after
+    // failover: each engine gets a fresh one instead (docs/pairs.md).
+    for m in mounts.iter_mut().filter(|m| binds_shm(m)) {
+        *m = own_shm(e.shm_bytes);
+    }
     mounts.push(bind_file(
         &e.pair_dir.join(paths::LOCK_FILE),
         paths::LOCK_PATH.to_string(),
@@ -439,7 +502,52 @@ mod tests {
             watchdog: None,
             fdstore: false,
             accept_runtime: false,
+            shm_bytes: None,
         }
+    }
+
+    #[test]
+    fn a_shared_dev_shm_becomes_each_engines_own_tmpfs() {
+        let mut s = spec();
+        s["mounts"] = json!([
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "size=65536k"]},
+            {"destination": "/dev/shm/", "type": "bind", "source": "/pods/p1/shm",
+             "options": ["rbind", "rw"]},
+            {"destination": "/dev/shm", "source": "/host/shm", "options": ["bind"]},
+            {"destination": "/data", "type": "bind", "source": "/host/data", "options": ["rbind"]}
+        ]);
+        let mut i = inputs(SlotId::ONE, None);
+        i.shm_bytes = Some(1 << 30);
+        let e = engine_spec(&s, &i).unwrap();
+        let mounts = e["mounts"].as_array().unwrap();
+        let own = json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=1073741824"]});
+        // ctr's own tmpfs stays; both binds give way; other binds stay.
+        assert_eq!(mounts[0], s["mounts"][0]);
+        assert_eq!(mounts[1], own);
+        assert_eq!(mounts[2], own);
+        assert_eq!(mounts[3], s["mounts"][3]);
+        i.shm_bytes = None;
+        let e = engine_spec(&s, &i).unwrap();
+        let opts = e["mounts"][1]["options"].as_array().unwrap();
+        assert!(!opts
+            .iter()
+            .any(|o| o.as_str().unwrap().starts_with("size=")));
+    }
+
+    #[test]
+    fn the_shared_dev_shm_is_measured_from_its_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spec();
+        assert_eq!(shared_shm_bytes(&s), None, "no /dev/shm bind");
+        s["mounts"] = json!([{"destination": "/dev/shm", "type": "bind",
+                              "source": dir.path().display().to_string(), "options": ["rbind"]}]);
+        let fs = nix::sys::statvfs::statvfs(dir.path()).unwrap();
+        let want = fs.blocks() * fs.fragment_size();
+        assert_eq!(shared_shm_bytes(&s), Some(want));
+        s["mounts"][0]["source"] = json!("/nonexistent/shm");
+        assert_eq!(shared_shm_bytes(&s), None);
     }
 
     fn env_of(e: &Value) -> Vec<&str> {
