@@ -203,7 +203,8 @@ impl Holder {
         loop {
             let timeout = match pacer.as_deref() {
                 Some(p) => {
-                    let ms = p.wait(Instant::now()).as_millis();
+                    // Rounded up: a wait under a millisecond is not a spin.
+                    let ms = p.wait(Instant::now()).as_micros().div_ceil(1000);
                     PollTimeout::try_from(ms.min(i32::MAX as u128) as i32)
                         .unwrap_or(PollTimeout::MAX)
                 }
