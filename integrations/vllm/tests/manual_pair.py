@@ -180,7 +180,10 @@ def complete(port):
 
 
 def shm_files():
-    return sorted(set(glob.glob("/dev/shm/psm_*") + glob.glob("/dev/shm/sem.mp-*")))
+    """The engines' /dev/shm files: with SHADOW_ENGINE_ID set, shadow-vllm
+    names them after the slot (shadow_vllm.shm); other programs' psm_* and
+    sem.mp-* files are not counted."""
+    return sorted(set(glob.glob("/dev/shm/psm_shadow*") + glob.glob("/dev/shm/sem.mp-shadow*")))
 
 
 def rss_mib(pids):
