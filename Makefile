@@ -7,6 +7,7 @@
 #   make test        deps + lint + build + every test, integration tests included
 #   make demo        SIGKILL under load: cold restart (runc-v2) vs shadow pair, table + chart
 #   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
+#   make bench-vllm  vLLM: SIGKILLs of a shadow pair vs cold restarts under runc-v2, and memory
 #   make soak        1000+ SIGKILLs and 50+ hangs of a pair under load: no wrong answer, no leak (long)
 #   make install     shim, shadowctl, gmsd, hook to $(PREFIX)/bin (+ /etc/containerd/shadow.toml if absent)
 #   make uninstall   remove them again
@@ -268,3 +269,15 @@ vllm-model: vllm-env
 
 test-vllm-unit: vllm-env
 	$(VLLM_VENV)/bin/python -m unittest discover -s integrations/vllm/tests -v
+
+# vLLM as a shadow pair against a cold restart of the same engine under
+# io.containerd.runc.v2, in one run (docs/vllm.md, "Figures"): SIGKILLs of
+# the serving engine under a request stream (→ new connections served, →
+# first correct completion, requests failed and why), SIGKILL + immediate
+# restart under runc-v2, each engine's and the pair's memory. Needs about
+# 9 GiB available (two vLLMs at most at once). BENCH_VLLM_ARGS: --kills N,
+# --cold N, --gms (a pair loading through GMS, for its memory), --force.
+.PHONY: bench-vllm
+BENCH_VLLM_ARGS ?=
+bench-vllm: deps release vllm-env vllm-model
+	$(CARGO) run -q --release -p shadow-tests --bin bench-vllm -- $(BENCH_VLLM_ARGS)

@@ -17,7 +17,8 @@
 //!   `io.containerd.runc.v2` (the reference) and `io.containerd.shadow.v1`;
 //! - [`wait`]: the bounded polls every wait on real state goes through;
 //! - [`bench`]: what the benchmark binaries share (clock, percentiles,
-//!   signals, a process's CPU time).
+//!   signals, a process's CPU time);
+//! - [`vllm`]: vLLM engines through containerd, for the vLLM test and bench.
 
 pub mod bench;
 mod containerd;
@@ -30,6 +31,7 @@ mod leftovers;
 pub mod pair;
 mod process;
 mod rootfs;
+pub mod vllm;
 
 pub use shadow_wait as wait;
 
