@@ -2,7 +2,9 @@
 //! from a seed into a safetensors file, their verification, the private
 //! runtime state an engine derives from them, and the completion arithmetic
 //! (token by token: `model::Decoder`); and the encoding of its HTTP answers
-//! in OpenAI's completions shape, streamed or not (`openai`).
+//! in OpenAI's completions shape, streamed or not (`openai`); and the log
+//! line that times a promotion, part by part (`promotion`), which the
+//! benchmark reads back.
 //!
 //! Kept free of sockets, locks and GMS so that the parts whose answers the
 //! benchmark checks (determinism, verification, "the answer depends on every
@@ -10,6 +12,7 @@
 
 pub mod model;
 pub mod openai;
+pub mod promotion;
 
 use std::path::PathBuf;
 

@@ -69,6 +69,7 @@ use shadow_contract::fdstore::{self, FetchError, Stored};
 use shadow_contract::watchdog::{self, Pacer, Progress};
 use shadow_engine::model::{generate, verify, Decoder, Model};
 use shadow_engine::openai::{self, StreamHead};
+use shadow_engine::promotion::{self, Part, Timeline};
 use shadow_engine::{Error, Result};
 
 use conn::Conn;
@@ -295,6 +296,7 @@ fn serve(args: Args) -> Result<()> {
     let fetches = std::env::var_os(env::FDSTORE_SOCKET).is_some()
         && std::env::var_os(env::LOCK_PATH).is_some();
     let mut inherited_store = (use_store && !fetches).then_some(inherited_store);
+    let lock_path = std::env::var_os(env::LOCK_PATH).map(PathBuf::from);
     let t0 = Instant::now();
     let kv_bytes = args.kv_mib << 20;
     let (source, gms_kv) = attach(&args.weights, &slot, kv_bytes)?;
@@ -327,62 +329,42 @@ fn serve(args: Args) -> Result<()> {
         }
     };
     let own = address.starts_with("127.");
-    notify(sd_notify::NotifyState::Status("parked"));
 
-    let mut pacer = watchdog::interval_from_env().map(Pacer::new);
-    let _held = match std::env::var_os(env::LOCK_PATH) {
-        Some(p) => Some(take_lock(&PathBuf::from(p), pacer.as_mut())?),
-        None => None,
-    };
-    let lock_us = now_us();
-    // The KV cache: the reserved GMS range starts growing (what fits now,
-    // the rest as memory comes back) and serving does not wait for it; or
-    // private memory.
-    let kv = match gms_kv {
-        Some(mut cache) => {
-            cache.wake(0).map_err(gms_err("wake KV"))?;
-            Kv::Gms(cache)
-        }
-        None => Kv::Private(Mutex::new(vec![0u8; kv_bytes as usize])),
-    };
-    if own {
-        listen(&sock, Backlog::new(256).unwrap_or(Backlog::MAXCONN))
-            .map_err(|e| sockerr("listen", e))?;
-    }
-    notify(sd_notify::NotifyState::Ready);
-    let ready_us = now_us();
-    println!(
-        "shadow-engine slot {slot} ready on {address}: weights {} MiB from {}, load {load_ms:.1} ms, init {init_ms:.1} ms, lock→ready {} µs",
-        model.file_len >> 20,
-        source.name(),
-        ready_us.saturating_sub(lock_us)
-    );
-    let _ = std::io::stdout().flush();
-    // The connections the engine before this one left in the store, once
-    // ready: fetched on a thread of their own while the acceptor serves
-    // new connections (the fetch waits on the runtime, which is busiest
-    // right after a failover), and handed to the workers first once here.
-    let (resumed_tx, resumed) = mpsc::channel::<VecDeque<Job>>();
-    let inherited_store = inherited_store.take().unwrap_or_default();
-    let keeper = use_store.then(|| continuity::Keeper::new(&slot, boot_us));
-
+    // Everything that does not need the lock, made while parked: the
+    // workers (waiting for jobs), the takeover's fetcher (waiting to be
+    // told), the store's first state memfd, the health answer. Once the
+    // lock is taken only the KV cache's wake, `listen` and `READY=1` stand
+    // between it and the first accept.
     let info = json!({
         "slot": slot, "boot_us": boot_us.to_string(), "source": source.name(),
         "load_ms": load_ms, "init_ms": init_ms,
     });
-    let live = Live::new(pacer);
+    let mut keeper = use_store.then(|| continuity::Keeper::new(&slot, boot_us));
+    if let Some(k) = keeper.as_mut() {
+        k.prepare();
+    }
+    let inherited_store = inherited_store.take().unwrap_or_default();
+    let promoted = Timeline::new(&slot, use_store);
+    let live = Live::new(watchdog::interval_from_env().map(Pacer::new));
+    let kv = std::sync::OnceLock::new();
     let ctx = Ctx {
         model: &model,
         bytes: source.bytes(),
         kv: &kv,
         info: &info,
         live: &live,
+        promoted: &promoted,
     };
-    let (to_workers, from_acceptor) = mpsc::channel::<Job>();
-    let from_acceptor = Mutex::new(from_acceptor);
+    let (from_acceptor, from_acceptor_rx) = {
+        let (tx, rx) = mpsc::channel::<Job>();
+        (tx, Mutex::new(rx))
+    };
     std::thread::scope(|s| {
+        // Dropped on every way out of this scope: the workers and the
+        // fetcher then end.
+        let to_workers = from_acceptor;
         for worker in 0..WORKERS {
-            let (ctx, from_acceptor) = (&ctx, &from_acceptor);
+            let (ctx, from_acceptor) = (&ctx, &from_acceptor_rx);
             s.spawn(move || loop {
                 // A worker that panicked poisons nothing the others need.
                 let next = from_acceptor
@@ -397,18 +379,73 @@ fn serve(args: Args) -> Result<()> {
                 ctx.live.idle();
             });
         }
+        // The connections the engine before this one left in the store,
+        // once this one is ready: fetched on a thread of their own while
+        // the acceptor serves new connections (the fetch waits on the
+        // runtime, which is busiest right after a failover), and handed to
+        // the workers first once here.
+        let (resumed_tx, resumed) = mpsc::channel::<VecDeque<Job>>();
+        let (go, fetch_when) = mpsc::channel::<()>();
         if use_store {
-            let slot = &slot;
+            let (slot, promoted) = (&slot, &promoted);
             s.spawn(move || {
+                if fetch_when.recv().is_err() {
+                    return; // never promoted
+                }
                 let own = continuity::own_prefix(slot, boot_us);
-                let _ = resumed_tx.send(take_over(slot, &own, inherited_store));
+                let jobs = take_over(slot, &own, inherited_store);
+                promoted.mark(Part::Fetched);
+                let _ = resumed_tx.send(jobs);
             });
         } else {
             drop(resumed_tx);
         }
-        accept_loop(sock.as_fd(), handed, &to_workers, &live, resumed, keeper);
-    });
-    Ok(())
+        notify(sd_notify::NotifyState::Status("parked"));
+
+        let _held = match lock_path {
+            Some(p) => Some(take_lock(&p, live.lock().pacer.as_mut())?),
+            None => None,
+        };
+        promoted.locked(promotion::mono_us());
+        let lock_us = now_us();
+        // The KV cache: the reserved GMS range starts growing (what fits
+        // now, the rest as memory comes back) and serving does not wait
+        // for it; or private memory.
+        let woken = match gms_kv {
+            Some(mut cache) => {
+                cache.wake(0).map_err(gms_err("wake KV"))?;
+                Kv::Gms(cache)
+            }
+            None => Kv::Private(Mutex::new(vec![0u8; kv_bytes as usize])),
+        };
+        let _ = kv.set(woken);
+        promoted.mark(Part::Kv);
+        if own {
+            listen(&sock, Backlog::new(256).unwrap_or(Backlog::MAXCONN))
+                .map_err(|e| sockerr("listen", e))?;
+        }
+        notify(sd_notify::NotifyState::Ready);
+        promoted.mark(Part::Ready);
+        let _ = go.send(());
+        let ready_us = now_us();
+        println!(
+            "shadow-engine slot {slot} ready on {address}: weights {} MiB from {}, load {load_ms:.1} ms, init {init_ms:.1} ms, lock→ready {} µs",
+            model.file_len >> 20,
+            source.name(),
+            ready_us.saturating_sub(lock_us)
+        );
+        let _ = std::io::stdout().flush();
+        accept_loop(
+            sock.as_fd(),
+            handed,
+            &to_workers,
+            &live,
+            resumed,
+            keeper,
+            &promoted,
+        );
+        Ok(())
+    })
 }
 
 /// Whether the runtime keeps a store for this engine: a pair's
@@ -436,9 +473,12 @@ struct Ctx<'a> {
     model: &'a Model,
     /// The weights the model was built from.
     bytes: &'a [u8],
-    kv: &'a Kv,
+    /// Set once the lock is taken (no job comes before).
+    kv: &'a std::sync::OnceLock<Kv>,
     info: &'a Value,
     live: &'a Live,
+    /// This promotion's timeline.
+    promoted: &'a Timeline,
 }
 
 /// A worker's next connection.
@@ -817,7 +857,9 @@ fn accept_loop(
     live: &Live,
     taken_over: mpsc::Receiver<VecDeque<Job>>,
     mut keeper: Option<continuity::Keeper>,
+    promoted: &Timeline,
 ) {
+    promoted.mark(Part::Serving);
     let mut resumed = VecDeque::new();
     // Until the takeover's jobs are here: looked for at least each
     // millisecond.
@@ -867,7 +909,7 @@ fn accept_loop(
         };
         if poll(&mut fds, poll_timeout(wait)).is_ok_and(|n| n > 0) {
             // accept errors (ECONNABORTED, EMFILE) concern one peer.
-            match next_connection(listener, handed, keeper.as_mut()) {
+            match next_connection(listener, handed, keeper.as_mut(), promoted) {
                 Ok((fd, link)) => match Conn::from_fd(fd) {
                     Ok(conn) => {
                         live.lock().idle -= 1;
@@ -897,6 +939,7 @@ fn next_connection(
     listener: BorrowedFd<'_>,
     handed: bool,
     keeper: Option<&mut continuity::Keeper>,
+    promoted: &Timeline,
 ) -> std::io::Result<(OwnedFd, Link)> {
     if handed {
         let h = shadow_contract::handoff::receive(listener)?.ok_or_else(|| {
@@ -905,17 +948,21 @@ fn next_connection(
                 "the runtime closed the hand-off socket",
             )
         })?;
+        promoted.mark(Part::Accepted);
         let link = match keeper {
             Some(k) => k.keep_handed(h.name),
             None => Link::handed(h.name, None),
         };
+        promoted.mark(Part::Stored);
         return Ok((h.conn, link));
     }
     let fd = conn::accept(listener)?;
+    promoted.mark(Part::Accepted);
     let link = match keeper {
         Some(k) => k.keep(fd.as_fd()),
         None => Link::new(None),
     };
+    promoted.mark(Part::Stored);
     Ok((fd, link))
 }
 
@@ -980,18 +1027,22 @@ enum Reply<'a> {
 /// prompt), and every step of the answer is recorded before its bytes are
 /// written; without one, as without a store.
 fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
+    let Some(kv) = ctx.kv.get() else {
+        return link.drop_entry(); // no job comes before the wake
+    };
     let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
     let on = |method: &str, path: &str, body: &[u8]| {
         ctx.live.computing(worker, |step| {
-            route(
-                method, path, body, ctx.model, ctx.bytes, ctx.kv, ctx.info, step,
-            )
+            route(method, path, body, ctx.model, ctx.bytes, kv, ctx.info, step)
         })
     };
     let bad = |reason: String| Reply::Json(400, json!({ "error": reason }));
     let reply = if link.tracked() {
         let (reply, request_len, whole) = match conn::peek_request(&conn, MAX_REQUEST) {
-            Ok(req) => (on(&req.method, &req.path, &req.body), req.len, true),
+            Ok(req) => {
+                ctx.promoted.mark(Part::Read);
+                (on(&req.method, &req.path, &req.body), req.len, true)
+            }
             Err(e) => (bad(e.reason), e.peeked, false),
         };
         let reply = Ready::from(reply);
@@ -1013,14 +1064,19 @@ fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
         reply
     } else {
         match read_request(&mut conn) {
-            Ok((method, path, body)) => Ready::from(on(&method, &path, &body)),
+            Ok((method, path, body)) => {
+                ctx.promoted.mark(Part::Read);
+                Ready::from(on(&method, &path, &body))
+            }
             Err(reason) => Plain(openai::json_response(400, &json!({ "error": reason }))),
         }
     };
     match reply {
         Plain(bytes) => {
             link.note(Phase::Answering(0));
-            let _ = conn.write_all(&bytes);
+            if conn.write_all(&bytes).is_ok() {
+                ctx.promoted.mark(Part::Answered);
+            }
         }
         Streamed(head, _, decoder, max_tokens) => {
             link.note(Phase::Answering(0));
@@ -1034,6 +1090,7 @@ fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
                 ctx.live,
                 worker,
             );
+            ctx.promoted.mark(Part::Answered);
         }
     }
     link.finish(conn.as_fd());
@@ -1117,7 +1174,9 @@ fn go_on(r: Resumed, ctx: &Ctx<'_>, worker: usize) {
                 ctx.model.resume_with(ctx.bytes, &prompt, n, step)
             });
             // The sequence's state back in the KV cache, as at its start.
-            let _ = ctx.kv.write(prompt.as_bytes());
+            if let Some(kv) = ctx.kv.get() {
+                let _ = kv.write(prompt.as_bytes());
+            }
             let sent = openai::stream_bytes(&head, decoder.generated(), finishing);
             let Some(rest) = sent.get(written..) else {
                 beyond("a stream", sent.len());

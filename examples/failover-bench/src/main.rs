@@ -32,6 +32,7 @@ use clap::Parser;
 use load::{Progress, Workload};
 use report::ArmRun;
 use shadow_engine::model::{generate, Model};
+use shadow_engine::promotion;
 use shadow_tests::pair::{free_port, install_binary, PairEnv};
 use shadow_tests::{Containerd, ContainerdBuilder, Runtime};
 
@@ -174,25 +175,44 @@ fn wait_healthy(port: u16, limit: Duration) -> bool {
     false
 }
 
-/// Runs the load, sends the kills on schedule (each `kill` returns the
-/// instant it signalled, or None when there was nothing to kill), waits for
-/// a good answer after the last kill, then `after_ms` more.
+/// When a SIGKILL was sent, on each clock something is compared with.
+#[derive(Clone, Copy)]
+struct Killed {
+    at: Instant,
+    unix_us: u128,
+    /// `CLOCK_MONOTONIC`, the clock of the engine's promotion lines.
+    mono_us: u64,
+}
+
+/// SIGKILLs `pid`, and says when.
+fn kill_now(pid: u32) -> Option<Killed> {
+    let t = Killed {
+        at: Instant::now(),
+        unix_us: now_unix_us(),
+        mono_us: promotion::mono_us(),
+    };
+    sigkill(pid).then_some(t)
+}
+
+/// Runs the load, sends the kills on schedule (each `kill` returns when it
+/// signalled, or None when there was nothing to kill), waits for a good
+/// answer after the last kill, then `after_ms` more.
 fn drive(
     o: &Opts,
     w: &Workload,
-    mut kill: impl FnMut() -> Option<(Instant, u128)>,
-) -> (Vec<load::Sample>, Vec<f64>, Vec<u128>) {
+    mut kill: impl FnMut() -> Option<Killed>,
+) -> (Vec<load::Sample>, Vec<f64>, Vec<Killed>) {
     let progress = Progress::new();
     let start = Instant::now();
     std::thread::scope(|s| {
         let h = s.spawn(|| load::run(w, &progress, start));
-        let (mut kills_ms, mut kills_unix) = (vec![], vec![]);
+        let (mut kills_ms, mut kills) = (vec![], vec![]);
         for k in 0..o.kills {
             let at = start + Duration::from_millis(o.before_ms + o.gap_ms * k as u64);
             std::thread::sleep(at.saturating_duration_since(Instant::now()));
-            if let Some((t, unix)) = kill() {
-                kills_ms.push((t - start).as_secs_f64() * 1e3);
-                kills_unix.push(unix);
+            if let Some(t) = kill() {
+                kills_ms.push((t.at - start).as_secs_f64() * 1e3);
+                kills.push(t);
             }
         }
         let last = kills_ms.last().copied().unwrap_or(0.0);
@@ -205,7 +225,7 @@ fn drive(
         std::thread::sleep(Duration::from_millis(o.after_ms));
         progress.stop.store(true, Ordering::Release);
         let samples = h.join().unwrap_or_default();
-        (samples, kills_ms, kills_unix)
+        (samples, kills_ms, kills)
     })
 }
 
@@ -253,14 +273,14 @@ fn restart_arm(
         let result = if wait_healthy(w.port, Duration::from_secs(600)) {
             let (samples, kills_ms, _) = drive(o, w, || {
                 let pid = ctr.tasks().ok()?.into_iter().find(|t| t.id == id)?.pid;
-                let t = (Instant::now(), now_unix_us());
-                sigkill(pid).then_some(t)
+                kill_now(pid)
             });
             Ok(ArmRun {
                 arm: arm.into(),
                 samples,
                 kills_ms,
                 promotion_ready_ms: vec![],
+                promotions: vec![],
             })
         } else {
             Err(Error::Arm {
@@ -313,22 +333,37 @@ fn shim_arm(
         })
         .is_some();
     let result = if protected {
-        let (samples, kills_ms, kills_unix) = drive(o, w, || {
+        let (samples, kills_ms, kills) = drive(o, w, || {
             let st = env.state(cd, id)?;
-            let pid = st.active_pid()?;
-            let t = (Instant::now(), now_unix_us());
-            sigkill(pid).then_some(t)
+            kill_now(st.active_pid()?)
         });
         // READY of each promotion as the shim recorded it.
         let promotions = env.state(cd, id).map(|v| v.promotions).unwrap_or_default();
-        let promotion_ready_ms = kills_unix
+        let promotion_ready_ms = kills
             .iter()
-            .filter_map(|&k| {
+            .filter_map(|k| {
                 promotions
                     .iter()
                     .filter_map(|p| p.ready_unix_us)
-                    .find(|&r| r as u128 > k)
-                    .map(|r| (r as u128 - k) as f64 / 1e3)
+                    .find(|&r| r as u128 > k.unix_us)
+                    .map(|r| (r as u128 - k.unix_us) as f64 / 1e3)
+            })
+            .collect();
+        // Each kill's promotion as the promoted engine timed it: the first
+        // line whose lock came after that kill.
+        let logged: Vec<promotion::Promoted> = ctr
+            .stdout_so_far()
+            .lines()
+            .filter_map(promotion::parse)
+            .collect();
+        let promotions = kills
+            .iter()
+            .map(|k| {
+                logged
+                    .iter()
+                    .filter(|p| p.lock_us > k.mono_us)
+                    .min_by_key(|p| p.lock_us)
+                    .map(|p| report::Promotion::since(k.mono_us, p))
             })
             .collect();
         Ok(ArmRun {
@@ -336,6 +371,7 @@ fn shim_arm(
             samples,
             kills_ms,
             promotion_ready_ms,
+            promotions,
         })
     } else {
         Err(Error::Arm {
@@ -492,6 +528,28 @@ fn run() -> Result<()> {
         ),
     )?;
     print!("{}", report::table(&rows));
+    for r in &rows {
+        let Some(parts) = r["promotion_ms_p50"].as_object().filter(|p| !p.is_empty()) else {
+            continue;
+        };
+        let said: Vec<String> = parts
+            .iter()
+            .map(|(k, v)| {
+                format!(
+                    "{k} {}",
+                    v.as_f64().map_or("-".into(), |x| format!("{x:.1}"))
+                )
+            })
+            .collect();
+        println!(
+            "{}: the promoted engine, ms after the SIGKILL (median of {} kills): {}",
+            r["arm"].as_str().unwrap_or("?"),
+            r["promotion_ms"]
+                .as_array()
+                .map_or(0, |a| a.iter().filter(|p| !p.is_null()).count()),
+            said.join(", ")
+        );
+    }
     println!("report: {}  chart: {}", report.display(), svg.display());
     let get = |arm: &str| {
         rows.iter()

@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 
 use crate::load::{Failure, Sample};
 use crate::Error;
+use shadow_engine::promotion::{Part, Promoted};
 
 /// One arm's run: its samples and when its kills happened.
 pub struct ArmRun {
@@ -18,6 +19,52 @@ pub struct ArmRun {
     pub kills_ms: Vec<f64>,
     /// Engine READY after each kill, as the shim saw it (pairs only).
     pub promotion_ready_ms: Vec<f64>,
+    /// Each kill's promotion as the promoted engine logged it (pairs
+    /// only; None: no line found for that kill).
+    pub promotions: Vec<Option<Promotion>>,
+}
+
+/// One promotion's parts, each in ms after its SIGKILL: `lock` (the
+/// promoted engine holds the lock), then the engine's own steps
+/// (`shadow_engine::promotion::Part`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Promotion(pub Vec<(&'static str, f64)>);
+
+impl Promotion {
+    /// `p`'s parts counted from a SIGKILL at `kill_mono_us`.
+    pub fn since(kill_mono_us: u64, p: &Promoted) -> Promotion {
+        let lock = p.lock_us.saturating_sub(kill_mono_us) as f64 / 1e3;
+        let mut parts = vec![("lock", lock)];
+        parts.extend(p.parts.iter().map(|(part, ms)| (part.key(), lock + ms)));
+        Promotion(parts)
+    }
+
+    fn json(&self) -> Value {
+        Value::Object(
+            self.0
+                .iter()
+                .map(|(k, ms)| ((*k).to_owned(), round(Some(*ms))))
+                .collect(),
+        )
+    }
+}
+
+/// The median of each part over the promotions that have it, in the
+/// order of a promotion's line.
+fn promotion_p50(promotions: &[Option<Promotion>]) -> Value {
+    let keys = std::iter::once("lock").chain(Part::ALL.iter().map(|p| p.key()));
+    let mut out = serde_json::Map::new();
+    for key in keys {
+        let v: Vec<f64> = promotions
+            .iter()
+            .flatten()
+            .filter_map(|p| p.0.iter().find(|(k, _)| *k == key).map(|(_, ms)| *ms))
+            .collect();
+        if let Some(m) = pct(&v, 0.5) {
+            out.insert(key.to_owned(), round(Some(m)));
+        }
+    }
+    Value::Object(out)
 }
 
 fn pct(v: &[f64], p: f64) -> Option<f64> {
@@ -110,6 +157,8 @@ impl ArmRun {
             "unavailable_per_kill_ms": unavailable.iter().map(|u| round(*u)).collect::<Vec<_>>(),
             "recovered": known.len() == unavailable.len(),
             "promotion_ready_ms": self.promotion_ready_ms.iter().map(|u| round(Some(*u))).collect::<Vec<_>>(),
+            "promotion_ms": self.promotions.iter().map(|p| p.as_ref().map_or(Value::Null, Promotion::json)).collect::<Vec<_>>(),
+            "promotion_ms_p50": promotion_p50(&self.promotions),
             "requests": self.samples.len(),
             "failed_requests": self.samples.iter().filter(|s| !s.ok).count(),
             "failed_after_recovery": after.iter().filter(|s| !s.ok).count(),
@@ -326,6 +375,7 @@ mod tests {
             ],
             kills_ms: vec![100.0],
             promotion_ready_ms: vec![],
+            promotions: vec![],
         };
         assert_eq!(run.unavailable_ms(), vec![Some(25.0)]);
         let v = run.summary(1, 100.0);
@@ -357,6 +407,7 @@ mod tests {
             ],
             kills_ms: vec![100.0],
             promotion_ready_ms: vec![],
+            promotions: vec![],
         };
         let v = run.summary(1, 100.0);
         assert_eq!(
@@ -383,12 +434,45 @@ mod tests {
     }
 
     #[test]
+    fn promotions_count_from_their_kill_and_take_medians_per_part() {
+        let line = |lock: u64, answered: f64| Promoted {
+            slot: "1".into(),
+            lock_us: lock,
+            parts: vec![(Part::Kv, 0.5), (Part::Answered, answered)],
+        };
+        let a = Promotion::since(1_000, &line(9_000, 3.0));
+        assert_eq!(a.0, vec![("lock", 8.0), ("kv", 8.5), ("answered", 11.0)]);
+        let b = Promotion::since(1_000, &line(5_000, 1.0));
+        let c = Promotion::since(1_000, &line(3_000, 2.0));
+        let run = ArmRun {
+            arm: "shadow".into(),
+            samples: vec![s(10.0, 1.0, true)],
+            kills_ms: vec![5.0, 6.0, 7.0, 8.0],
+            promotion_ready_ms: vec![],
+            promotions: vec![Some(a), None, Some(b), Some(c)],
+        };
+        let v = run.summary(1, 100.0);
+        assert_eq!(v["promotion_ms"][1], Value::Null);
+        assert_eq!(v["promotion_ms"][0]["answered"], json!(11.0));
+        let p50 = &v["promotion_ms_p50"];
+        assert_eq!(
+            (&p50["lock"], &p50["kv"], &p50["answered"]),
+            (&json!(4.0), &json!(4.5), &json!(5.0))
+        );
+        assert!(
+            p50.get("fetched").is_none(),
+            "a part no line has is left out"
+        );
+    }
+
+    #[test]
     fn a_kill_never_recovered_from_is_reported_as_such() {
         let run = ArmRun {
             arm: "x".into(),
             samples: vec![s(10.0, 1.0, true), s(60.0, 1.0, false)],
             kills_ms: vec![50.0],
             promotion_ready_ms: vec![],
+            promotions: vec![],
         };
         let v = run.summary(1, 100.0);
         assert_eq!(v["recovered"], false);
