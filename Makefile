@@ -78,9 +78,11 @@ lint: check-cargo
 
 # The README's test command; .ci/run runs exactly this. Integration tests
 # start their own containerd (never the host's) and need root; so do the
-# unit tests marked #[ignore = "needs root…"], which run here.
-test: deps lint build
-	$(CARGO) test --workspace --no-fail-fast -- --include-ignored
+# unit tests marked #[ignore = "needs root…"], which run here. The vLLM
+# pair test (tests/tests/vllm.rs) needs vllm-env and vllm-model, and fails
+# here without them (SHADOW_VLLM_REQUIRED; alone, it skips).
+test: deps lint build vllm-env vllm-model
+	SHADOW_VLLM_REQUIRED=1 $(CARGO) test --workspace --no-fail-fast -- --include-ignored
 
 # The recovery gap side by side: the reference engine (examples/engine) under
 # open-loop load, SIGKILL of the serving engine, cold restart under runc-v2
