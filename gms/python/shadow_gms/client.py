@@ -596,8 +596,12 @@ def _bind_module(module, tensors):
             if type(old) is torch.nn.Parameter or old is None:
                 owner._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
             else:
-                old.data = t
-                old.requires_grad_(False)
+                # A subclass (vLLM's parameters): the same class over the
+                # new data, with the old one's attributes. Setting .data
+                # instead fails from a 'meta' tensor to a real one.
+                new = torch.Tensor._make_subclass(type(old), t, False)
+                new.__dict__.update(old.__dict__)
+                owner._parameters[leaf] = new
         else:
             owner._buffers[leaf] = t
 
