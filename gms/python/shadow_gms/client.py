@@ -168,18 +168,24 @@ class PendingCheck:
 
 
 def find_library():
-    """libgms.so: $GMS_LIB, else next to this package, else .device/ or
-    target/release/ of the repository this file sits in."""
+    """libgms.so: $GMS_LIB, else next to this package (an image copies it
+    there), else the newest of .device/, target/release/ and target/debug/
+    of the repository this file sits in (a checkout: `make gpu-bundle`
+    fills .device/, cargo the others, and the newest build is the one that
+    matches the source)."""
     env = os.environ.get("GMS_LIB")
     if env:
         return env
     here = pathlib.Path(__file__).resolve()
+    if (here.parent / "libgms.so").exists():
+        return str(here.parent / "libgms.so")
     repo = here.parents[3]
-    for cand in (here.parent / "libgms.so", repo / ".device" / "libgms.so",
-                 repo / "target" / "release" / "libgms.so"):
-        if cand.exists():
-            return str(cand)
-    raise GmsError("libgms.so not found: set GMS_LIB (make gpu-bundle puts it in .device/)")
+    found = [c for c in (repo / ".device" / "libgms.so", repo / "target" / "release" / "libgms.so",
+                         repo / "target" / "debug" / "libgms.so") if c.exists()]
+    if found:
+        return str(max(found, key=lambda c: c.stat().st_mtime))
+    raise GmsError("libgms.so not found: set GMS_LIB, or build it (cargo build -p gms-capi; "
+                   "make gpu-bundle puts it in .device/)")
 
 
 HOST = "host"
