@@ -408,12 +408,18 @@ fn serve(args: Args) -> Result<()> {
         };
         promoted.locked(promotion::mono_us());
         let lock_us = now_us();
-        // The KV cache: the reserved GMS range starts growing (what fits
-        // now, the rest as memory comes back) and serving does not wait
-        // for it; or private memory.
+        // The KV cache: the reserved GMS range's first chunk backed here
+        // (on the host backend one mmap, no page touched: the first request
+        // then waits for no grower thread to be scheduled, and with the
+        // default 16 MiB there is no grower at all), the rest growing as
+        // memory allows, serving not waiting for it; or private memory.
         let woken = match gms_kv {
             Some(mut cache) => {
-                cache.wake(0).map_err(gms_err("wake KV"))?;
+                let first = cache.chunk().min(cache.len());
+                if let Err(e) = cache.wake(first) {
+                    eprintln!("shadow-engine: backing the KV cache's first {first} bytes at once: {e}: growing it instead");
+                    cache.wake(0).map_err(gms_err("wake KV"))?;
+                }
                 Kv::Gms(cache)
             }
             None => Kv::Private(Mutex::new(vec![0u8; kv_bytes as usize])),
