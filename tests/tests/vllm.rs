@@ -442,11 +442,11 @@ fn describe(p: &Proc) -> String {
     )
 }
 
-/// Waits until every process of `group` is gone; how long that took, or
-/// the ones still there at the end (described). The first time some are
-/// still there after 5 s, says which and how they are.
-fn gone_within(group: &[Proc], limit: Duration) -> Result<Duration, Vec<String>> {
-    let start = Instant::now();
+/// Waits until every process of `group` is gone; how long after `start`
+/// (the kill) that was, or the ones still there `limit` after it
+/// (described). The first time some are still there 5 s after it, says
+/// which and how they are.
+fn gone_within(group: &[Proc], start: Instant, limit: Duration) -> Result<Duration, Vec<String>> {
     let mut told = false;
     loop {
         let alive: Vec<Proc> = group.iter().copied().filter(Proc::alive).collect();
@@ -622,7 +622,7 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
             );
             assert!(now.pair.active.is_some(), "round {round}: nobody active");
             // The dead engine's other processes went with it.
-            let all_gone = gone_within(&group, Duration::from_secs(60)).unwrap_or_else(|alive| {
+            let all_gone = gone_within(&group, at, Duration::from_secs(60)).unwrap_or_else(|alive| {
                 panic!("round {round}: the killed engine's processes still run 60 s on: {alive:#?}")
             });
             let st = until("the killed slot parked again", RESPAWN, STEP, || {
