@@ -278,8 +278,10 @@ test-vllm-unit: vllm-env
 # first correct completion, requests failed and why), SIGKILL + immediate
 # restart under runc-v2, each engine's and the pair's memory. Needs about
 # 9 GiB available (two vLLMs at most at once). BENCH_VLLM_ARGS: --kills N,
-# --cold N, --gms (a pair loading through GMS, for its memory), --force.
+# --cold N, --gms on|off|auto (a pair loading through GMS, for its memory;
+# auto: when shadow-vllm has the loader), --force.
 .PHONY: bench-vllm
 BENCH_VLLM_ARGS ?=
 bench-vllm: deps release vllm-env vllm-model
+	$(CARGO) build -q --release -p gms-capi
 	$(CARGO) run -q --release -p shadow-tests --bin bench-vllm -- $(BENCH_VLLM_ARGS)

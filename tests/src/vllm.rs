@@ -125,9 +125,10 @@ pub fn env_flags() -> Vec<String> {
 
 /// The rootfs under `dir`: mount points, and the host's top-level symlinks
 /// (Debian's merged /usr: /bin → usr/bin, …) as they are. Returns its path
-/// and the `ctr run` flags that bind `binds` read-only at their own paths,
-/// a private writable `/tmp`, and `shm` at `/dev/shm` when given, else a
-/// tmpfs of [`OWN_SHM`] of each container's (and each engine's) own.
+/// and the `ctr run` flags that bind `binds` (directories or files)
+/// read-only at their own paths, a private writable `/tmp`, and `shm` at
+/// `/dev/shm` when given, else a tmpfs of [`OWN_SHM`] of each container's
+/// (and each engine's) own.
 pub fn rootfs(
     dir: &Path,
     binds: &[PathBuf],
@@ -139,7 +140,19 @@ pub fn rootfs(
     }
     let mut flags = Vec::new();
     let mut bind = |src: &Path, dst: &Path, mode: &str| -> std::io::Result<()> {
-        std::fs::create_dir_all(root.join(dst.strip_prefix("/").unwrap_or(dst)))?;
+        let at = root.join(dst.strip_prefix("/").unwrap_or(dst));
+        if src.is_file() {
+            // A file is bound onto a file.
+            if let Some(parent) = at.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&at)?;
+        } else {
+            std::fs::create_dir_all(&at)?;
+        }
         flags.push("--mount".to_owned());
         flags.push(format!(
             "type=bind,src={},dst={},options=rbind:{mode}",

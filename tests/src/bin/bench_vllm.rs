@@ -21,7 +21,8 @@
 //! 3. **memory**: each engine's RSS and PSS (summed over the processes of
 //!    its cgroup, from `/proc/PID/smaps_rollup`) and the pair's PSS, with
 //!    the default load format (arm 1) and, with `--gms`, a second pair that
-//!    loads through GMS (`--load-format gms`, `shadow.dev/gms=host`).
+//!    loads through GMS (`--load-format gms`, `shadow.dev/gms=host`; by
+//!    default when shadow-vllm has the loader, `--gms on|off|auto`).
 //!
 //! Never more than two vLLM instances at once (a pair is about 7.6 GB
 //! here): the arms run one after another. The host's load and free memory
@@ -42,11 +43,11 @@ use shadow_tests::vllm::{self, engine_group, engine_memory, Install, Memory, Out
 use shadow_tests::wait::{until, within};
 use shadow_tests::{Containerd, ContainerdBuilder, Runtime, Spawned};
 
-/// Two vLLMs starting side by side on two cores: 35–90 s each, more beside
-/// another busy one.
-const START: Duration = Duration::from_secs(420);
+/// Two vLLMs starting side by side on two cores: 35–90 s each on a quiet
+/// machine, 7 minutes beside other busy vLLMs.
+const START: Duration = Duration::from_secs(900);
 /// A respawned engine's start, beside the one that serves the stream.
-const RESPAWN: Duration = Duration::from_secs(300);
+const RESPAWN: Duration = Duration::from_secs(600);
 const STEP: Duration = Duration::from_millis(5);
 /// A request's limit: a failover leaves it waiting in the backlog briefly;
 /// a cold start's listening socket holds it until the server runs.
@@ -72,13 +73,21 @@ struct Cli {
     /// SIGKILL + restarts of the engine under io.containerd.runc.v2.
     #[arg(long, default_value_t = 2)]
     cold: usize,
-    /// A third arm: a pair loading through GMS (`--load-format gms`, the
-    /// host backend), for its memory.
-    #[arg(long)]
-    gms: bool,
+    /// A third arm, a pair loading through GMS (`--load-format gms`, the
+    /// host backend), for its memory: on, off, or auto (when this
+    /// shadow-vllm has the GMS loader).
+    #[arg(long, value_enum, default_value_t = GmsArm::Auto)]
+    gms: GmsArm,
     /// Start even with less than 9 GiB of available memory.
     #[arg(long)]
     force: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum GmsArm {
+    On,
+    Off,
+    Auto,
 }
 
 fn fail(msg: impl std::fmt::Display) -> ! {
@@ -165,6 +174,15 @@ impl Drop for LogOnPanic<'_> {
     }
 }
 
+/// Sets the flag when dropped.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 /// Everything each arm starts from.
 struct Bench {
     cd: Containerd,
@@ -223,6 +241,8 @@ struct Kill {
     /// From the shim's timeline (state.json), on the bench's clock.
     lock_ms: Option<f64>,
     ready_ms: Option<f64>,
+    /// SIGKILL → every process of the killed engine gone (reaped).
+    gone_ms: f64,
     /// SIGKILL → the killed slot parked again.
     parked_again_s: f64,
     /// Processes of the killed engine.
@@ -325,6 +345,9 @@ fn kill_rounds(
                 std::thread::sleep(PAUSE);
             }
         });
+        // A failed wait (a panic) stops the client too, or the scope would
+        // wait for it forever.
+        let _stopper = StopOnDrop(&stop);
         for round in 0..kills {
             let st = until("the pair protected", RESPAWN, STEP, || {
                 b.env.state(&b.cd, id).filter(|s| protected(s).is_some())
@@ -383,10 +406,11 @@ fn kill_rounds(
             }
             until(
                 "every process of the killed engine gone",
-                Duration::from_secs(30),
+                RESPAWN,
                 STEP,
                 || (!group.iter().any(Proc::alive)).then_some(()),
             );
+            k.gone_ms = ms(at.elapsed());
             until(
                 "the killed slot parked again",
                 RESPAWN,
@@ -552,9 +576,14 @@ fn main() {
         .unwrap_or_else(|| PathBuf::from("target"));
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let install = Install::find(&target).unwrap_or_else(|m| fail(m));
-    if cli.gms && !has_gms_loader(&repo) {
-        fail("--gms: this shadow-vllm has no GMS model loader (--load-format gms)");
-    }
+    let gms_arm = match cli.gms {
+        GmsArm::On if !has_gms_loader(&repo) => {
+            fail("--gms on: this shadow-vllm has no GMS model loader (--load-format gms)")
+        }
+        GmsArm::On => true,
+        GmsArm::Off => false,
+        GmsArm::Auto => has_gms_loader(&repo),
+    };
     let host = HostLoad::now();
     println!("host at the start: {}", host.line());
     if host.available_gib < NEED_GIB && !cli.force {
@@ -569,9 +598,23 @@ fn main() {
         .unwrap_or_else(|e| fail(format!("containerd: {e}")));
     let env =
         PairEnv::new(&cd, "gms = \"off\"").unwrap_or_else(|e| fail(format!("shim config: {e}")));
-    let binds = install.binds(&repo).unwrap_or_else(|m| fail(m));
-    let (root, flags) =
+    let mut binds = install.binds(&repo).unwrap_or_else(|m| fail(m));
+    // The GMS loader's libgms.so (make bench-vllm builds it), at its path.
+    let libgms = target.join("release/libgms.so");
+    let libgms = gms_arm.then(|| {
+        std::fs::canonicalize(&libgms).unwrap_or_else(|e| {
+            fail(format!(
+                "--gms: {}: {e} (cargo build --release -p gms-capi)",
+                libgms.display()
+            ))
+        })
+    });
+    binds.extend(libgms.clone());
+    let (root, mut flags) =
         vllm::rootfs(cd.dir(), &binds, None).unwrap_or_else(|e| fail(format!("rootfs: {e}")));
+    if let Some(lib) = &libgms {
+        flags.extend(["--env".to_owned(), format!("GMS_LIB={}", lib.display())]);
+    }
     let b = Bench {
         cd,
         env,
@@ -591,7 +634,13 @@ fn main() {
         "bench-vllm: cold arm done in {:.0} s",
         t.elapsed().as_secs_f64()
     );
-    let gms = cli.gms.then(|| pair_arm(&b, "gms", 0, true));
+    // The other arms' figures are printed even if this one fails.
+    let gms = gms_arm.then(|| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pair_arm(&b, "gms", 0, true)
+        }))
+        .ok()
+    });
 
     println!(
         "vLLM 0.32.0 CPU (shim profile {}), tiny model, --enforce-eager, float32; reference answer {:?}",
@@ -609,6 +658,7 @@ fn main() {
     let mut completion = col(|k| k.completion_ms);
     let mut lock = col(|k| k.lock_ms);
     let mut ready = col(|k| k.ready_ms);
+    let mut gone: Vec<f64> = pair.kills.iter().map(|k| k.gone_ms).collect();
     let mut parked: Vec<f64> = pair.kills.iter().map(|k| k.parked_again_s).collect();
     println!(
         "{}",
@@ -635,6 +685,14 @@ fn main() {
         row(
             "SIGKILL → first correct completion (new connection)",
             &mut completion,
+            "ms"
+        )
+    );
+    println!(
+        "{}",
+        row(
+            "SIGKILL → the killed engine's processes all gone",
+            &mut gone,
             "ms"
         )
     );
@@ -718,7 +776,10 @@ fn main() {
         "pair, default load: both",
         gib(pair.active.0.pss_kib + pair.shadow.0.pss_kib)
     );
-    if let Some(g) = &gms {
+    if let Some(None) = &gms {
+        println!("  pair, --load-format gms: the arm failed (its error is above, on stderr)");
+    }
+    if let Some(Some(g)) = &gms {
         println!(
             "{}",
             memory_row("pair, --load-format gms: serving", g.active)
@@ -734,6 +795,6 @@ fn main() {
             g.start_s
         );
     } else {
-        println!("  (no GMS arm: pass --gms)");
+        println!("  (no GMS arm: --gms off, or no GMS loader in this shadow-vllm)");
     }
 }
