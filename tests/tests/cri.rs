@@ -693,6 +693,68 @@ fn every_config_file_parses_and_names_the_runtime_as_the_docs_say() {
         );
     }
 
+    // The vLLM pod (docs/vllm.md): the class, a pair of one of its
+    // containers, every annotation as the shim parses it, the pair's socket
+    // on the port that container declares, and a pid namespace per engine
+    // (the shim refuses shadow.dev/listen in a shared one).
+    let vllm = yaml_file("kubernetes/vllm-pod.yaml");
+    assert_eq!(vllm["kind"].as_str(), Some("Pod"));
+    assert_eq!(
+        vllm["spec"]["runtimeClassName"].as_str(),
+        rc["metadata"]["name"].as_str()
+    );
+    assert_ne!(vllm["spec"]["shareProcessNamespace"].as_bool(), Some(true));
+    let annotations: Vec<(String, String)> = vllm["metadata"]["annotations"]
+        .as_mapping()
+        .expect("vllm-pod annotations")
+        .iter()
+        .map(|(k, v)| {
+            let (k, v) = (k.as_str(), v.as_str());
+            assert!(
+                k.is_some_and(|k| k.starts_with("shadow.dev/")) && v.is_some(),
+                "vllm-pod.yaml: annotation {k:?}={v:?}: only shadow.dev/* strings pass"
+            );
+            (
+                k.unwrap_or_default().to_owned(),
+                v.unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    let parsed =
+        shadow_contract::annotations::Annotations::parse(annotations.iter().map(|(k, v)| (k, v)))
+            .unwrap_or_else(|e| panic!("vllm-pod.yaml's annotations, as the shim reads them: {e}"));
+    let pair = vllm["metadata"]["annotations"]["shadow.dev/pair"]
+        .as_str()
+        .expect("vllm-pod shadow.dev/pair");
+    let paired = vllm["spec"]["containers"]
+        .as_sequence()
+        .expect("vllm-pod containers")
+        .iter()
+        .find(|c| c["name"].as_str() == Some(pair))
+        .unwrap_or_else(|| panic!("vllm-pod.yaml: shadow.dev/pair={pair} names no container"));
+    let ports: Vec<u64> = paired["ports"]
+        .as_sequence()
+        .map(|p| {
+            p.iter()
+                .filter_map(|p| p["containerPort"].as_u64())
+                .collect()
+        })
+        .unwrap_or_default();
+    let listen = parsed.listen.expect("vllm-pod.yaml: shadow.dev/listen");
+    for l in &listen {
+        if let shadow_contract::listen::Listen::Tcp(a) = l {
+            assert!(
+                ports.contains(&u64::from(a.port())),
+                "vllm-pod.yaml: shadow.dev/listen port {} is not a containerPort ({ports:?})",
+                a.port()
+            );
+        }
+    }
+    assert!(
+        paired.get("livenessProbe").is_none(),
+        "vllm-pod.yaml: a liveness kill ends both engines (docs/kubernetes.md, section 5)"
+    );
+
     // Nomad: the node-level runtime, and the job shapes.
     let client = check_hcl_shape("nomad/client.hcl");
     assert!(client.contains("plugin \"containerd-driver\""));
