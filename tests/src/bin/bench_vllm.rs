@@ -95,6 +95,12 @@ fn fail(msg: impl std::fmt::Display) -> ! {
     std::process::exit(1)
 }
 
+/// A failure once containerd runs: a panic, so that the private containerd,
+/// its containers and the engines are cleaned up as the guards drop.
+fn broke(msg: impl std::fmt::Display) -> ! {
+    panic!("bench-vllm: {msg}")
+}
+
 /// What the host was doing when the bench started.
 struct HostLoad {
     load: String,
@@ -281,7 +287,7 @@ fn pair_arm(b: &Bench, id: &str, kills: usize, gms: bool) -> PairArm {
         .flags(&b.ctr_flags())
         .cmd(&b.install.serve_cmd(extra))
         .spawn(false)
-        .unwrap_or_else(|e| fail(format!("ctr run of the pair: {e}")));
+        .unwrap_or_else(|e| broke(format!("ctr run of the pair: {e}")));
     let log = LogOnPanic(&ctr, "pair");
     let st = until(
         "the vLLM pair protected",
@@ -290,7 +296,7 @@ fn pair_arm(b: &Bench, id: &str, kills: usize, gms: bool) -> PairArm {
         || b.env.state(&b.cd, id).filter(|s| protected(s).is_some()),
     );
     let start_s = t0.elapsed().as_secs_f64();
-    let (_, a, s) = protected(&st).unwrap_or_else(|| fail("lost protection"));
+    let (_, a, s) = protected(&st).unwrap_or_else(|| broke("lost protection"));
     let (active, shadow) = (engine_memory(a), engine_memory(s));
     let reference = match vllm::complete(port, PROMPT, MAX_TOKENS, REQUEST_TIMEOUT) {
         Outcome::Text(t) => t,
@@ -352,14 +358,14 @@ fn kill_rounds(
             let st = until("the pair protected", RESPAWN, STEP, || {
                 b.env.state(&b.cd, id).filter(|s| protected(s).is_some())
             });
-            let (slot, pid, _) = protected(&st).unwrap_or_else(|| fail("lost protection"));
+            let (slot, pid, _) = protected(&st).unwrap_or_else(|| broke("lost protection"));
             // Let the stream run on the protected pair a moment.
             std::thread::sleep(Duration::from_millis(500));
             let group = engine_group(pid);
             let failovers = st.pair.failovers;
             let (at, at_us) = (Instant::now(), now_us());
             if !signal(pid, libc::SIGKILL) {
-                fail(format!(
+                broke(format!(
                     "round {round}: kill {pid}: {}",
                     std::io::Error::last_os_error()
                 ));
@@ -428,7 +434,7 @@ fn kill_rounds(
         }
         stop.store(true, Ordering::Release);
         if client.join().is_err() {
-            fail("the stream's client panicked");
+            broke("the stream's client panicked");
         }
     });
     let done = stream.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -486,7 +492,7 @@ fn cold_arm(b: &Bench, restarts: usize, reference: &str) -> ColdArm {
             .flags(&b.ctr_flags())
             .cmd(&b.install.serve_cmd(&extra))
             .spawn(false)
-            .unwrap_or_else(|e| fail(format!("ctr run (runc-v2): {e}")))
+            .unwrap_or_else(|e| broke(format!("ctr run (runc-v2): {e}")))
     };
     let t0 = Instant::now();
     let mut ctr = run(0);
@@ -500,18 +506,18 @@ fn cold_arm(b: &Bench, restarts: usize, reference: &str) -> ColdArm {
     };
     for n in 1..=restarts {
         let id = format!("cold{}", n - 1);
-        let pid = task_pid(&b.cd, &id).unwrap_or_else(|| fail(format!("no pid for task {id}")));
+        let pid = task_pid(&b.cd, &id).unwrap_or_else(|| broke(format!("no pid for task {id}")));
         if n == 1 {
             arm.memory = engine_memory(pid);
         }
         let at = Instant::now();
         if !signal(pid, libc::SIGKILL) {
-            fail(format!("kill {pid}: {}", std::io::Error::last_os_error()));
+            broke(format!("kill {pid}: {}", std::io::Error::last_os_error()));
         }
         // The orchestrator: the task exits, the container goes (--rm), and
         // the same container is started again at once.
-        if let Err(e) = ctr.wait(Duration::from_secs(60)) {
-            fail(format!("ctr run of {id} after SIGKILL: {e}"));
+        if let Err(e) = ctr.wait(RESPAWN) {
+            broke(format!("ctr run of {id} after SIGKILL: {e}"));
         }
         arm.exits_s.push(at.elapsed().as_secs_f64());
         ctr = run(n);
@@ -524,7 +530,7 @@ fn cold_arm(b: &Bench, restarts: usize, reference: &str) -> ColdArm {
         b.cd.ctr()
             .run(&["task", "kill", "--signal", "SIGKILL", &last]);
     if let Err(e) = ctr.wait(Duration::from_secs(60)) {
-        fail(format!("ctr run of {last}: {e}"));
+        broke(format!("ctr run of {last}: {e}"));
     }
     arm.differing = differing;
     arm
@@ -597,13 +603,13 @@ fn main() {
         .start()
         .unwrap_or_else(|e| fail(format!("containerd: {e}")));
     let env =
-        PairEnv::new(&cd, "gms = \"off\"").unwrap_or_else(|e| fail(format!("shim config: {e}")));
-    let mut binds = install.binds(&repo).unwrap_or_else(|m| fail(m));
+        PairEnv::new(&cd, "gms = \"off\"").unwrap_or_else(|e| broke(format!("shim config: {e}")));
+    let mut binds = install.binds(&repo).unwrap_or_else(|m| broke(m));
     // The GMS loader's libgms.so (make bench-vllm builds it), at its path.
     let libgms = target.join("release/libgms.so");
     let libgms = gms_arm.then(|| {
         std::fs::canonicalize(&libgms).unwrap_or_else(|e| {
-            fail(format!(
+            broke(format!(
                 "--gms: {}: {e} (cargo build --release -p gms-capi)",
                 libgms.display()
             ))
@@ -611,7 +617,7 @@ fn main() {
     });
     binds.extend(libgms.clone());
     let (root, mut flags) =
-        vllm::rootfs(cd.dir(), &binds, None).unwrap_or_else(|e| fail(format!("rootfs: {e}")));
+        vllm::rootfs(cd.dir(), &binds, None).unwrap_or_else(|e| broke(format!("rootfs: {e}")));
     if let Some(lib) = &libgms {
         flags.extend(["--env".to_owned(), format!("GMS_LIB={}", lib.display())]);
     }
@@ -629,25 +635,11 @@ fn main() {
         "bench-vllm: pair arm done in {:.0} s",
         t.elapsed().as_secs_f64()
     );
-    let cold = cold_arm(&b, cli.cold, &pair.reference);
-    eprintln!(
-        "bench-vllm: cold arm done in {:.0} s",
-        t.elapsed().as_secs_f64()
-    );
-    // The other arms' figures are printed even if this one fails.
-    let gms = gms_arm.then(|| {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            pair_arm(&b, "gms", 0, true)
-        }))
-        .ok()
-    });
-
     println!(
         "vLLM 0.32.0 CPU (shim profile {}), tiny model, --enforce-eager, float32; reference answer {:?}",
         profile(),
         pair.reference
     );
-    println!("host at the end: {}", HostLoad::now().line());
     println!(
         "\nshadow pair (io.containerd.shadow.v1, shadow.dev/listen): {} kills",
         pair.kills.len()
@@ -723,6 +715,11 @@ fn main() {
         pair.requests, pair.wrong, pair.start_s
     );
 
+    let cold = cold_arm(&b, cli.cold, &pair.reference);
+    eprintln!(
+        "bench-vllm: cold arm done in {:.0} s",
+        t.elapsed().as_secs_f64()
+    );
     println!(
         "\ncold restart (io.containerd.runc.v2, the same rootfs and arguments): {} restarts",
         cold.restarts_s.len()
@@ -761,6 +758,15 @@ fn main() {
         cold_ms / pct(&mut served, 0.5)
     );
 
+    // The other arms' figures are printed even if this one fails.
+    let gms = gms_arm.then(|| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pair_arm(&b, "gms", 0, true)
+        }))
+        .ok()
+    });
+
+    println!("\nhost at the end: {}", HostLoad::now().line());
     println!("\nmemory (summed over each engine's cgroup, /proc/PID/smaps_rollup):");
     println!("{}", memory_row("runc-v2 engine (alone)", cold.memory));
     println!(
