@@ -45,19 +45,17 @@ mod conn;
 mod continuity;
 
 use std::collections::VecDeque;
-use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
 use gms::client::{host_socket, Client, Imported, KvCache, Weights};
 use gms::protocol::{LeaseKind, Mode};
-use nix::fcntl::{Flock, FlockArg};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{
     bind, listen, setsockopt, socket, sockopt, AddressFamily, Backlog, SockFlag, SockType,
@@ -269,6 +267,12 @@ fn main() {
 }
 
 fn serve(args: Args) -> Result<()> {
+    // The election lock is held by a small forked process (see
+    // shadow_contract::lock): a SIGKILLed engine's own flock would drop
+    // only once its memory (weights, KV) is freed, ~100 ms a GiB. Forked
+    // first, while this process is small and has one thread.
+    let mut holder = shadow_contract::lock::Holder::from_env()
+        .map_err(|e| Error::Usage(format!("starting the election lock's holder: {e}")))?;
     // As pid 1 of a container SIGTERM is ignored without a handler: take it
     // on one thread and exit as a shell would.
     let mut term = nix::sys::signal::SigSet::empty();
@@ -296,7 +300,6 @@ fn serve(args: Args) -> Result<()> {
     let fetches = std::env::var_os(env::FDSTORE_SOCKET).is_some()
         && std::env::var_os(env::LOCK_PATH).is_some();
     let mut inherited_store = (use_store && !fetches).then_some(inherited_store);
-    let lock_path = std::env::var_os(env::LOCK_PATH).map(PathBuf::from);
     let t0 = Instant::now();
     let kv_bytes = args.kv_mib << 20;
     let (source, gms_kv) = attach(&args.weights, &slot, kv_bytes)?;
@@ -402,10 +405,10 @@ fn serve(args: Args) -> Result<()> {
         }
         notify(sd_notify::NotifyState::Status("parked"));
 
-        let _held = match lock_path {
-            Some(p) => Some(take_lock(&p, live.lock().pacer.as_mut())?),
-            None => None,
-        };
+        if let Some(h) = holder.as_mut() {
+            h.acquire(live.lock().pacer.as_mut(), ping)
+                .map_err(|e| Error::Usage(format!("taking the election lock: {e}")))?;
+        }
         promoted.locked(promotion::mono_us());
         let lock_us = now_us();
         // The KV cache: the reserved GMS range's first chunk backed here
@@ -667,41 +670,6 @@ fn resume(entry: continuity::Entry) -> std::result::Result<Option<Job>, String> 
         progress: saved.progress,
         written,
     })))
-}
-
-/// Takes the election lock, blocking until this engine is the active one.
-/// With a watchdog the engine pings while parked: the flock blocks in a
-/// thread that hands the lock over a channel, and this thread waits on it
-/// with the pacer's timeout, pinging at each; the lock taken, the wake goes
-/// on at once.
-fn take_lock(path: &Path, pacer: Option<&mut Pacer>) -> Result<Flock<File>> {
-    let f = File::open(path).map_err(io("open lock", path))?;
-    let flock_err = |e: nix::Error| Error::Usage(format!("flock {}: {e}", path.display()));
-    let Some(pacer) = pacer else {
-        return Flock::lock(f, FlockArg::LockExclusive).map_err(|(_, e)| flock_err(e));
-    };
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(Flock::lock(f, FlockArg::LockExclusive).map_err(|(_, e)| e));
-    });
-    loop {
-        match rx.recv_timeout(pacer.wait(Instant::now())) {
-            Ok(taken) => return taken.map_err(flock_err),
-            Err(RecvTimeoutError::Timeout) => {
-                let now = Instant::now();
-                if pacer.due(now) {
-                    pacer.pinged(now);
-                    ping();
-                }
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(Error::Usage(format!(
-                    "flock {}: the thread taking it ended",
-                    path.display()
-                )))
-            }
-        }
-    }
 }
 
 /// What the watchdog needs to know of the workers, and the count of idle
