@@ -29,6 +29,11 @@ pub const ENV: &[&str] = &[
     "PYTHONUNBUFFERED=1",
     // The KV cache of the CPU backend, GiB: the tiny model needs little.
     "VLLM_CPU_KVCACHE_SPACE=1",
+    // vLLM's CPU worker pins its OpenMP threads to the same core(s) in
+    // every engine (core 0 of two here): the serving engine's spinning
+    // threads then starve the others there, a respawn's move onto that
+    // core (sched_setaffinity) and a killed worker's exit, for minutes.
+    "VLLM_CPU_OMP_THREADS_BIND=nobind",
     "VLLM_NO_USAGE_STATS=1",
     "HF_HUB_OFFLINE=1",
     "TRANSFORMERS_OFFLINE=1",
