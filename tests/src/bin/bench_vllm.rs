@@ -279,9 +279,7 @@ fn pair_arm(b: &Bench, id: &str, kills: usize, gms: bool) -> PairArm {
             .flags(&["--runtime-config-path", &b.env.config.display().to_string()])
             .annotation(PAIR, "true")
             .annotation(LISTEN, &format!("tcp:127.0.0.1:{port}"));
-    if gms {
-        c = c.annotation(GMS, "host");
-    }
+    c = c.annotation(GMS, if gms { "host" } else { "off" });
     let t0 = Instant::now();
     let ctr = c
         .flags(&b.ctr_flags())
@@ -607,8 +605,10 @@ fn main() {
         .shim_profile(profile())
         .start()
         .unwrap_or_else(|e| fail(format!("containerd: {e}")));
+    // Each pair names its GMS backend (shadow.dev/gms): gms = "off" in the
+    // shim's config would override the GMS arm's annotation.
     let env =
-        PairEnv::new(&cd, "gms = \"off\"").unwrap_or_else(|e| broke(format!("shim config: {e}")));
+        PairEnv::new(&cd, "gms = \"auto\"").unwrap_or_else(|e| broke(format!("shim config: {e}")));
     let mut binds = install.binds(&repo).unwrap_or_else(|m| broke(m));
     // The GMS loader's libgms.so (make bench-vllm builds it), at its path.
     let libgms = target.join("release/libgms.so");
