@@ -805,7 +805,8 @@ fn main() {
             gib(g.active.0.pss_kib + g.shadow.0.pss_kib),
             g.start_s
         );
-    } else {
+    }
+    if gms.is_none() {
         println!("  (no GMS arm: --gms off, or no GMS loader in this shadow-vllm)");
     }
 }
