@@ -530,6 +530,10 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
         "HOME=/tmp",
         "PYTHONUNBUFFERED=1",
         "VLLM_CPU_KVCACHE_SPACE=1",
+        // vLLM's CPU worker pins its threads to core 0 in every engine:
+        // the serving one then starves a killed worker's exit and a
+        // respawn's start for minutes (shadow_tests::vllm::ENV says so too).
+        "VLLM_CPU_OMP_THREADS_BIND=nobind",
         "VLLM_NO_USAGE_STATS=1",
         "HF_HUB_OFFLINE=1",
         "TRANSFORMERS_OFFLINE=1",
