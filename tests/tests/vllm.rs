@@ -150,10 +150,21 @@ fn rootfs(cd: &Containerd, binds: &[PathBuf], shm: &Path) -> (PathBuf, Vec<Strin
     (root, flags)
 }
 
-/// A tmpfs at `dir`, as CRI makes a sandbox's `/dev/shm` (unmounted with
-/// everything under the test's dir when the test ends).
+/// A tmpfs at `dir`, as CRI makes a sandbox's `/dev/shm`; unmounted when
+/// dropped. It lives outside the containerd's dir, whose leftovers check
+/// would otherwise count the test's own mount.
+struct PodShm(tempfile::TempDir);
+
+impl Drop for PodShm {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.0.path())
+            .status();
+    }
+}
+
 fn shared_shm(dir: &Path) {
-    std::fs::create_dir_all(dir).expect("shm dir");
     let out = std::process::Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=1g,mode=1777", "shm"])
         .arg(dir)
@@ -512,7 +523,8 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
     let test_started = Instant::now();
     let cd = Containerd::start().expect("containerd");
     let env = PairEnv::new(&cd, "gms = \"off\"").expect("config");
-    let shm = cd.dir().join("pod-shm");
+    let pod = PodShm(tempfile::tempdir().expect("a dir for the pod's /dev/shm"));
+    let shm = pod.0.path().to_path_buf();
     shared_shm(&shm);
     let mut binds = vec![python_home(&venv), venv.clone(), model.clone()];
     // `make vllm-env` installs shadow-vllm and shadow_gms editable: the
