@@ -432,6 +432,47 @@ def test_rw_or_ro_and_discard_before_commit():
     assert g.wait(60) == 0
 
 
+def test_vllm_loader_gms_part():
+    """shadow-vllm's `--load-format gms`, its GMS part on CUDA: vLLM's CUDA
+    build cannot run here, but `shadow_vllm.loader.load_through_gms` (what
+    the loader does with its lease) imports no vLLM. Two engines as two
+    processes (integrations/vllm/tests/gms_child.py): the writer builds on
+    the GPU, loads a checkpoint, publishes and commits; the reader builds
+    on 'meta' without the checkpoint, maps the same pages at the same
+    address and checks the digest; both keep the small tensors private."""
+    g = gmsd("vllm-loader")
+    child = os.path.join(ROOT, "integrations", "vllm", "tests", "gms_child.py")
+    env = {"GMS_SOCKET_DIR": g.socket_dir,
+           "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "gms", "python"),
+                                          os.path.join(ROOT, "integrations", "vllm")])}
+    ckpt = os.path.join(g.socket_dir, "..", "vllm-loader-ckpt.pt")
+    subprocess.run([sys.executable, "-c",
+                    "import sys, torch; gen = torch.Generator().manual_seed(33); "
+                    "torch.save({'proj.weight': torch.randn(512, 1024, generator=gen), "
+                    "'norm': torch.randn(512, generator=gen), 'scale': torch.tensor(0.5)}, sys.argv[1])",
+                    ckpt], check=True, timeout=120)
+    w = Proc("vllm-loader-writer", [sys.executable, child, "write", ckpt, "--device", "0"], env=env)
+    wrote = w.expect(lambda o: isinstance(o, dict) and "tensors" in o, 120, "the writer's report")
+    os.unlink(ckpt)  # the reader must not need it
+    r = Proc("vllm-loader-reader", [sys.executable, child, "read", "--device", "0"], env=env)
+    read = r.expect(lambda o: isinstance(o, dict) and "tensors" in o, 120, "the reader's report")
+    assert wrote["devices"] == read["devices"] == ["cuda"], (wrote["devices"], read["devices"])
+    assert wrote["lease"] == read["lease"] == "ro", "the writer goes on as a reader after its commit"
+    assert wrote["shared"] == read["shared"] == ["proj.weight"], (wrote["shared"], read["shared"])
+    assert read["ptrs"]["proj.weight"] == wrote["ptrs"]["proj.weight"], "not mapped at the writer's address"
+    for small in ("norm", "scale"):
+        assert read["ptrs"][small] != wrote["ptrs"][small], f"{small} is not each engine's own"
+    assert read["tensors"] == wrote["tensors"] and read["output"] == wrote["output"]
+    assert read["check"]["allocations"] == 1, read["check"]
+    assert read["copied"][0] == 2 and read["norm_kept"] == ["Tagged", "kept"], read
+    figure("vLLM loader's GMS part on CUDA: reader's digest check", read["check"]["ms"], "ms")
+    for p in (w, r):
+        p.send("")
+        assert p.wait(60) == 0, f"{p.name} exited {p.p.returncode}"
+    g.kill(signal.SIGTERM)
+    assert g.wait(60) == 0
+
+
 def test_measure_attach_and_kv_from_rust_and_python():
     wg, kvg = (4, 8) if QUICK else (32, 64)
     g = gmsd("bench")

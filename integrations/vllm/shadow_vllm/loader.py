@@ -103,7 +103,7 @@ def verify_weights():
     return None if _gms is None else _gms.verify_weights()
 
 
-def _connect(device):
+def connect(device):
     global _gms
     if _gms is not None:
         raise GmsLoadError("this process already loaded a model through GMS: one model per engine")
@@ -193,6 +193,57 @@ def _no_meta_left(model):
         raise GmsLoadError(f"{len(left)} tensor(s) were not in the committed layout, e.g. {left[:3]}")
 
 
+def gms_device(target):
+    """The GMS backend for vLLM's load device: ``"host"`` for the CPU, the
+    CUDA device index for a GPU; anything else is refused."""
+    if target.type == "cpu":
+        return "host"
+    if target.type == "cuda":
+        return target.index if target.index is not None else torch.cuda.current_device()
+    raise GmsLoadError(f"--load-format {LOAD_FORMAT}: no GMS backend for device {target}")
+
+
+def load_through_gms(gms, build, load_checkpoint, target):
+    """The GMS part of the loader, without vLLM: what a pair's engines do
+    with their lease. ``build()`` makes the model under the current device
+    context, ``load_checkpoint(model)`` fills it from the checkpoint, and
+    ``target`` is the device the writer builds on. The writer (``rw``
+    lease) builds on ``target``, loads, publishes and commits; a reader
+    builds on 'meta', maps the committed copy and checks its digest.
+    Either way every tensor under ``PRIVATE_BELOW`` bytes is then the
+    engine's own copy.
+
+    Returns (model, facts): ``facts`` says what was done, for the log and
+    the tests: ``committed`` (the writer: the generation) or ``checked``
+    (a reader: ``Gms.verify_weights``'s answer), and ``private`` (tensors,
+    bytes) copied. This is the code the GPU tests run on CUDA (run.py's
+    ``test_vllm_loader_gms_part``, through tests/gms_child.py): vLLM's CUDA
+    build cannot run on the GPU machine, this part can."""
+    facts = {}
+    if gms.lease == "rw":
+        with target:
+            model = build()
+        refuse_in_place_writers(model)
+        load_checkpoint(model)
+        facts["committed"] = gms.publish_module(model)
+    else:
+        with torch.device("meta"):
+            model = build()
+        refuse_in_place_writers(model)
+        gms.load_module(model)
+        _no_meta_left(model)
+        facts["checked"] = gms.verify_weights()
+    facts["private"] = privatize_small(model)
+    return model, facts
+
+
+def describe(facts):
+    """One phrase of what ``load_through_gms`` did, for the log."""
+    if "committed" in facts:
+        return f"loaded from the checkpoint and committed (generation {facts['committed']})"
+    return f"mapped read-only from GMS (digest checked: {facts['checked']})"
+
+
 def make_loader_class():
     """The loader class (vLLM imported here, not at module import)."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -225,38 +276,21 @@ def make_loader_class():
             _check_parallelism(vllm_config)
             load_device = vllm_config.load_config.device or vllm_config.device_config.device
             target = torch.device(load_device)
-            if target.type == "cpu":
-                device = "host"
-            elif target.type == "cuda":
-                device = target.index if target.index is not None else torch.cuda.current_device()
-            else:
-                raise GmsLoadError(f"--load-format {LOAD_FORMAT}: no GMS backend for device {target}")
+            device = gms_device(target)
             repack = repack_enabled()
             t0 = time.perf_counter()
-            gms = _connect(device)
+            gms = connect(device)
             with set_default_torch_dtype(model_config.dtype):
-                if gms.lease == "rw":
-                    with target:
-                        model = self.create_model(vllm_config=vllm_config, model_config=model_config,
-                                                  prefix=prefix)
-                    refuse_in_place_writers(model)
-                    self._checkpoint.load_weights(model, model_config)
-                    generation = gms.publish_module(model)
-                    how = f"loaded from the checkpoint and committed (generation {generation})"
-                else:
-                    with torch.device("meta"):
-                        model = self.create_model(vllm_config=vllm_config, model_config=model_config,
-                                                  prefix=prefix)
-                    refuse_in_place_writers(model)
-                    gms.load_module(model)
-                    _no_meta_left(model)
-                    check = gms.verify_weights()
-                    how = f"mapped read-only from GMS (digest checked: {check})"
-                privatize_small(model)
+                model, facts = load_through_gms(
+                    gms,
+                    lambda: self.create_model(vllm_config=vllm_config, model_config=model_config,
+                                              prefix=prefix),
+                    lambda m: self._checkpoint.load_weights(m, model_config),
+                    target)
                 if current_platform.is_cpu() and not repack:
                     keep_linear_weights_in_place(model)
                 process_weights_after_loading(model, model_config, target)
-            log.info("shadow-vllm: weights %s in %.2f s (%s, %s=%d)", how, time.perf_counter() - t0,
+            log.info("shadow-vllm: weights %s in %.2f s (%s, %s=%d)", describe(facts), time.perf_counter() - t0,
                         "host" if device == "host" else f"cuda:{device}", REPACK_VAR, int(repack))
             return model.eval()
 

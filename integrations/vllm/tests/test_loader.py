@@ -141,6 +141,12 @@ class LoaderOverHostGms(unittest.TestCase):
             self.assertEqual(side["maps"]["proj.weight"], "r--s", side["maps"])
             for small in ("norm", "scale"):
                 self.assertEqual(side["maps"][small][:2], "rw", side["maps"])
+        # The same pages at the same address in both, the small ones each
+        # engine's own, and the same answer.
+        self.assertEqual(writer["shared"], ["proj.weight"])
+        self.assertEqual(reader["shared"], ["proj.weight"])
+        self.assertEqual(reader["ptrs"]["proj.weight"], writer["ptrs"]["proj.weight"])
+        self.assertEqual(reader["output"], writer["output"])
         self.assertEqual(reader["check"]["allocations"], 1)
         self.assertEqual(reader["copied"][0], 2)
         # A parameter of its own class keeps its class and attributes.
