@@ -1,5 +1,5 @@
 //! Continuity: what lets a connection, and the request on it, outlive the
-//! engine that answers it (the pair's fd store, `shadow_contract::fdstore`).
+//! engine that answers it (the pair's fd store, `shadow_engine_kit::fdstore`).
 //!
 //! Each accepted connection is stored with a memfd of its resume state,
 //! both under one name. The state is this module's format: a fixed
@@ -40,8 +40,8 @@ use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use nix::libc;
-use shadow_contract::fdstore::{self, Stored};
 use shadow_engine::openai::StreamHead;
+use shadow_engine_kit::fdstore::{self, Stored};
 
 /// The first bytes of every state memfd.
 pub const MAGIC: [u8; 8] = *b"SHDWCONN";
@@ -619,7 +619,7 @@ impl Keeper {
 
 /// How many bytes the dead engine (and everyone else) wrote to an
 /// accepted TCP socket: the contract's count (`TCP_INFO` and `SIOCOUTQ`).
-pub use shadow_contract::fdstore::bytes_written;
+pub use shadow_engine_kit::tcp::bytes_written;
 
 /// One name of the store, as fetched: a connection and its state, when
 /// it has exactly one of each.

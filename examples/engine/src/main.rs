@@ -63,12 +63,12 @@ use nix::sys::socket::{
 };
 use serde_json::{json, Value};
 use shadow_contract::env;
-use shadow_contract::fdstore::{self, FetchError, Stored};
-use shadow_contract::watchdog::{self, Pacer, Progress};
 use shadow_engine::model::{generate, verify, Decoder, Model};
 use shadow_engine::openai::{self, StreamHead};
 use shadow_engine::promotion::{self, Part, Timeline};
 use shadow_engine::{Error, Result};
+use shadow_engine_kit::fdstore::{self, FetchError, Stored};
+use shadow_engine_kit::watchdog::{self, Pacer, Progress};
 
 use conn::Conn;
 use continuity::{Link, Progress as Phase, Track, Work};
@@ -268,10 +268,10 @@ fn main() {
 
 fn serve(args: Args) -> Result<()> {
     // The election lock is held by a small forked process (see
-    // shadow_contract::lock): a SIGKILLed engine's own flock would drop
+    // shadow_engine_kit::lock): a SIGKILLed engine's own flock would drop
     // only once its memory (weights, KV) is freed, ~100 ms a GiB. Forked
     // first, while this process is small and has one thread.
-    let mut holder = shadow_contract::lock::Holder::from_env()
+    let mut holder = shadow_engine_kit::lock::Holder::from_env()
         .map_err(|e| Error::Usage(format!("starting the election lock's holder: {e}")))?;
     // As pid 1 of a container SIGTERM is ignored without a handler: take it
     // on one thread and exit as a shell would.
@@ -291,11 +291,11 @@ fn serve(args: Args) -> Result<()> {
     // engine's connections, as they were then) is fetched again then, so
     // it is closed now and a parked engine holds none of it.
     let (listening, inherited_store) =
-        fdstore::split_inherited(shadow_contract::listen::inherited(), is_listen_name);
+        fdstore::split_inherited(shadow_engine_kit::listen::inherited(), is_listen_name);
     // Handed its connections by the runtime (`SHADOW_ACCEPT=runtime`): they
     // are in the store already, and its fetch once active is what makes
     // them go to this engine.
-    let handed = shadow_contract::handoff::enabled();
+    let handed = shadow_engine_kit::handoff::enabled();
     let use_store = (handed || !args.no_fdstore) && has_store();
     let fetches = std::env::var_os(env::FDSTORE_SOCKET).is_some()
         && std::env::var_os(env::LOCK_PATH).is_some();
@@ -916,7 +916,7 @@ fn next_connection(
     promoted: &Timeline,
 ) -> std::io::Result<(OwnedFd, Link)> {
     if handed {
-        let h = shadow_contract::handoff::receive(listener)?.ok_or_else(|| {
+        let h = shadow_engine_kit::handoff::receive(listener)?.ok_or_else(|| {
             std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 "the runtime closed the hand-off socket",

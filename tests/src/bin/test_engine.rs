@@ -156,7 +156,7 @@ fn answer(
     use std::os::fd::AsFd;
     if let Some(name) = name.as_ref().filter(|_| !stored) {
         // FDPOLL=0: removed once answered (no hang-up watch needed).
-        if let Err(e) = shadow_contract::fdstore::store(&[c.as_fd()], name, false) {
+        if let Err(e) = shadow_engine_kit::fdstore::store(&[c.as_fd()], name, false) {
             eprintln!("test-engine: storing {name}: {e}");
         }
     }
@@ -164,7 +164,7 @@ fn answer(
     if let Some(name) = &name {
         let _ = c.shutdown(std::net::Shutdown::Write);
         if remove {
-            let _ = shadow_contract::fdstore::remove(name);
+            let _ = shadow_engine_kit::fdstore::remove(name);
         }
     }
 }
@@ -173,7 +173,7 @@ fn answer(
 /// engine stored (`c-…`), or the runtime accepted and this engine was not
 /// handed (`accepted.…`), and had not answered (the socket says no byte of
 /// the line was written) gets this engine's line; every one is removed.
-fn answer_stored(found: Vec<shadow_contract::fdstore::Stored>, line: &str) {
+fn answer_stored(found: Vec<shadow_engine_kit::fdstore::Stored>, line: &str) {
     use std::os::fd::AsFd;
     let (mut answered, mut done) = (0, 0);
     for s in found
@@ -181,14 +181,14 @@ fn answer_stored(found: Vec<shadow_contract::fdstore::Stored>, line: &str) {
         .filter(|s| s.name.starts_with("c-") || shadow_contract::handoff::is_accepted_name(&s.name))
     {
         let mut c = std::net::TcpStream::from(s.fd);
-        if shadow_contract::fdstore::bytes_written(c.as_fd()).is_ok_and(|n| n == 0) {
+        if shadow_engine_kit::tcp::bytes_written(c.as_fd()).is_ok_and(|n| n == 0) {
             let _ = c.write_all(line.as_bytes());
             answered += 1;
         } else {
             done += 1;
         }
         let _ = c.shutdown(std::net::Shutdown::Write);
-        let _ = shadow_contract::fdstore::remove(&s.name);
+        let _ = shadow_engine_kit::fdstore::remove(&s.name);
     }
     if answered + done > 0 {
         println!("test-engine: resumed {answered} connections the dead engine had accepted ({done} it had answered)");
@@ -198,11 +198,11 @@ fn answer_stored(found: Vec<shadow_contract::fdstore::Stored>, line: &str) {
 /// The store, once the engine holds the lock: fetched, else (no fetch
 /// socket) what it inherited at its start; and which.
 fn take_store(
-    inherited: Vec<shadow_contract::fdstore::Stored>,
-) -> (Vec<shadow_contract::fdstore::Stored>, &'static str) {
-    match shadow_contract::fdstore::fetch() {
+    inherited: Vec<shadow_engine_kit::fdstore::Stored>,
+) -> (Vec<shadow_engine_kit::fdstore::Stored>, &'static str) {
+    match shadow_engine_kit::fdstore::fetch() {
         Ok(got) => (got, "fetched"),
-        Err(shadow_contract::fdstore::FetchError::NoStore) => (inherited, "inherited"),
+        Err(shadow_engine_kit::fdstore::FetchError::NoStore) => (inherited, "inherited"),
         Err(e) => fail("fetching the fd store", e),
     }
 }
@@ -211,7 +211,7 @@ fn take_store(
 /// (`from`: how it came), `at_start` how many of its descriptors the
 /// engine inherited at its start.
 fn memo(
-    found: &mut Vec<shadow_contract::fdstore::Stored>,
+    found: &mut Vec<shadow_engine_kit::fdstore::Stored>,
     from: &'static str,
     at_start: usize,
 ) -> Memo {
@@ -240,7 +240,7 @@ fn memo(
     let fd = OwnedFd::from(file);
     if from == "new" {
         use std::os::fd::AsFd;
-        shadow_contract::fdstore::store(&[fd.as_fd()], "memo", true)
+        shadow_engine_kit::fdstore::store(&[fd.as_fd()], "memo", true)
             .unwrap_or_else(|e| fail("storing the memo", e));
     }
     Memo {
@@ -252,7 +252,7 @@ fn memo(
 }
 
 /// The watchdog's pings, paced from whichever loop the engine is in.
-struct Pings(Option<shadow_contract::watchdog::Pacer>);
+struct Pings(Option<shadow_engine_kit::watchdog::Pacer>);
 
 impl Pings {
     /// Pings if one is due; says how long the caller may wait before the
@@ -533,7 +533,7 @@ fn main() {
     } = Cli::parse();
     // Handed its connections: the fetch once active is what makes it the
     // one they go to, and what the dead engine was handed is its own.
-    let handed = shadow_contract::handoff::enabled();
+    let handed = shadow_engine_kit::handoff::enabled();
     let resume = resume || handed;
     if let Some(r) = rank {
         run_rank(r);
@@ -562,7 +562,8 @@ fn main() {
     let weights = std::env::var_os(env::GMS_SOCKET_DIR)
         .and_then(|d| attach_gms(Path::new(&d), &slot, mib, seed));
     let mut pings = Pings(
-        shadow_contract::watchdog::interval_from_env().map(shadow_contract::watchdog::Pacer::new),
+        shadow_engine_kit::watchdog::interval_from_env()
+            .map(shadow_engine_kit::watchdog::Pacer::new),
     );
     if let (Some(us), Some(pacer)) = (watchdog_usec, pings.0.as_mut()) {
         notify(sd_notify::NotifyState::Custom(&format!(
@@ -588,10 +589,10 @@ fn main() {
     // The pair's socket (already listening: connections wait in its backlog
     // until an active engine accepts), else one bound now and listening
     // only once active, so that connections reach the active.
-    let (inherited, stored) =
-        shadow_contract::fdstore::split_inherited(shadow_contract::listen::inherited(), |name| {
-            name.starts_with("tcp-") || name.starts_with("unix-")
-        });
+    let (inherited, stored) = shadow_engine_kit::fdstore::split_inherited(
+        shadow_engine_kit::listen::inherited(),
+        |name| name.starts_with("tcp-") || name.starts_with("unix-"),
+    );
     // What it inherited of the store: kept only where nothing can be
     // fetched (a parked engine holding every connection would keep them
     // open after the serving engine is done with them).
@@ -747,7 +748,7 @@ fn main() {
         if ready[0] {
             if handed {
                 // Already in the store, under the runtime's name.
-                match shadow_contract::handoff::receive(listener.as_fd()) {
+                match shadow_engine_kit::handoff::receive(listener.as_fd()) {
                     Ok(Some(h)) => {
                         served += 1;
                         answer(

@@ -44,7 +44,7 @@ pub fn take_lock() -> Result<nix::fcntl::Flock<std::fs::File>, String> {
 /// socket, as a correct engine does; a ping the socket refuses (its queue
 /// full) is lost, never waited for.
 fn serve_quietly() -> ! {
-    let Some(interval) = shadow_contract::watchdog::interval_from_env() else {
+    let Some(interval) = shadow_engine_kit::watchdog::interval_from_env() else {
         loop {
             std::thread::sleep(Duration::from_secs(3600));
         }

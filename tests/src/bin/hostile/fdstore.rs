@@ -9,7 +9,7 @@ use std::os::unix::net::UnixDatagram;
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
-use shadow_contract::fdstore;
+use shadow_engine_kit::fdstore;
 
 use crate::common::{as_shadow, notify_path, step};
 
@@ -40,7 +40,7 @@ struct Pinger {
 impl Pinger {
     fn new() -> Result<Pinger, String> {
         let sock = UnixDatagram::unbound().map_err(|e| format!("socket: {e}"))?;
-        let interval = shadow_contract::watchdog::interval_from_env();
+        let interval = shadow_engine_kit::watchdog::interval_from_env();
         let patience = interval.map_or(Duration::from_millis(20), |i| i / 4);
         sock.set_write_timeout(Some(patience))
             .map_err(|e| format!("SO_SNDTIMEO: {e}"))?;
