@@ -2,7 +2,9 @@
 //! (`tests/tests/vllm.rs`) and `make bench-vllm` (`bench_vllm.rs`): where
 //! the virtualenv and the model are, the container's rootfs, how a
 //! `shadow-vllm serve` engine is started, one greedy completion over HTTP
-//! and what it came to, and the processes and memory of one engine.
+//! and what it came to, a client's stream of them, when a pair is
+//! protected, and the processes and memory of one engine and when a
+//! killed one's are all gone.
 //!
 //! Why here: the test and the bench must start the very same engine (same
 //! rootfs, arguments and environment), or the bench's figures would be of
@@ -17,7 +19,14 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+use shadow_contract::state::{EngineState, PairState};
+
+use crate::wait::poll;
+use crate::Spawned;
 
 /// The name the engines serve the model under (`--served-model-name`).
 pub const MODEL_NAME: &str = "tiny-llama";
@@ -352,6 +361,167 @@ pub fn get(port: u16, path: &str, timeout: Duration) -> Timed {
     }
 }
 
+/// The active slot and its pid, with the parked shadow's pid: Some once
+/// the pair is protected.
+pub fn protected(st: &PairState) -> Option<(u8, u32, u32)> {
+    if !st.pair.protected {
+        return None;
+    }
+    let active = st.pair.active?;
+    let shadow = st
+        .pair
+        .slots
+        .iter()
+        .find(|s| s.id != active && s.state == EngineState::Parked)?;
+    Some((active, st.pid_of(active)?, shadow.pid?))
+}
+
+/// One request of a [`Stream`].
+#[derive(Debug, Clone)]
+pub struct Done {
+    pub started: Instant,
+    pub ended: Instant,
+    pub outcome: Outcome,
+}
+
+/// A client's greedy completions, one after another on new connections,
+/// each `pause` after the last one's end, until [`Stream::stop`]: [`run`]
+/// on a thread of its own, read by the test's or the bench's.
+///
+/// [`run`]: Stream::run
+pub struct Stream {
+    port: u16,
+    prompt: String,
+    max_tokens: u32,
+    timeout: Duration,
+    pause: Duration,
+    done: Mutex<Vec<Done>>,
+    stop: AtomicBool,
+    /// Bumped by [`Stream::kick`] and [`Stream::stop`]: the pause ends.
+    kicks: Mutex<u64>,
+    kicked: Condvar,
+}
+
+impl Stream {
+    pub fn new(
+        port: u16,
+        prompt: &str,
+        max_tokens: u32,
+        timeout: Duration,
+        pause: Duration,
+    ) -> Stream {
+        Stream {
+            port,
+            prompt: prompt.to_owned(),
+            max_tokens,
+            timeout,
+            pause,
+            done: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+            kicks: Mutex::new(0),
+            kicked: Condvar::new(),
+        }
+    }
+
+    fn kicks(&self) -> u64 {
+        *self.kicks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The client: requests until stopped.
+    pub fn run(&self) {
+        while !self.stop.load(Ordering::Acquire) {
+            let seen = self.kicks();
+            let started = Instant::now();
+            let outcome = complete(self.port, &self.prompt, self.max_tokens, self.timeout);
+            let ended = Instant::now();
+            self.done
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(Done {
+                    started,
+                    ended,
+                    outcome,
+                });
+            // Deliberate pacing of the stream, not a wait for an event:
+            // the pause leaves the CPU to engines that start beside it. A
+            // kick (or stop) since the request started ends it at once.
+            let kicks = self.kicks.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = self
+                .kicked
+                .wait_timeout_while(kicks, self.pause, |k| *k == seen);
+        }
+    }
+
+    /// Ends the client's pause now: its next request starts at once.
+    pub fn kick(&self) {
+        *self.kicks.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.kicked.notify_all();
+    }
+
+    /// The client stops after the request it is in, without a pause.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.kick();
+    }
+
+    /// A guard that stops the client when dropped: a failed wait (a
+    /// panic) in the scope that runs it must not leave the scope waiting
+    /// for it forever.
+    pub fn stop_on_drop(&self) -> StopOnDrop<'_> {
+        StopOnDrop(self)
+    }
+
+    /// The first request started at or after `since` that was answered.
+    pub fn answered_since(&self, since: Instant) -> Option<Done> {
+        self.done
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|d| d.started >= since && d.outcome.is_text())
+            .cloned()
+    }
+
+    /// Every request so far.
+    pub fn all(&self) -> Vec<Done> {
+        self.done.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// See [`Stream::stop_on_drop`].
+pub struct StopOnDrop<'a>(&'a Stream);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
+/// Prints the engines' output (`ctr run`'s, its last 6000 bytes), under
+/// a label, when the test or the bench fails while it lives.
+pub struct LogOnPanic<'a>(pub &'a Spawned, pub &'static str);
+
+impl Drop for LogOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "--- {}: the engines' stdout ---\n{}\n--- stderr ---\n{}\n---",
+                self.1,
+                tail(&self.0.stdout_so_far(), 6000),
+                tail(&self.0.stderr_so_far(), 6000)
+            );
+        }
+    }
+}
+
+/// The last `n` bytes of `s` or a little less, from a character's start.
+fn tail(s: &str, n: usize) -> &str {
+    let cut = s.len().saturating_sub(n);
+    let from = (cut..=s.len())
+        .find(|i| s.is_char_boundary(*i))
+        .unwrap_or(s.len());
+    &s[from..]
+}
+
 /// A process as it was: its pid and its start time (field 22 of its
 /// `stat`), so that a recycled pid is not taken for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -453,4 +623,53 @@ pub fn engine_memory(pid: u32) -> (Memory, usize) {
         .filter_map(Proc::memory_kib)
         .fold(Memory::default(), |a, b| a + b);
     (sum, group.len())
+}
+
+/// How a process is, for a failure message: its command, its state and
+/// where in the kernel it waits.
+pub fn describe(p: &Proc) -> String {
+    let read =
+        |f: &str| std::fs::read_to_string(format!("/proc/{}/{f}", p.pid)).unwrap_or_default();
+    let cmd: String = read("cmdline")
+        .replace('\0', " ")
+        .chars()
+        .take(100)
+        .collect();
+    let state = read("status")
+        .lines()
+        .filter(|l| l.starts_with("State:") || l.starts_with("NSpid:") || l.starts_with("PPid:"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let stack: Vec<String> = read("stack").lines().take(6).map(str::to_owned).collect();
+    format!(
+        "{} {cmd} [{state}; wchan {}; {stack:?}]",
+        p.pid,
+        read("wchan")
+    )
+}
+
+/// Waits until every process of `group` is gone (exited: a zombie counts
+/// as gone); how long after `start` (the kill) that was, or the ones still
+/// there `limit` after it, described. The first time some are still there
+/// 5 s after `start`, prints which and how they are.
+pub fn gone_within(
+    group: &[Proc],
+    start: Instant,
+    limit: Duration,
+) -> Result<Duration, Vec<String>> {
+    let mut told = false;
+    let left = limit.saturating_sub(start.elapsed());
+    poll(left, Duration::from_millis(5), || {
+        let alive: Vec<Proc> = group.iter().copied().filter(Proc::alive).collect();
+        if alive.is_empty() {
+            return Ok(start.elapsed());
+        }
+        if !told && start.elapsed() >= Duration::from_secs(5) {
+            told = true;
+            let d: Vec<String> = alive.iter().map(describe).collect();
+            eprintln!("still there 5 s after the kill: {d:#?}");
+        }
+        Err(alive)
+    })
+    .map_err(|alive| alive.iter().map(describe).collect())
 }

@@ -9,11 +9,9 @@
 //! worker processes, its `/dev/shm` files) must be gone instead of reaching
 //! the next engine or piling up. Then Delete, and nothing may be left.
 //!
-//! The container's rootfs is what an image built on this machine would
-//! hold, without the minutes a 6 GB image import would cost: a directory of
-//! mount points, with the host's `/usr` and `/etc`, the python that made
-//! the virtualenv, the virtualenv (`make vllm-env`, absolute paths inside)
-//! and the model (`make vllm-model`) bound read-only at their own paths.
+//! The engines are `make bench-vllm`'s, from the module the two share
+//! (`shadow_tests::vllm`): the same rootfs (what an image built on this
+//! machine would hold, bound from the host), command and environment.
 //! `/dev/shm` is shared by the pair's engines as a pod's is under CRI (the
 //! sandbox's tmpfs, or an `emptyDir` of medium `Memory`, which vLLM's
 //! docs advise): a tmpfs of the test's bound over it.
@@ -22,18 +20,17 @@
 //! or `make test` runs it (`SHADOW_VLLM_REQUIRED=1`): there it fails.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use shadow_contract::annotations::LISTEN;
-use shadow_contract::state::{EngineState, PairState};
+use shadow_tests::bench::signal;
 use shadow_tests::pair::{free_port, PairEnv};
+use shadow_tests::vllm::{
+    self, engine_group, gone_within, protected, Install, LogOnPanic, Outcome, Proc, Stream,
+};
 use shadow_tests::wait::until;
-use shadow_tests::{Containerd, Runtime, Spawned};
+use shadow_tests::{Containerd, Runtime};
 
 const ENGINE: &str = env!("CARGO_BIN_EXE_test-engine");
 /// Two vLLMs starting side by side on two cores: 35–90 s each alone,
@@ -53,7 +50,6 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const PAUSE: Duration = Duration::from_millis(250);
 const PROMPT: &str = "The shadow engine answers while the other one";
 const MAX_TOKENS: u32 = 12;
-const MODEL_NAME: &str = "tiny-llama";
 
 /// The build dir (`target`, or `$CARGO_TARGET_DIR`): the test engine is
 /// `<target>/debug/test-engine`.
@@ -76,78 +72,15 @@ fn required() -> bool {
 }
 
 /// The virtualenv and the model, or None when the test is to be skipped.
-fn installed() -> Option<(PathBuf, PathBuf)> {
-    let target = target_dir();
-    let (venv, model) = (target.join("vllm-venv"), target.join("vllm-model"));
-    let have = venv.join("bin/shadow-vllm").is_file() && model.join("config.json").is_file();
-    if have {
-        return Some((venv, model));
-    }
-    let msg = format!(
-        "no vLLM virtualenv or model ({} with bin/shadow-vllm, {} with config.json): run `make vllm-env vllm-model`",
-        venv.display(),
-        model.display()
-    );
-    assert!(!required(), "{msg} (required under CI and `make test`)");
-    eprintln!("SKIPPED: {msg}");
-    None
-}
-
-/// Where python really lives: the venv's `bin/python` resolved, two levels
-/// up (`…/versions/3.11.x`), which holds its standard library.
-fn python_home(venv: &Path) -> PathBuf {
-    let real = std::fs::canonicalize(venv.join("bin/python"))
-        .unwrap_or_else(|e| panic!("{}/bin/python: {e}", venv.display()));
-    real.parent()
-        .and_then(Path::parent)
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| panic!("python at {} has no prefix", real.display()))
-}
-
-/// The rootfs: mount points, and the host's top-level symlinks (Debian's
-/// merged /usr: /bin → usr/bin, …) as they are. Returns the `ctr run`
-/// flags that bind what it needs read-only at the same paths.
-fn rootfs(cd: &Containerd, binds: &[PathBuf], shm: &Path) -> (PathBuf, Vec<String>) {
-    let root = cd.dir().join("vllm-rootfs");
-    for d in ["proc", "sys", "dev", "tmp", "run", "root", "usr", "etc"] {
-        std::fs::create_dir_all(root.join(d)).expect("rootfs dir");
-    }
-    let mut flags = Vec::new();
-    let mut bind = |src: &Path, mode: &str| {
-        std::fs::create_dir_all(root.join(src.strip_prefix("/").unwrap_or(src)))
-            .expect("rootfs mount point");
-        flags.push("--mount".to_owned());
-        flags.push(format!(
-            "type=bind,src={0},dst={0},options=rbind:{mode}",
-            src.display()
-        ));
-    };
-    bind(Path::new("/usr"), "ro");
-    bind(Path::new("/etc"), "ro");
-    for top in ["bin", "sbin", "lib", "lib32", "lib64", "libx32"] {
-        let host = Path::new("/").join(top);
-        match std::fs::read_link(&host) {
-            Ok(to) => std::os::unix::fs::symlink(to, root.join(top)).expect("rootfs link"),
-            Err(_) if host.is_dir() => bind(&host, "ro"),
-            Err(_) => {}
+fn installed() -> Option<Install> {
+    match Install::find(&target_dir()) {
+        Ok(install) => Some(install),
+        Err(msg) => {
+            assert!(!required(), "{msg} (required under CI and `make test`)");
+            eprintln!("SKIPPED: {msg}");
+            None
         }
     }
-    for b in binds {
-        bind(b, "ro");
-    }
-    let tmp = cd.dir().join("vllm-tmp");
-    std::fs::create_dir_all(&tmp).expect("tmp dir");
-    flags.push("--mount".to_owned());
-    flags.push(format!(
-        "type=bind,src={},dst=/tmp,options=rbind:rw",
-        tmp.display()
-    ));
-    flags.push("--mount".to_owned());
-    flags.push(format!(
-        "type=bind,src={},dst=/dev/shm,options=rbind:rw",
-        shm.display()
-    ));
-    (root, flags)
 }
 
 /// A tmpfs at `dir`, as CRI makes a sandbox's `/dev/shm`; unmounted when
@@ -178,244 +111,9 @@ fn shared_shm(dir: &Path) {
     );
 }
 
-/// Where the last `n` bytes of `s` begin, on a character's boundary.
-fn tail_from(s: &str, n: usize) -> usize {
-    let cut = s.len().saturating_sub(n);
-    (cut..=s.len())
-        .find(|i| s.is_char_boundary(*i))
-        .unwrap_or(s.len())
-}
-
-/// What one request came to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Outcome {
-    /// The completion's text.
-    Text(String),
-    /// An HTTP answer other than 200 (its status and the start of its body).
-    Http(String),
-    /// connect(2) refused: nobody listened.
-    Refused,
-    /// Connected, then reset or closed before a whole answer.
-    Reset,
-    Timeout,
-}
-
-impl Outcome {
-    fn kind(&self) -> &'static str {
-        match self {
-            Outcome::Text(_) => "text",
-            Outcome::Http(_) => "http-error",
-            Outcome::Refused => "refused",
-            Outcome::Reset => "reset",
-            Outcome::Timeout => "timeout",
-        }
-    }
-}
-
-fn complete(port: u16) -> Outcome {
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let mut s = match TcpStream::connect_timeout(&addr, REQUEST_TIMEOUT) {
-        Ok(s) => s,
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return Outcome::Refused,
-        Err(_) => return Outcome::Timeout,
-    };
-    let body = serde_json::json!({
-        "model": MODEL_NAME,
-        "prompt": PROMPT,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-    })
-    .to_string();
-    let request = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = s.set_read_timeout(Some(REQUEST_TIMEOUT));
-    if s.write_all(request.as_bytes()).is_err() {
-        return Outcome::Reset;
-    }
-    let mut raw = Vec::new();
-    match s.read_to_end(&mut raw) {
-        Ok(_) => {}
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) =>
-        {
-            return Outcome::Timeout
-        }
-        Err(_) => return Outcome::Reset,
-    }
-    let text = String::from_utf8_lossy(&raw);
-    let Some((head, body)) = text.split_once("\r\n\r\n") else {
-        return Outcome::Reset;
-    };
-    let status = head.split_whitespace().nth(1).unwrap_or("");
-    if status != "200" {
-        let start: String = body.chars().take(200).collect();
-        return Outcome::Http(format!("{status} {start}"));
-    }
-    // Connection: close and a JSON answer: the body is whole when it parses.
-    match serde_json::from_str::<serde_json::Value>(body) {
-        Ok(v) => match v.pointer("/choices/0/text").and_then(|t| t.as_str()) {
-            Some(t) => Outcome::Text(t.to_owned()),
-            None => Outcome::Http(format!("200 without a text: {body}")),
-        },
-        Err(_) => Outcome::Reset,
-    }
-}
-
-/// One request of the stream.
-#[derive(Debug, Clone)]
-struct Done {
-    started: Instant,
-    ended: Instant,
-    outcome: Outcome,
-}
-
-/// The stream's requests so far, shared with the test's thread.
-#[derive(Default)]
-struct Stream {
-    done: Mutex<Vec<Done>>,
-    /// Bumped at each kill: the client's pause ends.
-    kicks: AtomicU64,
-}
-
-impl Stream {
-    /// End the client's pause now.
-    fn kick(&self) {
-        self.kicks.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// Sleep `PAUSE`, or less if kicked since the kicks numbered `seen`
-    /// (read when the last request started).
-    fn pause(&self, seen: u64) {
-        let until = Instant::now() + PAUSE;
-        while Instant::now() < until && self.kicks.load(Ordering::Acquire) == seen {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
-    /// The first request started at or after `since` that was answered.
-    fn answered_since(&self, since: Instant) -> Option<Done> {
-        self.done
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .find(|d| d.started >= since && matches!(d.outcome, Outcome::Text(_)))
-            .cloned()
-    }
-
-    fn all(&self) -> Vec<Done> {
-        self.done.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
-
-/// Greedy completions one after another until `stop`.
-fn client(port: u16, stop: &AtomicBool, stream: &Stream) {
-    while !stop.load(Ordering::Acquire) {
-        let seen = stream.kicks.load(Ordering::Acquire);
-        let started = Instant::now();
-        let outcome = complete(port);
-        let ended = Instant::now();
-        stream
-            .done
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(Done {
-                started,
-                ended,
-                outcome,
-            });
-        stream.pause(seen);
-    }
-}
-
-/// Sets the flag when dropped: a failed wait stops the client too.
-struct StopOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
-    }
-}
-
-/// Prints the engines' output (`ctr run`'s) when the test fails.
-struct LogOnPanic<'a>(&'a Spawned);
-
-impl Drop for LogOnPanic<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let tail = |s: String| s[tail_from(&s, 6000)..].to_owned();
-            eprintln!(
-                "--- the engines' stdout ---\n{}\n--- stderr ---\n{}\n---",
-                tail(self.0.stdout_so_far()),
-                tail(self.0.stderr_so_far())
-            );
-        }
-    }
-}
-
-/// A process as it was: its pid and its start time (field 22 of its
-/// `stat`), so that a recycled pid is not taken for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Proc {
-    pid: u32,
-    start: u64,
-}
-
-impl Proc {
-    fn of(pid: u32) -> Option<Proc> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let rest = stat.rsplit_once(')')?.1;
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        // After the command: state is field 3, starttime field 22.
-        if fields.first() == Some(&"Z") {
-            return None;
-        }
-        Some(Proc {
-            pid,
-            start: fields.get(19)?.parse().ok()?,
-        })
-    }
-
-    fn alive(&self) -> bool {
-        Proc::of(self.pid) == Some(*self)
-    }
-}
-
-/// Every process of the engine whose main process is `pid`: those in its
-/// pid namespace (each engine of a pair has its own; its API server is pid
-/// 1 there, EngineCore, the worker and the lock helper its descendants).
-fn engine_group(pid: u32) -> Vec<Proc> {
-    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/pid")).ok();
-    let Some(own) = ns(&pid.to_string()) else {
-        return Vec::new();
-    };
-    std::fs::read_dir("/proc")
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-                .filter(|p| p.chars().all(|c| c.is_ascii_digit()))
-                .filter(|p| ns(p).as_ref() == Some(&own))
-                .filter_map(|p| p.parse().ok().and_then(Proc::of))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// The names in an engine's `/dev/shm`, seen through its root.
 fn engine_shm(pid: u32) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root/dev/shm"))
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
-    names
+    dir_names(Path::new(&format!("/proc/{pid}/root/dev/shm")))
 }
 
 fn dir_names(dir: &Path) -> Vec<String> {
@@ -428,73 +126,6 @@ fn dir_names(dir: &Path) -> Vec<String> {
         .unwrap_or_default();
     names.sort();
     names
-}
-
-/// How a process is, for a failure message: its command, its state and
-/// where in the kernel it waits.
-fn describe(p: &Proc) -> String {
-    let read =
-        |f: &str| std::fs::read_to_string(format!("/proc/{}/{f}", p.pid)).unwrap_or_default();
-    let cmd: String = read("cmdline")
-        .replace('\0', " ")
-        .chars()
-        .take(100)
-        .collect();
-    let state = read("status")
-        .lines()
-        .filter(|l| l.starts_with("State:") || l.starts_with("NSpid:") || l.starts_with("PPid:"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let stack: Vec<String> = read("stack").lines().take(6).map(str::to_owned).collect();
-    format!(
-        "{} {cmd} [{state}; wchan {}; {stack:?}]",
-        p.pid,
-        read("wchan")
-    )
-}
-
-/// Waits until every process of `group` is gone; how long after `start`
-/// (the kill) that was, or the ones still there `limit` after it
-/// (described). The first time some are still there 5 s after it, says
-/// which and how they are.
-fn gone_within(group: &[Proc], start: Instant, limit: Duration) -> Result<Duration, Vec<String>> {
-    let mut told = false;
-    loop {
-        let alive: Vec<Proc> = group.iter().copied().filter(Proc::alive).collect();
-        if alive.is_empty() {
-            return Ok(start.elapsed());
-        }
-        if start.elapsed() >= limit {
-            return Err(alive.iter().map(describe).collect());
-        }
-        if !told && start.elapsed() >= Duration::from_secs(5) {
-            told = true;
-            let d: Vec<String> = alive.iter().map(describe).collect();
-            eprintln!("still there 5 s after the kill: {d:#?}");
-        }
-        std::thread::sleep(STEP);
-    }
-}
-
-fn kill(pid: u32) {
-    // SAFETY: kill(2) with a pid read from the pair's state a moment ago
-    // and a signal number.
-    let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    assert_eq!(rc, 0, "kill {pid}: {}", std::io::Error::last_os_error());
-}
-
-/// The active slot and its pid, with the parked shadow's.
-fn protected(st: &PairState) -> Option<(u8, u32, u32)> {
-    if !st.pair.protected {
-        return None;
-    }
-    let active = st.pair.active?;
-    let shadow = st
-        .pair
-        .slots
-        .iter()
-        .find(|s| s.id != active && s.state == EngineState::Parked)?;
-    Some((active, st.pid_of(active)?, shadow.pid?))
 }
 
 /// What one kill came to.
@@ -517,7 +148,7 @@ struct KillRecord {
 
 #[test]
 fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
-    let Some((venv, model)) = installed() else {
+    let Some(install) = installed() else {
         return;
     };
     let test_started = Instant::now();
@@ -526,49 +157,14 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
     let pod = PodShm(tempfile::tempdir().expect("a dir for the pod's /dev/shm"));
     let shm = pod.0.path().to_path_buf();
     shared_shm(&shm);
-    let mut binds = vec![python_home(&venv), venv.clone(), model.clone()];
-    // `make vllm-env` installs shadow-vllm and shadow_gms editable: the
-    // venv points into the repository for their sources.
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    for source in ["integrations/vllm", "gms/python"] {
-        if let Ok(dir) = std::fs::canonicalize(repo.join(source)) {
-            binds.push(dir);
-        }
-    }
-    let (root, mut flags) = rootfs(&cd, &binds, &shm);
+    let binds = install.binds(&repo).unwrap_or_else(|e| panic!("{e}"));
+    let (root, mut flags) = vllm::rootfs(cd.dir(), &binds, Some(&shm)).expect("the rootfs");
     let port = free_port();
     let listen = format!("tcp:127.0.0.1:{port}");
-    for kv in [
-        "HOME=/tmp",
-        "PYTHONUNBUFFERED=1",
-        "VLLM_CPU_KVCACHE_SPACE=1",
-        // vLLM's CPU worker pins its threads to core 0 in every engine:
-        // the serving one then starves a killed worker's exit and a
-        // respawn's start for minutes (shadow_tests::vllm::ENV says so too).
-        "VLLM_CPU_OMP_THREADS_BIND=nobind",
-        "VLLM_NO_USAGE_STATS=1",
-        "HF_HUB_OFFLINE=1",
-        "TRANSFORMERS_OFFLINE=1",
-    ] {
-        flags.push("--env".into());
-        flags.push(kv.into());
-    }
+    // The engines' environment is the bench's.
+    flags.extend(vllm::env_flags());
     flags.extend(["--rm".into(), "--net-host".into()]);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let shadow_vllm = venv.join("bin/shadow-vllm").display().to_string();
-    let model_s = model.display().to_string();
-    let cmd = [
-        shadow_vllm.as_str(),
-        "serve",
-        model_s.as_str(),
-        "--served-model-name",
-        MODEL_NAME,
-        "--enforce-eager",
-        "--max-model-len",
-        "256",
-        "--dtype",
-        "float32",
-    ];
     let id = "vllm";
     let ctr = cd
         .container(Runtime::Shadow, id)
@@ -577,10 +173,10 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
         .annotation(shadow_contract::annotations::PAIR, "true")
         .annotation(LISTEN, &listen)
         .flags(&flags)
-        .cmd(&cmd)
+        .cmd(&install.serve_cmd(&[]))
         .spawn(false)
         .expect("ctr run");
-    let log = LogOnPanic(&ctr);
+    let log = LogOnPanic(&ctr, "the pair");
 
     let st = until(
         "a vLLM pair protected",
@@ -591,20 +187,21 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
     let started = test_started.elapsed();
     let (_, a, s) = protected(&st).expect("protected");
     let baseline = [engine_shm(a).len(), engine_shm(s).len()];
-    let reference = match complete(port) {
+    let reference = match vllm::complete(port, PROMPT, MAX_TOKENS, REQUEST_TIMEOUT) {
         Outcome::Text(t) => t,
         other => panic!("the pair's first answer: {other:?}"),
     };
     assert!(!reference.is_empty(), "an empty completion");
 
-    let stop = AtomicBool::new(false);
-    let stream = Stream::default();
+    let stream = Stream::new(port, PROMPT, MAX_TOKENS, REQUEST_TIMEOUT, PAUSE);
     let mut kills: Vec<KillRecord> = Vec::new();
     let mut killed_groups: Vec<Proc> = Vec::new();
     let mut kill_times: Vec<Instant> = Vec::new();
     std::thread::scope(|scope| {
-        let c = scope.spawn(|| client(port, &stop, &stream));
-        let _stopper = StopOnDrop(&stop);
+        let c = scope.spawn(|| stream.run());
+        // A failed wait (a panic) stops the client too, or the scope would
+        // wait for it forever.
+        let _stopper = stream.stop_on_drop();
         until("the stream's first answer", RESPAWN, STEP, || {
             stream.answered_since(test_started)
         });
@@ -619,7 +216,11 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
                 "round {round}: engine {pid} not in its own cgroup's list: {group:?}"
             );
             let at = Instant::now();
-            kill(pid);
+            assert!(
+                signal(pid, libc::SIGKILL),
+                "round {round}: kill {pid}: {}",
+                std::io::Error::last_os_error()
+            );
             stream.kick();
             kill_times.push(at);
             // A request started after the kill, answered: by the other
@@ -677,7 +278,7 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
         until("an answer after the last respawn", RESPAWN, STEP, || {
             stream.answered_since(mark)
         });
-        stop.store(true, Ordering::Release);
+        stream.stop();
         c.join().expect("client thread");
     });
 
