@@ -30,18 +30,18 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use shadow_contract::annotations::{GMS, LISTEN, PAIR};
-use shadow_contract::state::{EngineState, PairState};
 use shadow_tests::bench::{now_us, pct, profile, signal};
 use shadow_tests::pair::{free_port, task_pid, PairEnv};
-use shadow_tests::vllm::{self, engine_group, engine_memory, Install, Memory, Outcome, Proc};
+use shadow_tests::vllm::{
+    self, engine_group, engine_memory, gone_within, protected, Done, Install, LogOnPanic, Memory,
+    Outcome, Stream,
+};
 use shadow_tests::wait::{until, within};
-use shadow_tests::{Containerd, ContainerdBuilder, Runtime, Spawned};
+use shadow_tests::{Containerd, ContainerdBuilder, Runtime};
 
 /// Two vLLMs starting side by side on two cores: 35–90 s each on a quiet
 /// machine, 7 minutes beside other busy vLLMs.
@@ -53,7 +53,8 @@ const STEP: Duration = Duration::from_millis(5);
 /// a cold start's listening socket holds it until the server runs.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const COLD_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
-/// Between two requests of the stream.
+/// Between two requests of the stream: a deliberate pacing (the stream is
+/// one client's requests one after another, not a flood).
 const PAUSE: Duration = Duration::from_millis(20);
 const PROMPT: &str = "The shadow engine answers while the other one";
 const MAX_TOKENS: u32 = 12;
@@ -158,37 +159,6 @@ impl HostLoad {
     }
 }
 
-/// Prints an engine's output (`ctr run`'s) when the bench fails.
-struct LogOnPanic<'a>(&'a Spawned, &'static str);
-
-impl Drop for LogOnPanic<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let tail = |s: String| {
-                let chars: Vec<char> = s.chars().collect();
-                chars[chars.len().saturating_sub(6000)..]
-                    .iter()
-                    .collect::<String>()
-            };
-            eprintln!(
-                "--- {}: the engines' stdout ---\n{}\n--- stderr ---\n{}\n---",
-                self.1,
-                tail(self.0.stdout_so_far()),
-                tail(self.0.stderr_so_far())
-            );
-        }
-    }
-}
-
-/// Sets the flag when dropped.
-struct StopOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
-    }
-}
-
 /// Everything each arm starts from.
 struct Bench {
     cd: Containerd,
@@ -208,29 +178,8 @@ impl Bench {
     }
 }
 
-/// The active slot and its pid, with the parked shadow's pid.
-fn protected(st: &PairState) -> Option<(u8, u32, u32)> {
-    if !st.pair.protected {
-        return None;
-    }
-    let active = st.pair.active?;
-    let shadow = st
-        .pair
-        .slots
-        .iter()
-        .find(|s| s.id != active && s.state == EngineState::Parked)?;
-    Some((active, st.pid_of(active)?, shadow.pid?))
-}
-
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-/// One request of the stream.
-#[derive(Debug, Clone)]
-struct Done {
-    ended: Instant,
-    outcome: Outcome,
 }
 
 /// What one kill of the pair's serving engine came to.
@@ -333,32 +282,28 @@ fn kill_rounds(
     reference: &str,
     kills: usize,
 ) -> (Vec<Kill>, Vec<Done>) {
-    let stop = AtomicBool::new(false);
-    let stream: Mutex<Vec<Done>> = Mutex::new(Vec::new());
+    let stream = Stream::new(port, PROMPT, MAX_TOKENS, REQUEST_TIMEOUT, PAUSE);
     let mut records = Vec::new();
     let mut kill_times = Vec::new();
     std::thread::scope(|scope| {
-        let client = scope.spawn(|| {
-            while !stop.load(Ordering::Acquire) {
-                let outcome = vllm::complete(port, PROMPT, MAX_TOKENS, REQUEST_TIMEOUT);
-                let d = Done {
-                    ended: Instant::now(),
-                    outcome,
-                };
-                stream.lock().unwrap_or_else(|p| p.into_inner()).push(d);
-                std::thread::sleep(PAUSE);
-            }
-        });
+        let client = scope.spawn(|| stream.run());
         // A failed wait (a panic) stops the client too, or the scope would
         // wait for it forever.
-        let _stopper = StopOnDrop(&stop);
+        let _stopper = stream.stop_on_drop();
         for round in 0..kills {
             let st = until("the pair protected", RESPAWN, STEP, || {
                 b.env.state(&b.cd, id).filter(|s| protected(s).is_some())
             });
             let (slot, pid, _) = protected(&st).unwrap_or_else(|| broke("lost protection"));
-            // Let the stream run on the protected pair a moment.
-            std::thread::sleep(Duration::from_millis(500));
+            // The stream runs on the protected pair: a request started now
+            // answered (by the active engine, the shadow being parked).
+            let since = Instant::now();
+            until(
+                "a request of the stream answered by the protected pair",
+                RESPAWN,
+                STEP,
+                || stream.answered_since(since),
+            );
             let group = engine_group(pid);
             let failovers = st.pair.failovers;
             let (at, at_us) = (Instant::now(), now_us());
@@ -408,13 +353,12 @@ fn kill_rounds(
                 k.lock_ms = since(p.lock_unix_us);
                 k.ready_ms = since(p.ready_unix_us);
             }
-            until(
-                "every process of the killed engine gone",
-                RESPAWN,
-                STEP,
-                || (!group.iter().any(Proc::alive)).then_some(()),
-            );
-            k.gone_ms = ms(at.elapsed());
+            k.gone_ms = match gone_within(&group, at, RESPAWN) {
+                Ok(gone) => ms(gone),
+                Err(alive) => broke(format!(
+                    "round {round}: the killed engine's processes still run {RESPAWN:?} on: {alive:#?}"
+                )),
+            };
             if round + 1 == kills {
                 // Nothing follows the last kill: its respawn is not waited for.
                 records.push(k);
@@ -435,12 +379,12 @@ fn kill_rounds(
             k.parked_again_s = Some(at.elapsed().as_secs_f64());
             records.push(k);
         }
-        stop.store(true, Ordering::Release);
+        stream.stop();
         if client.join().is_err() {
             broke("the stream's client panicked");
         }
     });
-    let done = stream.into_inner().unwrap_or_else(|p| p.into_inner());
+    let done = stream.all();
     for d in done.iter().filter(|d| !d.outcome.is_text()) {
         if let Some(i) = kill_times.iter().rposition(|k| *k <= d.ended) {
             *records[i].failed.entry(d.outcome.kind()).or_default() += 1;
