@@ -495,6 +495,24 @@ fn memory_row(what: &str, (m, n): (Memory, usize)) -> String {
     )
 }
 
+/// A pair arm's memory: each engine's row, then both engines' PSS.
+fn print_pair_memory(what: &str, arm: &PairArm) {
+    println!(
+        "{}",
+        memory_row(&format!("{what}: serving engine"), arm.active)
+    );
+    println!(
+        "{}",
+        memory_row(&format!("{what}: parked engine"), arm.shadow)
+    );
+    println!(
+        "  {:<40} PSS {:>6.2} GiB (pair start {:.1} s)",
+        format!("{what}: both"),
+        gib(arm.active.0.pss_kib + arm.shadow.0.pss_kib),
+        arm.start_s
+    );
+}
+
 fn row(name: &str, v: &mut [f64], unit: &str) -> String {
     let n = v.len();
     let lo = v.iter().copied().reduce(f64::min).unwrap_or(f64::NAN);
@@ -718,37 +736,12 @@ fn main() {
     println!("\nhost at the end: {}", HostLoad::now().line());
     println!("\nmemory (summed over each engine's cgroup, /proc/PID/smaps_rollup):");
     println!("{}", memory_row("runc-v2 engine (alone)", cold.memory));
-    println!(
-        "{}",
-        memory_row("pair, default load: serving engine", pair.active)
-    );
-    println!(
-        "{}",
-        memory_row("pair, default load: parked engine", pair.shadow)
-    );
-    println!(
-        "  {:<40} PSS {:>6.2} GiB",
-        "pair, default load: both",
-        gib(pair.active.0.pss_kib + pair.shadow.0.pss_kib)
-    );
+    print_pair_memory("pair, default load", &pair);
     if let Some(None) = &gms {
         println!("  pair, --load-format gms: the arm failed (its error is above, on stderr)");
     }
     if let Some(Some(g)) = &gms {
-        println!(
-            "{}",
-            memory_row("pair, --load-format gms: serving", g.active)
-        );
-        println!(
-            "{}",
-            memory_row("pair, --load-format gms: parked", g.shadow)
-        );
-        println!(
-            "  {:<40} PSS {:>6.2} GiB (pair start {:.1} s)",
-            "pair, --load-format gms: both",
-            gib(g.active.0.pss_kib + g.shadow.0.pss_kib),
-            g.start_s
-        );
+        print_pair_memory("pair, --load-format gms", g);
     }
     if gms.is_none() {
         println!("  (no GMS arm: --gms off, or no GMS loader in this shadow-vllm)");
