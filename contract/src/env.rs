@@ -29,7 +29,7 @@ pub const FDSTORE_SOCKET: &str = "SHADOW_FDSTORE_SOCKET";
 /// (`shadow.dev/accept: runtime`): the descriptors under the listening
 /// sockets' names are hand-off sockets (`crate::handoff`). Set with
 /// `shadow.dev/listen` only; an exec never gets it.
-pub const ACCEPT: &str = crate::handoff::ENV;
+pub const ACCEPT: &str = "SHADOW_ACCEPT";
 
 /// systemd's watchdog (`sd_watchdog_enabled(3)`, set with
 /// `shadow.dev/watchdog`): the interval, in microseconds, within which an

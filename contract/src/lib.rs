@@ -15,15 +15,11 @@
 //! - [`hang`]: the values of the hang-detection knobs (watchdog, probe,
 //!   start timeout), typed and validated;
 //! - [`listen`]: the pair's listening sockets (`shadow.dev/listen`) and
-//!   the engine's side of taking them (`LISTEN_FDS`);
-//! - [`fdstore`]: the pair's file-descriptor store (`FDSTORE=1`), the
-//!   engine's side of storing, removing and fetching;
-//! - [`handoff`]: connections the runtime accepts (`shadow.dev/accept`)
-//!   and the engine's side of receiving them;
-//! - [`lock`]: the election lock held by a small process of the engine's,
-//!   so that a large engine's death frees it at once;
-//! - [`watchdog`]: the engine's side of the watchdog (`WATCHDOG_USEC`):
-//!   when a ping is due, and whether every rank advanced since the last;
+//!   how they are handed (`LISTEN_FDS`);
+//! - [`fdstore`]: the pair's file-descriptor store (`FDSTORE=1`): its
+//!   bounds, names and fetch packets;
+//! - [`handoff`]: connections the runtime accepts (`shadow.dev/accept`):
+//!   the names and packet of a hand-off;
 //! - [`state`]: the `state.json` schema, for its writer and its readers;
 //! - [`weights`]: the digest of committed weights and the exit status of
 //!   an engine that found them changed;
@@ -31,9 +27,12 @@
 //!   init's PID namespace), read one way.
 //!
 //! Names only: the launcher of the GMS daemon, which lived here, is the
-//! crate `gmsd-launch` (gms/launch). The crate is synchronous and small on
-//! purpose: the hook is a short-lived sync binary, and the shim wraps the
-//! blocking parts itself.
+//! crate `gmsd-launch` (gms/launch), and the engine's side of the contract
+//! (storing and fetching descriptors, receiving hand-offs, taking the
+//! listening sockets, pacing the watchdog, holding the election lock) is
+//! `shadow-engine-kit` (engine-kit), which uses these names. The crate is
+//! synchronous and small on purpose: the hook is a short-lived sync
+//! binary, and the shim wraps the blocking parts itself.
 
 pub mod annotations;
 pub mod env;
@@ -43,9 +42,7 @@ pub mod handoff;
 pub mod hang;
 pub mod host;
 pub mod listen;
-pub mod lock;
 pub mod oci;
 pub mod paths;
 pub mod state;
-pub mod watchdog;
 pub mod weights;

@@ -534,7 +534,7 @@ def bytes_written(sock):
     is still queued (SIOCOUTQ), less this side's FIN if it was sent; read
     again until no ACK moved bytes between the two counts. A promoted
     engine resumes an answer the dead engine was writing right after this
-    many bytes (shadow_contract::fdstore::bytes_written)."""
+    many bytes (shadow_engine_kit::tcp::bytes_written)."""
     fd = sock if isinstance(sock, int) else sock.fileno()
     with socket.socket(fileno=os.dup(fd)) as s:
         for _ in range(1000):
@@ -670,7 +670,7 @@ def _digits(value):
 def watchdog_interval(environ=None, pid=None):
     """The watchdog's interval in seconds, or None when this process has none.
 
-    As ``sd_watchdog_enabled(3)`` reads it (and shadow_contract::watchdog):
+    As ``sd_watchdog_enabled(3)`` reads it (and shadow_engine_kit::watchdog):
     WATCHDOG_USEC of digits only and more than zero, WATCHDOG_PID unset or
     this process's pid. Under the shim WATCHDOG_PID is 1, the engine's main
     process; its ranks and helpers inherit the variables and get None.
