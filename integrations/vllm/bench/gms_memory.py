@@ -30,6 +30,8 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
+# An engine's start and decode, at most (minutes beside busy engines).
+ENGINE_LIMIT_S = 900
 PROMPT = "The quick brown fox jumps over the lazy dog near the quiet riverbank."
 
 
@@ -110,14 +112,43 @@ def start_engine(model, fmt, tokens, runs, env, log_path):
                               "--tokens", str(tokens), "--runs", str(runs), "--result", result],
                              stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                              text=True, env=env, start_new_session=True)
-    while p.poll() is None:
+    deadline = time.monotonic() + ENGINE_LIMIT_S
+    while p.poll() is None and time.monotonic() < deadline:
         if os.path.exists(result):
             with open(result) as f:
                 return p, json.load(f)
-        time.sleep(0.5)
+        time.sleep(0.1)
     with open(log_path) as f:
         tail = f.read()[-3000:]
+    if p.poll() is None:
+        stop(p)
+        raise RuntimeError(f"engine ({fmt}) did not decode within {ENGINE_LIMIT_S} s; {log_path}:\n{tail}")
     raise RuntimeError(f"engine ({fmt}) exited {p.returncode} before decoding; {log_path}:\n{tail}")
+
+
+def settled(pgids, limit_s=60, step_s=0.25):
+    """Waits until the engines' memory stops moving: two readings of their
+    summed RSS, ``step_s`` apart, within 1 MiB of each other (an engine
+    that wrote its figures may still be freeing its warm-up's buffers).
+    Returns False if it still moved after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    last = None
+    while time.monotonic() < deadline:
+        now = sum(memory(group(g))["rss"] for g in pgids)
+        if last is not None and abs(now - last) < (1 << 20):
+            return True
+        last = now
+        time.sleep(step_s)
+    return False
+
+
+def wait_for_socket(path, proc, limit_s=30):
+    """Waits until gmsd's socket exists (it is listening then)."""
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"gmsd did not come up at {path} (exit {proc.poll()})")
+        time.sleep(0.02)
 
 
 def stop(p):
@@ -149,10 +180,13 @@ def arm(name, args):
                    SHADOW_VLLM_REPACK=name[3:])
     engines = []
     try:
+        if gmsd is not None:
+            wait_for_socket(os.path.join(sock_dir, "gms-host.sock"), gmsd)
         for i in range(2):
             log = os.path.join(args.logs, f"{name}-{i}.log")
             engines.append(start_engine(args.model, fmt, args.tokens, args.runs, env, log))
-        time.sleep(2)
+        if not settled([p.pid for p, _ in engines]):
+            print(f"{name}: the engines' memory still moved after 60 s; measured as it is", file=sys.stderr)
         result = {"arm": name, "engines": []}
         for p, report in engines:
             result["engines"].append(dict(report, memory=memory(group(p.pid))))

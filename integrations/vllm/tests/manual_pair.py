@@ -28,6 +28,7 @@ Everything it starts is killed on exit, whatever happened.
 """
 
 import argparse
+import fcntl
 import glob
 import http.client
 import json
@@ -38,6 +39,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 
@@ -333,7 +335,7 @@ def check_watchdog(rt, active, shadow, interval):
         return {f"{_comm(pid)}[{pid}]": n for pid, n in counts.items() if pid in mine}
 
     t0 = time.monotonic()
-    time.sleep(window)
+    time.sleep(window)  # the window pings are counted in, not a wait for an event
     t1 = time.monotonic()
     seen = pings(t0, t1)
     print(f"watchdog: pings in {window:.1f} s: serving {who(seen, active)}, parked {who(seen, shadow)}", flush=True)
@@ -342,9 +344,12 @@ def check_watchdog(rt, active, shadow, interval):
         raise RuntimeError("no EngineCore process found in the serving engine's group")
     os.kill(core[0], signal.SIGSTOP)
     try:
-        time.sleep(interval)  # a ping already under way may still land
+        # Stopped, and every datagram sent before the stop read: a ping
+        # from before the stop cannot land in the window.
+        _until(f"EngineCore {core[0]} stopped", lambda: _state(core[0]) == "T", 10)
+        _until("the notify socket drained", lambda: _queued(rt.notify.sock) == 0, 10)
         t2 = time.monotonic()
-        time.sleep(window)
+        time.sleep(window)  # the window, as above
         stopped = pings(t2, time.monotonic())
     finally:
         os.kill(core[0], signal.SIGCONT)
@@ -352,6 +357,28 @@ def check_watchdog(rt, active, shadow, interval):
           f"parked {who(stopped, shadow)}", flush=True)
     if who(stopped, active) or not who(seen, active):
         raise RuntimeError("the serving engine's pings do not follow its EngineCore")
+
+
+def _state(pid):
+    """The one-letter state of /proc/PID/stat (None once gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _queued(sock):
+    """Bytes of the next datagram waiting on ``sock`` (0: none)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def _until(what, pred, limit_s, step_s=0.005):
+    deadline = time.monotonic() + limit_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {limit_s} s waiting for {what}")
+        time.sleep(step_s)
 
 
 def _alive(pid):

@@ -26,6 +26,9 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 TARGET = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+# One vLLM engine's start and decode: a minute or two alone, up to ten
+# beside other busy engines on two cores.
+ENGINE_LIMIT_S = 900
 
 
 def built(name, var):
@@ -213,11 +216,15 @@ class TwoVllmEnginesShareTheWeights(unittest.TestCase):
                                  stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
                                  start_new_session=True)
             engines.append((p, log))
-            while p.poll() is None and not os.path.exists(result):
-                time.sleep(0.5)
+            # Its figures written (the event), or its exit, within the limit.
+            deadline = time.monotonic() + ENGINE_LIMIT_S
+            while p.poll() is None and not os.path.exists(result) and time.monotonic() < deadline:
+                time.sleep(0.1)
             log.seek(0)
             text = log.read()
-            self.assertTrue(os.path.exists(result), f"engine {i} exited {p.poll()}:\n{text[-3000:]}")
+            self.assertTrue(os.path.exists(result),
+                            f"engine {i}: no figures (exit status {p.poll()}; None: still running "
+                            f"after {ENGINE_LIMIT_S} s):\n{text[-3000:]}")
             with open(result) as f:
                 results.append((json.load(f), text))
         (first, first_log), (second, second_log) = results

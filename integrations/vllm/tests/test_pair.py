@@ -66,6 +66,33 @@ def accept_queue(listener):
     return struct.unpack_from("I", info, 8 + 4 * 4)[0]
 
 
+def lock_waiters(path):
+    """Pids waiting for a flock on ``path`` (``->`` lines of /proc/locks):
+    how the runtime, too, sees an engine blocked on the election lock."""
+    st = os.stat(path)
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    with open("/proc/locks") as f:
+        for row in f:
+            fields = row.split()
+            if len(fields) > 6 and fields[1] == "->" and fields[2] == "FLOCK" and fields[6] == dev:
+                pids.append(int(fields[5]))
+    return pids
+
+
+def wait_for(what, pred, timeout=LIMIT_S, step=0.01):
+    """Polls ``pred`` until it returns something true; fails the test,
+    naming ``what``, after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+
+
 class Runtime:
     """The runtime's side: notify socket, lock file, listening socket."""
 
@@ -139,10 +166,10 @@ class ParkThenServe(unittest.TestCase):
 
         client = socket.create_connection(("127.0.0.1", rt.port), timeout=LIMIT_S)
         self.addCleanup(client.close)
-        # Parked: the connection waits in the kernel's queue, not accepted.
-        for _ in range(20):
-            self.assertEqual(accept_queue(rt.listener), 1, "a parked engine accepted")
-            time.sleep(0.01)
+        # Parked: blocked on the lock (its own process or its lock helper),
+        # and the connection waits in the kernel's queue, not accepted.
+        wait_for("the engine blocked on the election lock", lambda: lock_waiters(rt.lock_path))
+        self.assertEqual(accept_queue(rt.listener), 1, "a parked engine accepted")
 
         os.close(holder)  # the active engine dies
         holder = None
@@ -257,16 +284,14 @@ class EngineCoreWatchdog(unittest.TestCase):
 
         t = threading.Thread(target=self.busy_loop, args=(engine, wrapped, stop, step), daemon=True)
         t.start()
-        deadline = time.monotonic() + LIMIT_S
-        while wd.pings < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.assertGreaterEqual(wd.pings, 5, "an idle busy loop must keep pinging")
+        wait_for("an idle busy loop's pings", lambda: wd.pings >= 5)
         engine.input_queue.put("work")
         engine.input_queue.put("hang")
         self.assertTrue(stuck.wait(LIMIT_S))
         before = wd.pings
-        for _ in range(10):
-            time.sleep(wd.interval)
+        # Not a wait for an event but the claim's window: no event says
+        # "no ping"; ten intervals pass in which an idle loop pings ten times.
+        time.sleep(10 * wd.interval)
         self.assertEqual(wd.pings, before, "a stuck step must stop the pings")
         stop.set()
         release.set()
@@ -300,13 +325,13 @@ class ParentWatch(unittest.TestCase):
         # parent -> child (watching); SIGKILL the parent: the child must go.
         code = textwrap.dedent(
             """
-            import os, subprocess, sys, time
+            import os, signal, subprocess, sys
             child = subprocess.Popen([sys.executable, "-c",
                 "from shadow_vllm import parentwatch; parentwatch.start(); print('watching', flush=True);"
-                "import time; time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+                "import signal; signal.pause()"], stdout=subprocess.PIPE, text=True)
             assert child.stdout.readline().strip() == "watching"
             print(child.pid, flush=True)
-            time.sleep(600)
+            signal.pause()  # until killed
             """
         )
         env = dict(os.environ, PYTHONPATH=PYTHONPATH)
@@ -318,10 +343,7 @@ class ParentWatch(unittest.TestCase):
         self.assertTrue(_alive(child))
         parent.kill()
         parent.wait(LIMIT_S)
-        deadline = time.monotonic() + LIMIT_S
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.assertFalse(_alive(child), "the child outlived its parent")
+        wait_for("the child gone with its parent", lambda: not _alive(child))
 
     def test_start_is_once_per_process(self):
         self.assertTrue(parentwatch.start())
