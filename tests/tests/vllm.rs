@@ -162,7 +162,8 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
     let (root, mut flags) = vllm::rootfs(cd.dir(), &binds, Some(&shm)).expect("the rootfs");
     let port = free_port();
     let listen = format!("tcp:127.0.0.1:{port}");
-    // The engines' environment is the bench's.
+    // The engines' environment is the bench's: without
+    // VLLM_CPU_OMP_THREADS_BIND, which shadow-vllm sets in a pair.
     flags.extend(vllm::env_flags());
     flags.extend(["--rm".into(), "--net-host".into()]);
     let id = "vllm";
@@ -186,6 +187,20 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
     );
     let started = test_started.elapsed();
     let (_, a, s) = protected(&st).expect("protected");
+    // Both engines unbound their CPU threads by themselves (two engines
+    // bound to one core starve each other's start and exit).
+    until(
+        "both engines' log of VLLM_CPU_OMP_THREADS_BIND=nobind",
+        Duration::from_secs(30),
+        STEP,
+        || {
+            (ctr.stderr_so_far()
+                .matches(vllm::NOBIND_DEFAULT_LOG)
+                .count()
+                >= 2)
+                .then_some(())
+        },
+    );
     let baseline = [engine_shm(a).len(), engine_shm(s).len()];
     let reference = match vllm::complete(port, PROMPT, MAX_TOKENS, REQUEST_TIMEOUT) {
         Outcome::Text(t) => t,

@@ -28,7 +28,7 @@ PKG = os.path.dirname(HERE)
 GMS = os.path.join(PKG, "..", "..", "gms", "python")
 sys.path[:0] = [PKG, GMS]
 
-from shadow_vllm import parentwatch, vllm_glue  # noqa: E402
+from shadow_vllm import cli, parentwatch, vllm_glue  # noqa: E402
 from shadow_vllm.pair import MAIN_PID_VAR, Pair  # noqa: E402
 
 LIMIT_S = 30
@@ -226,6 +226,27 @@ class Refusals(unittest.TestCase):
     def test_no_contract_is_standalone(self):
         self.assertTrue(Pair().standalone)
         self.assertFalse(Pair(lock_path="/run/shadow/pair/engine.lock").standalone)
+
+
+class PairDefaults(unittest.TestCase):
+    """What shadow-vllm sets for vLLM in a pair unless the user did."""
+
+    def test_a_pair_unbinds_the_cpu_threads(self):
+        environ = {"SHADOW_LOCK_PATH": "/run/shadow/pair/engine.lock"}
+        pair = Pair(lock_path=environ["SHADOW_LOCK_PATH"])
+        self.assertEqual(cli.pair_defaults(pair, environ), {"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        self.assertEqual(environ["VLLM_CPU_OMP_THREADS_BIND"], "nobind")
+
+    def test_a_users_choice_is_kept(self):
+        for chosen in ("0-3", "auto", ""):
+            environ = {"VLLM_CPU_OMP_THREADS_BIND": chosen}
+            self.assertEqual(cli.pair_defaults(Pair(lock_path="/x"), environ), {})
+            self.assertEqual(environ, {"VLLM_CPU_OMP_THREADS_BIND": chosen})
+
+    def test_plain_vllm_serve_is_left_alone(self):
+        environ = {}
+        self.assertEqual(cli.pair_defaults(Pair(), environ), {})
+        self.assertEqual(environ, {})
 
 
 class Clock:

@@ -437,6 +437,10 @@ fn cold_arm(b: &Bench, restarts: usize, reference: &str) -> ColdArm {
         b.cd.container(Runtime::RuncV2, &format!("cold{n}"))
             .rootfs(&b.root)
             .flags(&b.ctr_flags())
+            // Alone, shadow-vllm leaves VLLM_CPU_OMP_THREADS_BIND as it
+            // is; a pair's engines run with `nobind`, its default there:
+            // given here by hand, both arms run the same engine.
+            .flags(&["--env", "VLLM_CPU_OMP_THREADS_BIND=nobind"])
             .cmd(&b.install.serve_cmd(&extra))
             .spawn(false)
             .unwrap_or_else(|e| broke(format!("ctr run (runc-v2): {e}")))
