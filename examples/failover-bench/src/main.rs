@@ -21,6 +21,7 @@
 //! last line states each arm's failover time and the cold ÷ shadow ratio.
 //! No figure is asserted.
 
+mod error;
 mod load;
 mod report;
 
@@ -29,33 +30,13 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
+use error::{Error, Result};
 use load::{Progress, Workload};
 use report::ArmRun;
 use shadow_engine::model::{generate, Model};
 use shadow_engine::promotion;
 use shadow_tests::pair::{free_port, install_binary, PairEnv};
 use shadow_tests::{Containerd, ContainerdBuilder, Runtime};
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Harness(#[from] shadow_tests::Error),
-    #[error(transparent)]
-    Engine(#[from] shadow_engine::Error),
-    #[error("{what} {path}: {source}")]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("chart {path}: {reason}")]
-    Chart { path: PathBuf, reason: String },
-    #[error("arm {arm}: {reason}")]
-    Arm { arm: String, reason: String },
-}
-
-type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Parser)]
 #[command(

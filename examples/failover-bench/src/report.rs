@@ -7,8 +7,8 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde_json::{json, Value};
 
+use crate::error::Error;
 use crate::load::{Failure, Sample};
-use crate::Error;
 use shadow_engine::promotion::{Part, Promoted};
 
 /// One arm's run: its samples and when its kills happened.
