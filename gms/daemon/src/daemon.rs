@@ -24,7 +24,8 @@
 //! the only peer that may `reset`; no engine gets `rw` once a layout is
 //! committed.
 //!
-//! This file holds what every part shares (the daemon, its state, the lock);
+//! This file holds what every part shares (the daemon, its state and its
+//! stores, the lock), and uses none of the parts, which use it;
 //! each job is a module of its own, in the order a connection meets them:
 //! - `config`: limits, timeouts, who the supervisor is;
 //! - `socket`: the socket directory and the bound socket;
@@ -42,7 +43,9 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
-use crate::backend::Backend;
+use gms::layout::Layout;
+
+use crate::backend::{Backend, Memory};
 use crate::lease::{LeaseId, Leases};
 
 mod admission;
@@ -57,8 +60,6 @@ mod store;
 
 pub use config::{Config, Limits, Supervisor, Timeouts};
 pub use listener::serve;
-
-use store::Store;
 
 pub struct Daemon {
     backend: Box<dyn Backend>,
@@ -79,6 +80,16 @@ struct Connection {
     supervisor: bool,
     /// A second handle on the socket, so shutdown can wake the thread.
     stream: UnixStream,
+}
+
+/// Allocations with their memory, plus the layout that describes them
+/// (the working and committed ones; their transitions are `store`'s).
+#[derive(Default)]
+struct Store {
+    layout: Layout,
+    memory: BTreeMap<u64, Box<dyn Memory>>,
+    /// `layout.metadata_encoded_bytes()`, kept as entries come and go.
+    metadata_encoded: usize,
 }
 
 /// Everything behind the daemon's one lock.

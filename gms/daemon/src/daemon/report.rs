@@ -5,8 +5,7 @@
 
 use gms::status::{LayoutSummary, LeaseInfo, LimitsReport, StatusReport};
 
-use super::store::Store;
-use super::{Daemon, State};
+use super::{Daemon, State, Store};
 
 impl Daemon {
     pub(super) fn report(&self, st: &State) -> StatusReport {

@@ -16,8 +16,7 @@ use gms::layout::MetadataLimits;
 use gms::protocol::{LeaseKind, Mode, Request, Response};
 use gms::{Access, Error, Result};
 
-use super::store::Store;
-use super::{Connection, Daemon, State};
+use super::{Connection, Daemon, State, Store};
 use crate::lease::LeaseId;
 
 /// An answer and the descriptors it carries.

@@ -14,23 +14,10 @@
 //! weights (docs/security.md: "Committed weights are never replaced by an
 //! engine") is read in one place.
 
-use std::collections::BTreeMap;
-
-use gms::layout::Layout;
 use gms::{Error, Result};
 
-use super::State;
-use crate::backend::Memory;
+use super::{State, Store};
 use crate::lease::LeaseId;
-
-/// Allocations with their memory, plus the layout that describes them.
-#[derive(Default)]
-pub(super) struct Store {
-    pub(super) layout: Layout,
-    pub(super) memory: BTreeMap<u64, Box<dyn Memory>>,
-    /// `layout.metadata_encoded_bytes()`, kept as entries come and go.
-    pub(super) metadata_encoded: usize,
-}
 
 /// What a commit made.
 pub(super) struct Committed {
