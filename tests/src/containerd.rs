@@ -5,7 +5,7 @@
 //! that nothing is left.
 
 use crate::ctr::Ctr;
-use crate::leftovers::{self, Leftover, Scope};
+use crate::leftovers::{self, Leftover, Scope, RUNC_STATE_ROOT};
 use crate::process::{Output, Spawned};
 use crate::rootfs::Rootfs;
 use crate::{shim_path, wait, Error, Result, Runtime, SHIM_BINARY};
@@ -15,9 +15,6 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
-
-/// Where runc-v2 (and runc-based shims) keep runc state, per namespace.
-pub const RUNC_STATE_ROOT: &str = "/run/containerd/runc";
 
 /// How long containerd may take to answer after it is started.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);

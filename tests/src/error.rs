@@ -4,6 +4,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// Result of harness operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
 /// Something the harness could not do.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

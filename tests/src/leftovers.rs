@@ -13,6 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+/// Where runc-v2 (and runc-based shims) keep runc state, per namespace.
+pub const RUNC_STATE_ROOT: &str = "/run/containerd/runc";
+
 /// Where containerd shims put their task sockets (shared by all containerds).
 pub const SHIM_SOCKET_DIR: &str = "/run/containerd/s";
 
@@ -55,7 +58,7 @@ pub(crate) fn scan(s: &Scope<'_>) -> Vec<Leftover> {
             .into_iter()
             .map(|path| Leftover::Mount { path }),
     );
-    let runc_root = Path::new(crate::containerd::RUNC_STATE_ROOT).join(s.namespace);
+    let runc_root = Path::new(RUNC_STATE_ROOT).join(s.namespace);
     found.extend(
         runc_containers(&runc_root)
             .into_iter()
