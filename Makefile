@@ -3,7 +3,7 @@
 # Every target is idempotent and works as root on a fresh Debian 12 machine:
 #   make deps        install missing Debian packages (containerd, runc, busybox-static, …)
 #   make build       build the workspace (debug: what the tests run)
-#   make lint        rustfmt --check + clippy -D warnings + the shim's layer check
+#   make lint        rustfmt --check + clippy -D warnings + the structure checks (layers, no circles)
 #   make test        deps + lint + build + every test, integration tests included
 #   make demo        SIGKILL under load: cold restart (runc-v2) vs shadow pair, table + chart
 #   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
@@ -68,13 +68,15 @@ build: check-cargo
 release: check-cargo
 	$(CARGO) build --workspace --release --bins
 
-# The last step is the shim's layer check (shim/src/layers.rs, drawn in
-# docs/shim.md): it fails on a module that uses a higher layer, or on
-# modules that use each other.
+# The last steps are the structure checks: the shim's layers
+# (shim/src/layers.rs, drawn in docs/shim.md) fail on a module that uses a
+# higher layer; layers/ (shadow-layers) fails on modules of any crate of
+# the workspace that use each other in a circle.
 lint: check-cargo
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) test -q -p shadow-shim --bin containerd-shim-shadow-v1 -- layers::
+	$(CARGO) test -q -p shadow-layers
 
 # The README's test command; .ci/run runs exactly this. Integration tests
 # start their own containerd (never the host's) and need root; so do the
