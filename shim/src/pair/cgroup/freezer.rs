@@ -1,6 +1,6 @@
 //! Pause and Resume of a pair: the freezer of the engines' own cgroups
-//! (`s0`, `s1`), never the pair's, whose gmsd leaf keeps serving (the
-//! supervisor polls its status). [`Engines`] holds those two cgroups; only
+//! (`s0` … `sN`), never the pair's, whose gmsd leaf keeps serving (the
+//! supervisor polls its status). [`Engines`] holds those cgroups; only
 //! freezing and thawing them belongs here.
 
 use std::time::{Duration, Instant};
@@ -22,19 +22,19 @@ pub struct Engines {
     pair: String,
     /// Whether the host runs cgroup v2 (the pair's cgroup says).
     v2: bool,
-    /// Each engine's cgroup path and cgroup, for every slot a pair may have
-    /// (those that do not exist are passed over).
+    /// Each engine's cgroup path and cgroup, one per slot (those that do
+    /// not exist are passed over).
     slots: Vec<(String, Cgroup)>,
 }
 
 impl Engines {
-    /// The engines' cgroups below the pair at `pair`, whose cgroup is
-    /// `v2` or not.
-    pub fn of(pair: &str, v2: bool) -> Self {
+    /// The cgroups of `slots` engine slots below the pair at `pair`, whose
+    /// cgroup is `v2` or not.
+    pub fn of(pair: &str, v2: bool, slots: usize) -> Self {
         Engines {
             pair: pair.to_string(),
             v2,
-            slots: SlotId::first(shadow_pair::MAX_SLOTS)
+            slots: SlotId::first(slots)
                 .map(|slot| {
                     let p = super::super::spec::engine_cgroup(pair, slot);
                     let cg = crate::stats::at(&p);

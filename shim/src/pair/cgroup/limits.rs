@@ -18,7 +18,7 @@ use cgroups_rs::fs::pid::PidController;
 use cgroups_rs::fs::{Cgroup, Controller, MaxValue};
 use oci_spec::runtime::{LinuxBlockIo, LinuxCpu, LinuxMemory, LinuxResources};
 
-use super::tree::{failed, LEAVES, UNIFIED_ROOT};
+use super::tree::{failed, UNIFIED_ROOT};
 use crate::error::{Error, Result};
 
 /// The pair's cgroup as its limits see it: the cgroup written, and its
@@ -26,8 +26,11 @@ use crate::error::{Error, Result};
 pub struct Limits<'a> {
     /// `cgroupsPath` of the pair (`/ns/id`).
     pub path: &'a str,
-    /// The pair's own cgroup (both engines and gmsd are below it).
+    /// The pair's own cgroup (the engines and gmsd are below it).
     pub cgroup: &'a Cgroup,
+    /// The cgroups below it, one per engine slot and gmsd's
+    /// (`tree::leaves`), whether they exist yet or not.
+    pub leaves: &'a [Cgroup],
 }
 
 impl Limits<'_> {
@@ -110,14 +113,10 @@ impl Limits<'_> {
             }
             Ok(())
         };
-        let children: Vec<Cgroup> = if self.cgroup.v2() {
+        let children: Vec<&Cgroup> = if self.cgroup.v2() {
             Vec::new()
         } else {
-            LEAVES
-                .iter()
-                .map(|s| crate::stats::at(&format!("{}/{s}", self.path)))
-                .filter(Cgroup::exists)
-                .collect()
+            self.leaves.iter().filter(|c| c.exists()).collect()
         };
         if !children.is_empty() {
             if let Some(above) = cs.path().parent() {
@@ -128,7 +127,7 @@ impl Limits<'_> {
                     }
                 }
             }
-            for child in &children {
+            for child in children {
                 if let Some(ccs) = child.controller_of::<CpuSetController>() {
                     write(ccs).map_err(|(s, e)| {
                         failed(format!("cgroup {}: setting {s}", child.path()), e)
@@ -336,6 +335,51 @@ mod tests {
         assert_eq!(weight_of_shares(262_144), 10_000);
         assert_eq!(pids_max(20), MaxValue::Value(20));
         assert_eq!(pids_max(-1), MaxValue::Max);
+    }
+
+    /// On cgroup v1 a pair's new CPUs reach every engine's cgroup of a pair
+    /// of three shadows (a child's set must stay within its parent's: the
+    /// pair's write would fail while one kept a CPU it drops); v2 has no
+    /// such rule, and the children are left alone.
+    #[test]
+    fn new_cpus_reach_every_engine_of_three_shadows() {
+        use super::super::tests::TempTree;
+        use super::super::tree::leaves;
+        for v2 in [false, true] {
+            let d = tempfile::tempdir().unwrap();
+            let tree = TempTree::new(d.path(), v2);
+            let cpus_of = |path: &str| -> std::path::PathBuf {
+                let rel = path.trim_start_matches('/');
+                if v2 {
+                    d.path().join(rel).join("cpuset.cpus")
+                } else {
+                    d.path().join("cpuset").join(rel).join("cpuset.cpus")
+                }
+            };
+            tree.make("/ns/pair");
+            std::fs::write(cpus_of("/ns"), "0-3").unwrap();
+            std::fs::write(cpus_of("/ns/pair"), "0-3").unwrap();
+            let engines = ["s0", "s1", "s2", "s3"];
+            for s in engines {
+                tree.make(&format!("/ns/pair/{s}"));
+                std::fs::write(cpus_of(&format!("/ns/pair/{s}")), "0-3").unwrap();
+            }
+            let cg = tree.at("/ns/pair");
+            let below: Vec<Cgroup> = leaves("/ns/pair", 4).iter().map(|p| tree.at(p)).collect();
+            let limits = Limits {
+                path: "/ns/pair",
+                cgroup: &cg,
+                leaves: &below,
+            };
+            let r: LinuxResources = serde_json::from_value(json!({"cpu": {"cpus": "3"}})).unwrap();
+            limits.update(&r).unwrap();
+            let read = |p: &str| std::fs::read_to_string(cpus_of(p)).unwrap();
+            assert_eq!(read("/ns/pair"), "3");
+            for s in engines {
+                let want = if v2 { "0-3" } else { "3" };
+                assert_eq!(read(&format!("/ns/pair/{s}")), want, "v2 {v2}: {s}");
+            }
+        }
     }
 
     /// A block device of this machine (`major:minor`), for throttles.

@@ -1,6 +1,7 @@
 //! The pair's cgroup: the spec's resource limits apply to the pair as a
 //! whole, so they go on a parent cgroup (the spec's `cgroupsPath`) and each
-//! engine runs in a child (`s0`, `s1`) that runc creates without limits;
+//! engine runs in a child of its slot (`s0` … `sN`) that runc creates
+//! without limits;
 //! gmsd runs in a third (`gms`). Made, limited (at Create and by Update),
 //! frozen (Pause), read for stats, watched for OOM and removed through
 //! cgroups-rs, on cgroup v1 and v2 alike. [`PairCgroup`] is what the pair
@@ -31,7 +32,13 @@ pub struct PairCgroup {
     /// `cgroupsPath` of the pair (`/ns/id`).
     pub path: String,
     cgroup: Cgroup,
-    /// The engines' cgroups below it (`s0`, `s1`), as runc makes them.
+    /// How many engine slots the pair's tree is read for: every slot a
+    /// pair may have ([`shadow_pair::MAX_SLOTS`]), so that a pair of any
+    /// `shadow.dev/shadows`, and the leftovers of a dead shim's pair, whose
+    /// count is not known, are covered; the leaves runc did not make are
+    /// passed over.
+    slots: usize,
+    /// The engines' cgroups below it (`s0` … `sN`), as runc makes them.
     engines: Engines,
 }
 
@@ -48,7 +55,7 @@ impl PairCgroup {
             .map_err(|e| failed(format!("creating pair cgroup {path}"), e))?;
         if let Some(r) = resources {
             if let Err(e) = cg.update(&r) {
-                tree::remove(&cg.path, &cg.cgroup, Duration::ZERO);
+                tree::remove(&cg.path, &cg.cgroup, cg.slots, Duration::ZERO);
                 return Err(e);
             }
         }
@@ -57,11 +64,13 @@ impl PairCgroup {
 
     /// The pair cgroup at `path` as a dead shim left it, for its removal.
     pub fn open(path: &str) -> Self {
+        let slots = shadow_pair::MAX_SLOTS;
         let cgroup = crate::stats::at(path);
-        let engines = Engines::of(path, cgroup.v2());
+        let engines = Engines::of(path, cgroup.v2(), slots);
         PairCgroup {
             path: path.to_string(),
             cgroup,
+            slots,
             engines,
         }
     }
@@ -69,9 +78,14 @@ impl PairCgroup {
     /// Apply `r` to the pair (both engines are below it). Values left out,
     /// or 0, keep what the cgroup has.
     pub fn update(&self, r: &LinuxResources) -> Result<()> {
+        let leaves: Vec<Cgroup> = tree::leaves(&self.path, self.slots)
+            .iter()
+            .map(|p| crate::stats::at(p))
+            .collect();
         Limits {
             path: &self.path,
             cgroup: &self.cgroup,
+            leaves: &leaves,
         }
         .update(r)
     }
@@ -85,8 +99,8 @@ impl PairCgroup {
         crate::oom::watch(&self.cgroup, on_oom)
     }
 
-    /// Freeze both engines (Pause): the cgroups of the engines (`s0`,
-    /// `s1`), not the pair's own, whose gmsd leaf keeps serving (the
+    /// Freeze the engines (Pause): the cgroups of the engines (`s0` …
+    /// `sN`), not the pair's own, whose gmsd leaf keeps serving (the
     /// supervisor polls its status). The freezer is hierarchical, so every
     /// process of an engine freezes. Returns once all are frozen; a freeze
     /// that does not complete is undone.
@@ -94,7 +108,7 @@ impl PairCgroup {
         self.engines.freeze().await
     }
 
-    /// Thaw both engines (Resume, or Kill of a paused pair).
+    /// Thaw the engines (Resume, or Kill of a paused pair).
     pub fn thaw(&self) -> Result<()> {
         self.engines.thaw()
     }
@@ -116,7 +130,7 @@ impl PairCgroup {
     pub async fn remove(self) {
         // cgroups-rs sleeps between its own retries: off the runtime thread.
         let _ = tokio::task::spawn_blocking(move || {
-            tree::remove(&self.path, &self.cgroup, REMOVE_WAIT)
+            tree::remove(&self.path, &self.cgroup, self.slots, REMOVE_WAIT)
         })
         .await;
     }
@@ -134,6 +148,90 @@ mod tests {
     fn a_resources_object_that_is_not_oci_is_refused() {
         let e = PairCgroup::create("/shadow-test/never", Some(&json!({"memory": 5}))).unwrap_err();
         assert!(e.to_string().contains("linux.resources"), "{e}");
+    }
+
+    /// A cgroup filesystem of plain directories under a temporary root, as
+    /// cgroup v1 lays it out (one tree per controller: pids, memory, cpuset,
+    /// freezer) or v2 (one tree): the tree's and the limits' tests run on
+    /// both layouts on any host, without root.
+    #[derive(Debug)]
+    pub(super) struct TempTree {
+        pub(super) root: std::path::PathBuf,
+        pub(super) v2: bool,
+    }
+
+    impl TempTree {
+        pub(super) fn new(dir: &Path, v2: bool) -> TempTree {
+            TempTree {
+                root: dir.to_path_buf(),
+                v2,
+            }
+        }
+
+        /// The directories of cgroup `path` (one per controller on v1).
+        pub(super) fn dirs(&self, path: &str) -> Vec<std::path::PathBuf> {
+            let rel = path.trim_start_matches('/');
+            if self.v2 {
+                vec![self.root.join(rel)]
+            } else {
+                ["pids", "memory", "cpuset", "freezer"]
+                    .iter()
+                    .map(|c| self.root.join(c).join(rel))
+                    .collect()
+            }
+        }
+
+        /// Makes cgroup `path`'s directories.
+        pub(super) fn make(&self, path: &str) {
+            for d in self.dirs(path) {
+                std::fs::create_dir_all(&d).unwrap();
+            }
+        }
+
+        /// Cgroup `path` of this tree, as `crate::stats::at` loads a real one.
+        pub(super) fn at(&self, path: &str) -> Cgroup {
+            let copy = TempTree::new(&self.root, self.v2);
+            Cgroup::load(Box::new(copy), path.trim_start_matches('/'))
+        }
+    }
+
+    impl cgroups_rs::fs::Hierarchy for TempTree {
+        fn subsystems(&self) -> Vec<cgroups_rs::fs::Subsystem> {
+            use cgroups_rs::fs::cpuset::CpuSetController;
+            use cgroups_rs::fs::freezer::FreezerController;
+            use cgroups_rs::fs::memory::MemController;
+            use cgroups_rs::fs::pid::PidController;
+            use cgroups_rs::fs::Subsystem;
+            let at = |c: &str| {
+                let d = if self.v2 {
+                    self.root.clone()
+                } else {
+                    self.root.join(c)
+                };
+                (d.clone(), d)
+            };
+            let (p, b) = at("pids");
+            let pids = Subsystem::Pid(PidController::new(p, b, self.v2));
+            let (p, b) = at("memory");
+            let mem = Subsystem::Mem(MemController::new(p, b, self.v2));
+            let (p, b) = at("cpuset");
+            let cpuset = Subsystem::CpuSet(CpuSetController::new(p, b, self.v2));
+            let (p, b) = at("freezer");
+            let freezer = Subsystem::Freezer(FreezerController::new(p, b, self.v2));
+            vec![pids, mem, cpuset, freezer]
+        }
+        fn root(&self) -> std::path::PathBuf {
+            self.root.clone()
+        }
+        fn root_control_group(&self) -> Cgroup {
+            Cgroup::default()
+        }
+        fn parent_control_group(&self, _: &str) -> Cgroup {
+            Cgroup::default()
+        }
+        fn v2(&self) -> bool {
+            self.v2
+        }
     }
 
     /// Whether the tests run as root (the real cgroup tests need it).
