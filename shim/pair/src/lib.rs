@@ -11,13 +11,15 @@
 //! failover's timeline (`promotion`) and one engine's watchdog clock
 //! (`watchdog`); then `vocabulary`, the words the
 //! shim and the pair speak ([`Event`], [`Action`], [`Slot`],
-//! [`Snapshot`]); then `pair`, [`Pair`]'s state and [`Pair::handle`], whose
+//! [`Snapshot`]); then `connections`, who is handed the connections the
+//! runtime accepts ([`Connections`]); then `pair`, [`Pair`]'s state and [`Pair::handle`], whose
 //! rules are `impl Pair` blocks in child modules, one per job (`spawn`,
 //! `election`, `death`, `down`, `hang`, and `queries` for what the shim reads),
 //! each using `pair` while `pair` only declares them; last `metrics`,
 //! which renders a snapshot. The vocabulary is re-exported through `pair`,
 //! as it always was (`shadow_pair::Event` is `pair::Event`).
 
+mod connections;
 mod failure;
 mod locks;
 pub mod metrics;
@@ -31,6 +33,7 @@ mod slot;
 mod vocabulary;
 mod watchdog;
 
+pub use connections::{ConnEvent, Connections, Recipient};
 pub use failure::{
     classify, classify_death, ColdRestartCause, Exit, FailureClass, Hang, HangCause, Hangs,
     XidClass,
