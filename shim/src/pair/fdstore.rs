@@ -80,12 +80,9 @@ pub struct Counts {
 }
 
 /// One engine as a recipient of connections: its slot and the serial of
-/// its hand-off sockets (a respawn of the slot is another recipient).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Recipient {
-    pub slot: shadow_pair::SlotId,
-    pub serial: u64,
-}
+/// its hand-off sockets (a respawn of the slot is another recipient); who
+/// it is, `shadow_pair::Connections` decides.
+pub use shadow_pair::Recipient;
 
 /// What [`FdStore::hand`] did with one accepted connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -556,6 +553,9 @@ impl Drop for FdStore {
 /// Drops the stored sockets whose peer hung up, as they do; the closes go
 /// to the closer thread. Ends when the store cannot be watched.
 pub fn watch_hangups(id: &str, store: Shared, tx: Inputs) -> Result<JoinHandle<()>> {
+    // On the connection thread, with the acceptors (`owner.rs`).
+    let conns = super::owner::handle()?;
+    let _on_conns = conns.enter();
     let fd = lock(&store)
         .epoll_fd()
         .try_clone_to_owned()
@@ -566,7 +566,7 @@ pub fn watch_hangups(id: &str, store: Shared, tx: Inputs) -> Result<JoinHandle<(
     let fd = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
         .map_err(|e| Error::io("watching the fd store's epoll", e.into()))?;
     let id = id.to_owned();
-    Ok(tokio::spawn(async move {
+    Ok(conns.spawn(async move {
         loop {
             let Ok(mut ready) = fd.readable().await else {
                 log::warn!("pair {id}: fd store: hang-ups are no longer watched");

@@ -37,6 +37,7 @@ use super::host::Host;
 use super::input::Inputs;
 use super::lock::LockSeen;
 use super::notify::{close_off_runtime, Close, NotifySocket};
+use super::owner;
 use crate::error::{Error, Result};
 
 /// The longest a fetch may take, from its connection to its last packet.
@@ -104,12 +105,16 @@ impl Fetchers {
 
 /// Serve `slot`'s fetch socket until the pair ends (the task is aborted).
 pub fn serve(slot: SlotId, sock: FetchSocket, shared: Arc<Fetchers>) -> Result<JoinHandle<()>> {
+    // Served on the connection thread (`owner.rs`): a takeover's fetch
+    // waits for nothing the supervisor does.
+    let conns = owner::handle()?;
+    let _on_conns = conns.enter();
     // SAFETY: the AsyncFd owns the listening socket (an OwnedFd) and
     // neither closes nor replaces it while registered.
     let listener = unsafe { AsyncFd::register_with_interest(sock.fd, Interest::READABLE) }
         .map_err(|e| Error::io("watching the fd store socket", e.into()))?;
     let one_at_a_time = Arc::new(Semaphore::new(1));
-    Ok(tokio::spawn(async move {
+    Ok(conns.spawn(async move {
         loop {
             let Ok(mut ready) = listener.readable().await else {
                 return;
@@ -192,14 +197,20 @@ async fn refuse(conn: OwnedFd, why: &str) {
 }
 
 /// Whether `pid` (the connecting process) may fetch for `slot`: why not.
-fn refusal(slot: SlotId, pid: Option<i32>, host: &dyn Host) -> Option<String> {
+/// The lock is proven first from the fetcher's own descriptors (no
+/// `/proc/locks` read, whose grace period the takeover would wait out),
+/// else by `/proc/locks`.
+async fn refusal(slot: SlotId, pid: Option<i32>, host: &dyn Host) -> Option<String> {
     let Some(pid) = pid.filter(|p| *p > 0) else {
         return Some("the connecting process has no pid here".into());
     };
     if host.slot_of_pid(pid as u32) != Some(slot) {
         return Some(format!("pid {pid} is not an engine of slot {slot}"));
     }
-    match host.lock().seen {
+    if host.lock_held_by(pid as u32) == Some(true) {
+        return None;
+    }
+    match host.lock().await.seen {
         LockSeen::Held(s) if s == slot => None,
         LockSeen::Held(s) => Some(format!(
             "slot {slot} does not hold the election lock (slot {s} does): only the serving engine fetches the store"
@@ -215,7 +226,7 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
     let pid = getsockopt(&conn, sockopt::PeerCredentials)
         .ok()
         .map(|c| c.pid());
-    if let Some(why) = refusal(slot, pid, shared.host.as_ref()) {
+    if let Some(why) = refusal(slot, pid, shared.host.as_ref()).await {
         shared.count(fdstore::FdStore::fetch_refused);
         log::warn!("pair {}: fd store fetch refused: {why}", shared.id);
         refuse(conn, &why).await;
@@ -223,7 +234,7 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
     }
     // The lock holder serves: new connections go to it at once.
     let who = shared.handoff.as_ref().and_then(|h| {
-        h.serve(slot);
+        h.fetch_answered(slot);
         h.recipient(slot)
     });
     // Everything sent to the notify sockets before this fetch is in the

@@ -9,10 +9,11 @@
 //! writes or waits on it, and an engine that does not read its hand-off
 //! socket only stops its own connections from coming (they wait in the
 //! store, bounded by `shadow.dev/fdstore-max`, then in the kernel's
-//! backlog). Who serves is said by the supervisor (the active engine) and
-//! by a fetch the lock holder made; an engine is handed connections only
-//! from then on, and a respawn of its slot is another engine, handed
-//! nothing until it serves. What was handed to an engine that died is the
+//! backlog). Who is handed connections is `shadow_pair::Connections`'s
+//! decision, from what it is told here: the supervisor's active engine (a
+//! `READY=1` believed), a fetch answered for the lock holder, an engine
+//! started, lost or gone; a respawn of a slot is another engine, handed
+//! nothing until it proves it holds the lock. What was handed to an engine that died is the
 //! next one's through its fetch (`FdStore::copies_for`).
 
 use std::collections::VecDeque;
@@ -24,7 +25,7 @@ use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::socket::{
     accept4, sendmsg, socketpair, AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType,
 };
-use shadow_pair::SlotId;
+use shadow_pair::{ConnEvent, Connections, SlotId};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::watch;
@@ -32,6 +33,7 @@ use tokio::task::JoinHandle;
 
 use super::fdstore::{self, Hand, Recipient, Shared};
 use super::input::Inputs;
+use super::owner;
 use crate::error::{Error, Result};
 
 /// Connections accepted in one go before the hand-offs and the rest of the
@@ -44,12 +46,27 @@ struct Ends {
     socks: Vec<Arc<AsyncFd<OwnedFd>>>,
 }
 
-/// Who is handed connections now.
+/// The hand-off sockets, and who is handed connections now (decided by
+/// `shadow_pair::Connections`, the one place that says it).
 struct Targets {
-    serving: Option<SlotId>,
+    decided: Connections,
     /// Per slot: its current engine's ends.
     ends: Vec<Option<Ends>>,
     next_serial: u64,
+}
+
+impl Targets {
+    /// Takes in `event`: whether the recipient moved.
+    fn tell(&mut self, id: &str, event: ConnEvent) -> bool {
+        let moved = self.decided.handle(event);
+        if moved {
+            match self.decided.recipient() {
+                Some(r) => log::debug!("pair {id}: connections go to slot {} ({event:?})", r.slot),
+                None => log::debug!("pair {id}: connections wait in the store ({event:?})"),
+            }
+        }
+        moved
+    }
 }
 
 /// The pair's acceptors and hand-off sockets; see the module doc.
@@ -76,7 +93,7 @@ impl Handoff {
             listeners: listening.len(),
             listening: Mutex::new(listening),
             targets: Mutex::new(Targets {
-                serving: None,
+                decided: Connections::new(),
                 ends: (0..slots).map(|_| None).collect(),
                 next_serial: 1,
             }),
@@ -96,6 +113,9 @@ impl Handoff {
     /// Starts accepting (once; the pair started), until [`Handoff::stop`];
     /// `tx` hears when the store's figures moved.
     pub fn start(self: &Arc<Self>, tx: &Inputs) -> Result<()> {
+        let conns = owner::handle()?;
+        // The listeners are watched by the connection thread's reactor.
+        let _on_conns = conns.enter();
         let listening =
             std::mem::take(&mut *self.listening.lock().unwrap_or_else(|p| p.into_inner()));
         let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
@@ -107,12 +127,7 @@ impl Handoff {
             // nor replaces it while registered.
             let listener = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
                 .map_err(|e| Error::io("watching a listening socket", e.into()))?;
-            tasks.push(tokio::spawn(accept_and_hand(
-                self.clone(),
-                index,
-                listener,
-                tx.clone(),
-            )));
+            tasks.push(conns.spawn(accept_and_hand(self.clone(), index, listener, tx.clone())));
         }
         Ok(())
     }
@@ -128,7 +143,7 @@ impl Handoff {
             t.abort();
         }
         let mut t = self.targets();
-        t.serving = None;
+        t.decided = Connections::new();
         for e in &mut t.ends {
             *e = None;
         }
@@ -139,6 +154,9 @@ impl Handoff {
     /// expect); the shim's ends replace the slot's previous engine's. The
     /// new engine serves only once it is said to.
     pub fn ends_for(&self, slot: SlotId) -> Result<Vec<OwnedFd>> {
+        let conns = owner::handle()?;
+        // Watched by the connection thread's reactor, as the acceptors.
+        let _on_conns = conns.enter();
         let mut theirs = Vec::with_capacity(self.listeners);
         let mut ours = Vec::with_capacity(self.listeners);
         for _ in 0..self.listeners {
@@ -166,72 +184,65 @@ impl Handoff {
                 serial,
                 socks: ours,
             });
-            if t.serving == Some(slot) {
-                t.serving = None;
-            }
+            t.tell(&self.id, ConnEvent::Started { slot, serial });
         }
         self.bump();
         Ok(theirs)
     }
 
-    /// `slot`'s engine serves: it is handed what was accepted from now on
-    /// (and what waits).
-    pub fn serve(&self, slot: SlotId) {
-        let moved = {
-            let mut t = self.targets();
-            let moved = t.serving != Some(slot);
-            t.serving = Some(slot);
-            moved
-        };
-        if moved {
-            log::debug!("pair {}: connections go to slot {slot}", self.id);
+    /// Tells the decision `event`; the acceptors hear when the recipient
+    /// moved.
+    fn tell(&self, event: ConnEvent) {
+        if self.targets().tell(&self.id, event) {
             self.bump();
         }
     }
 
+    /// `slot`'s engine (the one running now) was answered its fetch: it
+    /// held the lock, and is handed what was accepted from now on (and
+    /// what waits).
+    pub fn fetch_answered(&self, slot: SlotId) {
+        let engine = self.targets().decided.engine(slot);
+        if let Some(r) = engine {
+            self.tell(ConnEvent::FetchAnswered {
+                slot,
+                serial: r.serial,
+            });
+        }
+    }
+
+    /// `slot`'s engine was seen not holding the lock: it is handed
+    /// nothing more (a new proof of it makes it the recipient again).
+    pub fn lock_lost(&self, slot: SlotId) {
+        self.tell(ConnEvent::LockLost { slot });
+    }
+
     /// The supervisor's active engine went from `was` to `now`: a new one
-    /// serves; none (the active died) stops the hand-offs, unless a fetch
-    /// made another one serve meanwhile.
+    /// serves (its `READY=1` was believed); none (the active died) stops
+    /// the hand-offs to `was`, unless a fetch made another one serve
+    /// meanwhile.
     pub fn active_changed(&self, was: Option<SlotId>, now: Option<SlotId>) {
-        match now {
-            Some(slot) => self.serve(slot),
-            None => {
-                let moved = {
-                    let mut t = self.targets();
-                    let moved = t.serving.is_some() && t.serving == was;
-                    if moved {
-                        t.serving = None;
-                    }
-                    moved
-                };
-                if moved {
-                    self.bump();
-                }
-            }
+        match (now, was) {
+            (Some(slot), _) => self.tell(ConnEvent::ReadyBelieved { slot }),
+            (None, Some(was)) => self.tell(ConnEvent::NoActive { was }),
+            (None, None) => {}
         }
     }
 
     /// The engine now running in `slot`, as a recipient.
     pub fn recipient(&self, slot: SlotId) -> Option<Recipient> {
-        let t = self.targets();
-        t.ends[slot.index()].as_ref().map(|e| Recipient {
-            slot,
-            serial: e.serial,
-        })
+        self.targets().decided.engine(slot)
     }
 
     /// Whom listener `index`'s connections go to now, and through what.
     fn current(&self, index: usize) -> Option<(Recipient, Arc<AsyncFd<OwnedFd>>)> {
         let t = self.targets();
-        let slot = t.serving?;
-        let e = t.ends[slot.index()].as_ref()?;
-        Some((
-            Recipient {
-                slot,
-                serial: e.serial,
-            },
-            e.socks.get(index)?.clone(),
-        ))
+        let who = t.decided.recipient()?;
+        let e = t.ends[who.slot.index()].as_ref()?;
+        if e.serial != who.serial {
+            return None;
+        }
+        Some((who, e.socks.get(index)?.clone()))
     }
 
     /// A send to `who` failed for good: it died, and is handed no more.
@@ -241,10 +252,14 @@ impl Handoff {
             let i = who.slot.index();
             if t.ends[i].as_ref().is_some_and(|e| e.serial == who.serial) {
                 t.ends[i] = None;
-                if t.serving == Some(who.slot) {
-                    t.serving = None;
-                }
             }
+            t.tell(
+                &self.id,
+                ConnEvent::Lost {
+                    slot: who.slot,
+                    serial: who.serial,
+                },
+            );
         }
         self.bump();
     }

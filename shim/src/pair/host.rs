@@ -59,8 +59,16 @@ pub trait Host: Send + Sync + 'static {
     fn signal(&self, pid: u32, signal: Signal);
     /// The slot whose cgroup `pid` is in.
     fn slot_of_pid(&self, pid: u32) -> Option<SlotId>;
-    /// Who holds the election lock now, and who waits for it.
-    fn lock(&self) -> LockLook;
+    /// Who holds the election lock now, and who waits for it: a read of
+    /// `/proc/locks`, which waits out an RCU grace period (see
+    /// [`lock::held_by`]), so it is made off the runtime thread.
+    async fn lock(&self) -> LockLook;
+    /// Whether the process `pid` (or a child of it) is seen holding the
+    /// election lock through a descriptor of its own, without a read of
+    /// `/proc/locks` (see [`lock::held_by`]); None: this look cannot say.
+    fn lock_held_by(&self, _pid: u32) -> Option<bool> {
+        None
+    }
     /// Processes of the current engine of `slot` that the OOM killer
     /// killed, as its cgroup counts them (a respawn makes a new cgroup).
     fn oom_kills(&self, slot: SlotId) -> u64;
@@ -390,8 +398,15 @@ impl Host for Machine {
         lock::slot_of_pid(pid, &self.cgroups)
     }
 
-    fn lock(&self) -> LockLook {
-        lock::observe(self.lock_file, &self.cgroups)
+    async fn lock(&self) -> LockLook {
+        let (file, cgroups) = (self.lock_file, self.cgroups.clone());
+        tokio::task::spawn_blocking(move || lock::observe(file, &cgroups))
+            .await
+            .unwrap_or(LockLook::UNKNOWN)
+    }
+
+    fn lock_held_by(&self, pid: u32) -> Option<bool> {
+        lock::held_by(pid, self.lock_file)
     }
 
     async fn kill_rest(&self, slot: SlotId) {

@@ -28,6 +28,7 @@ pub mod made;
 pub mod netns;
 pub mod notify;
 pub mod observe;
+pub mod owner;
 pub mod probe;
 pub mod publish;
 #[cfg(test)]

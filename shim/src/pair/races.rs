@@ -219,7 +219,7 @@ impl Host for FakeHost {
         self.state().slots.get(&pid).copied()
     }
 
-    fn lock(&self) -> LockLook {
+    async fn lock(&self) -> LockLook {
         let st = self.state();
         LockLook {
             seen: st.holder.map_or(LockSeen::Free, LockSeen::Held),

@@ -60,13 +60,42 @@ impl Supervisor {
         self.refused_logged = Some((now, total));
     }
 
-    pub(super) fn poll_lock(&mut self) -> Vec<Action> {
+    /// Who holds the election lock, as a `READY=1` from `pid` of `slot`
+    /// is judged: that process (or its child) seen holding it through a
+    /// descriptor of its own, or else what `/proc/locks` says.
+    async fn lock_holder(&self, slot: SlotId, pid: u32) -> LockHolder {
+        if self.host.lock_held_by(pid) == Some(true) {
+            return LockHolder::Slot(slot);
+        }
+        self.host.lock().await.seen.holder()
+    }
+
+    /// A close of the lock file: if it was the active engine's lock going
+    /// (its process seen holding it no more, a look that needs no
+    /// `/proc/locks`), connections wait in the store for the next proven
+    /// holder rather than go to an engine that died.
+    fn lock_closed_handoff(&self) {
+        let Some(h) = self.host.handoff() else {
+            return;
+        };
+        let Some(active) = self.pair.active() else {
+            return;
+        };
+        let Some(pid) = self.pair.slot(active).pid else {
+            return;
+        };
+        if self.host.lock_held_by(pid) == Some(false) {
+            h.lock_lost(active);
+        }
+    }
+
+    pub(super) async fn poll_lock(&mut self) -> Vec<Action> {
         self.lock_polled = Instant::now();
         if self.pair.lock_watch() == LockWatch::Off {
             return Vec::new();
         }
         let now = self.clock.now();
-        let look = self.host.lock();
+        let look = self.host.lock().await;
         let mut actions = Vec::new();
         for slot in self.pair.slot_ids() {
             if look.waiting.get(slot.index()).copied().unwrap_or(false) {
@@ -188,7 +217,10 @@ impl Supervisor {
                     let event = if notification == Notification::Ready
                         && self.pair.ready_needs_proof(slot)
                     {
-                        let holder = *holder.get_or_insert_with(|| self.host.lock().seen.holder());
+                        let holder = match holder {
+                            Some(h) => h,
+                            None => *holder.insert(self.lock_holder(slot, d.pid).await),
+                        };
                         PairEvent::Ready { slot, holder }
                     } else {
                         PairEvent::Notified { slot, notification }
@@ -224,6 +256,7 @@ impl Supervisor {
                 // reading /proc/locks now would stall on the exiting
                 // engine (measured: 6-15 ms added to READY and the reap).
                 let now = self.clock.since(at);
+                self.lock_closed_handoff();
                 self.pair.handle(PairEvent::LockClosed, now)
             }
             Input::Backoff { slot } => {

@@ -315,7 +315,7 @@ impl Supervisor {
                     continue;
                 }
                 Some(input) = self.rx.recv(), if running => self.on_input(input).await,
-                _ = sleep_or_never(wake), if running => self.on_wake(),
+                _ = sleep_or_never(wake), if running => self.on_wake().await,
             };
             self.carry_out(actions).await;
             if self.phase == Phase::Running {
@@ -526,21 +526,21 @@ impl Supervisor {
 
     /// A wake without an input: the lock's poll, a hang deadline passed,
     /// a probe due (the counters and gmsd's status are the publish's).
-    fn on_wake(&mut self) -> Vec<Action> {
+    async fn on_wake(&mut self) -> Vec<Action> {
         let mut actions = Vec::new();
         if self
             .pair
             .hang_deadline()
             .is_some_and(|d| self.clock.now() > d)
         {
-            actions.extend(self.check_hangs());
+            actions.extend(self.check_hangs().await);
         }
         self.launch_probe();
         if self
             .lock_period()
             .is_some_and(|p| self.lock_polled + p <= Instant::now())
         {
-            actions.extend(self.poll_lock());
+            actions.extend(self.poll_lock().await);
         }
         actions
     }
@@ -548,7 +548,7 @@ impl Supervisor {
     /// Ends the engines that hung (the pair decides). An engine about to
     /// be ended for its start timeout may be parked without saying so: the
     /// lock is looked at first, and one seen waiting on it is parked.
-    fn check_hangs(&mut self) -> Vec<Action> {
+    async fn check_hangs(&mut self) -> Vec<Action> {
         let now = self.clock.now();
         let mut actions = Vec::new();
         let starting = self
@@ -556,7 +556,7 @@ impl Supervisor {
             .slot_ids()
             .any(|s| self.pair.slot(s).state == shadow_pair::EngineState::Starting);
         if starting {
-            let look = self.host.lock();
+            let look = self.host.lock().await;
             for slot in self.pair.slot_ids() {
                 if look.waiting.get(slot.index()).copied().unwrap_or(false) {
                     actions.extend(
