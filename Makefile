@@ -97,7 +97,7 @@ test: deps lint build vllm-env vllm-model
 DEMO_MIB ?= 256
 demo: deps check-cargo
 	$(CARGO) build -q --release -p shadow-shim -p gmsd -p shadow-engine -p failover-bench
-	$(TARGET)/release/failover-bench --mib $(DEMO_MIB) --arms cold,gms,shadow --out $(TARGET)/shadow-bench
+	$(TARGET)/release/failover-bench --mib $(DEMO_MIB) --arms cold,gms,shadow --accept runtime --out $(TARGET)/shadow-bench
 
 # The ratio at 2 GiB of weights, and 5 closely spaced kills (repeated failures).
 bench-recovery: deps check-cargo

@@ -74,7 +74,10 @@ pub struct PairConfig {
     /// Who accepts the connections of pairs whose spec has no
     /// `shadow.dev/accept`: `engine` (each engine, on the sockets it
     /// inherits) or `runtime` (the shim, which hands them to the serving
-    /// engine; needs listening sockets and an fd store).
+    /// engine: applied to the pairs with listening sockets and an fd
+    /// store, the others' engines accepting). The compiled default is
+    /// `engine`: an engine that does not read a hand-off socket (vLLM
+    /// through shadow-vllm) keeps working under a shim with no config.
     pub accept: String,
 }
 

@@ -316,10 +316,11 @@ async fn create_steps(
         }
         None => None,
     };
-    let accept = match req.accept {
-        Some(a) => a,
-        None => shadow_contract::handoff::parse(&cfg.accept)?,
-    };
+    let accept = accept_for(
+        req.accept,
+        &cfg.accept,
+        listen.is_some() && fdstore.is_some(),
+    )?;
     let accept_runtime = accept == shadow_contract::handoff::Accept::Runtime;
     if accept_runtime && (listen.is_none() || fdstore.is_none()) {
         return Err(Error::InvalidArgument(format!(
@@ -509,8 +510,46 @@ async fn create_steps(
     Ok((engines, parts))
 }
 
+/// Who accepts: the spec's word stands (and `runtime` without listening
+/// sockets or a store is refused after this); the config's default
+/// applies where it can, `runtime` only to a pair that `can_hand` (has
+/// both), the others' engines accepting (they have nothing else to do).
+fn accept_for(
+    spec: Option<shadow_contract::handoff::Accept>,
+    config: &str,
+    can_hand: bool,
+) -> Result<shadow_contract::handoff::Accept> {
+    use shadow_contract::handoff::Accept;
+    Ok(match spec {
+        Some(a) => a,
+        None => match shadow_contract::handoff::parse(config)? {
+            Accept::Runtime if !can_hand => Accept::Engine,
+            a => a,
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_configs_runtime_default_applies_to_pairs_that_can_hand_only() {
+        use shadow_contract::handoff::Accept;
+        assert_eq!(accept_for(None, "runtime", true).unwrap(), Accept::Runtime);
+        assert_eq!(accept_for(None, "runtime", false).unwrap(), Accept::Engine);
+        assert_eq!(accept_for(None, "engine", true).unwrap(), Accept::Engine);
+        // The spec's word stands, whatever the config says (a runtime
+        // that cannot hand is refused by the caller, naming what it needs).
+        assert_eq!(
+            accept_for(Some(Accept::Engine), "runtime", true).unwrap(),
+            Accept::Engine
+        );
+        assert_eq!(
+            accept_for(Some(Accept::Runtime), "engine", false).unwrap(),
+            Accept::Runtime
+        );
+        assert!(accept_for(None, "kernel", true).is_err());
+    }
+
     use super::*;
 
     #[test]
