@@ -432,3 +432,153 @@ fn accept_some(
     }
     false
 }
+
+#[cfg(test)]
+mod tests {
+    //! The acceptors and hand-offs over real sockets: a TCP listener, the
+    //! connections accepted on the connection thread and sent with
+    //! `SCM_RIGHTS` through `SOCK_SEQPACKET` socket pairs, as an engine
+    //! receives them.
+
+    use std::io::{IoSliceMut, Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::time::Duration;
+
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+
+    use super::*;
+    use crate::pair::fdstore::FdStore;
+    use crate::pair::input;
+
+    const S0: SlotId = SlotId::ZERO;
+    const S1: SlotId = SlotId::ONE;
+
+    /// One packet off an engine's (blocking) hand-off end: its name and
+    /// connection; None when nothing came within `wait`.
+    fn receive(end: &OwnedFd, wait: Duration) -> Option<(String, TcpStream)> {
+        let tv =
+            nix::sys::time::TimeVal::new(wait.as_secs() as i64, i64::from(wait.subsec_micros()));
+        nix::sys::socket::setsockopt(end, nix::sys::socket::sockopt::ReceiveTimeout, &tv)
+            .expect("SO_RCVTIMEO");
+        let mut buf = [0u8; 256];
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+        let msg = recvmsg::<()>(
+            end.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::empty(),
+        )
+        .ok()?;
+        let fd = msg.cmsgs().ok()?.find_map(|c| match c {
+            ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
+            _ => None,
+        })?;
+        let len = msg.bytes;
+        // SAFETY: SCM_RIGHTS just installed this descriptor in this
+        // process; it is owned here and nowhere else.
+        let conn = unsafe { OwnedFd::from_raw_fd(fd) };
+        let text = String::from_utf8_lossy(&buf[..len]).into_owned();
+        let name = text.strip_prefix("FDNAME=")?.trim_end().to_owned();
+        Some((name, TcpStream::from(conn)))
+    }
+
+    struct Rig {
+        h: Arc<Handoff>,
+        store: Shared,
+        addr: std::net::SocketAddr,
+        _inputs: tokio::sync::mpsc::Receiver<input::Input>,
+    }
+
+    fn rig() -> Rig {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let store: Shared = Arc::new(Mutex::new(FdStore::new(16).expect("store")));
+        let h = Handoff::new("t", store.clone(), vec![OwnedFd::from(listener)], 2);
+        let (tx, rx) = input::channel();
+        h.start(&tx).expect("start");
+        Rig {
+            h,
+            store,
+            addr,
+            _inputs: rx,
+        }
+    }
+
+    /// The client's bytes reach the handed connection, and back.
+    fn talks(client: &mut TcpStream, handed: &mut TcpStream) {
+        client.write_all(b"ping").expect("client write");
+        let mut got = [0u8; 4];
+        handed.read_exact(&mut got).expect("engine read");
+        assert_eq!(&got, b"ping");
+        handed.write_all(b"pong").expect("engine write");
+        client.read_exact(&mut got).expect("client read");
+        assert_eq!(&got, b"pong");
+    }
+
+    #[tokio::test]
+    async fn the_proven_engine_is_handed_each_connection_and_a_parked_one_nothing() {
+        let r = rig();
+        let e0 = r.h.ends_for(S0).expect("ends of slot 0").remove(0);
+        let e1 = r.h.ends_for(S1).expect("ends of slot 1").remove(0);
+        // Nobody proven yet: the connection waits in the store.
+        let mut c1 = TcpStream::connect(r.addr).expect("connect");
+        assert!(receive(&e0, Duration::from_millis(200)).is_none());
+        assert_eq!(fdstore::lock(&r.store).status().accepted, 1);
+        // Slot 0's fetch is answered: what waited is handed to it, and
+        // what comes next; slot 1, parked, gets nothing.
+        r.h.fetch_answered(S0);
+        let (name, mut h1) = receive(&e0, Duration::from_secs(10)).expect("handed");
+        assert!(name.starts_with("accepted."), "{name}");
+        talks(&mut c1, &mut h1);
+        let mut c2 = TcpStream::connect(r.addr).expect("connect");
+        let (_, mut h2) = receive(&e0, Duration::from_secs(10)).expect("handed");
+        talks(&mut c2, &mut h2);
+        assert!(receive(&e1, Duration::from_millis(100)).is_none());
+        assert_eq!(fdstore::lock(&r.store).status().handed, 2);
+        r.h.stop();
+    }
+
+    #[tokio::test]
+    async fn a_dead_engines_connections_wait_for_the_next_proven_one() {
+        let r = rig();
+        let e0 = r.h.ends_for(S0).expect("ends of slot 0").remove(0);
+        let e1 = r.h.ends_for(S1).expect("ends of slot 1").remove(0);
+        r.h.active_changed(None, Some(S0));
+        // Slot 0's engine dies (its end closes): the next send fails for
+        // good, and that connection stays in the store.
+        drop(e0);
+        let mut c = TcpStream::connect(r.addr).expect("connect");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while r.h.recipient(S0).is_some() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(r.h.recipient(S0), None, "the dead engine is lost");
+        assert!(receive(&e1, Duration::from_millis(100)).is_none());
+        // Slot 1 proves it holds the lock (its READY=1 believed): the
+        // connection that waited is its.
+        r.h.active_changed(Some(S0), Some(S1));
+        let (_, mut handed) = receive(&e1, Duration::from_secs(10)).expect("handed");
+        talks(&mut c, &mut handed);
+        r.h.stop();
+    }
+
+    #[tokio::test]
+    async fn a_lock_lost_stops_the_hand_offs_until_a_new_proof() {
+        let r = rig();
+        let e0 = r.h.ends_for(S0).expect("ends of slot 0").remove(0);
+        r.h.fetch_answered(S0);
+        r.h.lock_lost(S0);
+        let mut c = TcpStream::connect(r.addr).expect("connect");
+        assert!(receive(&e0, Duration::from_millis(200)).is_none());
+        // A respawn of slot 0 is another engine: the old one's proof is
+        // not its; its own READY is.
+        let fresh = r.h.ends_for(S0).expect("fresh ends").remove(0);
+        r.h.active_changed(None, Some(S0));
+        let (_, mut handed) = receive(&fresh, Duration::from_secs(10)).expect("handed");
+        talks(&mut c, &mut handed);
+        assert!(receive(&e0, Duration::from_millis(50)).is_none());
+        r.h.stop();
+    }
+}
