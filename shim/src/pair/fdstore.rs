@@ -572,16 +572,12 @@ pub fn watch_hangups(id: &str, store: Shared, tx: Inputs) -> Result<JoinHandle<(
                 log::warn!("pair {id}: fd store: hang-ups are no longer watched");
                 return;
             };
-            let (gone, first) = {
-                let mut st = lock(&store);
+            let gone = update(&store, &tx, |st| {
                 let gone = st.hung_up();
-                let first = !gone.is_empty() && st.touch();
-                (gone, first)
-            };
+                let moved = !gone.is_empty();
+                (gone, moved)
+            });
             ready.clear_ready();
-            if first {
-                nudge(&tx);
-            }
             if !gone.is_empty() {
                 log::debug!("pair {id}: fd store: {} hung up", gone.len());
                 close_off_runtime(gone, Close::Release).await;
@@ -592,8 +588,24 @@ pub fn watch_hangups(id: &str, store: Shared, tx: Inputs) -> Result<JoinHandle<(
 
 /// Tells the supervisor the store's figures moved (it republishes within
 /// `publish::COUNTERS_EVERY`); a full queue has it busy anyway.
-pub fn nudge(tx: &Inputs) {
-    let _ = tx.try_send(Input::NotifyDropped);
+fn nudge(tx: &Inputs) {
+    let _ = tx.try_send(Input::StoreMoved);
+}
+
+/// Updates the store under its lock, `f` saying whether its figures
+/// moved; the supervisor hears of the first move since they were written
+/// ([`Input::StoreMoved`]), after the lock is let go. The one place of
+/// the lock, touch and nudge sequence.
+pub fn update<R>(store: &Shared, tx: &Inputs, f: impl FnOnce(&mut FdStore) -> (R, bool)) -> R {
+    let (out, first) = {
+        let mut st = lock(store);
+        let (out, moved) = f(&mut st);
+        (out, moved && st.touch())
+    };
+    if first {
+        nudge(tx);
+    }
+    out
 }
 
 #[cfg(test)]

@@ -92,14 +92,7 @@ pub struct Fetchers {
 
 impl Fetchers {
     fn count(&self, f: impl FnOnce(&mut fdstore::FdStore)) {
-        let first = {
-            let mut st = fdstore::lock(&self.store);
-            f(&mut st);
-            st.touch()
-        };
-        if first {
-            fdstore::nudge(&self.tx);
-        }
+        fdstore::update(&self.store, &self.tx, |st| (f(st), true));
     }
 }
 

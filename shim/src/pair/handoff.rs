@@ -274,25 +274,18 @@ impl Handoff {
     ) -> Option<Arc<AsyncFd<OwnedFd>>> {
         while let Some(&token) = waiting.front() {
             let (who, sock) = self.current(index)?;
-            let sent = {
-                let mut st = fdstore::lock(&self.store);
+            let sent = fdstore::update(&self.store, tx, |st| {
                 let out = st.hand(token, who, |name, conn| {
                     send(sock.get_ref().as_fd(), name, conn)
                 });
-                (out, matches!(out, Hand::Sent) && st.touch())
-            };
+                (out, matches!(out, Hand::Sent))
+            });
             match sent {
-                (Hand::Sent, first) => {
-                    waiting.pop_front();
-                    if first {
-                        fdstore::nudge(tx);
-                    }
-                }
-                (Hand::Gone, _) => {
+                Hand::Sent | Hand::Gone => {
                     waiting.pop_front();
                 }
-                (Hand::Full, _) => return Some(sock),
-                (Hand::Failed(e), _) => {
+                Hand::Full => return Some(sock),
+                Hand::Failed(e) => {
                     log::warn!(
                         "pair {}: handing a connection to slot {}'s engine: {e}: it stays in the store for the next takeover",
                         self.id,
@@ -300,7 +293,7 @@ impl Handoff {
                     );
                     waiting.pop_front();
                 }
-                (Hand::Lost(e), _) => {
+                Hand::Lost(e) => {
                     log::info!(
                         "pair {}: the hand-off socket of slot {}'s engine: {e}: it is handed no more",
                         self.id,
@@ -398,11 +391,19 @@ fn accept_some(
     waiting: &mut VecDeque<u64>,
     tx: &Inputs,
 ) -> bool {
+    /// One accept's outcome, under the store's lock.
+    enum Took {
+        Kept(u64),
+        /// The store is full (no accept made).
+        Full,
+        /// The listener has none left, or failed: this round ends.
+        Spent,
+        Again,
+    }
     for _ in 0..ACCEPT_BATCH {
-        let (kept, first) = {
-            let mut st = fdstore::lock(&h.store);
+        let took = fdstore::update(&h.store, tx, |st| {
             if !st.has_room() {
-                return false;
+                return (Took::Full, false);
             }
             // Blocking and close-on-exec: the engine that is handed it
             // gets the connection as its own accept would have made it.
@@ -410,24 +411,28 @@ fn accept_some(
                 // SAFETY: accept4 just returned this descriptor; it is
                 // owned here and nowhere else.
                 Ok(raw) => unsafe { OwnedFd::from_raw_fd(raw) },
-                Err(nix::errno::Errno::EAGAIN) => return true,
-                Err(nix::errno::Errno::EINTR | nix::errno::Errno::ECONNABORTED) => continue,
+                Err(nix::errno::Errno::EAGAIN) => return (Took::Spent, false),
+                Err(nix::errno::Errno::EINTR | nix::errno::Errno::ECONNABORTED) => {
+                    return (Took::Again, false)
+                }
                 // Out of descriptors, or memory: this round ends; the
                 // next readiness tries again.
                 Err(e) => {
                     log::warn!("pair {}: accept on listening socket {index}: {e}", h.id);
-                    return true;
+                    return (Took::Spent, false);
                 }
             };
-            (st.accept(index, conn), st.touch())
-        };
-        match kept {
-            Ok(token) => waiting.push_back(token),
-            // Room was there under the same lock.
-            Err(_) => return false,
-        }
-        if first {
-            fdstore::nudge(tx);
+            match st.accept(index, conn) {
+                Ok(token) => (Took::Kept(token), true),
+                // Room was there under the same lock.
+                Err(_) => (Took::Full, false),
+            }
+        });
+        match took {
+            Took::Kept(token) => waiting.push_back(token),
+            Took::Again => continue,
+            Took::Full => return false,
+            Took::Spent => return true,
         }
     }
     false

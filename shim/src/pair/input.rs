@@ -46,6 +46,10 @@ pub enum Input {
     /// The notify socket dropped a datagram, the first since its counts
     /// were last written (the metrics file is due an update).
     NotifyDropped,
+    /// The fd store's figures moved, the first time since they were last
+    /// written (stored, handed, fetched, hung up …: the metrics file is
+    /// due an update, at most once a `publish::COUNTERS_EVERY`).
+    StoreMoved,
     /// Slot `slot`'s notify reader stopped reading a flood for a while
     /// (`stalled`), or reads again.
     NotifyStalled {

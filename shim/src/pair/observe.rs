@@ -116,14 +116,8 @@ pub fn notify(
                 Received::Store(d, fds) => match &store {
                     Some(store) => match gate.admit_store(d.pid, at, store_slot_of) {
                         Ok(_) => {
-                            let (out, first) = {
-                                let mut st = fdstore::lock(store);
-                                let out = st.store(&d.bytes, fds);
-                                (out, st.touch())
-                            };
-                            if first {
-                                fdstore::nudge(&tx);
-                            }
+                            let out =
+                                fdstore::update(store, &tx, |st| (st.store(&d.bytes, fds), true));
                             if let Some(why) = out.why {
                                 log::debug!(
                                     "pair {id}: fd store kept {} of the descriptors slot {slot} sent, not the others: {why:?}",
@@ -153,16 +147,12 @@ pub fn notify(
                 Received::Datagram(d) if store.is_some() && d.lines.remove => {
                     match gate.admit_store(d.pid, at, store_slot_of) {
                         Ok(_) => {
-                            let (gone, first) = match &store {
+                            let gone = match &store {
                                 Some(s) => {
-                                    let mut st = fdstore::lock(s);
-                                    (st.remove(&d.bytes), st.touch())
+                                    fdstore::update(s, &tx, |st| (st.remove(&d.bytes), true))
                                 }
-                                None => (Vec::new(), false),
+                                None => Vec::new(),
                             };
-                            if first {
-                                fdstore::nudge(&tx);
-                            }
                             close_off_runtime(gone, Close::Release).await;
                             Ok(())
                         }

@@ -234,7 +234,7 @@ impl Supervisor {
                 actions
             }
             // Written by the `publish` that follows this input, or when due.
-            Input::NotifyDropped => Vec::new(),
+            Input::NotifyDropped | Input::StoreMoved => Vec::new(),
             Input::NotifyStalled { slot, stalled } => {
                 if stalled {
                     // The gate logs the flood itself (every LOG_EVERY).
