@@ -287,3 +287,215 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
     mine.push(conn.into_inner());
     close_off_runtime(mine, Close::Release).await;
 }
+
+#[cfg(test)]
+mod tests {
+    //! A fetch over a real socket: the fetch socket bound in a temp dir,
+    //! the fetcher connecting as an engine does, the descriptors received
+    //! with `SCM_RIGHTS`; a fake machine says who holds the lock.
+
+    use std::io::IoSliceMut;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+    use std::sync::Mutex;
+
+    use async_trait::async_trait;
+    use nix::sys::signal::Signal;
+    use nix::sys::socket::{connect, recvmsg, ControlMessageOwned};
+
+    use super::*;
+    use crate::pair::fdstore::FdStore;
+    use crate::pair::host::ReapFuture;
+    use crate::pair::input;
+    use crate::pair::lock::LockLook;
+
+    const S0: SlotId = SlotId::ZERO;
+    const S1: SlotId = SlotId::ONE;
+
+    /// This process is the engine of slot 0; `holder` holds the lock, as
+    /// its fdinfo (`fast`) or `/proc/locks` would say.
+    struct Machine {
+        holder: LockSeen,
+        fast: Option<bool>,
+        looks: Mutex<u32>,
+    }
+
+    #[async_trait]
+    impl Host for Machine {
+        async fn create(&self, _slot: SlotId) -> Result<u32> {
+            Ok(0)
+        }
+        async fn spawn(&self, _slot: SlotId) -> Result<u32> {
+            Ok(0)
+        }
+        async fn end_created(&self, _slot: SlotId) {}
+        async fn remove(&self, _slot: SlotId) {}
+        async fn ps(&self, _slot: SlotId) -> Result<Vec<u32>> {
+            Ok(Vec::new())
+        }
+        fn reaped(&self, _pid: u32) -> ReapFuture {
+            Box::pin(std::future::pending())
+        }
+        fn signal(&self, _pid: u32, _signal: Signal) {}
+        fn slot_of_pid(&self, pid: u32) -> Option<SlotId> {
+            (pid == std::process::id()).then_some(S0)
+        }
+        async fn lock(&self) -> LockLook {
+            *self.looks.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+            LockLook {
+                seen: self.holder,
+                ..LockLook::UNKNOWN
+            }
+        }
+        fn lock_held_by(&self, _pid: u32) -> Option<bool> {
+            self.fast
+        }
+        fn oom_kills(&self, _slot: SlotId) -> u64 {
+            0
+        }
+        async fn kill_rest(&self, _slot: SlotId) {}
+        fn kill_engine(&self, _slot: SlotId, _pid: Option<u32>) {}
+        fn close_listen(&self) {}
+    }
+
+    /// Every packet of one fetch: its text and descriptors, to the end.
+    fn fetch(path: &Path) -> Vec<(String, Vec<OwnedFd>)> {
+        let sock = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        connect(sock.as_raw_fd(), &UnixAddr::new(path).expect("address")).expect("connect");
+        let tv = nix::sys::time::TimeVal::new(10, 0);
+        nix::sys::socket::setsockopt(&sock, sockopt::ReceiveTimeout, &tv).expect("timeout");
+        let mut packets = Vec::new();
+        loop {
+            let mut buf = [0u8; 1024];
+            let mut iov = [IoSliceMut::new(&mut buf)];
+            let mut space = nix::cmsg_space!([RawFd; FDS_PER_PACKET]);
+            let msg = recvmsg::<()>(
+                sock.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::empty(),
+            )
+            .expect("recvmsg");
+            if msg.bytes == 0 {
+                return packets;
+            }
+            let mut fds = Vec::new();
+            for c in msg.cmsgs().expect("cmsgs") {
+                if let ControlMessageOwned::ScmRights(got) = c {
+                    // SAFETY: SCM_RIGHTS just installed these descriptors
+                    // in this process; each is owned here only.
+                    fds.extend(
+                        got.into_iter()
+                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                    );
+                }
+            }
+            let bytes = msg.bytes;
+            let text = String::from_utf8_lossy(&buf[..bytes]).into_owned();
+            let last = text.starts_with("END=") || text.starts_with("ERROR=");
+            packets.push((text, fds));
+            if last {
+                return packets;
+            }
+        }
+    }
+
+    fn memfd(name: &str) -> OwnedFd {
+        nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC).expect("memfd")
+    }
+
+    /// The fetch socket of slot 0 served; what the test keeps alive.
+    struct Served {
+        _dir: tempfile::TempDir,
+        path: std::path::PathBuf,
+        host: Arc<Machine>,
+        _inputs: tokio::sync::mpsc::Receiver<input::Input>,
+    }
+
+    async fn serving(host: Machine) -> Served {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("fdstore.sock");
+        let store: Shared = Arc::new(std::sync::Mutex::new(FdStore::new(16).expect("store")));
+        {
+            let mut st = fdstore::lock(&store);
+            st.store(b"FDSTORE=1\nFDNAME=a\n", vec![memfd("a")]);
+            st.store(b"FDSTORE=1\nFDNAME=b\n", vec![memfd("b")]);
+        }
+        let host = Arc::new(host);
+        let (tx, rx) = input::channel();
+        let shared = Arc::new(Fetchers {
+            id: "t".into(),
+            store,
+            host: host.clone(),
+            notify: Vec::new(),
+            tx,
+            handoff: None,
+        });
+        serve(S0, FetchSocket::bind(&path).expect("bind"), shared).expect("serve");
+        Served {
+            _dir: dir,
+            path,
+            host,
+            _inputs: rx,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_lock_holder_fetches_everything_without_a_proc_locks_read() {
+        let Served { path, host, .. } = &serving(Machine {
+            holder: LockSeen::Held(S0),
+            fast: Some(true),
+            looks: Mutex::new(0),
+        })
+        .await;
+        let path = path.clone();
+        let packets = tokio::task::spawn_blocking(move || fetch(&path))
+            .await
+            .expect("fetcher");
+        let (names, fds): (Vec<_>, Vec<_>) = packets.into_iter().unzip();
+        assert_eq!(names, ["FDNAMES=a:b\n", "END=2\n"]);
+        assert_eq!(fds.iter().map(Vec::len).collect::<Vec<_>>(), [2, 0]);
+        assert_eq!(*host.looks.lock().unwrap_or_else(|p| p.into_inner()), 0);
+    }
+
+    #[tokio::test]
+    async fn proc_locks_proves_what_the_descriptors_cannot_and_refuses_a_non_holder() {
+        let Served { path, host, .. } = &serving(Machine {
+            holder: LockSeen::Held(S0),
+            fast: None,
+            looks: Mutex::new(0),
+        })
+        .await;
+        let path = path.clone();
+        let packets = tokio::task::spawn_blocking(move || fetch(&path))
+            .await
+            .expect("fetcher");
+        assert_eq!(packets.last().map(|p| p.0.as_str()), Some("END=2\n"));
+        assert_eq!(*host.looks.lock().unwrap_or_else(|p| p.into_inner()), 1);
+
+        let refusing = serving(Machine {
+            holder: LockSeen::Held(S1),
+            fast: Some(false),
+            looks: Mutex::new(0),
+        })
+        .await;
+        let path = refusing.path.clone();
+        let packets = tokio::task::spawn_blocking(move || fetch(&path))
+            .await
+            .expect("fetcher");
+        assert_eq!(packets.len(), 1);
+        assert!(
+            packets[0]
+                .0
+                .starts_with("ERROR=slot 0 does not hold the election lock (slot 1 does)"),
+            "{:?}",
+            packets[0].0
+        );
+        assert!(packets[0].1.is_empty(), "nothing handed to a non-holder");
+    }
+}
