@@ -32,7 +32,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::fdstore::{self, Shared};
-use super::handoff::Handoff;
+use super::handoff::Handing;
 use super::host::Host;
 use super::input::Inputs;
 use super::lock::LockSeen;
@@ -87,7 +87,7 @@ pub struct Fetchers {
     pub tx: Inputs,
     /// With `shadow.dev/accept: runtime`: the fetcher serves from now on,
     /// and is not given again what it was handed.
-    pub handoff: Option<Arc<Handoff>>,
+    pub handoff: Option<Arc<dyn Handing>>,
 }
 
 impl Fetchers {

@@ -69,6 +69,40 @@ impl Targets {
     }
 }
 
+/// What the supervisor and the fetch servers tell the hand-offs: a trait,
+/// so that the supervisor's race tests stand a fake in for [`Handoff`].
+pub trait Handing: Send + Sync {
+    /// Starts accepting (once; the pair started); `tx` hears when the
+    /// store's figures moved.
+    fn start(self: Arc<Self>, tx: &Inputs) -> Result<()>;
+    /// `slot`'s engine (the one running now) was answered its fetch.
+    fn fetch_answered(&self, slot: SlotId);
+    /// The engine now running in `slot`, as a recipient.
+    fn recipient(&self, slot: SlotId) -> Option<Recipient>;
+    /// The supervisor's active engine went from `was` to `now`.
+    fn active_changed(&self, was: Option<SlotId>, now: Option<SlotId>);
+    /// `slot`'s engine was seen not holding the lock.
+    fn lock_lost(&self, slot: SlotId);
+}
+
+impl Handing for Handoff {
+    fn start(self: Arc<Self>, tx: &Inputs) -> Result<()> {
+        Handoff::start(&self, tx)
+    }
+    fn fetch_answered(&self, slot: SlotId) {
+        Handoff::fetch_answered(self, slot)
+    }
+    fn recipient(&self, slot: SlotId) -> Option<Recipient> {
+        Handoff::recipient(self, slot)
+    }
+    fn active_changed(&self, was: Option<SlotId>, now: Option<SlotId>) {
+        Handoff::active_changed(self, was, now)
+    }
+    fn lock_lost(&self, slot: SlotId) {
+        Handoff::lock_lost(self, slot)
+    }
+}
+
 /// The pair's acceptors and hand-off sockets; see the module doc.
 pub struct Handoff {
     id: String,
@@ -502,7 +536,7 @@ mod tests {
         let store: Shared = Arc::new(Mutex::new(FdStore::new(16).expect("store")));
         let h = Handoff::new("t", store.clone(), vec![OwnedFd::from(listener)], 2);
         let (tx, rx) = input::channel();
-        h.start(&tx).expect("start");
+        Handoff::start(&h, &tx).expect("start");
         Rig {
             h,
             store,

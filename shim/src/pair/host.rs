@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use super::engine::{create_engine, run_engine, EngineSlot, SharedOutput};
 use super::fdstore;
-use super::handoff::Handoff;
+use super::handoff::{Handing, Handoff};
 use super::listen::ListenSockets;
 use super::lock::{self, LockLook};
 use super::notify::{close_off_runtime, release_now, Close};
@@ -84,7 +84,7 @@ pub trait Host: Send + Sync + 'static {
     fn close_listen(&self);
     /// The runtime's acceptors and hand-off sockets
     /// (`shadow.dev/accept: runtime`), if the pair has them.
-    fn handoff(&self) -> Option<Arc<Handoff>> {
+    fn handoff(&self) -> Option<Arc<dyn Handing>> {
         None
     }
 }
@@ -460,8 +460,8 @@ impl Host for Machine {
         drop(self.listen.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
-    fn handoff(&self) -> Option<Arc<Handoff>> {
-        self.handoff.clone()
+    fn handoff(&self) -> Option<Arc<dyn Handing>> {
+        self.handoff.clone().map(|h| h as Arc<dyn Handing>)
     }
 }
 

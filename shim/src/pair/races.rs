@@ -14,13 +14,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use nix::sys::signal::Signal;
 use shadow_contract::state::{DeathSign, EngineState, Exit as FileExit, PairState};
-use shadow_pair::SlotId;
+use shadow_pair::{ConnEvent, Connections, Recipient, SlotId};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::command::{Command, Reply};
 use super::config::PairConfig;
 use super::engine::SharedOutput;
+use super::handoff::Handing;
 use super::host::{Host, ReapFuture, Reaped};
 use super::input::Input;
 use super::lock::{LockLook, LockSeen};
@@ -79,7 +80,58 @@ struct FakeState {
 }
 
 #[derive(Default)]
-struct FakeHost(Mutex<FakeState>);
+struct FakeHost(Mutex<FakeState>, Arc<FakeHanding>);
+
+/// The hand-offs as the supervisor and a fetch tell them, carried out by
+/// the real decision (`shadow_pair::Connections`); each engine's serial is
+/// its pid.
+#[derive(Default)]
+struct FakeHanding(Mutex<Connections>);
+
+impl FakeHanding {
+    fn tell(&self, event: ConnEvent) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .handle(event);
+    }
+
+    /// Who connections go to now.
+    fn to(&self) -> Option<SlotId> {
+        let c = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        c.recipient().map(|r| r.slot)
+    }
+}
+
+impl Handing for FakeHanding {
+    fn start(self: Arc<Self>, _tx: &super::input::Inputs) -> Result<()> {
+        Ok(())
+    }
+    fn fetch_answered(&self, slot: SlotId) {
+        if let Some(r) = self.recipient(slot) {
+            self.tell(ConnEvent::FetchAnswered {
+                slot,
+                serial: r.serial,
+            });
+        }
+    }
+    fn recipient(&self, slot: SlotId) -> Option<Recipient> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .engine(slot)
+    }
+    fn active_changed(&self, was: Option<SlotId>, now: Option<SlotId>) {
+        match (now, was) {
+            (Some(slot), _) => self.tell(ConnEvent::ReadyBelieved { slot }),
+            (None, Some(was)) => self.tell(ConnEvent::NoActive { was }),
+            (None, None) => {}
+        }
+    }
+    fn lock_lost(&self, slot: SlotId) {
+        self.tell(ConnEvent::LockLost { slot });
+    }
+}
 
 impl FakeHost {
     fn state(&self) -> std::sync::MutexGuard<'_, FakeState> {
@@ -91,6 +143,10 @@ impl FakeHost {
         st.next_pid += 1;
         let pid = 100 * (slot.index() as u32 + 1) + st.next_pid;
         st.slots.insert(pid, slot);
+        self.1.tell(ConnEvent::Started {
+            slot,
+            serial: u64::from(pid),
+        });
         pid
     }
 
@@ -225,6 +281,15 @@ impl Host for FakeHost {
             seen: st.holder.map_or(LockSeen::Free, LockSeen::Held),
             waiting: st.lock_waiters,
         }
+    }
+
+    fn lock_held_by(&self, pid: u32) -> Option<bool> {
+        let st = self.state();
+        Some(st.holder.is_some() && st.holder == st.slots.get(&pid).copied())
+    }
+
+    fn handoff(&self) -> Option<Arc<dyn Handing>> {
+        Some(self.1.clone())
     }
 
     fn close_listen(&self) {
@@ -851,4 +916,55 @@ async fn pings_every_few_ms_never_put_the_lock_poll_off() {
         }
     }
     assert!(protected, "{:#?}", rig.state());
+}
+
+#[tokio::test(start_paused = true)]
+async fn connections_move_at_the_new_holders_fetch_and_the_old_ones_late_news_takes_nothing() {
+    let rig = Rig::serving().await;
+    let [old, shadow] = rig.pids();
+    let conns = rig.host.1.clone();
+    // Accepted connections go to the active engine (its READY believed).
+    within(|| (conns.to() == Some(S0)).then_some(())).await;
+    assert_eq!(conns.to(), Some(S0));
+    // It dies; its lock file closes, and its pid is seen holding nothing:
+    // connections wait in the store from then on.
+    let died = Instant::now();
+    rig.host.state().holder = None;
+    let _ = rig.handle.input.try_send(Input::LockClosed(died));
+    within(|| conns.to().is_none().then_some(())).await;
+    assert_eq!(conns.to(), None, "no hand-off into a dead engine");
+    // The shadow takes the lock and its fetch is answered before the
+    // supervisor hears of anything: they are its at once.
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    rig.host.state().holder = Some(S1);
+    conns.fetch_answered(S1);
+    assert_eq!(conns.to(), Some(S1));
+    // Its READY=1, then the old engine's reap, late: nothing moves.
+    rig.ready(shadow);
+    rig.host.reap(old, 137, died);
+    rig.until("promotion", |s| s.pair.failovers == 1).await;
+    assert_eq!(conns.to(), Some(S1));
+    // The respawn of slot 0 is handed nothing: it has proven nothing.
+    within(|| (rig.pids()[0] != old && rig.pids()[0] != 0).then_some(())).await;
+    assert_eq!(conns.to(), Some(S1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_ready_before_the_fetch_moves_connections_and_a_respawn_is_handed_nothing() {
+    let rig = Rig::serving().await;
+    let [old, shadow] = rig.pids();
+    let conns = rig.host.1.clone();
+    within(|| (conns.to() == Some(S0)).then_some(())).await;
+    // SIGKILL: the READY=1 of the shadow comes first (no lock close seen).
+    let died = Instant::now();
+    rig.ready(shadow);
+    within(|| (conns.to() == Some(S1)).then_some(())).await;
+    assert_eq!(conns.to(), Some(S1));
+    rig.host.reap(old, 137, died);
+    rig.until("promotion", |s| s.pair.failovers == 1).await;
+    // Slot 0 respawns: another engine (its own serial), handed nothing.
+    within(|| (rig.pids()[0] != old && rig.pids()[0] != 0).then_some(())).await;
+    let fresh = conns.recipient(S0).expect("the respawn's ends");
+    assert_eq!(fresh.serial, u64::from(rig.pids()[0]));
+    assert_eq!(conns.to(), Some(S1));
 }
