@@ -31,7 +31,8 @@ use tokio::io::Interest;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::fdstore::{self, Hand, Recipient, Shared};
+use super::fdstore::accepted::Hand;
+use super::fdstore::{self, Recipient, Shared};
 use super::input::Inputs;
 use super::owner;
 use crate::error::{Error, Result};

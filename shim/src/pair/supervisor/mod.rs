@@ -377,7 +377,7 @@ impl Supervisor {
         fetch: Vec<FetchSocket>,
         notify: Vec<Arc<NotifySocket>>,
     ) {
-        match fdstore::watch_hangups(&self.id, store.clone(), self.tx.clone()) {
+        match fdstore::hangups::watch_hangups(&self.id, store.clone(), self.tx.clone()) {
             Ok(task) => self.observers.push(task),
             Err(e) => log::warn!("pair {}: fd store hang-ups not watched: {e}", self.id),
         }

@@ -12,8 +12,13 @@
 //! data arriving for an engine never wakes the shim) and drops those, as
 //! systemd does unless `FDPOLL=0`; and every close happens on the closer
 //! thread, since the last close of a socket can block. Its own copies are
-//! closed plainly ([`Close::Release`]): a connection whose engine closed it
+//! closed plainly (`Close::Release`): a connection whose engine closed it
 //! first must still send what that engine wrote.
+//!
+//! By job: this module is the store as systemd's protocol has it (store,
+//! remove, bound, names, copies for a start or a fetch, figures);
+//! `accepted` keeps the connections the runtime accepts and whom each was
+//! handed to; `hangups` is the task that drops what hung up.
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -23,13 +28,13 @@ use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTime
 use serde::Serialize;
 use shadow_contract::fdstore::{name_is_valid, DEFAULT_NAME};
 use shadow_contract::state::FdStoreStatus;
-use tokio::io::unix::AsyncFd;
-use tokio::io::Interest;
-use tokio::task::JoinHandle;
 
 use super::input::{Input, Inputs};
-use super::notify::{close_off_runtime, release_now, Close};
+use super::notify::release_now;
 use crate::error::{Error, Result};
+
+pub mod accepted;
+pub mod hangups;
 
 /// Why descriptors sent to the store were not kept (each is counted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -83,22 +88,6 @@ pub struct Counts {
 /// its hand-off sockets (a respawn of the slot is another recipient); who
 /// it is, `shadow_pair::Connections` decides.
 pub use shadow_pair::Recipient;
-
-/// What [`FdStore::hand`] did with one accepted connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Hand {
-    /// Sent to the recipient.
-    Sent,
-    /// Gone from the store, or someone's already: nothing to send.
-    Gone,
-    /// The recipient's socket has no room now.
-    Full,
-    /// The recipient's socket failed (the engine died): it gets no more.
-    Lost(nix::errno::Errno),
-    /// This one send failed otherwise (out of memory): the connection stays
-    /// in the store, to no one, and the next engine's fetch has it.
-    Failed(nix::errno::Errno),
-}
 
 /// One stored descriptor.
 #[derive(Debug)]
@@ -406,113 +395,6 @@ impl FdStore {
         self.room.clone()
     }
 
-    /// Keeps `conn`, a connection the runtime accepted on listener
-    /// `index`, under a name of its own (`accepted.<index>.<token>`): its
-    /// token, or the connection back when the store is full. It is watched
-    /// for nothing until an engine has it ([`FdStore::hand`]).
-    pub fn accept(&mut self, index: usize, conn: OwnedFd) -> std::result::Result<u64, OwnedFd> {
-        if !self.has_room() {
-            return Err(conn);
-        }
-        let token = self.next_token;
-        self.next_token += 1;
-        let name = shadow_contract::handoff::accepted_name(index, token);
-        // An engine may have stored under this name already (a guess of
-        // the next token): its descriptors stay with it, under one name.
-        self.by_name.entry(name.clone()).or_default().push(token);
-        self.accepted.insert(name.clone(), None);
-        self.entries.insert(
-            token,
-            Entry {
-                name,
-                fd: conn,
-                polled: false,
-            },
-        );
-        self.counts.stored += 1;
-        self.counts.accepted += 1;
-        Ok(token)
-    }
-
-    /// Hands the accepted connection of `token` to `who` through `send`
-    /// (given its name and descriptor; it must not block), unless it left
-    /// the store or is someone's already.
-    pub fn hand(
-        &mut self,
-        token: u64,
-        who: Recipient,
-        send: impl FnOnce(&str, BorrowedFd<'_>) -> nix::Result<()>,
-    ) -> Hand {
-        let Some(e) = self.entries.get(&token) else {
-            return Hand::Gone;
-        };
-        if !matches!(self.accepted.get(&e.name), Some(None)) {
-            return Hand::Gone;
-        }
-        match send(&e.name, e.fd.as_fd()) {
-            Ok(()) => {
-                let name = e.name.clone();
-                self.mark_handed(&name, who);
-                self.counts.handed += 1;
-                Hand::Sent
-            }
-            Err(nix::errno::Errno::EAGAIN) => Hand::Full,
-            Err(
-                e @ (nix::errno::Errno::EPIPE
-                | nix::errno::Errno::ECONNRESET
-                | nix::errno::Errno::ENOTCONN
-                | nix::errno::Errno::ECONNREFUSED),
-            ) => Hand::Lost(e),
-            Err(e) => Hand::Failed(e),
-        }
-    }
-
-    /// `name` (an accepted connection) is `who`'s now.
-    fn mark_handed(&mut self, name: &str, who: Recipient) {
-        if let Some(slot) = self.accepted.get_mut(name) {
-            *slot = Some(who);
-        }
-    }
-
-    /// The store is full: every connection handed to an engine is watched
-    /// from now on for its client closing its side (`EPOLLRDHUP`), and let
-    /// go when it does, so that an engine that never removes what it was
-    /// handed cannot keep the store full. Not done before: a watch costs
-    /// two `epoll_ctl` and a wake-up per connection, and an engine that
-    /// removes each one itself never needs it. One handed to nobody yet
-    /// is not watched (its request is still to be answered).
-    pub fn watch_handed(&mut self) {
-        for (name, who) in &self.accepted {
-            if who.is_none() {
-                continue;
-            }
-            for token in self.by_name.get(name).into_iter().flatten() {
-                if let Some(e) = self.entries.get_mut(token) {
-                    if !e.polled && kind_of(e.fd.as_fd()) == Kind::Socket {
-                        e.polled = self
-                            .epoll
-                            .add(&e.fd, EpollEvent::new(EpollFlags::EPOLLRDHUP, *token))
-                            .is_ok();
-                    }
-                }
-            }
-        }
-    }
-
-    /// A fetch's copies for `who`: every descriptor but those under the
-    /// name of a connection handed to `who` itself (it has them already);
-    /// every accepted connection is `who`'s from then on.
-    pub fn copies_for(&mut self, who: Option<Recipient>) -> Vec<(String, OwnedFd)> {
-        let Some(who) = who else {
-            return self.copies();
-        };
-        let out = self.copies_but(|name| self.accepted.get(name) == Some(&Some(who)));
-        for r in self.accepted.values_mut() {
-            *r = Some(who);
-        }
-        out
-    }
-
     /// A fetch was answered with `n` descriptors.
     pub fn fetched(&mut self, n: usize) {
         self.counts.fetches += 1;
@@ -548,42 +430,6 @@ impl Drop for FdStore {
             .collect();
         release_now(all);
     }
-}
-
-/// Drops the stored sockets whose peer hung up, as they do; the closes go
-/// to the closer thread. Ends when the store cannot be watched.
-pub fn watch_hangups(id: &str, store: Shared, tx: Inputs) -> Result<JoinHandle<()>> {
-    // On the connection thread, with the acceptors (`owner.rs`).
-    let conns = super::owner::handle()?;
-    let _on_conns = conns.enter();
-    let fd = lock(&store)
-        .epoll_fd()
-        .try_clone_to_owned()
-        .map_err(|e| Error::io("copying the fd store's epoll descriptor", e))?;
-    // SAFETY: the AsyncFd owns `fd` (an OwnedFd, a copy of the epoll's)
-    // and neither closes nor replaces it while registered; it is closed
-    // when the AsyncFd drops.
-    let fd = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
-        .map_err(|e| Error::io("watching the fd store's epoll", e.into()))?;
-    let id = id.to_owned();
-    Ok(conns.spawn(async move {
-        loop {
-            let Ok(mut ready) = fd.readable().await else {
-                log::warn!("pair {id}: fd store: hang-ups are no longer watched");
-                return;
-            };
-            let gone = update(&store, &tx, |st| {
-                let gone = st.hung_up();
-                let moved = !gone.is_empty();
-                (gone, moved)
-            });
-            ready.clear_ready();
-            if !gone.is_empty() {
-                log::debug!("pair {id}: fd store: {} hung up", gone.len());
-                close_off_runtime(gone, Close::Release).await;
-            }
-        }
-    }))
 }
 
 /// Tells the supervisor the store's figures moved (it republishes within
@@ -628,103 +474,6 @@ mod tests {
     /// Connections the runtime accepted: handed once, never to the same
     /// engine again by its fetch, passed on whole to the engine that
     /// fetches next, and out of the store (name and all) by a remove.
-    #[test]
-    fn accepted_connections_go_to_one_engine_at_a_time() {
-        use shadow_pair::SlotId;
-        let a = Recipient {
-            slot: SlotId::ZERO,
-            serial: 1,
-        };
-        let b = Recipient {
-            slot: SlotId::ONE,
-            serial: 2,
-        };
-        let mut st = FdStore::new(3).unwrap();
-        let (s1, _c1) = tcp_pair();
-        let (s2, _c2) = tcp_pair();
-        let t1 = st.accept(0, OwnedFd::from(s1)).unwrap();
-        let t2 = st.accept(0, OwnedFd::from(s2)).unwrap();
-        let n1 = shadow_contract::handoff::accepted_name(0, t1);
-        let mut sent = Vec::new();
-        let out = st.hand(t1, a, |name, _| {
-            sent.push(name.to_string());
-            Ok(())
-        });
-        assert_eq!(out, Hand::Sent);
-        assert_eq!(sent, std::slice::from_ref(&n1));
-        // Handed already: not again, to anyone.
-        assert_eq!(st.hand(t1, b, |_, _| Ok(())), Hand::Gone);
-        // A full socket, a dead one: nothing changes hands.
-        assert_eq!(
-            st.hand(t2, a, |_, _| Err(nix::errno::Errno::EAGAIN)),
-            Hand::Full
-        );
-        assert_eq!(
-            st.hand(t2, a, |_, _| Err(nix::errno::Errno::EPIPE)),
-            Hand::Lost(nix::errno::Errno::EPIPE)
-        );
-        // A's state memfd beside its connection; one descriptor left room.
-        let kept = st.store(
-            format!("FDSTORE=1\nFDNAME={n1}\n").as_bytes(),
-            vec![memfd("m")],
-        );
-        assert_eq!(kept.kept, 1);
-        assert!(!st.has_room());
-        let (s3, _c3) = tcp_pair();
-        assert!(
-            st.accept(0, OwnedFd::from(s3)).is_err(),
-            "a full store takes none"
-        );
-        // A fetch by A leaves out what A has: connection and memfd.
-        let names: Vec<String> = st.copies_for(Some(a)).into_iter().map(|(n, _)| n).collect();
-        assert_eq!(names, [shadow_contract::handoff::accepted_name(0, t2)]);
-        // B (A died) gets everything, and everything is B's then.
-        let names: Vec<String> = st.copies_for(Some(b)).into_iter().map(|(n, _)| n).collect();
-        assert_eq!(names.len(), 3);
-        assert_eq!(st.hand(t2, a, |_, _| Ok(())), Hand::Gone);
-        assert!(st.copies_for(Some(b)).is_empty());
-        // A remove by name takes both of its descriptors, and makes room.
-        let gone = st.remove(format!("FDSTOREREMOVE=1\nFDNAME={n1}\n").as_bytes());
-        assert_eq!(gone.len(), 2);
-        assert!(st.has_room());
-        let s = st.status();
-        assert_eq!((s.fds, s.accepted, s.handed), (1, 2, 1));
-        release_now(gone);
-    }
-
-    /// Once the store is full, a handed connection whose client closed its
-    /// side leaves it (an engine that never removes it cannot keep the
-    /// store full); one handed to nobody yet stays, its request still to
-    /// be answered.
-    #[test]
-    fn a_full_store_lets_go_of_handed_connections_whose_client_closed() {
-        let mut st = FdStore::new(2).unwrap();
-        let (s1, c1) = tcp_pair();
-        let (s2, c2) = tcp_pair();
-        let t1 = st.accept(0, OwnedFd::from(s1)).unwrap();
-        st.accept(0, OwnedFd::from(s2)).unwrap();
-        let who = Recipient {
-            slot: shadow_pair::SlotId::ZERO,
-            serial: 1,
-        };
-        assert_eq!(st.hand(t1, who, |_, _| Ok(())), Hand::Sent);
-        drop((c1, c2));
-        // Not watched before the store is full.
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        assert!(st.hung_up().is_empty());
-        assert!(!st.has_room());
-        st.watch_handed();
-        let gone = shadow_wait::until(
-            "the closed handed connection let go",
-            std::time::Duration::from_secs(5),
-            std::time::Duration::from_millis(2),
-            || Some(st.hung_up()).filter(|g| !g.is_empty()),
-        );
-        assert_eq!(gone.len(), 1);
-        assert_eq!(st.status().fds, 1, "the one handed to nobody stays");
-        release_now(gone);
-    }
-
     #[test]
     fn sockets_and_memfds_are_kept_and_nothing_else() {
         let d = tempfile::tempdir().unwrap();
