@@ -14,11 +14,16 @@
 //! Delete, by this task, after which it ends.
 //!
 //! `commands.rs` answers the Task service, `inputs.rs` the observers,
-//! `actions.rs` carries out what the pair decides.
+//! `actions.rs` carries out what the pair decides, `timers.rs` wakes it
+//! without an input (the lock poll, hang deadlines, gmsd's status, the
+//! counters) and `probing.rs` schedules the probe of the serving engine;
+//! this file is the pair's life cycle.
 
 mod actions;
 mod commands;
 mod inputs;
+mod probing;
+mod timers;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,7 +32,7 @@ use std::time::{Duration, SystemTime};
 
 use containerd_shim_protos::events::task::{TaskExit, TaskStart};
 use nix::sys::signal::Signal;
-use shadow_pair::{Action, LockWatch, Pair, SlotId};
+use shadow_pair::{Action, Pair, SlotId};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -479,147 +484,6 @@ impl Supervisor {
             self.id
         );
         self.ended(status, None);
-    }
-
-    /// When to wake without an input: to poll the lock for engines that do
-    /// not speak sd_notify, to pick up gmsd's status, and to write counters
-    /// that moved while their write waited ([`super::publish::COUNTERS_EVERY`]).
-    fn next_wake(&self) -> Option<Duration> {
-        let now = Instant::now();
-        // From the last poll, not from now: inputs (a watchdog's pings come
-        // every few ms) restart this wait each time, and must not put the
-        // poll off for ever.
-        let lock = self
-            .lock_period()
-            .map(|p| (self.lock_polled + p).saturating_duration_since(now));
-        let gms = self.made.gms.as_ref().map(|_| GMS_STATUS_PERIOD);
-        let counters = self.publisher.counters_due(&self.pair, now);
-        let hang = self.hang_wait();
-        let probe = self
-            .probing
-            .as_ref()
-            .filter(|p| !p.in_flight)
-            .and_then(|p| p.next)
-            .map(|at| at.saturating_duration_since(now));
-        [lock, gms, counters, hang, probe]
-            .into_iter()
-            .flatten()
-            .min()
-    }
-
-    /// How often `/proc/locks` is polled now, if at all.
-    fn lock_period(&self) -> Option<Duration> {
-        match self.pair.lock_watch() {
-            LockWatch::Off => None,
-            LockWatch::Idle => Some(self.config.lock_poll_idle_ms),
-            LockWatch::Fast => Some(self.config.lock_poll_fast_ms),
-        }
-        .map(Duration::from_millis)
-    }
-
-    /// How long until the pair's next hang deadline has passed (a check
-    /// exactly at it ends nobody: one tick later).
-    fn hang_wait(&self) -> Option<Duration> {
-        let deadline = self.pair.hang_deadline()?;
-        Some(deadline.saturating_sub(self.clock.now()) + HANG_TICK)
-    }
-
-    /// A wake without an input: the lock's poll, a hang deadline passed,
-    /// a probe due (the counters and gmsd's status are the publish's).
-    async fn on_wake(&mut self) -> Vec<Action> {
-        let mut actions = Vec::new();
-        if self
-            .pair
-            .hang_deadline()
-            .is_some_and(|d| self.clock.now() > d)
-        {
-            actions.extend(self.check_hangs().await);
-        }
-        self.launch_probe();
-        if self
-            .lock_period()
-            .is_some_and(|p| self.lock_polled + p <= Instant::now())
-        {
-            actions.extend(self.poll_lock().await);
-        }
-        actions
-    }
-
-    /// Ends the engines that hung (the pair decides). An engine about to
-    /// be ended for its start timeout may be parked without saying so: the
-    /// lock is looked at first, and one seen waiting on it is parked.
-    async fn check_hangs(&mut self) -> Vec<Action> {
-        let now = self.clock.now();
-        let mut actions = Vec::new();
-        let starting = self
-            .pair
-            .slot_ids()
-            .any(|s| self.pair.slot(s).state == shadow_pair::EngineState::Starting);
-        if starting {
-            let look = self.host.lock().await;
-            for slot in self.pair.slot_ids() {
-                if look.waiting.get(slot.index()).copied().unwrap_or(false) {
-                    actions.extend(
-                        self.pair
-                            .handle(shadow_pair::Event::LockWaiting { slot }, now),
-                    );
-                }
-            }
-        }
-        actions.extend(self.pair.handle(shadow_pair::Event::HangCheck, now));
-        actions
-    }
-
-    /// Keeps the probe's schedule on the engine the pair would have
-    /// probed now: a new serving engine is first probed one period after
-    /// it began to serve.
-    fn schedule_probe(&mut self) {
-        let target = self.pair.probe_target();
-        let Some(p) = self.probing.as_mut() else {
-            return;
-        };
-        if p.target != target {
-            p.target = target;
-            p.failing = 0;
-            p.next = target.map(|_| Instant::now() + p.settings.period);
-        }
-    }
-
-    /// Starts the probe if it is due and none is in flight; its outcome
-    /// comes back as `Input::Probed`.
-    fn launch_probe(&mut self) {
-        let Some(p) = self.probing.as_mut() else {
-            return;
-        };
-        let now = Instant::now();
-        let (Some((slot, generation)), Some(next)) = (p.target, p.next) else {
-            return;
-        };
-        if p.in_flight || next > now {
-            return;
-        }
-        p.in_flight = true;
-        // From the start of one probe to the start of the next (from now,
-        // if the one due is a period late already).
-        let after = next + p.settings.period;
-        p.next = Some(if after <= now {
-            now + p.settings.period
-        } else {
-            after
-        });
-        let prober = p.prober.clone();
-        let timeout = p.settings.timeout;
-        let tx = self.tx.clone();
-        tokio::spawn(async move {
-            let outcome = prober.check(timeout).await;
-            let _ = tx
-                .send(Input::Probed {
-                    slot,
-                    generation,
-                    outcome,
-                })
-                .await;
-        });
     }
 
     pub(super) async fn finish(&mut self, status: u32) {
