@@ -137,6 +137,10 @@ pub struct Machine {
     /// The `LISTEN_FDNAMES` each slot's bundle says now (`None`: as Create
     /// wrote it, the listening sockets only).
     inherited: std::sync::Mutex<Vec<Option<Vec<String>>>>,
+    /// Each slot's engine spec as Create wrote it, read once (at the first
+    /// change of its inherited names) and kept: a respawn rewrites its
+    /// `config.json` from memory, never from what is on disk.
+    specs: std::sync::Mutex<Vec<Option<serde_json::Value>>>,
     /// With `shadow.dev/accept: runtime`: each engine gets hand-off
     /// sockets in place of the listening sockets.
     handoff: Option<Arc<Handoff>>,
@@ -169,6 +173,7 @@ impl Machine {
             held: std::sync::Mutex::new(held),
             fdstore: None,
             inherited: std::sync::Mutex::new(vec![None; engines_len]),
+            specs: std::sync::Mutex::new(vec![None; engines_len]),
             handoff: None,
         }
     }
@@ -227,7 +232,17 @@ impl Machine {
         let mut inherited = self.inherited.lock().unwrap_or_else(|p| p.into_inner());
         let now = inherited[slot.index()].clone().unwrap_or(listen_only);
         if now != names {
-            if let Err(err) = rewrite_inherited(&e.bundle, &names) {
+            let mut specs = self.specs.lock().unwrap_or_else(|p| p.into_inner());
+            let spec = match specs[slot.index()].take() {
+                Some(spec) => Ok(spec),
+                None => read_spec(&e.bundle),
+            };
+            let written = spec.and_then(|spec| {
+                let done = write_inherited(&e.bundle, &spec, &names);
+                specs[slot.index()] = Some(spec);
+                done
+            });
+            if let Err(err) = written {
                 log::warn!(
                     "{}: the fd store is not handed at the start: {err}",
                     e.runc_id
@@ -275,17 +290,27 @@ impl Drop for Machine {
     }
 }
 
-/// Makes the bundle's `config.json` give its engine `names` in
-/// `LISTEN_FDS`/`LISTEN_FDNAMES` (written whole, then renamed).
-fn rewrite_inherited(bundle: &std::path::Path, names: &[String]) -> Result<()> {
+/// The engine spec Create wrote in `bundle`.
+fn read_spec(bundle: &std::path::Path) -> Result<serde_json::Value> {
     let path = bundle.join("config.json");
     let text =
         std::fs::read(&path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-    let spec: serde_json::Value = serde_json::from_slice(&text).map_err(|e| Error::Internal {
+    serde_json::from_slice(&text).map_err(|e| Error::Internal {
         what: format!("engine spec {}", path.display()),
         reason: e.to_string(),
-    })?;
-    let spec = super::spec::with_inherited(&spec, names)?;
+    })
+}
+
+/// Writes the bundle's `config.json` as `spec` (the one Create wrote,
+/// from memory) giving its engine `names` in `LISTEN_FDS`/`LISTEN_FDNAMES`
+/// (written whole, then renamed).
+fn write_inherited(
+    bundle: &std::path::Path,
+    spec: &serde_json::Value,
+    names: &[String],
+) -> Result<()> {
+    let path = bundle.join("config.json");
+    let spec = super::spec::with_inherited(spec, names)?;
     let bytes = serde_json::to_vec(&spec).map_err(|e| Error::Internal {
         what: format!("engine spec {}", path.display()),
         reason: e.to_string(),
@@ -467,6 +492,30 @@ impl Host for Machine {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_respawns_spec_is_written_from_memory_not_from_disk() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let spec = serde_json::json!({
+            "process": {"env": ["PATH=/bin", "LISTEN_FDS=1", "LISTEN_FDNAMES=old"]}
+        });
+        std::fs::write(dir.path().join("config.json"), spec.to_string()).expect("write");
+        let kept = read_spec(dir.path()).expect("read");
+        // Whatever is on disk now is never read again.
+        std::fs::write(dir.path().join("config.json"), b"not json").expect("write");
+        let names = vec!["http".to_string(), "accepted.0.7".to_string()];
+        write_inherited(dir.path(), &kept, &names).expect("rewrite");
+        let now = read_spec(dir.path()).expect("valid again");
+        let env: Vec<&str> = now["process"]["env"]
+            .as_array()
+            .expect("env")
+            .iter()
+            .filter_map(|v| v.as_str())
+            .collect();
+        assert!(env.contains(&"PATH=/bin"), "{env:?}");
+        assert!(env.contains(&"LISTEN_FDNAMES=http:accepted.0.7"), "{env:?}");
+        assert!(!env.iter().any(|e| e.ends_with("=old")), "{env:?}");
+    }
+
     use super::*;
 
     /// A real cgroup with a process in it: `kill_cgroup` ends it, and says
