@@ -112,8 +112,11 @@ fn a_stopped_engine_is_ended_by_its_watchdog_and_failed_over() {
         ask(p.port).filter(|a| a.slot != old.to_string())
     });
     let took = stopped.elapsed();
-    let st = p.until(&cd, "the hang recorded", |s| {
-        s.pair.failovers == 1 && s.pair.protected
+    // The respawned slot parked and pinged: its watchdog is armed (by its
+    // first WATCHDOG=1, which may come after its STATUS=parked), so the
+    // stop below is seen.
+    let st = p.until(&cd, "the hang recorded, the respawn armed", |s| {
+        s.pair.failovers == 1 && s.pair.protected && s.pair.slots.iter().all(|s| s.watchdog_armed)
     });
     assert!(!alive(pid), "the stopped engine was killed");
     let last = &st.promotions.last().expect("a promotion").promotion;

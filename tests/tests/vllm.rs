@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use shadow_contract::annotations::LISTEN;
+use shadow_contract::annotations::{ACCEPT, LISTEN};
 use shadow_tests::bench::signal;
 use shadow_tests::pair::{free_port, PairEnv};
 use shadow_tests::vllm::{
@@ -173,6 +173,9 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
         .flags(&["--runtime-config-path", &env.config.display().to_string()])
         .annotation(shadow_contract::annotations::PAIR, "true")
         .annotation(LISTEN, &listen)
+        // As an operator writes it: the shipped config's default is the
+        // runtime accepting, which vLLM's server cannot take.
+        .annotation(ACCEPT, "engine")
         .flags(&flags)
         .cmd(&install.serve_cmd(&[]))
         .spawn(false)

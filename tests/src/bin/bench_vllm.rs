@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use shadow_contract::annotations::{GMS, LISTEN, PAIR};
+use shadow_contract::annotations::{ACCEPT, GMS, LISTEN, PAIR};
 use shadow_tests::bench::{now_us, pct, profile, signal};
 use shadow_tests::pair::{free_port, task_pid, PairEnv};
 use shadow_tests::vllm::{
@@ -227,7 +227,8 @@ fn pair_arm(b: &Bench, id: &str, kills: usize, gms: bool) -> PairArm {
             .rootfs(&b.root)
             .flags(&["--runtime-config-path", &b.env.config.display().to_string()])
             .annotation(PAIR, "true")
-            .annotation(LISTEN, &format!("tcp:127.0.0.1:{port}"));
+            .annotation(LISTEN, &format!("tcp:127.0.0.1:{port}"))
+            .annotation(ACCEPT, "engine");
     c = c.annotation(GMS, if gms { "host" } else { "off" });
     let t0 = Instant::now();
     let ctr = c
