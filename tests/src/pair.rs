@@ -104,6 +104,9 @@ pub fn ask(port: u16) -> Option<Answer> {
     })
 }
 
+/// Numbers the config files [`PairEnv::new`] writes aside.
+static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 impl PairEnv {
     /// Config under `cd`'s dir; `extra` is appended inside `[pair]`.
     pub fn new(cd: &Containerd, extra: &str) -> Result<Self> {
@@ -115,7 +118,18 @@ impl PairEnv {
             state_dir.display(),
             metrics_dir.display()
         );
-        std::fs::write(&config, text).map_err(|e| Error::io("write shim config", &config, e))?;
+        // Written aside and renamed into place: a shim started by an
+        // earlier PairEnv of the same containerd may be reading the file
+        // right now, and a write in place would show it an empty file (a
+        // valid config of defaults: another state_dir, another gms).
+        let aside = cd.dir().join(format!(
+            "shadow-pair.toml.{}.{}",
+            std::process::id(),
+            WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::write(&aside, text).map_err(|e| Error::io("write shim config", &aside, e))?;
+        std::fs::rename(&aside, &config)
+            .map_err(|e| Error::io("rename shim config into place", &config, e))?;
         Ok(PairEnv {
             state_dir,
             metrics_dir,

@@ -14,6 +14,12 @@ summed from /proc/PID/smaps_rollup (PSS, private, RSS), with gmsd's. Arms:
     python integrations/vllm/bench/gms_memory.py --model target/vllm-model \
         [--arms auto,gms0,gms1] [--tokens 128] [--runs 3] [--out FILE.json]
 
+The figures of docs/vllm.md use a model of 312 MiB, where the weights
+stand out of each engine's gigabytes (the tests' model has 7 MB):
+
+    target/vllm-venv/bin/python -m shadow_vllm.tiny_model \
+        target/vllm-model-312m --hidden 1024 --layers 8
+
 Needs gmsd and libgms.so (GMSD, GMS_LIB, else target/release). Runs at
 most two vLLM engines at once, and ends every process it started.
 """

@@ -11,7 +11,15 @@ test compares.
 generation_config.json, model.safetensors (float32; numpy's seeded
 generator, so the bytes are the same on every machine) and a byte-level
 BPE tokenizer trained here on the text below, with a chat template.
+
+``--hidden H --layers L`` make a larger model of the same shape (heads of
+64, half as many key/value heads, an MLP twice as wide as the hidden
+size), for figures that scale with the weights: ``--hidden 1024 --layers
+8`` is 312 MiB (docs/vllm.md, the repack decision). The defaults are the
+tests' model.
 """
+
+import argparse
 
 import json
 import os
@@ -21,11 +29,8 @@ import numpy as np
 
 SEED = 33
 HIDDEN = 256
-INTERMEDIATE = 512
 LAYERS = 2
-HEADS = 4
-KV_HEADS = 2
-HEAD_DIM = HIDDEN // HEADS
+HEAD_DIM = 64
 MAX_POSITIONS = 1024
 VOCAB_TARGET = 3072
 
@@ -107,31 +112,46 @@ def train_tokenizer():
     return tok
 
 
-def _weights(vocab):
+class Shape:
+    """The model's dimensions from its hidden size and layer count."""
+
+    def __init__(self, hidden=HIDDEN, layers=LAYERS):
+        if hidden < 2 * HEAD_DIM or hidden % (2 * HEAD_DIM) or not 1 <= layers <= 64:
+            raise ValueError(f"hidden must be a multiple of {2 * HEAD_DIM} (got {hidden}), layers 1-64 (got {layers})")
+        self.hidden = hidden
+        self.layers = layers
+        self.intermediate = 2 * hidden
+        self.heads = hidden // HEAD_DIM
+        self.kv_heads = self.heads // 2
+
+
+def _weights(vocab, shape):
     rng = np.random.RandomState(SEED)
 
     def normal(*shape, std=0.02):
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    w = {"model.embed_tokens.weight": normal(vocab, HIDDEN, std=1.0)}
-    for i in range(LAYERS):
+    h, m = shape.hidden, shape.intermediate
+    w = {"model.embed_tokens.weight": normal(vocab, h, std=1.0)}
+    for i in range(shape.layers):
         p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = normal(HEADS * HEAD_DIM, HIDDEN, std=0.08)
-        w[p + "self_attn.k_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN, std=0.08)
-        w[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN, std=0.08)
-        w[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM, std=0.08)
-        w[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN, std=0.08)
-        w[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN, std=0.08)
-        w[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE, std=0.08)
-        w[p + "input_layernorm.weight"] = np.ones(HIDDEN, np.float32)
-        w[p + "post_attention_layernorm.weight"] = np.ones(HIDDEN, np.float32)
-    w["model.norm.weight"] = np.ones(HIDDEN, np.float32)
-    w["lm_head.weight"] = normal(vocab, HIDDEN, std=0.5)
+        w[p + "self_attn.q_proj.weight"] = normal(shape.heads * HEAD_DIM, h, std=0.08)
+        w[p + "self_attn.k_proj.weight"] = normal(shape.kv_heads * HEAD_DIM, h, std=0.08)
+        w[p + "self_attn.v_proj.weight"] = normal(shape.kv_heads * HEAD_DIM, h, std=0.08)
+        w[p + "self_attn.o_proj.weight"] = normal(h, shape.heads * HEAD_DIM, std=0.08)
+        w[p + "mlp.gate_proj.weight"] = normal(m, h, std=0.08)
+        w[p + "mlp.up_proj.weight"] = normal(m, h, std=0.08)
+        w[p + "mlp.down_proj.weight"] = normal(h, m, std=0.08)
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+    w["model.norm.weight"] = np.ones(h, np.float32)
+    w["lm_head.weight"] = normal(vocab, h, std=0.5)
     return w
 
 
-def write(out_dir):
+def write(out_dir, shape=None):
     """Writes the model into ``out_dir`` (created; files in it replaced)."""
+    shape = shape or Shape()
     from safetensors.numpy import save_file
 
     os.makedirs(out_dir, exist_ok=True)
@@ -155,11 +175,11 @@ def write(out_dir):
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
         "head_dim": HEAD_DIM,
         "hidden_act": "silu",
         "max_position_embeddings": MAX_POSITIONS,
@@ -180,18 +200,25 @@ def write(out_dir):
             json.dump(obj, f, indent=2, sort_keys=True)
             f.write("\n")
     weights = os.path.join(out_dir, "model.safetensors")
-    save_file(_weights(vocab), weights, metadata={"format": "pt"})
+    save_file(_weights(vocab, shape), weights, metadata={"format": "pt"})
     os.chmod(weights, 0o644)
     return config
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m shadow_vllm.tiny_model OUT_DIR", file=sys.stderr)
-        return 2
-    config = write(argv[0])
-    print(f"tiny_model: {argv[0]}: Llama, hidden {HIDDEN}, {LAYERS} layers, vocab {config['vocab_size']}")
+    ap = argparse.ArgumentParser(prog="python -m shadow_vllm.tiny_model")
+    ap.add_argument("out_dir")
+    ap.add_argument("--hidden", type=int, default=HIDDEN)
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        shape = Shape(args.hidden, args.layers)
+    except ValueError as e:
+        ap.error(str(e))
+    config = write(args.out_dir, shape)
+    size = os.path.getsize(os.path.join(args.out_dir, "model.safetensors"))
+    print(f"tiny_model: {args.out_dir}: Llama, hidden {shape.hidden}, {shape.layers} layers, "
+          f"vocab {config['vocab_size']}, {size / (1 << 20):.0f} MiB")
     return 0
 
 
