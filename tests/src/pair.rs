@@ -104,9 +104,6 @@ pub fn ask(port: u16) -> Option<Answer> {
     })
 }
 
-/// Numbers the config files [`PairEnv::new`] writes aside.
-static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
 impl PairEnv {
     /// Config under `cd`'s dir; `extra` is appended inside `[pair]`.
     pub fn new(cd: &Containerd, extra: &str) -> Result<Self> {
@@ -122,14 +119,13 @@ impl PairEnv {
         // earlier PairEnv of the same containerd may be reading the file
         // right now, and a write in place would show it an empty file (a
         // valid config of defaults: another state_dir, another gms).
-        let aside = cd.dir().join(format!(
-            "shadow-pair.toml.{}.{}",
-            std::process::id(),
-            WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        std::fs::write(&aside, text).map_err(|e| Error::io("write shim config", &aside, e))?;
-        std::fs::rename(&aside, &config)
-            .map_err(|e| Error::io("rename shim config into place", &config, e))?;
+        let mut aside = tempfile::NamedTempFile::new_in(cd.dir())
+            .map_err(|e| Error::io("write shim config", cd.dir(), e))?;
+        std::io::Write::write_all(&mut aside, text.as_bytes())
+            .map_err(|e| Error::io("write shim config", aside.path(), e))?;
+        aside
+            .persist(&config)
+            .map_err(|e| Error::io("rename shim config into place", &config, e.error))?;
         Ok(PairEnv {
             state_dir,
             metrics_dir,
