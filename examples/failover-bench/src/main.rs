@@ -17,7 +17,8 @@
 //! Failed requests are counted by kind: `refused` (nobody listened),
 //! `reset_in_flight` (queued on or accepted by the engine that died),
 //! `timeouts`, `wrong`. Writes `<out>/report.json` (one object per arm),
-//! `<out>/timeline.svg` (each kind its own marker), and prints a table; the
+//! `<out>/timeline.svg` (each kind its own marker), `<out>/containerd.log`
+//! (the shim's lines among containerd's), and prints a table; the
 //! last line states each arm's failover time and the cold ÷ shadow ratio.
 //! No figure is asserted.
 
@@ -499,6 +500,12 @@ fn run() -> Result<()> {
         path: report.clone(),
         source,
     })?;
+    // containerd's log, with the shim's lines (each promotion's timeline,
+    // each fetch's), beside the report for whoever reads the figures.
+    let log = o.out.join("containerd.log");
+    if let Err(e) = std::fs::copy(cd.log(), &log) {
+        eprintln!("failover-bench: keeping {}: {e}", log.display());
+    }
     let svg = o.out.join("timeline.svg");
     report::chart(
         &runs,
