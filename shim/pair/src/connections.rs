@@ -5,10 +5,13 @@
 //! [`Connections::recipient`], never to anyone else.
 //!
 //! The rules: an engine is handed connections once it is known to hold
-//! the election lock, by one of two proofs: its fetch of the fd store was
-//! answered (the fetch is answered for the lock holder only), or the
-//! supervisor believed its `READY=1` (believed only from the lock holder).
-//! Whichever comes first wins; the failover waits for no other. It is
+//! the election lock, by one of three proofs: its `READY=1` came from a
+//! process seen holding the lock through a descriptor of its own (the
+//! notify socket's reader looks, on the connection thread, as the
+//! datagram arrives), its fetch of the fd store was answered (the fetch
+//! is answered for the lock holder only), or the supervisor believed its
+//! `READY=1` (believed only from the lock holder). Whichever comes first
+//! wins; the failover waits for no other. It is
 //! handed nothing once it is known not to serve: it died, its hand-off
 //! socket failed, the supervisor has no active engine any more, or the
 //! lock was seen held by another slot or by nobody. A respawn of a slot is
@@ -35,11 +38,15 @@ pub enum ConnEvent {
     /// The engine of `slot` with `serial` was answered its fetch: it held
     /// the lock when it fetched.
     FetchAnswered { slot: SlotId, serial: u64 },
-    /// The supervisor believed a `READY=1` of `slot`'s engine: it is the
-    /// pair's active engine.
-    ReadyBelieved { slot: SlotId },
-    /// The supervisor's pair has no active engine any more; `was` was.
-    NoActive { was: SlotId },
+    /// The engine of `slot` with `serial` said `READY=1` from a process
+    /// seen holding the lock at that moment.
+    ReadyFromHolder { slot: SlotId, serial: u64 },
+    /// The supervisor's active engine now (it becomes active when its
+    /// `READY=1` is believed): told after each of the supervisor's steps,
+    /// and only a change counts. A new active engine serves; none (the
+    /// active died) stops the hand-offs to the one that was, unless a
+    /// proof made another one serve meanwhile.
+    Active(Option<SlotId>),
     /// Who held the election lock at a look at `/proc/locks`.
     LockSeen(LockHolder),
     /// The engine of `slot` was seen not holding the lock (its lock file
@@ -57,6 +64,8 @@ pub struct Connections {
     /// Per slot: the serial of its current engine's hand-off ends.
     engines: [Option<u64>; MAX_SLOTS],
     serving: Option<SlotId>,
+    /// The supervisor's active engine, as last told.
+    active: Option<SlotId>,
 }
 
 impl Default for Connections {
@@ -70,6 +79,7 @@ impl Connections {
         Connections {
             engines: [None; MAX_SLOTS],
             serving: None,
+            active: None,
         }
     }
 
@@ -98,21 +108,29 @@ impl Connections {
                     self.serving = None;
                 }
             }
-            ConnEvent::FetchAnswered { slot, serial } => {
+            ConnEvent::FetchAnswered { slot, serial }
+            | ConnEvent::ReadyFromHolder { slot, serial } => {
                 if self.engine(slot).map(|r| r.serial) == Some(serial) {
                     self.serving = Some(slot);
                 }
             }
-            ConnEvent::ReadyBelieved { slot } => {
-                if self.engine(slot).is_some() {
-                    self.serving = Some(slot);
-                }
-            }
-            ConnEvent::NoActive { was } => {
-                // A fetch answered since `was` died already moved the
-                // connections on: that proof stays.
-                if self.serving == Some(was) {
-                    self.serving = None;
+            ConnEvent::Active(now) => {
+                let was = std::mem::replace(&mut self.active, now);
+                match (was == now, now, was) {
+                    (true, _, _) => {}
+                    (false, Some(slot), _) => {
+                        if self.engine(slot).is_some() {
+                            self.serving = Some(slot);
+                        }
+                    }
+                    // A proof since `was` died already moved the
+                    // connections on: that proof stays.
+                    (false, None, Some(was)) => {
+                        if self.serving == Some(was) {
+                            self.serving = None;
+                        }
+                    }
+                    (false, None, None) => {}
                 }
             }
             ConnEvent::LockSeen(holder) => match holder {
@@ -188,10 +206,10 @@ mod tests {
             })
         );
         // The READY of the same engine later changes nothing.
-        assert!(!c.handle(ConnEvent::ReadyBelieved { slot: S0 }));
+        assert!(!c.handle(ConnEvent::Active(Some(S0))));
 
         let mut c = pair();
-        assert!(c.handle(ConnEvent::ReadyBelieved { slot: S1 }));
+        assert!(c.handle(ConnEvent::Active(Some(S1))));
         assert_eq!(
             c.recipient(),
             Some(Recipient {
@@ -209,7 +227,7 @@ mod tests {
     #[test]
     fn a_failover_moves_connections_at_the_first_proof_of_the_new_holder() {
         let mut c = pair();
-        c.handle(ConnEvent::ReadyBelieved { slot: S0 });
+        c.handle(ConnEvent::Active(Some(S0)));
         // S0 is killed; S1 takes the lock and fetches before the
         // supervisor has even heard of the death.
         assert!(c.handle(ConnEvent::FetchAnswered {
@@ -220,8 +238,8 @@ mod tests {
         // The death of S0 and the supervisor's active gone, heard late,
         // take nothing from S1.
         assert!(!c.handle(ConnEvent::Died { slot: S0 }));
-        assert!(!c.handle(ConnEvent::NoActive { was: S0 }));
-        assert!(!c.handle(ConnEvent::ReadyBelieved { slot: S1 }));
+        assert!(!c.handle(ConnEvent::Active(None)));
+        assert!(!c.handle(ConnEvent::Active(Some(S1))));
         assert_eq!(
             c.recipient(),
             Some(Recipient {
@@ -232,14 +250,47 @@ mod tests {
     }
 
     #[test]
+    fn a_ready_from_the_holder_moves_connections_before_the_fetch_or_the_supervisor() {
+        let mut c = pair();
+        c.handle(ConnEvent::Active(Some(S0)));
+        // S0 is killed; S1's READY=1 comes from its lock holder, seen by
+        // the notify reader before anything else is heard.
+        assert!(c.handle(ConnEvent::ReadyFromHolder {
+            slot: S1,
+            serial: 2
+        }));
+        assert_eq!(c.recipient().map(|r| r.slot), Some(S1));
+        // Its fetch and the supervisor's belief, later, change nothing;
+        // neither does the old engine's death heard late.
+        assert!(!c.handle(ConnEvent::FetchAnswered {
+            slot: S1,
+            serial: 2
+        }));
+        assert!(!c.handle(ConnEvent::Died { slot: S0 }));
+        assert!(!c.handle(ConnEvent::Active(None)));
+        assert_eq!(c.recipient().map(|r| r.slot), Some(S1));
+        // A READY of an engine started before the slot's respawn proves
+        // nothing for the respawn.
+        c.handle(ConnEvent::Started {
+            slot: S0,
+            serial: 3,
+        });
+        assert!(!c.handle(ConnEvent::ReadyFromHolder {
+            slot: S0,
+            serial: 1
+        }));
+        assert_eq!(c.recipient().map(|r| r.slot), Some(S1));
+    }
+
+    #[test]
     fn a_dead_or_lost_engine_is_handed_nothing_more() {
         let mut c = pair();
-        c.handle(ConnEvent::ReadyBelieved { slot: S0 });
+        c.handle(ConnEvent::Active(Some(S0)));
         assert!(c.handle(ConnEvent::Died { slot: S0 }));
         assert_eq!(c.recipient(), None);
 
         let mut c = pair();
-        c.handle(ConnEvent::ReadyBelieved { slot: S0 });
+        c.handle(ConnEvent::Active(Some(S0)));
         // A stale serial's loss is not this engine's.
         assert!(!c.handle(ConnEvent::Lost {
             slot: S0,
@@ -251,7 +302,7 @@ mod tests {
         }));
         assert_eq!(c.recipient(), None);
         // A lost engine's READY proves nothing: it has no ends.
-        assert!(!c.handle(ConnEvent::ReadyBelieved { slot: S0 }));
+        assert!(!c.handle(ConnEvent::Active(Some(S0))));
         assert_eq!(c.recipient(), None);
     }
 
@@ -259,14 +310,14 @@ mod tests {
     fn the_lock_seen_elsewhere_stops_the_hand_offs() {
         for holder in [LockHolder::Slot(S1), LockHolder::Free] {
             let mut c = pair();
-            c.handle(ConnEvent::ReadyBelieved { slot: S0 });
+            c.handle(ConnEvent::Active(Some(S0)));
             assert!(c.handle(ConnEvent::LockSeen(holder)), "{holder:?}");
             assert_eq!(c.recipient(), None);
         }
         // An unreadable look, or the serving engine seen holding it, says
         // nothing new.
         let mut c = pair();
-        c.handle(ConnEvent::ReadyBelieved { slot: S0 });
+        c.handle(ConnEvent::Active(Some(S0)));
         assert!(!c.handle(ConnEvent::LockSeen(LockHolder::Unknown)));
         assert!(!c.handle(ConnEvent::LockSeen(LockHolder::Slot(S0))));
         assert_eq!(c.recipient().map(|r| r.slot), Some(S0));
@@ -275,7 +326,7 @@ mod tests {
     #[test]
     fn the_server_seen_without_the_lock_is_handed_nothing_until_proven_again() {
         let mut c = pair();
-        c.handle(ConnEvent::ReadyBelieved { slot: S0 });
+        c.handle(ConnEvent::Active(Some(S0)));
         assert!(
             !c.handle(ConnEvent::LockLost { slot: S1 }),
             "not the server"
@@ -283,7 +334,7 @@ mod tests {
         assert!(c.handle(ConnEvent::LockLost { slot: S0 }));
         assert_eq!(c.recipient(), None);
         // Connections wait for the next proof: the new holder's READY.
-        assert!(c.handle(ConnEvent::ReadyBelieved { slot: S1 }));
+        assert!(c.handle(ConnEvent::Active(Some(S1))));
         assert_eq!(
             c.recipient(),
             Some(Recipient {
@@ -296,7 +347,7 @@ mod tests {
     #[test]
     fn a_respawn_is_another_engine_that_must_prove_itself() {
         let mut c = pair();
-        c.handle(ConnEvent::ReadyBelieved { slot: S0 });
+        c.handle(ConnEvent::Active(Some(S0)));
         // Slot 0 respawns (its engine died unseen, say): the new one is
         // handed nothing, and the old one's fetch counts for nothing.
         assert!(c.handle(ConnEvent::Started {
@@ -323,19 +374,27 @@ mod tests {
     }
 
     #[test]
-    fn no_active_stops_the_hand_offs_to_the_engine_that_was_active_only() {
+    fn only_a_change_of_the_active_engine_counts() {
         let mut c = pair();
-        c.handle(ConnEvent::ReadyBelieved { slot: S0 });
-        assert!(!c.handle(ConnEvent::NoActive { was: S1 }));
-        assert_eq!(c.recipient().map(|r| r.slot), Some(S0));
-        assert!(c.handle(ConnEvent::NoActive { was: S0 }));
+        assert!(c.handle(ConnEvent::Active(Some(S0))));
+        // Told again after each step of the supervisor: nothing new.
+        assert!(!c.handle(ConnEvent::Active(Some(S0))));
+        // Seen without the lock, it is handed nothing, though the
+        // supervisor, not knowing yet, still says it is active.
+        assert!(c.handle(ConnEvent::LockLost { slot: S0 }));
+        assert!(!c.handle(ConnEvent::Active(Some(S0))));
+        assert_eq!(c.recipient(), None);
+        // Active again after being none: believed again.
+        assert!(!c.handle(ConnEvent::Active(None)));
+        assert!(c.handle(ConnEvent::Active(Some(S0))));
+        assert!(c.handle(ConnEvent::Active(None)));
         assert_eq!(c.recipient(), None);
     }
 
     #[test]
     fn an_engine_without_ends_is_never_the_recipient() {
         let mut c = Connections::new();
-        assert!(!c.handle(ConnEvent::ReadyBelieved { slot: S1 }));
+        assert!(!c.handle(ConnEvent::Active(Some(S1))));
         assert!(!c.handle(ConnEvent::FetchAnswered {
             slot: S1,
             serial: 0

@@ -29,6 +29,7 @@ use super::listen::{ListenSockets, Site};
 use super::made::Made;
 use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
+use super::owner;
 use super::probe::{self, Prober};
 use super::supervisor::{Handle, Hang, PairProbe, Parts, Supervisor};
 use super::{lock, spec};
@@ -262,6 +263,11 @@ async fn create_steps(
     // an fd store, descriptors may be sent on them, and each slot has a
     // fetch socket too.
     let fdstore_max = req.fdstore_max.unwrap_or(cfg.fdstore_max) as usize;
+    // Read on the connection thread (`owner.rs`), so registered with its
+    // reactor: what an engine stores right before it dies is in the store
+    // without waiting for the supervisor's thread, which is busiest then.
+    let conns = owner::handle()?;
+    let on_conns = conns.enter();
     let notify = slot_ids
         .iter()
         .map(|s| {
@@ -271,6 +277,7 @@ async fn create_steps(
             )
         })
         .collect::<Result<Vec<_>>>()?;
+    drop(on_conns);
     let fdstore = if fdstore_max > 0 {
         let fetch = slot_ids
             .iter()

@@ -44,7 +44,12 @@ use crate::error::{Error, Result};
 const FETCH_DEADLINE: Duration = Duration::from_secs(10);
 /// The longest a fetch waits for the notify sockets to be read up to it.
 const DRAIN_WAIT: Duration = Duration::from_millis(200);
-/// How often the drain looks again.
+/// The drain's first looks: each after the connection thread has read
+/// what its sockets hold (a yield runs the reactor and the readers, which
+/// share this thread), a few microseconds apiece.
+const DRAIN_YIELDS: u32 = 64;
+/// How often the drain looks after those, should an engine keep its
+/// socket busy (a flood is not waited out on a spinning thread).
 const DRAIN_LOOK: Duration = Duration::from_millis(1);
 
 /// One slot's fetch socket, listening.
@@ -235,6 +240,7 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
     let asked = Instant::now();
     let until = asked + DRAIN_WAIT;
     let mut read_up = vec![false; shared.notify.len()];
+    let mut looks = 0;
     loop {
         for (seen, sock) in read_up.iter_mut().zip(&shared.notify) {
             *seen = *seen || !sock.has_unread();
@@ -242,7 +248,12 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
         if read_up.iter().all(|s| *s) || Instant::now() >= until {
             break;
         }
-        tokio::time::sleep(DRAIN_LOOK).await;
+        looks += 1;
+        if looks <= DRAIN_YIELDS {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(DRAIN_LOOK).await;
+        }
     }
     let drained = asked.elapsed();
     let copies = fdstore::lock(&shared.store).copies_for(who);

@@ -10,9 +10,10 @@
 //! socket only stops its own connections from coming (they wait in the
 //! store, bounded by `shadow.dev/fdstore-max`, then in the kernel's
 //! backlog). Who is handed connections is `shadow_pair::Connections`'s
-//! decision, from what it is told here: the supervisor's active engine (a
-//! `READY=1` believed), a fetch answered for the lock holder, an engine
-//! started, lost or gone; a respawn of a slot is another engine, handed
+//! decision, from what it is told here: a `READY=1` sent by the lock
+//! holder (seen by the notify socket's reader), the supervisor's active
+//! engine (a `READY=1` believed), a fetch answered for the lock holder,
+//! an engine started, lost or gone; a respawn of a slot is another engine, handed
 //! nothing until it proves it holds the lock. What was handed to an engine that died is the
 //! next one's through its fetch (`FdStore::copies_for`).
 
@@ -78,10 +79,17 @@ pub trait Handing: Send + Sync {
     fn start(self: Arc<Self>, tx: &Inputs) -> Result<()>;
     /// `slot`'s engine (the one running now) was answered its fetch.
     fn fetch_answered(&self, slot: SlotId);
+    /// `slot`'s engine (the one running now) said `READY=1` from a
+    /// process seen holding the lock.
+    fn ready_from_holder(&self, slot: SlotId);
+    /// The slot handed connections now, if any.
+    fn serving(&self) -> Option<SlotId>;
     /// The engine now running in `slot`, as a recipient.
     fn recipient(&self, slot: SlotId) -> Option<Recipient>;
-    /// The supervisor's active engine went from `was` to `now`.
-    fn active_changed(&self, was: Option<SlotId>, now: Option<SlotId>);
+    /// The supervisor's active engine now (told after each of its steps).
+    fn active_is(&self, now: Option<SlotId>);
+    /// The engine now in `slot` died (its reap).
+    fn died(&self, slot: SlotId);
     /// `slot`'s engine was seen not holding the lock.
     fn lock_lost(&self, slot: SlotId);
 }
@@ -93,11 +101,20 @@ impl Handing for Handoff {
     fn fetch_answered(&self, slot: SlotId) {
         Handoff::fetch_answered(self, slot)
     }
+    fn ready_from_holder(&self, slot: SlotId) {
+        Handoff::ready_from_holder(self, slot)
+    }
+    fn serving(&self) -> Option<SlotId> {
+        self.targets().decided.recipient().map(|r| r.slot)
+    }
     fn recipient(&self, slot: SlotId) -> Option<Recipient> {
         Handoff::recipient(self, slot)
     }
-    fn active_changed(&self, was: Option<SlotId>, now: Option<SlotId>) {
-        Handoff::active_changed(self, was, now)
+    fn active_is(&self, now: Option<SlotId>) {
+        Handoff::active_is(self, now)
+    }
+    fn died(&self, slot: SlotId) {
+        Handoff::died(self, slot)
     }
     fn lock_lost(&self, slot: SlotId) {
         Handoff::lock_lost(self, slot)
@@ -246,22 +263,40 @@ impl Handoff {
         }
     }
 
+    /// `slot`'s engine (the one running now) said `READY=1` from a
+    /// process holding the lock: it serves, as after its fetch.
+    pub fn ready_from_holder(&self, slot: SlotId) {
+        let engine = self.targets().decided.engine(slot);
+        if let Some(r) = engine {
+            self.tell(ConnEvent::ReadyFromHolder {
+                slot,
+                serial: r.serial,
+            });
+        }
+    }
+
     /// `slot`'s engine was seen not holding the lock: it is handed
     /// nothing more (a new proof of it makes it the recipient again).
     pub fn lock_lost(&self, slot: SlotId) {
         self.tell(ConnEvent::LockLost { slot });
     }
 
-    /// The supervisor's active engine went from `was` to `now`: a new one
-    /// serves (its `READY=1` was believed); none (the active died) stops
-    /// the hand-offs to `was`, unless a fetch made another one serve
-    /// meanwhile.
-    pub fn active_changed(&self, was: Option<SlotId>, now: Option<SlotId>) {
-        match (now, was) {
-            (Some(slot), _) => self.tell(ConnEvent::ReadyBelieved { slot }),
-            (None, Some(was)) => self.tell(ConnEvent::NoActive { was }),
-            (None, None) => {}
-        }
+    /// The supervisor's active engine now; what a change means is the
+    /// decision's (`ConnEvent::Active`).
+    pub fn active_is(&self, now: Option<SlotId>) {
+        self.tell(ConnEvent::Active(now));
+    }
+
+    /// The engine now in `slot` died: it is handed nothing more, and the
+    /// shim's ends of its hand-off sockets close.
+    pub fn died(&self, slot: SlotId) {
+        let ends = {
+            let mut t = self.targets();
+            t.tell(&self.id, ConnEvent::Died { slot });
+            t.ends.get_mut(slot.index()).and_then(Option::take)
+        };
+        drop(ends);
+        self.bump();
     }
 
     /// The engine now running in `slot`, as a recipient.
@@ -585,7 +620,7 @@ mod tests {
         let r = rig();
         let e0 = r.h.ends_for(S0).expect("ends of slot 0").remove(0);
         let e1 = r.h.ends_for(S1).expect("ends of slot 1").remove(0);
-        r.h.active_changed(None, Some(S0));
+        r.h.active_is(Some(S0));
         // Slot 0's engine dies (its end closes): the next send fails for
         // good, and that connection stays in the store.
         drop(e0);
@@ -598,7 +633,7 @@ mod tests {
         assert!(receive(&e1, Duration::from_millis(100)).is_none());
         // Slot 1 proves it holds the lock (its READY=1 believed): the
         // connection that waited is its.
-        r.h.active_changed(Some(S0), Some(S1));
+        r.h.active_is(Some(S1));
         let (_, mut handed) = receive(&e1, Duration::from_secs(10)).expect("handed");
         talks(&mut c, &mut handed);
         r.h.stop();
@@ -615,7 +650,7 @@ mod tests {
         // A respawn of slot 0 is another engine: the old one's proof is
         // not its; its own READY is.
         let fresh = r.h.ends_for(S0).expect("fresh ends").remove(0);
-        r.h.active_changed(None, Some(S0));
+        r.h.active_is(Some(S0));
         let (_, mut handed) = receive(&fresh, Duration::from_secs(10)).expect("handed");
         talks(&mut c, &mut handed);
         assert!(receive(&e0, Duration::from_millis(50)).is_none());

@@ -20,11 +20,13 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::fdstore;
+use super::handoff::Handing;
 use super::host::Host;
 use super::input::{Input, Inputs};
 use super::notify::{
     close_off_runtime, discard, Close, DropCounts, Dropped, Gate, NotifySocket, Queue, Received,
 };
+use super::owner;
 
 /// Whether `pid` is gone (no such process, not even a zombie).
 fn gone(pid: u32) -> bool {
@@ -74,7 +76,13 @@ pub fn exit_of(status: i32) -> Exit {
 /// drops, it does not wait.
 /// With an fd store, its datagrams (`FDSTORE=1` with fds,
 /// `FDSTOREREMOVE=1`) go to the store here, on the engine's own budget,
-/// and never to the supervisor.
+/// and never to the supervisor. With the runtime accepting (`handoff`), a
+/// `READY=1` from the lock holder is told to it here too ([`prove_ready`]).
+///
+/// Runs on the connection thread (`owner.rs`), beside the fetch servers
+/// that wait for it to be read up: a fetch right after a death then waits
+/// for nothing the supervisor's thread is doing, and each datagram is
+/// stamped when it arrives, not when that thread is free.
 #[allow(clippy::too_many_arguments)]
 pub fn notify(
     id: &str,
@@ -84,11 +92,12 @@ pub fn notify(
     queue: Arc<Queue>,
     drops: Arc<DropCounts>,
     store: Option<fdstore::Shared>,
+    handoff: Option<Arc<dyn Handing>>,
     tx: Inputs,
 ) -> JoinHandle<()> {
     let mut gate = Gate::new(id, queue, drops, Instant::now());
     let id = id.to_owned();
-    tokio::spawn(async move {
+    owner::spawn(async move {
         loop {
             let got = match sock.recv().await {
                 Ok(got) => got,
@@ -183,6 +192,11 @@ pub fn notify(
                     if gone {
                         return;
                     }
+                    if verdict.is_ok() && d.lines.ready {
+                        if let Some(h) = &handoff {
+                            prove_ready(h.as_ref(), host.as_ref(), slot, d.pid);
+                        }
+                    }
                     verdict
                 }
                 Received::Dropped(why) => Err(why),
@@ -213,6 +227,22 @@ pub fn notify(
             }
         }
     })
+}
+
+/// A `READY=1` of `slot`'s engine, sent by `pid` and let through by the
+/// gate: with the runtime accepting, its engine is handed connections at
+/// once if `pid` (or a child of it) holds the lock through a descriptor of
+/// its own. That is the first proof a promoted engine gives, before its
+/// fetch and before the supervisor's thread is free to believe it.
+/// Looked at only while the slot is not served already, so a flood of
+/// `READY=1` costs no more than the gate lets through.
+pub(super) fn prove_ready(h: &dyn Handing, host: &dyn Host, slot: SlotId, pid: u32) {
+    if h.serving() == Some(slot) {
+        return;
+    }
+    if host.slot_of_pid(pid) == Some(slot) && host.lock_held_by(pid) == Some(true) {
+        h.ready_from_holder(slot);
+    }
 }
 
 /// Forward every final close of the lock file (inotify `IN_CLOSE_*`),

@@ -1,6 +1,7 @@
 //! The thread the pairs' connections are served on: the acceptors and
 //! hand-offs of `shadow.dev/accept: runtime` (`handoff.rs`), the fetch
-//! servers (`fetch.rs`) and the fd store's hang-up watcher run on a
+//! servers (`fetch.rs`), the notify sockets' readers (`observe.rs`, which
+//! feed the store) and the fd store's hang-up watcher run on a
 //! current-thread runtime of their own, not on the shim's.
 //!
 //! Why: the shim's runtime thread also runs every pair's supervisor, whose
@@ -11,9 +12,11 @@
 //! of it. One thread for the process, made at the first use: a shim runs
 //! once per pod, and its pairs' connection work is small.
 
+use std::future::Future;
 use std::sync::OnceLock;
 
 use tokio::runtime::Handle;
+use tokio::task::JoinHandle;
 
 use crate::error::{Error, Result};
 
@@ -27,6 +30,22 @@ pub fn handle() -> Result<Handle> {
             std::io::Error::other(e),
         )
     })
+}
+
+/// `task` on the connection thread; on the caller's runtime should that
+/// thread not start (the error said once, where it is first needed).
+pub fn spawn<F>(task: F) -> JoinHandle<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    match handle() {
+        Ok(conns) => conns.spawn(task),
+        Err(e) => {
+            log::warn!("{e}: the task runs on the shim's own thread");
+            tokio::spawn(task)
+        }
+    }
 }
 
 fn start() -> std::result::Result<Handle, String> {

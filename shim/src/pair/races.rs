@@ -115,18 +115,28 @@ impl Handing for FakeHanding {
             });
         }
     }
+    fn ready_from_holder(&self, slot: SlotId) {
+        if let Some(r) = self.recipient(slot) {
+            self.tell(ConnEvent::ReadyFromHolder {
+                slot,
+                serial: r.serial,
+            });
+        }
+    }
+    fn serving(&self) -> Option<SlotId> {
+        self.to()
+    }
     fn recipient(&self, slot: SlotId) -> Option<Recipient> {
         self.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .engine(slot)
     }
-    fn active_changed(&self, was: Option<SlotId>, now: Option<SlotId>) {
-        match (now, was) {
-            (Some(slot), _) => self.tell(ConnEvent::ReadyBelieved { slot }),
-            (None, Some(was)) => self.tell(ConnEvent::NoActive { was }),
-            (None, None) => {}
-        }
+    fn active_is(&self, now: Option<SlotId>) {
+        self.tell(ConnEvent::Active(now));
+    }
+    fn died(&self, slot: SlotId) {
+        self.tell(ConnEvent::Died { slot });
     }
     fn lock_lost(&self, slot: SlotId) {
         self.tell(ConnEvent::LockLost { slot });
@@ -967,4 +977,30 @@ async fn a_ready_before_the_fetch_moves_connections_and_a_respawn_is_handed_noth
     let fresh = conns.recipient(S0).expect("the respawn's ends");
     assert_eq!(fresh.serial, u64::from(rig.pids()[0]));
     assert_eq!(conns.to(), Some(S1));
+}
+
+/// With the runtime accepting, a `READY=1` is proof at once when its
+/// sender holds the lock through its own descriptors: the promoted engine
+/// is handed connections before its fetch and before the supervisor
+/// believes it. From a process that does not hold the lock, or from
+/// another slot's engine, it proves nothing.
+#[test]
+fn a_ready_from_the_lock_holder_is_proof_at_once_and_from_anyone_else_nothing() {
+    let host = FakeHost::default();
+    let p0 = host.new_pid(S0);
+    let p1 = host.new_pid(S1);
+    host.state().holder = Some(S1);
+    let h = host.1.clone();
+    super::observe::prove_ready(h.as_ref(), &host, S0, p0);
+    assert_eq!(h.to(), None, "slot 0 does not hold the lock");
+    super::observe::prove_ready(h.as_ref(), &host, S0, p1);
+    assert_eq!(h.to(), None, "slot 1's process on slot 0's socket");
+    super::observe::prove_ready(h.as_ref(), &host, S1, p1);
+    assert_eq!(h.to(), Some(S1));
+    // Slot 1 dies and respawns: the new engine proves itself again.
+    h.died(S1);
+    assert_eq!(h.to(), None);
+    let p2 = host.new_pid(S1);
+    super::observe::prove_ready(h.as_ref(), &host, S1, p2);
+    assert_eq!(h.to(), Some(S1));
 }

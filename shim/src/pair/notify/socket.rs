@@ -65,6 +65,8 @@ pub struct Lines {
     pub store: bool,
     /// A line `FDSTOREREMOVE=1`: it asks the store to drop descriptors.
     pub remove: bool,
+    /// A line `READY=1`.
+    pub ready: bool,
 }
 
 impl Lines {
@@ -79,6 +81,10 @@ impl Lines {
                 }
                 b"FDSTOREREMOVE=1" => {
                     lines.remove = true;
+                    lines.others += 1;
+                }
+                b"READY=1" => {
+                    lines.ready = true;
                     lines.others += 1;
                 }
                 _ if line.contains(&b'=') => lines.others += 1,

@@ -178,6 +178,9 @@ impl Supervisor {
                 }
                 let exit = observe::exit_of(status);
                 log::info!("pair {}: slot {slot} pid {pid} exited ({exit:?})", self.id);
+                if let Some(h) = self.host.handoff() {
+                    h.died(slot);
+                }
                 // In the host's PID namespace the engine's other processes
                 // outlive it: they go before its death is decided on (and
                 // before the task's exit, if this was the last engine).

@@ -197,9 +197,6 @@ pub struct Supervisor {
     start_timeout: Duration,
     /// When `/proc/locks` was last polled.
     lock_polled: Instant,
-    /// The active engine the hand-off last heard of
-    /// (`shadow.dev/accept: runtime`).
-    handed_to: Option<SlotId>,
 }
 
 impl Supervisor {
@@ -271,7 +268,6 @@ impl Supervisor {
             probing,
             start_timeout: p.hang.start_timeout,
             lock_polled: now,
-            handed_to: None,
         }
     }
 
@@ -345,6 +341,7 @@ impl Supervisor {
                     self.notify_queue.clone(),
                     self.notify_drops.clone(),
                     self.fdstore.clone(),
+                    self.host.handoff(),
                     self.tx.clone(),
                 ));
             }
@@ -538,17 +535,12 @@ impl Supervisor {
         })
     }
 
-    /// Connections go to the active engine: the hand-off hears of each
-    /// change of it.
-    fn tell_handoff(&mut self) {
-        let now = self.pair.active();
-        if now == self.handed_to {
-            return;
-        }
+    /// Connections go to the active engine: the hand-off is told who it
+    /// is after each step (the decision counts only a change).
+    fn tell_handoff(&self) {
         if let Some(h) = self.host.handoff() {
-            h.active_changed(self.handed_to, now);
+            h.active_is(self.pair.active());
         }
-        self.handed_to = now;
     }
 
     fn publish(&mut self, force: bool) {
