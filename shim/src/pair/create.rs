@@ -22,7 +22,7 @@ use super::fdstore::FdStore;
 use super::fetch::FetchSocket;
 use super::gms::{GmsDaemons, InPod};
 use super::gpus::{self, Gpu};
-use super::handoff::Handoff;
+use super::handoff::{Handing, Handoff};
 use super::host::Machine;
 use super::leftovers::{self, PairName};
 use super::listen::{ListenSockets, Site};
@@ -30,6 +30,7 @@ use super::made::Made;
 use super::netns::PinnedNamespaces;
 use super::notify::NotifySocket;
 use super::owner;
+use super::passing::StartFds;
 use super::probe::{self, Prober};
 use super::supervisor::{Handle, Hang, PairProbe, Parts, Supervisor};
 use super::{lock, spec};
@@ -470,17 +471,17 @@ async fn create_steps(
         )),
         _ => None,
     };
-    let host = Arc::new(
-        Machine::new(
-            engines.clone(),
-            output.clone(),
-            rt.router.clone(),
-            lock_file,
-            listen,
-        )
-        .with_fdstore(fdstore.as_ref().map(|(s, _)| s.clone()))
-        .with_handoff(handoff),
-    );
+    let host = Arc::new(Machine::new(
+        engines.clone(),
+        output.clone(),
+        rt.router.clone(),
+        lock_file,
+        listen,
+    ));
+    let passing = Arc::new(StartFds {
+        store: fdstore.as_ref().map(|(s, _)| s.clone()),
+        handoff: handoff.clone(),
+    });
     log::info!(
         "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {listen_count}, accepted by the {})",
         req.id,
@@ -493,6 +494,8 @@ async fn create_steps(
         namespace: rt.namespace.clone(),
         config: cfg.clone(),
         host,
+        passing,
+        handoff: handoff.map(|h| h as Arc<dyn Handing>),
         runc_ids: engines.iter().map(|e| e.runc_id.clone()).collect(),
         output,
         copiers: out_copier.into_iter().chain(err_copier).collect(),

@@ -315,7 +315,7 @@ mod tests {
 
     use super::*;
     use crate::pair::fdstore::FdStore;
-    use crate::pair::host::ReapFuture;
+    use crate::pair::host::{Passing, ReapFuture};
     use crate::pair::input;
     use crate::pair::lock::LockLook;
 
@@ -332,10 +332,10 @@ mod tests {
 
     #[async_trait]
     impl Host for Machine {
-        async fn create(&self, _slot: SlotId) -> Result<u32> {
+        async fn create(&self, _slot: SlotId, _give: &dyn Passing) -> Result<u32> {
             Ok(0)
         }
-        async fn spawn(&self, _slot: SlotId) -> Result<u32> {
+        async fn spawn(&self, _slot: SlotId, _give: &dyn Passing) -> Result<u32> {
             Ok(0)
         }
         async fn end_created(&self, _slot: SlotId) {}

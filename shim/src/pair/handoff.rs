@@ -90,6 +90,8 @@ pub trait Handing: Send + Sync {
     fn active_is(&self, now: Option<SlotId>);
     /// The engine now in `slot` died (its reap).
     fn died(&self, slot: SlotId);
+    /// The pair ended: no more accepts, every hand-off socket closed.
+    fn stop(&self);
     /// `slot`'s engine was seen not holding the lock.
     fn lock_lost(&self, slot: SlotId);
 }
@@ -115,6 +117,9 @@ impl Handing for Handoff {
     }
     fn died(&self, slot: SlotId) {
         Handoff::died(self, slot)
+    }
+    fn stop(&self) {
+        Handoff::stop(self)
     }
     fn lock_lost(&self, slot: SlotId) {
         Handoff::lock_lost(self, slot)

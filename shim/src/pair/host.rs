@@ -18,8 +18,6 @@ use shadow_pair::{FileId, SlotId};
 use tokio::time::Instant;
 
 use super::engine::{create_engine, run_engine, EngineSlot, SharedOutput};
-use super::fdstore;
-use super::handoff::{Handing, Handoff};
 use super::listen::ListenSockets;
 use super::lock::{self, LockLook};
 use super::notify::{close_off_runtime, release_now, Close};
@@ -38,14 +36,32 @@ pub struct Reaped {
 /// A future of the reap of one pid (None: the reaper is gone).
 pub type ReapFuture = Pin<Box<dyn Future<Output = Option<Reaped>> + Send>>;
 
+/// What the connection side passes a new engine besides the pair's
+/// listening sockets: its hand-off ends, which take their place
+/// (`shadow.dev/accept: runtime`), and the fd store's copies. Each
+/// descriptor is this value's own and is closed once the engine has it.
+#[derive(Default)]
+pub struct Passed {
+    pub ends: Vec<OwnedFd>,
+    pub stored: Vec<(String, OwnedFd)>,
+}
+
+/// Makes a [`Passed`] for a new engine of a slot (`pair/passing.rs`). The
+/// machine asks it only when it runs a new engine, never for the one
+/// Create made and Start starts, and asks for the store only when the
+/// engine is to be handed it at its start.
+pub trait Passing: Send + Sync {
+    fn for_start(&self, slot: SlotId, with_store: bool) -> Result<Passed>;
+}
+
 #[async_trait]
 pub trait Host: Send + Sync + 'static {
     /// Create (not start) the engine of `slot`, at the task's Create: its
     /// pid is the task's until Start, and its first spawn starts it.
-    async fn create(&self, slot: SlotId) -> Result<u32>;
+    async fn create(&self, slot: SlotId, give: &dyn Passing) -> Result<u32>;
     /// Run the engine of `slot` and return its pid: the created one is
     /// started; otherwise whatever container the slot had is replaced.
-    async fn spawn(&self, slot: SlotId) -> Result<u32>;
+    async fn spawn(&self, slot: SlotId, give: &dyn Passing) -> Result<u32>;
     /// Kill the engine created at Create that was never started (a Kill
     /// before Start: it dies of SIGKILL, as a created runc init does).
     async fn end_created(&self, slot: SlotId);
@@ -82,11 +98,6 @@ pub trait Host: Send + Sync + 'static {
     /// The pair is gone: close what it listened on, so that clients are
     /// refused rather than queued behind engines that will not come.
     fn close_listen(&self);
-    /// The runtime's acceptors and hand-off sockets
-    /// (`shadow.dev/accept: runtime`), if the pair has them.
-    fn handoff(&self) -> Option<Arc<dyn Handing>> {
-        None
-    }
 }
 
 /// Where the unified cgroup hierarchy is mounted (engine cgroup paths are
@@ -131,9 +142,6 @@ pub struct Machine {
     /// What runc holds for each slot: the one record of which engine
     /// Create made and whether a slot ran.
     held: std::sync::Mutex<Vec<Held>>,
-    /// The pair's fd store, handed to every engine started (after the
-    /// listening sockets), if the pair has one.
-    fdstore: Option<fdstore::Shared>,
     /// The `LISTEN_FDNAMES` each slot's bundle says now (`None`: as Create
     /// wrote it, the listening sockets only).
     inherited: std::sync::Mutex<Vec<Option<Vec<String>>>>,
@@ -141,9 +149,6 @@ pub struct Machine {
     /// change of its inherited names) and kept: a respawn rewrites its
     /// `config.json` from memory, never from what is on disk.
     specs: std::sync::Mutex<Vec<Option<serde_json::Value>>>,
-    /// With `shadow.dev/accept: runtime`: each engine gets hand-off
-    /// sockets in place of the listening sockets.
-    handoff: Option<Arc<Handoff>>,
 }
 
 /// The longest `LISTEN_FDNAMES` an engine is started with: one environment
@@ -171,52 +176,29 @@ impl Machine {
             listen: std::sync::Mutex::new(listen.map(Arc::new)),
             cgroups,
             held: std::sync::Mutex::new(held),
-            fdstore: None,
             inherited: std::sync::Mutex::new(vec![None; engines_len]),
             specs: std::sync::Mutex::new(vec![None; engines_len]),
-            handoff: None,
         }
     }
 
-    /// Hands every engine started from now on its own hand-off sockets.
-    pub fn with_handoff(mut self, handoff: Option<Arc<Handoff>>) -> Self {
-        self.handoff = handoff;
-        self
+    /// Whether `slot`'s engine is handed the fd store at its start: not
+    /// when it shares a PID namespace (it is then no `LISTEN_PID=1`: it
+    /// fetches instead).
+    fn takes_store_at_start(&self, slot: SlotId) -> bool {
+        !self.engines[slot.index()].kills_rest_on_exit
     }
 
-    /// Fresh hand-off sockets for `slot`'s next engine, when the runtime
-    /// accepts (`shadow.dev/accept: runtime`); none otherwise.
-    fn handoff_ends(&self, slot: SlotId, listen: Option<&ListenSockets>) -> Result<Vec<OwnedFd>> {
-        match (&self.handoff, listen) {
-            (Some(h), Some(_)) => h.ends_for(slot),
-            _ => Ok(Vec::new()),
-        }
-    }
-
-    /// Hands `store` to every engine started from now on.
-    pub fn with_fdstore(mut self, store: Option<fdstore::Shared>) -> Self {
-        self.fdstore = store;
-        self
-    }
-
-    /// The fd store's copies for the start of `slot`'s engine, with its
-    /// bundle's `LISTEN_FDS`/`LISTEN_FDNAMES` made to say them. None when
-    /// the pair has no store, or the engine shares a PID namespace (it is
-    /// then no `LISTEN_PID=1`: it fetches instead), or the names are too
-    /// long for one environment string.
+    /// The store's copies `stored` for the start of `slot`'s engine, with
+    /// its bundle's `LISTEN_FDS`/`LISTEN_FDNAMES` made to say them; none
+    /// (closed here) when the names are too long for one environment
+    /// string or the bundle cannot be written.
     fn stored_for_start(
         &self,
         slot: SlotId,
         listen: Option<&ListenSockets>,
+        mut stored: Vec<(String, OwnedFd)>,
     ) -> Vec<(String, OwnedFd)> {
         let e = &self.engines[slot.index()];
-        let Some(store) = &self.fdstore else {
-            return Vec::new();
-        };
-        if e.kills_rest_on_exit {
-            return Vec::new();
-        }
-        let mut stored = fdstore::lock(store).copies();
         let mut names: Vec<String> = listen.map(|l| l.names().to_vec()).unwrap_or_default();
         let listen_only = names.clone();
         names.extend(stored.iter().map(|(n, _)| n.clone()));
@@ -280,16 +262,6 @@ fn inherited_first<'a>(
     }
 }
 
-impl Drop for Machine {
-    /// A pair dropped without its end (the Task service let go of it):
-    /// its acceptors stop with it, rather than hold its listening sockets.
-    fn drop(&mut self) {
-        if let Some(h) = &self.handoff {
-            h.stop();
-        }
-    }
-}
-
 /// The engine spec Create wrote in `bundle`.
 fn read_spec(bundle: &std::path::Path) -> Result<serde_json::Value> {
     let path = bundle.join("config.json");
@@ -332,10 +304,10 @@ fn instant_of(at: SystemTime) -> Instant {
 impl Host for Machine {
     /// An engine that cannot run (a missing binary) fails Create; what a
     /// failed create left is removed.
-    async fn create(&self, slot: SlotId) -> Result<u32> {
+    async fn create(&self, slot: SlotId, give: &dyn Passing) -> Result<u32> {
         let e = &self.engines[slot.index()];
         let listen = self.listen();
-        let ends = self.handoff_ends(slot, listen.as_deref())?;
+        let ends = give.for_start(slot, false)?.ends;
         let fds = inherited_first(&ends, listen.as_deref());
         let created = create_engine(e, self.output.clone(), &fds).await;
         drop(fds);
@@ -354,7 +326,7 @@ impl Host for Machine {
         }
     }
 
-    async fn spawn(&self, slot: SlotId) -> Result<u32> {
+    async fn spawn(&self, slot: SlotId, give: &dyn Passing) -> Result<u32> {
         let held = std::mem::replace(&mut self.held()[slot.index()], Held::Ran);
         let e = &self.engines[slot.index()];
         if let Held::Created(pid) = held {
@@ -366,8 +338,8 @@ impl Host for Machine {
             l.repair();
         }
         let fresh = held == Held::Nothing;
-        let ends = self.handoff_ends(slot, listen.as_deref())?;
-        let stored = self.stored_for_start(slot, listen.as_deref());
+        let Passed { ends, stored } = give.for_start(slot, self.takes_store_at_start(slot))?;
+        let stored = self.stored_for_start(slot, listen.as_deref(), stored);
         let fds = inherited_first(&ends, listen.as_deref());
         let started = run_engine(e, self.output.clone(), fresh, &fds, &stored).await;
         drop(fds);
@@ -479,14 +451,7 @@ impl Host for Machine {
     }
 
     fn close_listen(&self) {
-        if let Some(h) = &self.handoff {
-            h.stop();
-        }
         drop(self.listen.lock().unwrap_or_else(|p| p.into_inner()).take());
-    }
-
-    fn handoff(&self) -> Option<Arc<dyn Handing>> {
-        self.handoff.clone().map(|h| h as Arc<dyn Handing>)
     }
 }
 

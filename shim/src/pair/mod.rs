@@ -29,6 +29,7 @@ pub mod netns;
 pub mod notify;
 pub mod observe;
 pub mod owner;
+pub mod passing;
 pub mod probe;
 pub mod publish;
 #[cfg(test)]

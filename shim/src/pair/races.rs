@@ -22,7 +22,7 @@ use super::command::{Command, Reply};
 use super::config::PairConfig;
 use super::engine::SharedOutput;
 use super::handoff::Handing;
-use super::host::{Host, ReapFuture, Reaped};
+use super::host::{Host, Passed, Passing, ReapFuture, Reaped};
 use super::input::Input;
 use super::lock::{LockLook, LockSeen};
 use super::made::Made;
@@ -103,6 +103,14 @@ impl FakeHanding {
     }
 }
 
+/// Each engine's serial is told at its pid's making (`new_pid`): the
+/// start passes nothing else.
+impl Passing for FakeHanding {
+    fn for_start(&self, _slot: SlotId, _with_store: bool) -> Result<Passed> {
+        Ok(Passed::default())
+    }
+}
+
 impl Handing for FakeHanding {
     fn start(self: Arc<Self>, _tx: &super::input::Inputs) -> Result<()> {
         Ok(())
@@ -138,6 +146,7 @@ impl Handing for FakeHanding {
     fn died(&self, slot: SlotId) {
         self.tell(ConnEvent::Died { slot });
     }
+    fn stop(&self) {}
     fn lock_lost(&self, slot: SlotId) {
         self.tell(ConnEvent::LockLost { slot });
     }
@@ -190,7 +199,8 @@ impl FakeHost {
 
 #[async_trait]
 impl Host for FakeHost {
-    async fn create(&self, slot: SlotId) -> Result<u32> {
+    async fn create(&self, slot: SlotId, give: &dyn Passing) -> Result<u32> {
+        give.for_start(slot, false)?;
         let pid = self.new_pid(slot);
         let mut st = self.state();
         st.calls.push(Call::Create(slot));
@@ -199,12 +209,13 @@ impl Host for FakeHost {
         Ok(pid)
     }
 
-    async fn spawn(&self, slot: SlotId) -> Result<u32> {
+    async fn spawn(&self, slot: SlotId, give: &dyn Passing) -> Result<u32> {
         let created = self.state().created.take().filter(|_| slot == S0);
         if let Some(pid) = created {
             self.state().calls.push(Call::Start(slot));
             return Ok(pid);
         }
+        give.for_start(slot, true)?;
         let pid = self.new_pid(slot);
         let (script, input) = {
             let mut st = self.state();
@@ -298,10 +309,6 @@ impl Host for FakeHost {
         Some(st.holder.is_some() && st.holder == st.slots.get(&pid).copied())
     }
 
-    fn handoff(&self) -> Option<Arc<dyn Handing>> {
-        Some(self.1.clone())
-    }
-
     fn close_listen(&self) {
         self.state().listening = false;
     }
@@ -343,6 +350,8 @@ impl Rig {
             namespace: "ns".into(),
             config: PairConfig::default(),
             host: host.clone(),
+            passing: host.1.clone(),
+            handoff: Some(host.1.clone()),
             runc_ids: vec!["p-s0".into(), "p-s1".into()],
             output: Arc::new(SharedOutput::new(None, None)),
             copiers: Vec::new(),

@@ -123,10 +123,13 @@ impl Supervisor {
     fn spawn(&mut self, slot: SlotId) {
         let generation = self.pair.slot(slot).generation;
         self.spawned_at[slot.index()] = Instant::now();
-        let host = self.host.clone();
+        let (host, give) = (self.host.clone(), self.passing.clone());
         let tx = self.tx.clone();
         tokio::spawn(async move {
-            let result = host.spawn(slot).await.map_err(|e| e.to_string());
+            let result = host
+                .spawn(slot, give.as_ref())
+                .await
+                .map_err(|e| e.to_string());
             let _ = tx
                 .send(Input::Spawned {
                     slot,

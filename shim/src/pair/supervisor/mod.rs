@@ -42,7 +42,8 @@ use super::config::PairConfig;
 use super::engine::SharedOutput;
 use super::fdstore;
 use super::fetch::{self, FetchSocket, Fetchers};
-use super::host::Host;
+use super::handoff::Handing;
+use super::host::{Host, Passing};
 use super::input::{self, Input, Inputs};
 use super::made::Made;
 use super::notify::{DropCounts, NotifySocket, Queue};
@@ -70,6 +71,11 @@ pub struct Parts {
     pub namespace: String,
     pub config: PairConfig,
     pub host: Arc<dyn Host>,
+    /// What a new engine is passed besides the listening sockets.
+    pub passing: Arc<dyn Passing>,
+    /// With `shadow.dev/accept: runtime`: the acceptors and hand-offs,
+    /// told who is active and who died.
+    pub handoff: Option<Arc<dyn Handing>>,
     /// Each slot's runc container id, `0 ..= N`.
     pub runc_ids: Vec<String>,
     pub output: Arc<SharedOutput>,
@@ -97,6 +103,16 @@ pub struct Parts {
     pub shadows: usize,
     /// How the pair finds a hung engine.
     pub hang: Hang,
+}
+
+impl Drop for Supervisor {
+    /// A pair dropped without its end (the Task service let go of it):
+    /// its acceptors stop with it, rather than hold its listening sockets.
+    fn drop(&mut self) {
+        if let Some(h) = &self.handoff {
+            h.stop();
+        }
+    }
 }
 
 /// How a pair finds a hung engine: its engines' watchdog interval, the
@@ -160,6 +176,8 @@ pub struct Supervisor {
     pair: Pair,
     config: PairConfig,
     host: Arc<dyn Host>,
+    passing: Arc<dyn Passing>,
+    handoff: Option<Arc<dyn Handing>>,
     output: Arc<SharedOutput>,
     copiers: Vec<JoinHandle<()>>,
     router: Arc<ExitRouter>,
@@ -244,6 +262,8 @@ impl Supervisor {
             id: p.id,
             config: p.config,
             host: p.host,
+            passing: p.passing,
+            handoff: p.handoff,
             output: p.output,
             copiers: p.copiers,
             router: p.router,
@@ -277,7 +297,7 @@ impl Supervisor {
     /// Should the engine's create fail, that is undone here.
     pub async fn launch(p: Parts) -> Result<Handle> {
         let mut sup = Supervisor::new(p);
-        match sup.host.create(SlotId::ZERO).await {
+        match sup.host.create(SlotId::ZERO, sup.passing.as_ref()).await {
             Ok(pid) => sup.publisher.created(pid),
             Err(e) => {
                 sup.output.close();
@@ -341,14 +361,14 @@ impl Supervisor {
                     self.notify_queue.clone(),
                     self.notify_drops.clone(),
                     self.fdstore.clone(),
-                    self.host.handoff(),
+                    self.handoff.clone(),
                     self.tx.clone(),
                 ));
             }
             if let (Some(store), Some(fetch)) = (&self.fdstore, self.fetch.take()) {
                 self.observe_fdstore(store.clone(), fetch, socks);
             }
-            if let Some(h) = self.host.handoff() {
+            if let Some(h) = self.handoff.clone() {
                 if let Err(e) = h.start(&self.tx) {
                     log::error!("pair {}: the runtime does not accept: {e}", self.id);
                 }
@@ -389,7 +409,7 @@ impl Supervisor {
             host: self.host.clone(),
             notify,
             tx: self.tx.clone(),
-            handoff: self.host.handoff(),
+            handoff: self.handoff.clone(),
         });
         for (slot, sock) in self.pair.slot_ids().zip(fetch) {
             match fetch::serve(slot, sock, fetchers.clone()) {
@@ -411,7 +431,7 @@ impl Supervisor {
             };
             let generation = self.pair.slot(slot).generation;
             self.spawned_at[slot.index()] = Instant::now();
-            match self.host.spawn(slot).await {
+            match self.host.spawn(slot, self.passing.as_ref()).await {
                 Ok(pid) => {
                     let actions = self.on_spawned(slot, generation, Ok(pid));
                     self.carry_out(actions).await;
@@ -523,6 +543,9 @@ impl Supervisor {
         // Whatever an observer still holds cannot reach a pair that is gone.
         self.rx.close();
         self.host.close_listen();
+        if let Some(h) = &self.handoff {
+            h.stop();
+        }
         // The probe's thread ends with the pair (one in flight holds it
         // until its timeout).
         self.probing = None;
@@ -538,7 +561,7 @@ impl Supervisor {
     /// Connections go to the active engine: the hand-off is told who it
     /// is after each step (the decision counts only a change).
     fn tell_handoff(&self) {
-        if let Some(h) = self.host.handoff() {
+        if let Some(h) = &self.handoff {
             h.active_is(self.pair.active());
         }
     }
