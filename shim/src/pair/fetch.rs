@@ -231,10 +231,10 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
         return;
     }
     // The lock holder serves: new connections go to it at once.
-    let who = shared.handoff.as_ref().and_then(|h| {
-        h.fetch_answered(slot);
-        h.recipient(slot)
-    });
+    let who = match &shared.handoff {
+        Some(h) => h.fetch_answered(slot).await,
+        None => None,
+    };
     // Everything sent to the notify sockets before this fetch is in the
     // store once each socket has been seen with nothing unread.
     let asked = Instant::now();

@@ -5,87 +5,104 @@
 //! exists, and hands it to the serving engine through a hand-off socket of
 //! that engine's own (the protocol is `shadow_contract::handoff`'s).
 //!
+//! One task does it, on the connection thread (`owner.rs`): it owns the
+//! listening sockets, every engine's hand-off sockets, the connections
+//! waiting to be handed and `shadow_pair::Connections`, which decides who
+//! is handed them. Everything else tells it what happened through its
+//! inbox ([`Told`]), in order, and never touches that state: the
+//! supervisor (the active engine, a death, the lock seen lost), the
+//! notify readers (a `READY=1` sent by the lock holder), the fetch servers
+//! (a fetch answered for the lock holder) and each start of an engine
+//! (its fresh ends). A respawn of a slot is another engine, handed nothing
+//! until it proves it holds the lock; what was handed to an engine that
+//! died is the next one's through its fetch (`FdStore::copies_for`).
+//!
 //! The shim touches a connection once, at its accept: it never reads,
 //! writes or waits on it, and an engine that does not read its hand-off
 //! socket only stops its own connections from coming (they wait in the
 //! store, bounded by `shadow.dev/fdstore-max`, then in the kernel's
-//! backlog). Who is handed connections is `shadow_pair::Connections`'s
-//! decision, from what it is told here: a `READY=1` sent by the lock
-//! holder (seen by the notify socket's reader), the supervisor's active
-//! engine (a `READY=1` believed), a fetch answered for the lock holder,
-//! an engine started, lost or gone; a respawn of a slot is another engine, handed
-//! nothing until it proves it holds the lock. What was handed to an engine that died is the
-//! next one's through its fetch (`FdStore::copies_for`).
+//! backlog).
 
 use std::collections::VecDeque;
+use std::future::poll_fn;
 use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
 
+use async_trait::async_trait;
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::socket::{
     accept4, sendmsg, socketpair, AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType,
 };
-use shadow_pair::{ConnEvent, Connections, SlotId};
+use shadow_pair::{ConnEvent, Connections, Recipient, SlotId};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use super::fdstore::accepted::Hand;
-use super::fdstore::{self, Recipient, Shared};
+use super::fdstore::{self, Shared};
 use super::input::Inputs;
 use super::owner;
 use crate::error::{Error, Result};
 
-/// Connections accepted in one go before the hand-offs and the rest of the
-/// runtime get their turn.
+/// Connections accepted in one go before the inbox and the hand-offs get
+/// their turn.
 const ACCEPT_BATCH: usize = 64;
 
-/// One engine's hand-off sockets (the shim's ends), one per listener.
-struct Ends {
-    serial: u64,
-    socks: Vec<Arc<AsyncFd<OwnedFd>>>,
-}
+/// [`Handoff::serving`]'s word for "nobody".
+const NOBODY: u64 = u64::MAX;
 
-/// The hand-off sockets, and who is handed connections now (decided by
-/// `shadow_pair::Connections`, the one place that says it).
-struct Targets {
-    decided: Connections,
-    /// Per slot: its current engine's ends.
-    ends: Vec<Option<Ends>>,
-    next_serial: u64,
-}
+/// A hand-off socket (the shim's end), watched by the connection thread.
+type End = Arc<AsyncFd<OwnedFd>>;
 
-impl Targets {
-    /// Takes in `event`: whether the recipient moved.
-    fn tell(&mut self, id: &str, event: ConnEvent) -> bool {
-        let moved = self.decided.handle(event);
-        if moved {
-            match self.decided.recipient() {
-                Some(r) => log::debug!("pair {id}: connections go to slot {} ({event:?})", r.slot),
-                None => log::debug!("pair {id}: connections wait in the store ({event:?})"),
-            }
-        }
-        moved
-    }
+/// What the hand-off task is told: its inbox, read in order.
+enum Told {
+    /// A new engine of `slot` starts with these ends (one per listener).
+    Started {
+        slot: SlotId,
+        serial: u64,
+        ends: Vec<End>,
+    },
+    /// `slot`'s engine was answered its fetch; the reply says which
+    /// engine that is (none: no engine of it has ends).
+    FetchAnswered {
+        slot: SlotId,
+        reply: oneshot::Sender<Option<Recipient>>,
+    },
+    /// `slot`'s engine said `READY=1` from a process holding the lock.
+    ReadyFromHolder { slot: SlotId },
+    /// The supervisor's active engine now.
+    Active(Option<SlotId>),
+    /// `slot`'s engine died (its reap).
+    Died { slot: SlotId },
+    /// `slot`'s engine was seen not holding the lock.
+    LockLost { slot: SlotId },
+    #[cfg(test)]
+    /// The engine now in `slot`, as a recipient.
+    Engine {
+        slot: SlotId,
+        reply: oneshot::Sender<Option<Recipient>>,
+    },
 }
 
 /// What the supervisor and the fetch servers tell the hand-offs: a trait,
 /// so that the supervisor's race tests stand a fake in for [`Handoff`].
+#[async_trait]
 pub trait Handing: Send + Sync {
     /// Starts accepting (once; the pair started); `tx` hears when the
     /// store's figures moved.
     fn start(self: Arc<Self>, tx: &Inputs) -> Result<()>;
-    /// `slot`'s engine (the one running now) was answered its fetch.
-    fn fetch_answered(&self, slot: SlotId);
+    /// `slot`'s engine (the one running now) was answered its fetch:
+    /// that engine, once the hand-offs have taken it in.
+    async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient>;
     /// `slot`'s engine (the one running now) said `READY=1` from a
     /// process seen holding the lock.
     fn ready_from_holder(&self, slot: SlotId);
-    /// The slot handed connections now, if any.
+    /// The slot handed connections now, if any (as last decided).
     fn serving(&self) -> Option<SlotId>;
-    /// The engine now running in `slot`, as a recipient.
-    fn recipient(&self, slot: SlotId) -> Option<Recipient>;
     /// The supervisor's active engine now (told after each of its steps).
     fn active_is(&self, now: Option<SlotId>);
     /// The engine now in `slot` died (its reap).
@@ -96,87 +113,105 @@ pub trait Handing: Send + Sync {
     fn lock_lost(&self, slot: SlotId);
 }
 
+#[async_trait]
 impl Handing for Handoff {
     fn start(self: Arc<Self>, tx: &Inputs) -> Result<()> {
         Handoff::start(&self, tx)
     }
-    fn fetch_answered(&self, slot: SlotId) {
-        Handoff::fetch_answered(self, slot)
+    async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient> {
+        Handoff::fetch_answered(self, slot).await
     }
     fn ready_from_holder(&self, slot: SlotId) {
-        Handoff::ready_from_holder(self, slot)
+        self.tell(Told::ReadyFromHolder { slot });
     }
     fn serving(&self) -> Option<SlotId> {
-        self.targets().decided.recipient().map(|r| r.slot)
-    }
-    fn recipient(&self, slot: SlotId) -> Option<Recipient> {
-        Handoff::recipient(self, slot)
+        Handoff::serving(self)
     }
     fn active_is(&self, now: Option<SlotId>) {
-        Handoff::active_is(self, now)
+        self.tell(Told::Active(now));
     }
     fn died(&self, slot: SlotId) {
-        Handoff::died(self, slot)
+        self.tell(Told::Died { slot });
     }
     fn stop(&self) {
         Handoff::stop(self)
     }
     fn lock_lost(&self, slot: SlotId) {
-        Handoff::lock_lost(self, slot)
+        self.tell(Told::LockLost { slot });
     }
 }
 
-/// The pair's acceptors and hand-off sockets; see the module doc.
+/// What the hand-off task starts with.
+struct Unstarted {
+    inbox: mpsc::UnboundedReceiver<Told>,
+    /// Copies of the pair's listening sockets, in their order.
+    listening: Vec<OwnedFd>,
+    store: Shared,
+}
+
+/// The hand-off task's handle: its inbox, and what it needs to start.
 pub struct Handoff {
     id: String,
-    store: Shared,
     listeners: usize,
-    targets: Mutex<Targets>,
-    /// Bumped whenever who serves, or an engine's sockets, change.
-    changed: watch::Sender<u64>,
-    /// Copies of the pair's listening sockets, until the acceptors start.
-    listening: Mutex<Vec<OwnedFd>>,
-    tasks: Mutex<Vec<JoinHandle<()>>>,
+    slots: usize,
+    inbox: mpsc::UnboundedSender<Told>,
+    /// What the task starts with, until [`Handoff::start`] takes it.
+    unstarted: Mutex<Option<Unstarted>>,
+    task: Mutex<Option<JoinHandle<()>>>,
+    /// Each engine's serial, from 1: given at its start, before the task
+    /// hears of it.
+    next_serial: AtomicU64,
+    /// The slot handed connections, as the task last decided ([`NOBODY`]):
+    /// a look for the notify readers, never a decision.
+    serving: Arc<AtomicU64>,
 }
 
 impl Handoff {
     /// For a pair with `slots` engines, accepting on `listening` (copies
     /// of its listening sockets, in their order) once started.
     pub fn new(id: &str, store: Shared, listening: Vec<OwnedFd>, slots: usize) -> Arc<Self> {
-        let (changed, _) = watch::channel(0);
+        let (inbox, rx) = mpsc::unbounded_channel();
         Arc::new(Handoff {
             id: id.to_owned(),
-            store,
             listeners: listening.len(),
-            listening: Mutex::new(listening),
-            targets: Mutex::new(Targets {
-                decided: Connections::new(),
-                ends: (0..slots).map(|_| None).collect(),
-                next_serial: 1,
-            }),
-            changed,
-            tasks: Mutex::new(Vec::new()),
+            slots,
+            inbox,
+            unstarted: Mutex::new(Some(Unstarted {
+                inbox: rx,
+                listening,
+                store,
+            })),
+            task: Mutex::new(None),
+            next_serial: AtomicU64::new(1),
+            serving: Arc::new(AtomicU64::new(NOBODY)),
         })
     }
 
-    fn targets(&self) -> MutexGuard<'_, Targets> {
-        self.targets.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn bump(&self) {
-        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+    /// Tells the task `told`; nothing when it has ended (the pair did).
+    fn tell(&self, told: Told) {
+        let _ = self.inbox.send(told);
     }
 
     /// Starts accepting (once; the pair started), until [`Handoff::stop`];
     /// `tx` hears when the store's figures moved.
-    pub fn start(self: &Arc<Self>, tx: &Inputs) -> Result<()> {
+    pub fn start(&self, tx: &Inputs) -> Result<()> {
+        let Some(Unstarted {
+            inbox: rx,
+            listening,
+            store,
+        }) = self
+            .unstarted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        else {
+            return Ok(());
+        };
         let conns = owner::handle()?;
         // The listeners are watched by the connection thread's reactor.
         let _on_conns = conns.enter();
-        let listening =
-            std::mem::take(&mut *self.listening.lock().unwrap_or_else(|p| p.into_inner()));
-        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
-        for (index, fd) in listening.into_iter().enumerate() {
+        let mut listeners = Vec::with_capacity(listening.len());
+        for fd in listening {
             // This copy's open file is the pair's one listening socket, and
             // no engine has it in this mode: non-blocking is the shim's own.
             set_nonblocking(&fd, "a listening socket")?;
@@ -184,32 +219,41 @@ impl Handoff {
             // nor replaces it while registered.
             let listener = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
                 .map_err(|e| Error::io("watching a listening socket", e.into()))?;
-            tasks.push(conns.spawn(accept_and_hand(self.clone(), index, listener, tx.clone())));
+            listeners.push(listener);
         }
+        let room = fdstore::lock(&store).room();
+        let task = Hands {
+            id: self.id.clone(),
+            waiting: vec![VecDeque::new(); listeners.len()],
+            room,
+            store,
+            tx: tx.clone(),
+            decided: Connections::new(),
+            ends: (0..self.slots).map(|_| None).collect(),
+            serving: self.serving.clone(),
+        };
+        let handle = conns.spawn(task.run(rx, listeners));
+        *self.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         Ok(())
     }
 
-    /// The pair ended: no more accepts, every hand-off socket closed.
+    /// The pair ended: no more accepts; the task ends and every hand-off
+    /// socket with it.
     pub fn stop(&self) {
-        for t in self
-            .tasks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
+        if let Some(t) = self.task.lock().unwrap_or_else(|p| p.into_inner()).take() {
             t.abort();
         }
-        let mut t = self.targets();
-        t.decided = Connections::new();
-        for e in &mut t.ends {
-            *e = None;
-        }
+        self.unstarted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        self.serving.store(NOBODY, Ordering::Release);
     }
 
     /// A new engine of `slot` starts: its ends of fresh hand-off sockets,
     /// one per listener, for its `LISTEN_FDS` (blocking, as engines
     /// expect); the shim's ends replace the slot's previous engine's. The
-    /// new engine serves only once it is said to.
+    /// new engine serves only once it proves it holds the lock.
     pub fn ends_for(&self, slot: SlotId) -> Result<Vec<OwnedFd>> {
         let conns = owner::handle()?;
         // Watched by the connection thread's reactor, as the acceptors.
@@ -233,87 +277,187 @@ impl Handoff {
             ours.push(Arc::new(mine));
             theirs.push(engine);
         }
-        {
-            let mut t = self.targets();
-            let serial = t.next_serial;
-            t.next_serial += 1;
-            t.ends[slot.index()] = Some(Ends {
-                serial,
-                socks: ours,
-            });
-            t.tell(&self.id, ConnEvent::Started { slot, serial });
-        }
-        self.bump();
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        self.tell(Told::Started {
+            slot,
+            serial,
+            ends: ours,
+        });
         Ok(theirs)
-    }
-
-    /// Tells the decision `event`; the acceptors hear when the recipient
-    /// moved.
-    fn tell(&self, event: ConnEvent) {
-        if self.targets().tell(&self.id, event) {
-            self.bump();
-        }
     }
 
     /// `slot`'s engine (the one running now) was answered its fetch: it
     /// held the lock, and is handed what was accepted from now on (and
-    /// what waits).
-    pub fn fetch_answered(&self, slot: SlotId) {
-        let engine = self.targets().decided.engine(slot);
-        if let Some(r) = engine {
-            self.tell(ConnEvent::FetchAnswered {
-                slot,
-                serial: r.serial,
-            });
+    /// what waits). That engine, once the task has taken it in.
+    pub async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient> {
+        let (reply, answer) = oneshot::channel();
+        self.tell(Told::FetchAnswered { slot, reply });
+        answer.await.ok().flatten()
+    }
+
+    /// The slot handed connections now, as the task last decided.
+    pub fn serving(&self) -> Option<SlotId> {
+        match self.serving.load(Ordering::Acquire) {
+            NOBODY => None,
+            n => usize::try_from(n).ok().and_then(SlotId::new),
         }
     }
 
-    /// `slot`'s engine (the one running now) said `READY=1` from a
-    /// process holding the lock: it serves, as after its fetch.
-    pub fn ready_from_holder(&self, slot: SlotId) {
-        let engine = self.targets().decided.engine(slot);
-        if let Some(r) = engine {
-            self.tell(ConnEvent::ReadyFromHolder {
-                slot,
-                serial: r.serial,
-            });
+    #[cfg(test)]
+    /// The engine now in `slot`, as the task knows it.
+    async fn engine(&self, slot: SlotId) -> Option<Recipient> {
+        let (reply, answer) = oneshot::channel();
+        self.tell(Told::Engine { slot, reply });
+        answer.await.ok().flatten()
+    }
+}
+
+/// One engine's hand-off sockets (the shim's ends), one per listener.
+struct Ends {
+    serial: u64,
+    socks: Vec<End>,
+}
+
+/// The hand-off task's state: its alone.
+struct Hands {
+    id: String,
+    store: Shared,
+    tx: Inputs,
+    /// Signalled whenever descriptors leave the store.
+    room: Arc<tokio::sync::Notify>,
+    /// Who is handed connections: the one place that says it.
+    decided: Connections,
+    /// Per slot: its current engine's ends.
+    ends: Vec<Option<Ends>>,
+    /// Per listener: the store's tokens of connections not handed yet, in
+    /// the order they were accepted.
+    waiting: Vec<VecDeque<u64>>,
+    serving: Arc<AtomicU64>,
+}
+
+impl Hands {
+    async fn run(
+        mut self,
+        mut inbox: mpsc::UnboundedReceiver<Told>,
+        listeners: Vec<AsyncFd<OwnedFd>>,
+    ) {
+        // Where the look for a readable listener starts: each in turn, so
+        // that a flood on one does not starve the others.
+        let mut first = 0;
+        loop {
+            let blocked: Vec<End> = (0..listeners.len())
+                .filter_map(|i| self.hand_waiting(i))
+                .collect();
+            let has_room = {
+                let mut st = fdstore::lock(&self.store);
+                let room = st.has_room();
+                if !room {
+                    st.watch_handed();
+                }
+                room
+            };
+            let room = self.room.clone();
+            tokio::select! {
+                // What it is told first: a proof moves connections before
+                // more are accepted for nobody.
+                biased;
+                told = inbox.recv() => match told {
+                    Some(told) => self.take(told),
+                    None => return,
+                },
+                (index, ready) = readable(&listeners, first), if has_room => {
+                    let Ok(mut ready) = ready else {
+                        log::warn!("pair {}: listening socket {index} is no longer watched", self.id);
+                        return;
+                    };
+                    first = (index + 1) % listeners.len();
+                    if self.accept_some(index, listeners[index].get_ref().as_fd()) {
+                        ready.clear_ready();
+                    }
+                }
+                ready = writable(&blocked), if !blocked.is_empty() => {
+                    if let Ok(mut ready) = ready {
+                        ready.clear_ready();
+                    }
+                }
+                _ = room.notified(), if !has_room => {}
+            }
         }
     }
 
-    /// `slot`'s engine was seen not holding the lock: it is handed
-    /// nothing more (a new proof of it makes it the recipient again).
-    pub fn lock_lost(&self, slot: SlotId) {
-        self.tell(ConnEvent::LockLost { slot });
-    }
-
-    /// The supervisor's active engine now; what a change means is the
-    /// decision's (`ConnEvent::Active`).
-    pub fn active_is(&self, now: Option<SlotId>) {
-        self.tell(ConnEvent::Active(now));
-    }
-
-    /// The engine now in `slot` died: it is handed nothing more, and the
-    /// shim's ends of its hand-off sockets close.
-    pub fn died(&self, slot: SlotId) {
-        let ends = {
-            let mut t = self.targets();
-            t.tell(&self.id, ConnEvent::Died { slot });
-            t.ends.get_mut(slot.index()).and_then(Option::take)
+    /// Takes in what it was told.
+    fn take(&mut self, told: Told) {
+        let event = match told {
+            Told::Started { slot, serial, ends } => {
+                if let Some(e) = self.ends.get_mut(slot.index()) {
+                    *e = Some(Ends {
+                        serial,
+                        socks: ends,
+                    });
+                }
+                ConnEvent::Started { slot, serial }
+            }
+            Told::FetchAnswered { slot, reply } => {
+                let engine = self.decided.engine(slot);
+                let _ = reply.send(engine);
+                let Some(r) = engine else { return };
+                ConnEvent::FetchAnswered {
+                    slot,
+                    serial: r.serial,
+                }
+            }
+            Told::ReadyFromHolder { slot } => {
+                let Some(r) = self.decided.engine(slot) else {
+                    return;
+                };
+                ConnEvent::ReadyFromHolder {
+                    slot,
+                    serial: r.serial,
+                }
+            }
+            Told::Active(now) => ConnEvent::Active(now),
+            Told::Died { slot } => {
+                // Decided first, then its ends close: the engine is gone.
+                let ends = self.ends.get_mut(slot.index()).and_then(Option::take);
+                self.decide(ConnEvent::Died { slot });
+                drop(ends);
+                return;
+            }
+            Told::LockLost { slot } => ConnEvent::LockLost { slot },
+            #[cfg(test)]
+            Told::Engine { slot, reply } => {
+                let _ = reply.send(self.decided.engine(slot));
+                return;
+            }
         };
-        drop(ends);
-        self.bump();
+        self.decide(event);
     }
 
-    /// The engine now running in `slot`, as a recipient.
-    pub fn recipient(&self, slot: SlotId) -> Option<Recipient> {
-        self.targets().decided.engine(slot)
+    /// Tells the decision `event`, and logs a move of the recipient.
+    fn decide(&mut self, event: ConnEvent) {
+        if !self.decided.handle(event) {
+            return;
+        }
+        let now = self.decided.recipient();
+        match now {
+            Some(r) => log::debug!(
+                "pair {}: connections go to slot {} ({event:?})",
+                self.id,
+                r.slot
+            ),
+            None => log::debug!(
+                "pair {}: connections wait in the store ({event:?})",
+                self.id
+            ),
+        }
+        let word = now.map_or(NOBODY, |r| r.slot.index() as u64);
+        self.serving.store(word, Ordering::Release);
     }
 
     /// Whom listener `index`'s connections go to now, and through what.
-    fn current(&self, index: usize) -> Option<(Recipient, Arc<AsyncFd<OwnedFd>>)> {
-        let t = self.targets();
-        let who = t.decided.recipient()?;
-        let e = t.ends[who.slot.index()].as_ref()?;
+    fn current(&self, index: usize) -> Option<(Recipient, End)> {
+        let who = self.decided.recipient()?;
+        let e = self.ends[who.slot.index()].as_ref()?;
         if e.serial != who.serial {
             return None;
         }
@@ -321,35 +465,26 @@ impl Handoff {
     }
 
     /// A send to `who` failed for good: it died, and is handed no more.
-    fn lost(&self, who: Recipient) {
+    fn lost(&mut self, who: Recipient) {
+        let i = who.slot.index();
+        if self.ends[i]
+            .as_ref()
+            .is_some_and(|e| e.serial == who.serial)
         {
-            let mut t = self.targets();
-            let i = who.slot.index();
-            if t.ends[i].as_ref().is_some_and(|e| e.serial == who.serial) {
-                t.ends[i] = None;
-            }
-            t.tell(
-                &self.id,
-                ConnEvent::Lost {
-                    slot: who.slot,
-                    serial: who.serial,
-                },
-            );
+            self.ends[i] = None;
         }
-        self.bump();
+        self.decide(ConnEvent::Lost {
+            slot: who.slot,
+            serial: who.serial,
+        });
     }
 
     /// Hands what waits on listener `index`, in order, while there is a
     /// recipient with room; the socket that had none, to wait on.
-    fn hand_waiting(
-        &self,
-        index: usize,
-        waiting: &mut VecDeque<u64>,
-        tx: &Inputs,
-    ) -> Option<Arc<AsyncFd<OwnedFd>>> {
-        while let Some(&token) = waiting.front() {
+    fn hand_waiting(&mut self, index: usize) -> Option<End> {
+        while let Some(&token) = self.waiting[index].front() {
             let (who, sock) = self.current(index)?;
-            let sent = fdstore::update(&self.store, tx, |st| {
+            let sent = fdstore::update(&self.store, &self.tx, |st| {
                 let out = st.hand(token, who, |name, conn| {
                     send(sock.get_ref().as_fd(), name, conn)
                 });
@@ -357,7 +492,7 @@ impl Handoff {
             });
             match sent {
                 Hand::Sent | Hand::Gone => {
-                    waiting.pop_front();
+                    self.waiting[index].pop_front();
                 }
                 Hand::Full => return Some(sock),
                 Hand::Failed(e) => {
@@ -366,7 +501,7 @@ impl Handoff {
                         self.id,
                         who.slot
                     );
-                    waiting.pop_front();
+                    self.waiting[index].pop_front();
                 }
                 Hand::Lost(e) => {
                     log::info!(
@@ -380,6 +515,94 @@ impl Handoff {
         }
         None
     }
+
+    /// Accepts up to [`ACCEPT_BATCH`] connections into the store: whether
+    /// the listener has none left (its readiness is spent). Each accept
+    /// happens under the store's lock, once it has room: a connection is
+    /// never taken from the backlog without a place in the store.
+    fn accept_some(&mut self, index: usize, listener: BorrowedFd<'_>) -> bool {
+        /// One accept's outcome, under the store's lock.
+        enum Took {
+            Kept(u64),
+            /// The store is full (no accept made).
+            Full,
+            /// The listener has none left, or failed: this round ends.
+            Spent,
+            Again,
+        }
+        for _ in 0..ACCEPT_BATCH {
+            let took = fdstore::update(&self.store, &self.tx, |st| {
+                if !st.has_room() {
+                    return (Took::Full, false);
+                }
+                // Blocking and close-on-exec: the engine that is handed it
+                // gets the connection as its own accept would have made it.
+                let conn = match accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
+                    // SAFETY: accept4 just returned this descriptor; it is
+                    // owned here and nowhere else.
+                    Ok(raw) => unsafe { OwnedFd::from_raw_fd(raw) },
+                    Err(nix::errno::Errno::EAGAIN) => return (Took::Spent, false),
+                    Err(nix::errno::Errno::EINTR | nix::errno::Errno::ECONNABORTED) => {
+                        return (Took::Again, false)
+                    }
+                    // Out of descriptors, or memory: this round ends; the
+                    // next readiness tries again.
+                    Err(e) => {
+                        log::warn!("pair {}: accept on listening socket {index}: {e}", self.id);
+                        return (Took::Spent, false);
+                    }
+                };
+                match st.accept(index, conn) {
+                    Ok(token) => (Took::Kept(token), true),
+                    // Room was there under the same lock.
+                    Err(_) => (Took::Full, false),
+                }
+            });
+            match took {
+                Took::Kept(token) => self.waiting[index].push_back(token),
+                Took::Again => continue,
+                Took::Full => return false,
+                Took::Spent => return true,
+            }
+        }
+        false
+    }
+}
+
+/// The first listener readable, looking from `first` on.
+async fn readable(
+    listeners: &[AsyncFd<OwnedFd>],
+    first: usize,
+) -> (
+    usize,
+    std::io::Result<tokio::io::unix::AsyncFdReadyGuard<'_, OwnedFd>>,
+) {
+    let n = listeners.len();
+    poll_fn(|cx| {
+        for k in 0..n {
+            let i = (first + k) % n;
+            if let Poll::Ready(r) = listeners[i].poll_read_ready(cx) {
+                return Poll::Ready((i, r));
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// The first of `socks` with room to send.
+async fn writable(
+    socks: &[End],
+) -> std::io::Result<tokio::io::unix::AsyncFdReadyGuard<'_, OwnedFd>> {
+    poll_fn(|cx| {
+        for s in socks {
+            if let Poll::Ready(r) = s.poll_write_ready(cx) {
+                return Poll::Ready(r);
+            }
+        }
+        Poll::Pending
+    })
+    .await
 }
 
 /// `O_NONBLOCK` on `fd`'s open file (`what` it is, for the error).
@@ -406,111 +629,6 @@ fn send(sock: BorrowedFd<'_>, name: &str, conn: BorrowedFd<'_>) -> nix::Result<(
         None,
     )
     .map(|_| ())
-}
-
-/// Listener `index`'s loop: accept while the store has room, keep each
-/// connection there, hand it on to whoever serves.
-async fn accept_and_hand(h: Arc<Handoff>, index: usize, listener: AsyncFd<OwnedFd>, tx: Inputs) {
-    let mut changed = h.changed.subscribe();
-    let room = fdstore::lock(&h.store).room();
-    let mut waiting: VecDeque<u64> = VecDeque::new();
-    loop {
-        let blocked = h.hand_waiting(index, &mut waiting, &tx);
-        let has_room = {
-            let mut st = fdstore::lock(&h.store);
-            let room = st.has_room();
-            if !room {
-                st.watch_handed();
-            }
-            room
-        };
-        tokio::select! {
-            ready = listener.readable(), if has_room => {
-                let Ok(mut ready) = ready else {
-                    log::warn!("pair {}: listening socket {index} is no longer watched", h.id);
-                    return;
-                };
-                if accept_some(&h, index, listener.get_ref().as_fd(), &mut waiting, &tx) {
-                    ready.clear_ready();
-                }
-            }
-            seen = changed.changed() => {
-                if seen.is_err() {
-                    return;
-                }
-            }
-            ready = writable(blocked.as_deref()), if blocked.is_some() => {
-                if let Some(mut ready) = ready {
-                    ready.clear_ready();
-                }
-            }
-            _ = room.notified(), if !has_room => {}
-        }
-    }
-}
-
-async fn writable(
-    sock: Option<&AsyncFd<OwnedFd>>,
-) -> Option<tokio::io::unix::AsyncFdReadyGuard<'_, OwnedFd>> {
-    sock?.writable().await.ok()
-}
-
-/// Accepts up to [`ACCEPT_BATCH`] connections into the store: whether the
-/// listener has none left (its readiness is spent). Each accept happens
-/// under the store's lock, once it has room: a connection is never taken
-/// from the backlog without a place in the store.
-fn accept_some(
-    h: &Handoff,
-    index: usize,
-    listener: BorrowedFd<'_>,
-    waiting: &mut VecDeque<u64>,
-    tx: &Inputs,
-) -> bool {
-    /// One accept's outcome, under the store's lock.
-    enum Took {
-        Kept(u64),
-        /// The store is full (no accept made).
-        Full,
-        /// The listener has none left, or failed: this round ends.
-        Spent,
-        Again,
-    }
-    for _ in 0..ACCEPT_BATCH {
-        let took = fdstore::update(&h.store, tx, |st| {
-            if !st.has_room() {
-                return (Took::Full, false);
-            }
-            // Blocking and close-on-exec: the engine that is handed it
-            // gets the connection as its own accept would have made it.
-            let conn = match accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
-                // SAFETY: accept4 just returned this descriptor; it is
-                // owned here and nowhere else.
-                Ok(raw) => unsafe { OwnedFd::from_raw_fd(raw) },
-                Err(nix::errno::Errno::EAGAIN) => return (Took::Spent, false),
-                Err(nix::errno::Errno::EINTR | nix::errno::Errno::ECONNABORTED) => {
-                    return (Took::Again, false)
-                }
-                // Out of descriptors, or memory: this round ends; the
-                // next readiness tries again.
-                Err(e) => {
-                    log::warn!("pair {}: accept on listening socket {index}: {e}", h.id);
-                    return (Took::Spent, false);
-                }
-            };
-            match st.accept(index, conn) {
-                Ok(token) => (Took::Kept(token), true),
-                // Room was there under the same lock.
-                Err(_) => (Took::Full, false),
-            }
-        });
-        match took {
-            Took::Kept(token) => waiting.push_back(token),
-            Took::Again => continue,
-            Took::Full => return false,
-            Took::Spent => return true,
-        }
-    }
-    false
 }
 
 #[cfg(test)]
@@ -608,7 +726,7 @@ mod tests {
         assert_eq!(fdstore::lock(&r.store).status().accepted, 1);
         // Slot 0's fetch is answered: what waited is handed to it, and
         // what comes next; slot 1, parked, gets nothing.
-        r.h.fetch_answered(S0);
+        r.h.fetch_answered(S0).await;
         let (name, mut h1) = receive(&e0, Duration::from_secs(10)).expect("handed");
         assert!(name.starts_with("accepted."), "{name}");
         talks(&mut c1, &mut h1);
@@ -617,6 +735,25 @@ mod tests {
         talks(&mut c2, &mut h2);
         assert!(receive(&e1, Duration::from_millis(100)).is_none());
         assert_eq!(fdstore::lock(&r.store).status().handed, 2);
+        r.h.stop();
+    }
+
+    #[tokio::test]
+    async fn a_ready_from_the_holder_moves_connections_and_a_death_closes_the_ends() {
+        let r = rig();
+        let e0 = r.h.ends_for(S0).expect("ends of slot 0").remove(0);
+        let mut c = TcpStream::connect(r.addr).expect("connect");
+        r.h.ready_from_holder(S0);
+        let (_, mut handed) = receive(&e0, Duration::from_secs(10)).expect("handed");
+        talks(&mut c, &mut handed);
+        assert_eq!(r.h.serving(), Some(S0));
+        // Its reap: the task closes the shim's ends (the engine's end
+        // reads the end of the stream) and hands it nothing more.
+        r.h.died(S0);
+        let mut buf = [0u8; 64];
+        let got = nix::sys::socket::recv(e0.as_raw_fd(), &mut buf, MsgFlags::empty());
+        assert_eq!(got, Ok(0), "the shim's end is closed");
+        assert_eq!(r.h.serving(), None);
         r.h.stop();
     }
 
@@ -631,10 +768,10 @@ mod tests {
         drop(e0);
         let mut c = TcpStream::connect(r.addr).expect("connect");
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while r.h.recipient(S0).is_some() && std::time::Instant::now() < deadline {
+        while r.h.engine(S0).await.is_some() && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(r.h.recipient(S0), None, "the dead engine is lost");
+        assert_eq!(r.h.engine(S0).await, None, "the dead engine is lost");
         assert!(receive(&e1, Duration::from_millis(100)).is_none());
         // Slot 1 proves it holds the lock (its READY=1 believed): the
         // connection that waited is its.
@@ -648,7 +785,7 @@ mod tests {
     async fn a_lock_lost_stops_the_hand_offs_until_a_new_proof() {
         let r = rig();
         let e0 = r.h.ends_for(S0).expect("ends of slot 0").remove(0);
-        r.h.fetch_answered(S0);
+        r.h.fetch_answered(S0).await;
         r.h.lock_lost(S0);
         let mut c = TcpStream::connect(r.addr).expect("connect");
         assert!(receive(&e0, Duration::from_millis(200)).is_none());

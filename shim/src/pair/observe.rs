@@ -234,8 +234,11 @@ pub fn notify(
 /// once if `pid` (or a child of it) holds the lock through a descriptor of
 /// its own. That is the first proof a promoted engine gives, before its
 /// fetch and before the supervisor's thread is free to believe it.
-/// Looked at only while the slot is not served already, so a flood of
-/// `READY=1` costs no more than the gate lets through.
+/// Looked at only while the slot is not served already (as the hand-off
+/// task last decided), so a flood of `READY=1` costs no more than the
+/// gate lets through. A respawn of the serving slot whose `READY=1`
+/// comes before that task has taken in the death is proven by its fetch
+/// instead, a millisecond or two later.
 pub(super) fn prove_ready(h: &dyn Handing, host: &dyn Host, slot: SlotId, pid: u32) {
     if h.serving() == Some(slot) {
         return;

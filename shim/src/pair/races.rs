@@ -96,6 +96,14 @@ impl FakeHanding {
             .handle(event);
     }
 
+    /// The engine now running in `slot`, as a recipient.
+    fn recipient(&self, slot: SlotId) -> Option<Recipient> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .engine(slot)
+    }
+
     /// Who connections go to now.
     fn to(&self) -> Option<SlotId> {
         let c = self.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -111,17 +119,18 @@ impl Passing for FakeHanding {
     }
 }
 
+#[async_trait]
 impl Handing for FakeHanding {
     fn start(self: Arc<Self>, _tx: &super::input::Inputs) -> Result<()> {
         Ok(())
     }
-    fn fetch_answered(&self, slot: SlotId) {
-        if let Some(r) = self.recipient(slot) {
-            self.tell(ConnEvent::FetchAnswered {
-                slot,
-                serial: r.serial,
-            });
-        }
+    async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient> {
+        let r = self.recipient(slot)?;
+        self.tell(ConnEvent::FetchAnswered {
+            slot,
+            serial: r.serial,
+        });
+        Some(r)
     }
     fn ready_from_holder(&self, slot: SlotId) {
         if let Some(r) = self.recipient(slot) {
@@ -133,12 +142,6 @@ impl Handing for FakeHanding {
     }
     fn serving(&self) -> Option<SlotId> {
         self.to()
-    }
-    fn recipient(&self, slot: SlotId) -> Option<Recipient> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .engine(slot)
     }
     fn active_is(&self, now: Option<SlotId>) {
         self.tell(ConnEvent::Active(now));
@@ -956,7 +959,7 @@ async fn connections_move_at_the_new_holders_fetch_and_the_old_ones_late_news_ta
     // supervisor hears of anything: they are its at once.
     tokio::time::sleep(Duration::from_millis(2)).await;
     rig.host.state().holder = Some(S1);
-    conns.fetch_answered(S1);
+    conns.fetch_answered(S1).await;
     assert_eq!(conns.to(), Some(S1));
     // Its READY=1, then the old engine's reap, late: nothing moves.
     rig.ready(shadow);
