@@ -128,7 +128,7 @@ impl Handing for Handoff {
         Handoff::serving(self)
     }
     fn active_is(&self, now: Option<SlotId>) {
-        self.tell(Told::Active(now));
+        Handoff::active_is(self, now)
     }
     fn died(&self, slot: SlotId) {
         self.tell(Told::Died { slot });
@@ -164,6 +164,10 @@ pub struct Handoff {
     /// The slot handed connections, as the task last decided ([`NOBODY`]):
     /// a look for the notify readers, never a decision.
     serving: Arc<AtomicU64>,
+    /// The active engine last sent to the task ([`NOBODY`]): the
+    /// supervisor says it after every step, and only a change is worth a
+    /// message to the connection thread. The supervisor is its one sender.
+    active_sent: AtomicU64,
 }
 
 impl Handoff {
@@ -184,6 +188,7 @@ impl Handoff {
             task: Mutex::new(None),
             next_serial: AtomicU64::new(1),
             serving: Arc::new(AtomicU64::new(NOBODY)),
+            active_sent: AtomicU64::new(NOBODY),
         })
     }
 
@@ -293,6 +298,16 @@ impl Handoff {
         let (reply, answer) = oneshot::channel();
         self.tell(Told::FetchAnswered { slot, reply });
         answer.await.ok().flatten()
+    }
+
+    /// The supervisor's active engine now: sent to the task when it
+    /// changed since the last one sent (what a change means is the
+    /// decision's, `ConnEvent::Active`).
+    pub fn active_is(&self, now: Option<SlotId>) {
+        let word = now.map_or(NOBODY, |s| s.index() as u64);
+        if self.active_sent.swap(word, Ordering::AcqRel) != word {
+            self.tell(Told::Active(now));
+        }
     }
 
     /// The slot handed connections now, as the task last decided.

@@ -559,7 +559,7 @@ impl Supervisor {
     }
 
     /// Connections go to the active engine: the hand-off is told who it
-    /// is after each step (the decision counts only a change).
+    /// is after each step (only a change reaches the connection thread).
     fn tell_handoff(&self) {
         if let Some(h) = &self.handoff {
             h.active_is(self.pair.active());
