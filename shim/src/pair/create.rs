@@ -22,8 +22,8 @@ use super::fdstore::FdStore;
 use super::fetch::FetchSocket;
 use super::gms::{GmsDaemons, InPod};
 use super::gpus::{self, Gpu};
-use super::handoff::{Handing, Handoff};
 use super::host::Machine;
+use super::keeper::{Keeper, Keeping};
 use super::leftovers::{self, PairName};
 use super::listen::{ListenSockets, Site};
 use super::made::Made;
@@ -286,10 +286,7 @@ async fn create_steps(
                 FetchSocket::bind(&dirs.pair.join(shadow_contract::paths::slot_fdstore_file(s)))
             })
             .collect::<Result<Vec<_>>>()?;
-        Some((
-            Arc::new(std::sync::Mutex::new(FdStore::new(fdstore_max)?)),
-            fetch,
-        ))
+        Some((FdStore::new(fdstore_max)?, fetch))
     } else {
         None
     };
@@ -462,14 +459,17 @@ async fn create_steps(
     };
     let output = Arc::new(SharedOutput::new(out, err).with_stdin(stdin));
     let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
-    let handoff = match (&listen, &fdstore) {
-        (Some(l), Some((store, _))) if accept_runtime => Some(Handoff::new(
-            &req.id,
-            store.clone(),
-            l.copies()?,
-            engines.len(),
-        )),
-        _ => None,
+    // The store's one owner, and the acceptor when the runtime accepts.
+    let (keeper, fetch) = match fdstore {
+        Some((store, fetch)) => {
+            let listening = match &listen {
+                Some(l) if accept_runtime => l.copies()?,
+                _ => Vec::new(),
+            };
+            let k = Keeper::new(&req.id, store, listening, engines.len())?;
+            (Some(k), fetch)
+        }
+        None => (None, Vec::new()),
     };
     let host = Arc::new(Machine::new(
         engines.clone(),
@@ -479,8 +479,7 @@ async fn create_steps(
         listen,
     ));
     let passing = Arc::new(StartFds {
-        store: fdstore.as_ref().map(|(s, _)| s.clone()),
-        handoff: handoff.clone(),
+        keeper: keeper.clone(),
     });
     log::info!(
         "pair {}: created in {} (cgroup {cgroup_path}, gms {backend:?}, pinned namespaces {}, listening sockets {listen_count}, accepted by the {})",
@@ -495,14 +494,15 @@ async fn create_steps(
         config: cfg.clone(),
         host,
         passing,
-        handoff: handoff.map(|h| h as Arc<dyn Handing>),
+        store_figures: keeper.as_ref().map(|k| k.figures()),
+        keeper: keeper.map(|k| k as Arc<dyn Keeping>),
         runc_ids: engines.iter().map(|e| e.runc_id.clone()).collect(),
         output,
         copiers: out_copier.into_iter().chain(err_copier).collect(),
         router: rt.router.clone(),
         events: rt.events.clone(),
         notify: Some(notify),
-        fdstore,
+        fetch,
         lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
         state_json: dirs.state_json.clone(),
         containerd: rt.containerd.clone(),

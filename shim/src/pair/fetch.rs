@@ -8,8 +8,11 @@
 //! A fetch is answered for the lock holder only, as `READY=1` is believed
 //! only from it: the connecting process (`SO_PEERCRED`) must be in the
 //! slot's engine and that engine must hold the lock. Before it is
-//! answered, every notify socket of the pair is read up to the fetch, so
-//! what the dead engine stored just before it died is in the answer. One
+//! answered, every notify socket of the pair is read up to the fetch, and
+//! each reader has told the keeper (`keeper.rs`, the store's owner) what
+//! it read before the fetch asks it for its copies: the keeper's inbox
+//! keeps that order, so what the dead engine stored just before it died
+//! is in the answer. One
 //! fetch per slot at a time, each bounded in time; sends never block the
 //! runtime (a fetcher that does not read is dropped at the deadline).
 
@@ -31,10 +34,8 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::fdstore::{self, Shared};
-use super::handoff::Handing;
 use super::host::Host;
-use super::input::Inputs;
+use super::keeper::Keeping;
 use super::lock::LockSeen;
 use super::notify::{close_off_runtime, Close, NotifySocket};
 use super::owner;
@@ -84,21 +85,13 @@ impl FetchSocket {
 /// What the fetch servers of a pair share.
 pub struct Fetchers {
     pub id: String,
-    pub store: Shared,
+    /// The store's owner: it answers with copies, and (the runtime
+    /// accepting) hands the fetcher connections from then on, never again
+    /// what it was handed.
+    pub keeper: Arc<dyn Keeping>,
     pub host: Arc<dyn Host>,
     /// Every slot's notify socket, read up to a fetch before it is answered.
     pub notify: Vec<Arc<NotifySocket>>,
-    /// To nudge the supervisor when the store's figures moved.
-    pub tx: Inputs,
-    /// With `shadow.dev/accept: runtime`: the fetcher serves from now on,
-    /// and is not given again what it was handed.
-    pub handoff: Option<Arc<dyn Handing>>,
-}
-
-impl Fetchers {
-    fn count(&self, f: impl FnOnce(&mut fdstore::FdStore)) {
-        fdstore::update(&self.store, &self.tx, |st| (f(st), true));
-    }
 }
 
 /// Serve `slot`'s fetch socket until the pair ends (the task is aborted).
@@ -140,7 +133,7 @@ pub fn serve(slot: SlotId, sock: FetchSocket, shared: Arc<Fetchers>) -> Result<J
                 }
             };
             let Ok(permit) = one_at_a_time.clone().try_acquire_owned() else {
-                shared.count(fdstore::FdStore::fetch_refused);
+                shared.keeper.fetch_refused();
                 refuse(conn, "a fetch of this slot is already being answered").await;
                 continue;
             };
@@ -225,18 +218,16 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
         .ok()
         .map(|c| c.pid());
     if let Some(why) = refusal(slot, pid, shared.host.as_ref()).await {
-        shared.count(fdstore::FdStore::fetch_refused);
+        shared.keeper.fetch_refused();
         log::warn!("pair {}: fd store fetch refused: {why}", shared.id);
         refuse(conn, &why).await;
         return;
     }
     // The lock holder serves: new connections go to it at once.
-    let who = match &shared.handoff {
-        Some(h) => h.fetch_answered(slot).await,
-        None => None,
-    };
-    // Everything sent to the notify sockets before this fetch is in the
-    // store once each socket has been seen with nothing unread.
+    let who = shared.keeper.fetch_answered(slot).await;
+    // Everything sent to the notify sockets before this fetch is told to
+    // the keeper once each socket has been seen with nothing unread: a
+    // reader tells it in the same step as its read.
     let asked = Instant::now();
     let until = asked + DRAIN_WAIT;
     let mut read_up = vec![false; shared.notify.len()];
@@ -256,7 +247,7 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
         }
     }
     let drained = asked.elapsed();
-    let copies = fdstore::lock(&shared.store).copies_for(who);
+    let copies = shared.keeper.copies_for(who).await;
     let total = copies.len();
     // SAFETY: as in `refuse`: the AsyncFd owns the connection until
     // `into_inner`.
@@ -282,7 +273,7 @@ async fn answer(slot: SlotId, conn: OwnedFd, shared: &Fetchers) {
     }
     match sent {
         Ok(()) => {
-            shared.count(|st| st.fetched(total));
+            shared.keeper.fetched(total);
             log::info!(
                 "pair {}: slot {slot} fetched the fd store ({total} descriptors; the notify sockets read up in {:.1} ms, answered in {:.1} ms)",
                 shared.id,
@@ -317,6 +308,7 @@ mod tests {
     use crate::pair::fdstore::FdStore;
     use crate::pair::host::{Passing, ReapFuture};
     use crate::pair::input;
+    use crate::pair::keeper::Keeper;
     use crate::pair::lock::LockLook;
 
     const S0: SlotId = SlotId::ZERO;
@@ -425,40 +417,41 @@ mod tests {
         _dir: tempfile::TempDir,
         path: std::path::PathBuf,
         host: Arc<Machine>,
+        keeper: Arc<Keeper>,
         _inputs: tokio::sync::mpsc::Receiver<input::Input>,
     }
 
     async fn serving(host: Machine) -> Served {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("fdstore.sock");
-        let store: Shared = Arc::new(std::sync::Mutex::new(FdStore::new(16).expect("store")));
-        {
-            let mut st = fdstore::lock(&store);
-            st.store(b"FDSTORE=1\nFDNAME=a\n", vec![memfd("a")]);
-            st.store(b"FDSTORE=1\nFDNAME=b\n", vec![memfd("b")]);
-        }
+        let mut store = FdStore::new(16).expect("store");
+        store.store(b"FDSTORE=1\nFDNAME=a\n", vec![memfd("a")]);
+        store.store(b"FDSTORE=1\nFDNAME=b\n", vec![memfd("b")]);
+        let keeper = Keeper::new("t", store, Vec::new(), 2).expect("keeper");
         let host = Arc::new(host);
         let (tx, rx) = input::channel();
+        keeper.start(&tx);
         let shared = Arc::new(Fetchers {
             id: "t".into(),
-            store,
+            keeper: keeper.clone(),
             host: host.clone(),
             notify: Vec::new(),
-            tx,
-            handoff: None,
         });
         serve(S0, FetchSocket::bind(&path).expect("bind"), shared).expect("serve");
         Served {
             _dir: dir,
             path,
             host,
+            keeper,
             _inputs: rx,
         }
     }
 
     #[tokio::test]
     async fn the_lock_holder_fetches_everything_without_a_proc_locks_read() {
-        let Served { path, host, .. } = &serving(Machine {
+        let Served {
+            path, host, keeper, ..
+        } = &serving(Machine {
             holder: LockSeen::Held(S0),
             fast: Some(true),
             looks: Mutex::new(0),
@@ -472,6 +465,17 @@ mod tests {
         assert_eq!(names, ["FDNAMES=a:b\n", "END=2\n"]);
         assert_eq!(fds.iter().map(Vec::len).collect::<Vec<_>>(), [2, 0]);
         assert_eq!(*host.looks.lock().unwrap_or_else(|p| p.into_inner()), 0);
+        // Counted by the keeper once the answer is out.
+        let figures = keeper.figures();
+        shadow_wait::until(
+            "the fetch counted",
+            Duration::from_secs(10),
+            Duration::from_millis(2),
+            || {
+                let s = figures.status();
+                Some(()).filter(|_| (s.fetches, s.fetched, s.fds) == (1, 2, 2))
+            },
+        );
     }
 
     #[tokio::test]
@@ -508,5 +512,12 @@ mod tests {
             packets[0].0
         );
         assert!(packets[0].1.is_empty(), "nothing handed to a non-holder");
+        let figures = refusing.keeper.figures();
+        shadow_wait::until(
+            "the refusal counted",
+            Duration::from_secs(10),
+            Duration::from_millis(2),
+            || Some(()).filter(|_| figures.status().fetches_refused == 1),
+        );
     }
 }

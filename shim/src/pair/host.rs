@@ -50,8 +50,9 @@ pub struct Passed {
 /// machine asks it only when it runs a new engine, never for the one
 /// Create made and Start starts, and asks for the store only when the
 /// engine is to be handed it at its start.
+#[async_trait]
 pub trait Passing: Send + Sync {
-    fn for_start(&self, slot: SlotId, with_store: bool) -> Result<Passed>;
+    async fn for_start(&self, slot: SlotId, with_store: bool) -> Result<Passed>;
 }
 
 #[async_trait]
@@ -307,7 +308,7 @@ impl Host for Machine {
     async fn create(&self, slot: SlotId, give: &dyn Passing) -> Result<u32> {
         let e = &self.engines[slot.index()];
         let listen = self.listen();
-        let ends = give.for_start(slot, false)?.ends;
+        let ends = give.for_start(slot, false).await?.ends;
         let fds = inherited_first(&ends, listen.as_deref());
         let created = create_engine(e, self.output.clone(), &fds).await;
         drop(fds);
@@ -338,7 +339,9 @@ impl Host for Machine {
             l.repair();
         }
         let fresh = held == Held::Nothing;
-        let Passed { ends, stored } = give.for_start(slot, self.takes_store_at_start(slot))?;
+        let Passed { ends, stored } = give
+            .for_start(slot, self.takes_store_at_start(slot))
+            .await?;
         let stored = self.stored_for_start(slot, listen.as_deref(), stored);
         let fds = inherited_first(&ends, listen.as_deref());
         let started = run_engine(e, self.output.clone(), fresh, &fds, &stored).await;

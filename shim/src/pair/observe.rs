@@ -19,10 +19,9 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::fdstore;
-use super::handoff::Handing;
 use super::host::Host;
 use super::input::{Input, Inputs};
+use super::keeper::Keeping;
 use super::notify::{
     close_off_runtime, discard, Close, DropCounts, Dropped, Gate, NotifySocket, Queue, Received,
 };
@@ -75,9 +74,11 @@ pub fn exit_of(status: i32) -> Exit {
 /// others only counted). Never blocks on the supervisor: a full queue
 /// drops, it does not wait.
 /// With an fd store, its datagrams (`FDSTORE=1` with fds,
-/// `FDSTOREREMOVE=1`) go to the store here, on the engine's own budget,
-/// and never to the supervisor. With the runtime accepting (`handoff`), a
-/// `READY=1` from the lock holder is told to it here too ([`prove_ready`]).
+/// `FDSTOREREMOVE=1`) go to the store's keeper here, on the engine's own
+/// budget, and never to the supervisor; each in the same step as its read
+/// (no await between the two), so that a fetch that finds the socket read
+/// up finds the keeper told. With the runtime accepting, a `READY=1` from
+/// the lock holder is told to the keeper here too ([`prove_ready`]).
 ///
 /// Runs on the connection thread (`owner.rs`), beside the fetch servers
 /// that wait for it to be read up: a fetch right after a death then waits
@@ -91,8 +92,7 @@ pub fn notify(
     host: Arc<dyn Host>,
     queue: Arc<Queue>,
     drops: Arc<DropCounts>,
-    store: Option<fdstore::Shared>,
-    handoff: Option<Arc<dyn Handing>>,
+    keeper: Option<Arc<dyn Keeping>>,
     tx: Inputs,
 ) -> JoinHandle<()> {
     let mut gate = Gate::new(id, queue, drops, Instant::now());
@@ -107,9 +107,6 @@ pub fn notify(
                 }
             };
             let at = Instant::now();
-            // A flood keeps the socket readable: yield to State, Kill and
-            // the supervisor as any other task does.
-            tokio::task::consume_budget().await;
             let slot_of = |pid| host.slot_of_pid(pid).filter(|s| *s == slot);
             // What an engine stored just before it died is read after its
             // death, when its pid names no cgroup any more: a sender that is
@@ -122,11 +119,10 @@ pub fn notify(
                 _ => 1,
             };
             let verdict = match got {
-                Received::Store(d, fds) => match &store {
-                    Some(store) => match gate.admit_store(d.pid, at, store_slot_of) {
+                Received::Store(d, fds) => match &keeper {
+                    Some(keeper) => match gate.admit_store(d.pid, at, store_slot_of) {
                         Ok(_) => {
-                            let out =
-                                fdstore::update(store, &tx, |st| (st.store(&d.bytes, fds), true));
+                            let out = keeper.store(d.bytes, fds).await;
                             if let Some(why) = out.why {
                                 log::debug!(
                                     "pair {id}: fd store kept {} of the descriptors slot {slot} sent, not the others: {why:?}",
@@ -153,13 +149,11 @@ pub fn notify(
                         Err(Dropped::Fds)
                     }
                 },
-                Received::Datagram(d) if store.is_some() && d.lines.remove => {
+                Received::Datagram(d) if keeper.is_some() && d.lines.remove => {
                     match gate.admit_store(d.pid, at, store_slot_of) {
                         Ok(_) => {
-                            let gone = match &store {
-                                Some(s) => {
-                                    fdstore::update(s, &tx, |st| (st.remove(&d.bytes), true))
-                                }
+                            let gone = match &keeper {
+                                Some(k) => k.remove(d.bytes).await,
                                 None => Vec::new(),
                             };
                             close_off_runtime(gone, Close::Release).await;
@@ -193,8 +187,8 @@ pub fn notify(
                         return;
                     }
                     if verdict.is_ok() && d.lines.ready {
-                        if let Some(h) = &handoff {
-                            prove_ready(h.as_ref(), host.as_ref(), slot, d.pid);
+                        if let Some(k) = keeper.as_ref().filter(|k| k.hands()) {
+                            prove_ready(k.as_ref(), host.as_ref(), slot, d.pid);
                         }
                     }
                     verdict
@@ -225,6 +219,11 @@ pub fn notify(
                     }
                 }
             }
+            // A flood keeps the socket readable: yield to the fetches, the
+            // keeper and the other readers as any other task does (after
+            // the datagram was dealt with, never between its read and its
+            // word to the keeper).
+            tokio::task::consume_budget().await;
         }
     })
 }
@@ -234,12 +233,12 @@ pub fn notify(
 /// once if `pid` (or a child of it) holds the lock through a descriptor of
 /// its own. That is the first proof a promoted engine gives, before its
 /// fetch and before the supervisor's thread is free to believe it.
-/// Looked at only while the slot is not served already (as the hand-off
-/// task last decided), so a flood of `READY=1` costs no more than the
+/// Looked at only while the slot is not served already (as the keeper
+/// last decided), so a flood of `READY=1` costs no more than the
 /// gate lets through. A respawn of the serving slot whose `READY=1`
-/// comes before that task has taken in the death is proven by its fetch
+/// comes before the keeper has taken in the death is proven by its fetch
 /// instead, a millisecond or two later.
-pub(super) fn prove_ready(h: &dyn Handing, host: &dyn Host, slot: SlotId, pid: u32) {
+pub(super) fn prove_ready(h: &dyn Keeping, host: &dyn Host, slot: SlotId, pid: u32) {
     if h.serving() == Some(slot) {
         return;
     }

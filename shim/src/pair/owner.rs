@@ -1,7 +1,7 @@
-//! The thread the pairs' connections are served on: the acceptors and
-//! hand-offs of `shadow.dev/accept: runtime` (`handoff.rs`), the fetch
-//! servers (`fetch.rs`), the notify sockets' readers (`observe.rs`, which
-//! feed the store) and the fd store's hang-up watcher run on a
+//! The thread the pairs' connections are served on: each pair's keeper
+//! (`keeper.rs`: its fd store, and the acceptors and hand-offs of
+//! `shadow.dev/accept: runtime`), the fetch servers (`fetch.rs`) and the
+//! notify sockets' readers (`observe.rs`, which feed the store) run on a
 //! current-thread runtime of their own, not on the shim's.
 //!
 //! Why: the shim's runtime thread also runs every pair's supervisor, whose

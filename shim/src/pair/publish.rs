@@ -19,7 +19,7 @@ use shadow_pair::{Pair, Promotion, SlotId};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::fdstore;
+use super::fdstore::Figures;
 use super::notify::DropCounts;
 use super::state_file;
 
@@ -111,8 +111,8 @@ pub struct Publisher {
     counters_written: Option<(Instant, u64)>,
     recorded: u64,
     exit_status: Option<u32>,
-    /// The pair's fd store, if it has one (read at each write).
-    fdstore: Option<fdstore::Shared>,
+    /// The pair's fd store's figures, if it has one (read at each write).
+    fdstore: Option<Arc<Figures>>,
 }
 
 /// Where a publisher writes.
@@ -151,16 +151,16 @@ impl Publisher {
     }
 
     /// Writes the pair's fd store's figures too.
-    pub fn with_fdstore(mut self, store: Option<fdstore::Shared>) -> Self {
-        self.fdstore = store;
+    pub fn with_fdstore(mut self, figures: Option<Arc<Figures>>) -> Self {
+        self.fdstore = figures;
         self
     }
 
-    /// The store's figures now (and the store's changes seen).
+    /// The store's figures now (and their changes seen).
     fn fdstore_figures(&self) -> Option<FdStoreStatus> {
-        let mut store = fdstore::lock(self.fdstore.as_ref()?);
-        store.take_moved();
-        Some(store.status())
+        let figures = self.fdstore.as_ref()?;
+        figures.take_moved();
+        Some(figures.status())
     }
 
     /// The engine created at Create has `pid`: the task's until another
@@ -242,10 +242,7 @@ impl Publisher {
         let (at, refused) = self.counters_written?;
         let moved = self.drops.moved()
             || pair.ready_refused() != refused
-            || self
-                .fdstore
-                .as_ref()
-                .is_some_and(|s| fdstore::lock(s).moved());
+            || self.fdstore.as_ref().is_some_and(|f| f.moved());
         moved.then(|| (at + COUNTERS_EVERY).saturating_duration_since(now))
     }
 

@@ -8,6 +8,7 @@
 //! are exact, and no test waits for real time to pass.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,9 +22,10 @@ use tokio::time::Instant;
 use super::command::{Command, Reply};
 use super::config::PairConfig;
 use super::engine::SharedOutput;
-use super::handoff::Handing;
+use super::fdstore::Stored;
 use super::host::{Host, Passed, Passing, ReapFuture, Reaped};
 use super::input::Input;
+use super::keeper::{Copies, Keeping};
 use super::lock::{LockLook, LockSeen};
 use super::made::Made;
 use super::notify::{Datagram, SenderSlot};
@@ -80,15 +82,15 @@ struct FakeState {
 }
 
 #[derive(Default)]
-struct FakeHost(Mutex<FakeState>, Arc<FakeHanding>);
+struct FakeHost(Mutex<FakeState>, Arc<FakeKeeper>);
 
 /// The hand-offs as the supervisor and a fetch tell them, carried out by
 /// the real decision (`shadow_pair::Connections`); each engine's serial is
 /// its pid.
 #[derive(Default)]
-struct FakeHanding(Mutex<Connections>);
+struct FakeKeeper(Mutex<Connections>);
 
-impl FakeHanding {
+impl FakeKeeper {
     fn tell(&self, event: ConnEvent) {
         self.0
             .lock()
@@ -113,17 +115,36 @@ impl FakeHanding {
 
 /// Each engine's serial is told at its pid's making (`new_pid`): the
 /// start passes nothing else.
-impl Passing for FakeHanding {
-    fn for_start(&self, _slot: SlotId, _with_store: bool) -> Result<Passed> {
+#[async_trait]
+impl Passing for FakeKeeper {
+    async fn for_start(&self, _slot: SlotId, _with_store: bool) -> Result<Passed> {
         Ok(Passed::default())
     }
 }
 
 #[async_trait]
-impl Handing for FakeHanding {
-    fn start(self: Arc<Self>, _tx: &super::input::Inputs) -> Result<()> {
-        Ok(())
+impl Keeping for FakeKeeper {
+    fn start(&self, _tx: &super::input::Inputs) {}
+    fn hands(&self) -> bool {
+        true
     }
+    // The pair of these tests has no notify sockets and no fetch servers:
+    // nothing stores, removes or fetches.
+    async fn store(&self, _text: Vec<u8>, fds: Vec<OwnedFd>) -> Stored {
+        Stored {
+            kept: 0,
+            refused: fds,
+            why: None,
+        }
+    }
+    async fn remove(&self, _text: Vec<u8>) -> Vec<OwnedFd> {
+        Vec::new()
+    }
+    async fn copies_for(&self, _who: Option<Recipient>) -> Copies {
+        Vec::new()
+    }
+    fn fetched(&self, _n: usize) {}
+    fn fetch_refused(&self) {}
     async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient> {
         let r = self.recipient(slot)?;
         self.tell(ConnEvent::FetchAnswered {
@@ -203,7 +224,7 @@ impl FakeHost {
 #[async_trait]
 impl Host for FakeHost {
     async fn create(&self, slot: SlotId, give: &dyn Passing) -> Result<u32> {
-        give.for_start(slot, false)?;
+        give.for_start(slot, false).await?;
         let pid = self.new_pid(slot);
         let mut st = self.state();
         st.calls.push(Call::Create(slot));
@@ -218,7 +239,7 @@ impl Host for FakeHost {
             self.state().calls.push(Call::Start(slot));
             return Ok(pid);
         }
-        give.for_start(slot, true)?;
+        give.for_start(slot, true).await?;
         let pid = self.new_pid(slot);
         let (script, input) = {
             let mut st = self.state();
@@ -354,14 +375,15 @@ impl Rig {
             config: PairConfig::default(),
             host: host.clone(),
             passing: host.1.clone(),
-            handoff: Some(host.1.clone()),
+            keeper: Some(host.1.clone()),
+            store_figures: None,
             runc_ids: vec!["p-s0".into(), "p-s1".into()],
             output: Arc::new(SharedOutput::new(None, None)),
             copiers: Vec::new(),
             router: Arc::new(ExitRouter::default()),
             events,
             notify: None,
-            fdstore: None,
+            fetch: Vec::new(),
             lock_path: None,
             state_json: dir.path().join("state.json"),
             containerd: "/run/containerd/containerd.sock".into(),

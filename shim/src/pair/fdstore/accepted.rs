@@ -8,7 +8,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use nix::sys::epoll::{EpollEvent, EpollFlags};
 
-use super::{kind_of, Entry, FdStore, Kind, Recipient};
+use super::{add, kind_of, Entry, FdStore, Kind, Recipient};
 
 /// What [`FdStore::hand`] did with one accepted connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,8 +50,9 @@ impl FdStore {
                 polled: false,
             },
         );
-        self.counts.stored += 1;
-        self.counts.accepted += 1;
+        add(&self.figures.stored, 1);
+        add(&self.figures.accepted, 1);
+        self.moved();
         Ok(token)
     }
 
@@ -74,7 +75,8 @@ impl FdStore {
             Ok(()) => {
                 let name = e.name.clone();
                 self.mark_handed(&name, who);
-                self.counts.handed += 1;
+                add(&self.figures.handed, 1);
+                self.moved();
                 Hand::Sent
             }
             Err(nix::errno::Errno::EAGAIN) => Hand::Full,

@@ -18,23 +18,24 @@
 //! By job: this module is the store as systemd's protocol has it (store,
 //! remove, bound, names, copies for a start or a fetch, figures);
 //! `accepted` keeps the connections the runtime accepts and whom each was
-//! handed to; `hangups` is the task that drops what hung up.
+//! handed to. It has one owner, the pair's keeper task (`keeper.rs`),
+//! which carries out every change, watches the hang-ups and publishes
+//! the figures ([`Figures`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use serde::Serialize;
 use shadow_contract::fdstore::{name_is_valid, DEFAULT_NAME};
 use shadow_contract::state::FdStoreStatus;
 
-use super::input::{Input, Inputs};
 use super::notify::release_now;
 use crate::error::{Error, Result};
 
 pub mod accepted;
-pub mod hangups;
 
 /// Why descriptors sent to the store were not kept (each is counted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -51,6 +52,15 @@ pub enum Refused {
 impl Refused {
     pub const ALL: [Refused; 3] = [Refused::WrongType, Refused::Full, Refused::BadName];
 
+    /// Its place in [`Refused::ALL`].
+    fn index(self) -> usize {
+        match self {
+            Refused::WrongType => 0,
+            Refused::Full => 1,
+            Refused::BadName => 2,
+        }
+    }
+
     /// The `reason` label of `shadow_fdstore_refused_total`.
     pub fn label(self) -> &'static str {
         match self {
@@ -61,27 +71,80 @@ impl Refused {
     }
 }
 
-/// What the store did since the pair started, for state.json and metrics.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct Counts {
+/// What the store holds and did since the pair started, for state.json
+/// and the metrics. Written by the store's one owner (the keeper task,
+/// `keeper.rs`), read by the supervisor's publisher without a lock: each
+/// figure is a counter of its own, and `moved` says one changed since the
+/// publisher last looked.
+#[derive(Debug, Default)]
+pub struct Figures {
+    /// The bound (`shadow.dev/fdstore-max`).
+    max: u64,
+    /// Descriptors held now.
+    fds: AtomicU64,
     /// Descriptors kept.
-    pub stored: u64,
+    stored: AtomicU64,
     /// Dropped by `FDSTOREREMOVE=1`.
-    pub removed: u64,
+    removed: AtomicU64,
     /// Dropped because their peer hung up.
-    pub hung_up: u64,
+    hung_up: AtomicU64,
     /// Handed out by fetches.
-    pub fetched: u64,
+    fetched: AtomicU64,
     /// Fetches answered.
-    pub fetches: u64,
+    fetches: AtomicU64,
     /// Fetches refused (not the lock holder, not the slot's engine, busy).
-    pub fetches_refused: u64,
-    /// Not kept, by reason.
-    pub refused: HashMap<Refused, u64>,
+    fetches_refused: AtomicU64,
+    /// Not kept, by reason (in the order of [`Refused::ALL`]).
+    refused: [AtomicU64; 3],
     /// Connections the runtime accepted (`shadow.dev/accept: runtime`).
-    pub accepted: u64,
+    accepted: AtomicU64,
     /// Of those, handed to a serving engine through its hand-off socket.
-    pub handed: u64,
+    handed: AtomicU64,
+    moved: AtomicBool,
+}
+
+fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+impl Figures {
+    /// What the store holds and did, as state.json and the metrics say it
+    /// (every reason of refusal, 0 included).
+    pub fn status(&self) -> FdStoreStatus {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        FdStoreStatus {
+            fds: get(&self.fds),
+            max: self.max,
+            stored: get(&self.stored),
+            removed: get(&self.removed),
+            hung_up: get(&self.hung_up),
+            fetched: get(&self.fetched),
+            fetches: get(&self.fetches),
+            fetches_refused: get(&self.fetches_refused),
+            accepted: get(&self.accepted),
+            handed: get(&self.handed),
+            refused: Refused::ALL
+                .iter()
+                .map(|r| (r.label().to_string(), get(&self.refused[r.index()])))
+                .collect(),
+        }
+    }
+
+    /// Whether a figure changed since the last [`Figures::take_moved`].
+    pub fn moved(&self) -> bool {
+        self.moved.load(Ordering::Acquire)
+    }
+
+    /// Whether a figure changed since the last look, which this is.
+    pub fn take_moved(&self) -> bool {
+        self.moved.swap(false, Ordering::AcqRel)
+    }
+
+    /// Records a change: true when it is the first since the publisher
+    /// last looked.
+    fn touch(&self) -> bool {
+        !self.moved.swap(true, Ordering::AcqRel)
+    }
 }
 
 /// One engine as a recipient of connections: its slot and the serial of
@@ -119,23 +182,13 @@ pub struct FdStore {
     by_name: HashMap<String, Vec<u64>>,
     next_token: u64,
     epoll: Epoll,
-    counts: Counts,
-    /// Something changed since the publisher last looked.
-    moved: bool,
+    figures: Arc<Figures>,
+    /// A figure moved for the first time since the publisher looked: the
+    /// supervisor is to hear of it ([`FdStore::take_nudge`]).
+    nudge: bool,
     /// The names of the connections the runtime accepted, and the engine
     /// each was handed to (through its socket or a fetch), if any yet.
     accepted: HashMap<String, Option<Recipient>>,
-    /// Signalled when descriptors leave the store: an acceptor that
-    /// stopped at the bound goes on.
-    room: Arc<tokio::sync::Notify>,
-}
-
-/// The store as the readers, the fetch servers, the spawner and the
-/// supervisor share it (each holds the lock only for an update or a copy).
-pub type Shared = Arc<Mutex<FdStore>>;
-
-pub fn lock(store: &Shared) -> MutexGuard<'_, FdStore> {
-    store.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What a descriptor is.
@@ -195,57 +248,44 @@ impl FdStore {
             by_name: HashMap::new(),
             next_token: 0,
             epoll,
-            counts: Counts::default(),
-            moved: false,
+            figures: Arc::new(Figures {
+                max: max as u64,
+                ..Figures::default()
+            }),
+            nudge: false,
             accepted: HashMap::new(),
-            room: Arc::new(tokio::sync::Notify::new()),
         })
     }
 
-    /// What the store holds and did, as state.json and the metrics say it
-    /// (every reason of refusal, 0 included).
+    /// Its figures, as the publisher reads them.
+    pub fn figures(&self) -> Arc<Figures> {
+        self.figures.clone()
+    }
+
+    /// What the store holds and did (its figures now).
+    #[cfg(test)]
     pub fn status(&self) -> FdStoreStatus {
-        let c = &self.counts;
-        FdStoreStatus {
-            fds: self.entries.len() as u64,
-            max: self.max as u64,
-            stored: c.stored,
-            removed: c.removed,
-            hung_up: c.hung_up,
-            fetched: c.fetched,
-            fetches: c.fetches,
-            fetches_refused: c.fetches_refused,
-            accepted: c.accepted,
-            handed: c.handed,
-            refused: Refused::ALL
-                .iter()
-                .map(|r| {
-                    (
-                        r.label().to_string(),
-                        c.refused.get(r).copied().unwrap_or(0),
-                    )
-                })
-                .collect(),
+        self.figures.status()
+    }
+
+    /// Records a change of the figures (the count held with it).
+    fn moved(&mut self) {
+        self.figures
+            .fds
+            .store(self.entries.len() as u64, Ordering::Relaxed);
+        if self.figures.touch() {
+            self.nudge = true;
         }
     }
 
-    /// Records a change; true when it is the first since the publisher
-    /// last looked (whoever made it then nudges the supervisor, once).
-    pub fn touch(&mut self) -> bool {
-        !std::mem::replace(&mut self.moved, true)
-    }
-
-    /// Whether anything changed since the last [`FdStore::take_moved`].
-    pub fn moved(&self) -> bool {
-        self.moved
-    }
-
-    pub fn take_moved(&mut self) -> bool {
-        std::mem::replace(&mut self.moved, false)
+    /// Whether the supervisor is to hear that the figures moved (the first
+    /// move since its publisher last looked), once.
+    pub fn take_nudge(&mut self) -> bool {
+        std::mem::take(&mut self.nudge)
     }
 
     fn refuse(&mut self, why: Refused, n: usize) {
-        *self.counts.refused.entry(why).or_default() += n as u64;
+        add(&self.figures.refused[why.index()], n as u64);
     }
 
     /// `FDSTORE=1` with `fds`: keeps each socket and memfd while there is
@@ -256,6 +296,7 @@ impl FdStore {
         let mut out = Stored::default();
         let Some(name) = name else {
             self.refuse(Refused::BadName, fds.len());
+            self.moved();
             out.why = Some(Refused::BadName);
             out.refused = fds;
             return out;
@@ -296,9 +337,10 @@ impl FdStore {
                     polled,
                 },
             );
-            self.counts.stored += 1;
+            add(&self.figures.stored, 1);
             out.kept += 1;
         }
+        self.moved();
         out
     }
 
@@ -313,7 +355,6 @@ impl FdStore {
                 self.accepted.remove(&e.name);
             }
         }
-        self.room.notify_one();
         Some(unwatch(&self.epoll, e))
     }
 
@@ -325,16 +366,14 @@ impl FdStore {
         };
         let tokens = self.by_name.remove(&name).unwrap_or_default();
         self.accepted.remove(&name);
-        if !tokens.is_empty() {
-            self.room.notify_one();
-        }
         let (entries, epoll) = (&mut self.entries, &self.epoll);
         let gone: Vec<OwnedFd> = tokens
             .into_iter()
             .filter_map(|t| entries.remove(&t))
             .map(|e| unwatch(epoll, e))
             .collect();
-        self.counts.removed += gone.len() as u64;
+        add(&self.figures.removed, gone.len() as u64);
+        self.moved();
         gone
     }
 
@@ -362,7 +401,10 @@ impl FdStore {
             return Vec::new();
         }
         let gone: Vec<OwnedFd> = tokens.iter().filter_map(|t| self.take_token(*t)).collect();
-        self.counts.hung_up += gone.len() as u64;
+        if !gone.is_empty() {
+            add(&self.figures.hung_up, gone.len() as u64);
+            self.moved();
+        }
         gone
     }
 
@@ -390,23 +432,20 @@ impl FdStore {
         self.entries.len() < self.max
     }
 
-    /// Signalled whenever descriptors leave the store.
-    pub fn room(&self) -> Arc<tokio::sync::Notify> {
-        self.room.clone()
-    }
-
     /// A fetch was answered with `n` descriptors.
     pub fn fetched(&mut self, n: usize) {
-        self.counts.fetches += 1;
-        self.counts.fetched += n as u64;
+        add(&self.figures.fetches, 1);
+        add(&self.figures.fetched, n as u64);
+        self.moved();
     }
 
     pub fn fetch_refused(&mut self) {
-        self.counts.fetches_refused += 1;
+        add(&self.figures.fetches_refused, 1);
+        self.moved();
     }
 
     /// The epoll's descriptor (readable when a stored socket hung up).
-    fn epoll_fd(&self) -> BorrowedFd<'_> {
+    pub(crate) fn epoll_fd(&self) -> BorrowedFd<'_> {
         self.epoll.0.as_fd()
     }
 }
@@ -430,28 +469,6 @@ impl Drop for FdStore {
             .collect();
         release_now(all);
     }
-}
-
-/// Tells the supervisor the store's figures moved (it republishes within
-/// `publish::COUNTERS_EVERY`); a full queue has it busy anyway.
-fn nudge(tx: &Inputs) {
-    let _ = tx.try_send(Input::StoreMoved);
-}
-
-/// Updates the store under its lock, `f` saying whether its figures
-/// moved; the supervisor hears of the first move since they were written
-/// ([`Input::StoreMoved`]), after the lock is let go. The one place of
-/// the lock, touch and nudge sequence.
-pub fn update<R>(store: &Shared, tx: &Inputs, f: impl FnOnce(&mut FdStore) -> (R, bool)) -> R {
-    let (out, first) = {
-        let mut st = lock(store);
-        let (out, moved) = f(&mut st);
-        (out, moved && st.touch())
-    };
-    if first {
-        nudge(tx);
-    }
-    out
 }
 
 #[cfg(test)]

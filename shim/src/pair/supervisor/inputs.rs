@@ -75,7 +75,7 @@ impl Supervisor {
     /// `/proc/locks`), connections wait in the store for the next proven
     /// holder rather than go to an engine that died.
     fn lock_closed_handoff(&self) {
-        let Some(h) = &self.handoff else {
+        let Some(h) = self.keeper.as_ref().filter(|k| k.hands()) else {
             return;
         };
         let Some(active) = self.pair.active() else {
@@ -178,8 +178,8 @@ impl Supervisor {
                 }
                 let exit = observe::exit_of(status);
                 log::info!("pair {}: slot {slot} pid {pid} exited ({exit:?})", self.id);
-                if let Some(h) = &self.handoff {
-                    h.died(slot);
+                if let Some(k) = &self.keeper {
+                    k.died(slot);
                 }
                 // In the host's PID namespace the engine's other processes
                 // outlive it: they go before its death is decided on (and

@@ -40,11 +40,11 @@ use tokio::time::Instant;
 use super::command::Command;
 use super::config::PairConfig;
 use super::engine::SharedOutput;
-use super::fdstore;
+use super::fdstore::Figures;
 use super::fetch::{self, FetchSocket, Fetchers};
-use super::handoff::Handing;
 use super::host::{Host, Passing};
 use super::input::{self, Input, Inputs};
+use super::keeper::Keeping;
 use super::made::Made;
 use super::notify::{DropCounts, NotifySocket, Queue};
 use super::observe::{self, Clock};
@@ -73,9 +73,12 @@ pub struct Parts {
     pub host: Arc<dyn Host>,
     /// What a new engine is passed besides the listening sockets.
     pub passing: Arc<dyn Passing>,
-    /// With `shadow.dev/accept: runtime`: the acceptors and hand-offs,
-    /// told who is active and who died.
-    pub handoff: Option<Arc<dyn Handing>>,
+    /// The keeper of the pair's fd store and connections (`None`: no
+    /// store): told who is active and who died, asked by the notify
+    /// readers and the fetch servers.
+    pub keeper: Option<Arc<dyn Keeping>>,
+    /// The store's figures, for state.json and the metrics.
+    pub store_figures: Option<Arc<Figures>>,
     /// Each slot's runc container id, `0 ..= N`.
     pub runc_ids: Vec<String>,
     pub output: Arc<SharedOutput>,
@@ -84,8 +87,8 @@ pub struct Parts {
     pub events: EventSink,
     /// Each slot's notify socket (its engine's alone).
     pub notify: Option<Vec<NotifySocket>>,
-    /// The pair's fd store and each slot's fetch socket (`None`: no store).
-    pub fdstore: Option<(fdstore::Shared, Vec<FetchSocket>)>,
+    /// Each slot's fetch socket (none: no store).
+    pub fetch: Vec<FetchSocket>,
     /// The election lock file, watched for closes (inotify).
     pub lock_path: Option<PathBuf>,
     pub state_json: PathBuf,
@@ -109,8 +112,8 @@ impl Drop for Supervisor {
     /// A pair dropped without its end (the Task service let go of it):
     /// its acceptors stop with it, rather than hold its listening sockets.
     fn drop(&mut self) {
-        if let Some(h) = &self.handoff {
-            h.stop();
+        if let Some(k) = &self.keeper {
+            k.stop();
         }
     }
 }
@@ -177,15 +180,13 @@ pub struct Supervisor {
     config: PairConfig,
     host: Arc<dyn Host>,
     passing: Arc<dyn Passing>,
-    handoff: Option<Arc<dyn Handing>>,
+    keeper: Option<Arc<dyn Keeping>>,
     output: Arc<SharedOutput>,
     copiers: Vec<JoinHandle<()>>,
     router: Arc<ExitRouter>,
     events: EventSink,
     notify: Option<Vec<NotifySocket>>,
-    /// The pair's fd store (for state.json), and the fetch sockets until
-    /// the pair starts.
-    fdstore: Option<fdstore::Shared>,
+    /// Each slot's fetch socket, until the pair starts.
     fetch: Option<Vec<FetchSocket>>,
     /// Datagrams the notify readers forwarded and this task has not taken.
     notify_queue: Arc<Queue>,
@@ -235,7 +236,7 @@ impl Supervisor {
             notify_drops.clone(),
             SystemTime::now(),
         )
-        .with_fdstore(p.fdstore.as_ref().map(|(s, _)| s.clone()));
+        .with_fdstore(p.store_figures);
         let now = Instant::now();
         let pair = if p.single {
             Pair::single(p.config.restart.clone())
@@ -263,14 +264,13 @@ impl Supervisor {
             config: p.config,
             host: p.host,
             passing: p.passing,
-            handoff: p.handoff,
+            keeper: p.keeper,
             output: p.output,
             copiers: p.copiers,
             router: p.router,
             events: p.events,
             notify: p.notify,
-            fdstore: p.fdstore.as_ref().map(|(s, _)| s.clone()),
-            fetch: p.fdstore.map(|(_, f)| f),
+            fetch: Some(p.fetch),
             notify_queue: Arc::new(Queue::default()),
             notify_drops,
             lock_path: p.lock_path,
@@ -360,18 +360,13 @@ impl Supervisor {
                     self.host.clone(),
                     self.notify_queue.clone(),
                     self.notify_drops.clone(),
-                    self.fdstore.clone(),
-                    self.handoff.clone(),
+                    self.keeper.clone(),
                     self.tx.clone(),
                 ));
             }
-            if let (Some(store), Some(fetch)) = (&self.fdstore, self.fetch.take()) {
-                self.observe_fdstore(store.clone(), fetch, socks);
-            }
-            if let Some(h) = self.handoff.clone() {
-                if let Err(e) = h.start(&self.tx) {
-                    log::error!("pair {}: the runtime does not accept: {e}", self.id);
-                }
+            if let (Some(k), Some(fetch)) = (self.keeper.clone(), self.fetch.take()) {
+                self.serve_fetches(k.clone(), fetch, socks);
+                k.start(&self.tx);
             }
         }
         if let Some(path) = self.lock_path.take() {
@@ -392,24 +387,19 @@ impl Supervisor {
         );
     }
 
-    /// The fd store's hang-up watcher and each slot's fetch server.
-    fn observe_fdstore(
+    /// Each slot's fetch server: a client of the keeper, which holds the
+    /// store.
+    fn serve_fetches(
         &mut self,
-        store: fdstore::Shared,
+        keeper: Arc<dyn Keeping>,
         fetch: Vec<FetchSocket>,
         notify: Vec<Arc<NotifySocket>>,
     ) {
-        match fdstore::hangups::watch_hangups(&self.id, store.clone(), self.tx.clone()) {
-            Ok(task) => self.observers.push(task),
-            Err(e) => log::warn!("pair {}: fd store hang-ups not watched: {e}", self.id),
-        }
         let fetchers = Arc::new(Fetchers {
             id: self.id.clone(),
-            store,
+            keeper,
             host: self.host.clone(),
             notify,
-            tx: self.tx.clone(),
-            handoff: self.handoff.clone(),
         });
         for (slot, sock) in self.pair.slot_ids().zip(fetch) {
             match fetch::serve(slot, sock, fetchers.clone()) {
@@ -543,8 +533,8 @@ impl Supervisor {
         // Whatever an observer still holds cannot reach a pair that is gone.
         self.rx.close();
         self.host.close_listen();
-        if let Some(h) = &self.handoff {
-            h.stop();
+        if let Some(k) = &self.keeper {
+            k.stop();
         }
         // The probe's thread ends with the pair (one in flight holds it
         // until its timeout).
@@ -561,8 +551,8 @@ impl Supervisor {
     /// Connections go to the active engine: the hand-off is told who it
     /// is after each step (only a change reaches the connection thread).
     fn tell_handoff(&self) {
-        if let Some(h) = &self.handoff {
-            h.active_is(self.pair.active());
+        if let Some(k) = &self.keeper {
+            k.active_is(self.pair.active());
         }
     }
 

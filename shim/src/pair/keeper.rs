@@ -1,27 +1,40 @@
-//! The runtime accepts (`shadow.dev/accept: runtime`): an engine that
-//! accepts a connection and is killed before its `FDSTORE=1` takes that
-//! connection with it, so here the shim accepts on the pair's listening
-//! sockets itself, puts each connection in the fd store the moment it
-//! exists, and hands it to the serving engine through a hand-off socket of
-//! that engine's own (the protocol is `shadow_contract::handoff`'s).
+//! The keeper of a pair's connections: one task, on the connection
+//! thread (`owner.rs`), that owns the pair's fd store and, with
+//! `shadow.dev/accept: runtime`, its listening sockets, every engine's
+//! hand-off sockets, the connections waiting to be handed and
+//! `shadow_pair::Connections`, which decides who is handed them.
+//! Everything else tells it what happened through its inbox ([`Told`]),
+//! in order, and never touches that state: the notify readers (a
+//! `FDSTORE=1` or `FDSTOREREMOVE=1`, a `READY=1` sent by the lock holder),
+//! the fetch servers (a fetch answered, the copies it sends), each start
+//! of an engine (its fresh ends, the store's copies) and the supervisor
+//! (the active engine, a death, the lock seen lost). The figures go the
+//! other way, as counters the publisher reads ([`Figures`]).
 //!
-//! One task does it, on the connection thread (`owner.rs`): it owns the
-//! listening sockets, every engine's hand-off sockets, the connections
-//! waiting to be handed and `shadow_pair::Connections`, which decides who
-//! is handed them. Everything else tells it what happened through its
-//! inbox ([`Told`]), in order, and never touches that state: the
-//! supervisor (the active engine, a death, the lock seen lost), the
-//! notify readers (a `READY=1` sent by the lock holder), the fetch servers
-//! (a fetch answered for the lock holder) and each start of an engine
-//! (its fresh ends). A respawn of a slot is another engine, handed nothing
-//! until it proves it holds the lock; what was handed to an engine that
-//! died is the next one's through its fetch (`FdStore::copies_for`).
+//! Why one task: the store's guarantees are orders. What an engine stored
+//! before a fetch is in the fetch's answer: its reader tells the store
+//! before the fetch asks for its copies, and the inbox keeps that order.
+//! A connection is never taken from the backlog without a place in the
+//! store: the acceptor is the store's owner. Nothing waits on a lock
+//! another thread holds, and nothing is decided in two places.
+//!
+//! Why the runtime accepts: an engine that accepts a connection and is
+//! killed before its `FDSTORE=1` takes that connection with it, so here
+//! the shim accepts on the pair's listening sockets itself, puts each
+//! connection in the store the moment it exists, and hands it to the
+//! serving engine through a hand-off socket of that engine's own (the
+//! protocol is `shadow_contract::handoff`'s). A respawn of a slot is
+//! another engine, handed nothing until it proves it holds the lock; what
+//! was handed to an engine that died is the next one's through its fetch
+//! (`FdStore::copies_for`).
 //!
 //! The shim touches a connection once, at its accept: it never reads,
 //! writes or waits on it, and an engine that does not read its hand-off
 //! socket only stops its own connections from coming (they wait in the
 //! store, bounded by `shadow.dev/fdstore-max`, then in the kernel's
-//! backlog).
+//! backlog). Descriptors leave the keeper to be closed on the closer
+//! thread, by whoever asked (a reader closes what its remove took, on its
+//! engine's budget).
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -43,8 +56,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use super::fdstore::accepted::Hand;
-use super::fdstore::{self, Shared};
-use super::input::Inputs;
+use super::fdstore::{FdStore, Figures, Stored};
+use super::input::{Input, Inputs};
+use super::notify::{close_off_runtime, release_now, Close};
 use super::owner;
 use crate::error::{Error, Result};
 
@@ -52,14 +66,41 @@ use crate::error::{Error, Result};
 /// their turn.
 const ACCEPT_BATCH: usize = 64;
 
-/// [`Handoff::serving`]'s word for "nobody".
+/// [`Keeper::serving`]'s word for "nobody".
 const NOBODY: u64 = u64::MAX;
 
 /// A hand-off socket (the shim's end), watched by the connection thread.
 type End = Arc<AsyncFd<OwnedFd>>;
 
-/// What the hand-off task is told: its inbox, read in order.
+/// Descriptors with their names, in the order stored.
+pub type Copies = Vec<(String, OwnedFd)>;
+
+/// What the keeper is told: its inbox, read in order.
 enum Told {
+    /// The pair started: accept on these (none: the engines accept);
+    /// `tx` hears when the store's figures moved.
+    Start { tx: Inputs, listening: Vec<OwnedFd> },
+    /// `FDSTORE=1` with descriptors, from a notify reader.
+    Store {
+        text: Vec<u8>,
+        fds: Vec<OwnedFd>,
+        reply: oneshot::Sender<Stored>,
+    },
+    /// `FDSTOREREMOVE=1`, from a notify reader: what it took, to close.
+    Remove {
+        text: Vec<u8>,
+        reply: oneshot::Sender<Vec<OwnedFd>>,
+    },
+    /// Copies of what the store holds: for `who`'s fetch (everything is
+    /// `who`'s from then on), or for an engine's start (`None`).
+    CopiesFor {
+        who: Option<Recipient>,
+        reply: oneshot::Sender<Copies>,
+    },
+    /// A fetch was answered with this many descriptors.
+    Fetched(usize),
+    /// A fetch was refused.
+    FetchRefused,
     /// A new engine of `slot` starts with these ends (one per listener).
     Started {
         slot: SlotId,
@@ -88,15 +129,30 @@ enum Told {
     },
 }
 
-/// What the supervisor and the fetch servers tell the hand-offs: a trait,
-/// so that the supervisor's race tests stand a fake in for [`Handoff`].
+/// What the supervisor, the notify readers and the fetch servers ask of
+/// the keeper: a trait, so that the supervisor's race tests stand a fake
+/// in for [`Keeper`].
 #[async_trait]
-pub trait Handing: Send + Sync {
-    /// Starts accepting (once; the pair started); `tx` hears when the
-    /// store's figures moved.
-    fn start(self: Arc<Self>, tx: &Inputs) -> Result<()>;
+pub trait Keeping: Send + Sync {
+    /// The pair started: the runtime accepts from now on (when it does);
+    /// `tx` hears when the store's figures moved. Once.
+    fn start(&self, tx: &Inputs);
+    /// Whether the runtime accepts (`shadow.dev/accept: runtime`).
+    fn hands(&self) -> bool;
+    /// `FDSTORE=1` with `fds`: what was kept, and what was not (to close).
+    async fn store(&self, text: Vec<u8>, fds: Vec<OwnedFd>) -> Stored;
+    /// `FDSTOREREMOVE=1`: what it took out of the store, to close.
+    async fn remove(&self, text: Vec<u8>) -> Vec<OwnedFd>;
+    /// A fetch's copies for `who` (see `FdStore::copies_for`); `None`: a
+    /// copy of everything.
+    async fn copies_for(&self, who: Option<Recipient>) -> Copies;
+    /// A fetch was answered with `n` descriptors.
+    fn fetched(&self, n: usize);
+    /// A fetch was refused.
+    fn fetch_refused(&self);
     /// `slot`'s engine (the one running now) was answered its fetch:
-    /// that engine, once the hand-offs have taken it in.
+    /// that engine, once the keeper has taken it in (none when the
+    /// runtime does not accept).
     async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient>;
     /// `slot`'s engine (the one running now) said `READY=1` from a
     /// process seen holding the lock.
@@ -107,159 +163,195 @@ pub trait Handing: Send + Sync {
     fn active_is(&self, now: Option<SlotId>);
     /// The engine now in `slot` died (its reap).
     fn died(&self, slot: SlotId);
-    /// The pair ended: no more accepts, every hand-off socket closed.
-    fn stop(&self);
     /// `slot`'s engine was seen not holding the lock.
     fn lock_lost(&self, slot: SlotId);
+    /// The pair ended: no more accepts, every hand-off socket closed, the
+    /// store let go.
+    fn stop(&self);
 }
 
 #[async_trait]
-impl Handing for Handoff {
-    fn start(self: Arc<Self>, tx: &Inputs) -> Result<()> {
-        Handoff::start(&self, tx)
+impl Keeping for Keeper {
+    fn start(&self, tx: &Inputs) {
+        Keeper::start(self, tx)
+    }
+    fn hands(&self) -> bool {
+        self.listeners > 0
+    }
+    async fn store(&self, text: Vec<u8>, fds: Vec<OwnedFd>) -> Stored {
+        let (reply, answer) = oneshot::channel();
+        match self.inbox.send(Told::Store { text, fds, reply }) {
+            Ok(()) => answer.await.unwrap_or_default(),
+            // The keeper ended (the pair did): nothing is kept.
+            Err(back) => match back.0 {
+                Told::Store { fds, .. } => Stored {
+                    kept: 0,
+                    refused: fds,
+                    why: None,
+                },
+                _ => Stored::default(),
+            },
+        }
+    }
+    async fn remove(&self, text: Vec<u8>) -> Vec<OwnedFd> {
+        let (reply, answer) = oneshot::channel();
+        self.tell(Told::Remove { text, reply });
+        answer.await.unwrap_or_default()
+    }
+    async fn copies_for(&self, who: Option<Recipient>) -> Copies {
+        let (reply, answer) = oneshot::channel();
+        self.tell(Told::CopiesFor { who, reply });
+        answer.await.unwrap_or_default()
+    }
+    fn fetched(&self, n: usize) {
+        self.tell(Told::Fetched(n));
+    }
+    fn fetch_refused(&self) {
+        self.tell(Told::FetchRefused);
     }
     async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient> {
-        Handoff::fetch_answered(self, slot).await
+        Keeper::fetch_answered(self, slot).await
     }
     fn ready_from_holder(&self, slot: SlotId) {
-        self.tell(Told::ReadyFromHolder { slot });
+        if self.hands() {
+            self.tell(Told::ReadyFromHolder { slot });
+        }
     }
     fn serving(&self) -> Option<SlotId> {
-        Handoff::serving(self)
+        Keeper::serving(self)
     }
     fn active_is(&self, now: Option<SlotId>) {
-        Handoff::active_is(self, now)
+        Keeper::active_is(self, now)
     }
     fn died(&self, slot: SlotId) {
-        self.tell(Told::Died { slot });
-    }
-    fn stop(&self) {
-        Handoff::stop(self)
+        if self.hands() {
+            self.tell(Told::Died { slot });
+        }
     }
     fn lock_lost(&self, slot: SlotId) {
-        self.tell(Told::LockLost { slot });
+        if self.hands() {
+            self.tell(Told::LockLost { slot });
+        }
+    }
+    fn stop(&self) {
+        Keeper::stop(self)
     }
 }
 
-/// What the hand-off task starts with.
-struct Unstarted {
-    inbox: mpsc::UnboundedReceiver<Told>,
-    /// Copies of the pair's listening sockets, in their order.
-    listening: Vec<OwnedFd>,
-    store: Shared,
-}
-
-/// The hand-off task's handle: its inbox, and what it needs to start.
-pub struct Handoff {
-    id: String,
+/// The keeper's handle: its inbox, and what others read of it.
+pub struct Keeper {
+    /// Listening sockets the runtime accepts on (0: the engines accept).
     listeners: usize,
-    slots: usize,
     inbox: mpsc::UnboundedSender<Told>,
-    /// What the task starts with, until [`Handoff::start`] takes it.
-    unstarted: Mutex<Option<Unstarted>>,
+    /// The pair's listening sockets (copies), until [`Keeper::start`].
+    listening: Mutex<Option<Vec<OwnedFd>>>,
     task: Mutex<Option<JoinHandle<()>>>,
-    /// Each engine's serial, from 1: given at its start, before the task
-    /// hears of it.
+    figures: Arc<Figures>,
+    /// Each engine's serial, from 1: given at its start, before the
+    /// keeper hears of it.
     next_serial: AtomicU64,
-    /// The slot handed connections, as the task last decided ([`NOBODY`]):
-    /// a look for the notify readers, never a decision.
+    /// The slot handed connections, as the keeper last decided
+    /// ([`NOBODY`]): a look for the notify readers, never a decision.
     serving: Arc<AtomicU64>,
-    /// The active engine last sent to the task ([`NOBODY`]): the
+    /// The active engine last sent to the keeper ([`NOBODY`]): the
     /// supervisor says it after every step, and only a change is worth a
     /// message to the connection thread. The supervisor is its one sender.
     active_sent: AtomicU64,
 }
 
-impl Handoff {
-    /// For a pair with `slots` engines, accepting on `listening` (copies
-    /// of its listening sockets, in their order) once started.
-    pub fn new(id: &str, store: Shared, listening: Vec<OwnedFd>, slots: usize) -> Arc<Self> {
+impl Keeper {
+    /// The keeper of `store`, for a pair of `slots` engines, running from
+    /// now on (the store is asked for copies at the first engine's
+    /// create); with `listening` (copies of the pair's listening sockets,
+    /// in their order; none: the engines accept), the runtime accepts on
+    /// them once the pair started.
+    pub fn new(
+        id: &str,
+        store: FdStore,
+        listening: Vec<OwnedFd>,
+        slots: usize,
+    ) -> Result<Arc<Self>> {
+        let conns = owner::handle()?;
         let (inbox, rx) = mpsc::unbounded_channel();
-        Arc::new(Handoff {
+        let serving = Arc::new(AtomicU64::new(NOBODY));
+        let kept = Kept {
             id: id.to_owned(),
+            figures: store.figures(),
+            store,
+            tx: None,
+            decided: Connections::new(),
+            ends: (0..slots).map(|_| None).collect(),
+            waiting: vec![VecDeque::new(); listening.len()],
+            serving: serving.clone(),
+        };
+        let figures = kept.figures.clone();
+        let task = conns.spawn(kept.run(rx));
+        Ok(Arc::new(Keeper {
             listeners: listening.len(),
-            slots,
             inbox,
-            unstarted: Mutex::new(Some(Unstarted {
-                inbox: rx,
-                listening,
-                store,
-            })),
-            task: Mutex::new(None),
+            listening: Mutex::new(Some(listening)),
+            task: Mutex::new(Some(task)),
+            figures,
             next_serial: AtomicU64::new(1),
-            serving: Arc::new(AtomicU64::new(NOBODY)),
+            serving,
             active_sent: AtomicU64::new(NOBODY),
-        })
+        }))
     }
 
-    /// Tells the task `told`; nothing when it has ended (the pair did).
+    /// The store's figures, for the publisher.
+    pub fn figures(&self) -> Arc<Figures> {
+        self.figures.clone()
+    }
+
+    /// Tells the keeper `told`; nothing when it has ended (the pair did).
     fn tell(&self, told: Told) {
         let _ = self.inbox.send(told);
     }
 
-    /// Starts accepting (once; the pair started), until [`Handoff::stop`];
-    /// `tx` hears when the store's figures moved.
-    pub fn start(&self, tx: &Inputs) -> Result<()> {
-        let Some(Unstarted {
-            inbox: rx,
-            listening,
-            store,
-        }) = self
-            .unstarted
+    /// The pair started: accepts from now on, until [`Keeper::stop`]
+    /// (once); `tx` hears when the store's figures moved.
+    pub fn start(&self, tx: &Inputs) {
+        let Some(listening) = self
+            .listening
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take()
         else {
-            return Ok(());
+            return;
         };
-        let conns = owner::handle()?;
-        // The listeners are watched by the connection thread's reactor.
-        let _on_conns = conns.enter();
-        let mut listeners = Vec::with_capacity(listening.len());
-        for fd in listening {
-            // This copy's open file is the pair's one listening socket, and
-            // no engine has it in this mode: non-blocking is the shim's own.
-            set_nonblocking(&fd, "a listening socket")?;
-            // SAFETY: the AsyncFd owns `fd` (an OwnedFd) and neither closes
-            // nor replaces it while registered.
-            let listener = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
-                .map_err(|e| Error::io("watching a listening socket", e.into()))?;
-            listeners.push(listener);
-        }
-        let room = fdstore::lock(&store).room();
-        let task = Hands {
-            id: self.id.clone(),
-            waiting: vec![VecDeque::new(); listeners.len()],
-            room,
-            store,
+        self.tell(Told::Start {
             tx: tx.clone(),
-            decided: Connections::new(),
-            ends: (0..self.slots).map(|_| None).collect(),
-            serving: self.serving.clone(),
-        };
-        let handle = conns.spawn(task.run(rx, listeners));
-        *self.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
-        Ok(())
+            listening,
+        });
     }
 
-    /// The pair ended: no more accepts; the task ends and every hand-off
-    /// socket with it.
+    /// The pair ended: no more accepts; the keeper ends, and every
+    /// hand-off socket and the store with it.
     pub fn stop(&self) {
         if let Some(t) = self.task.lock().unwrap_or_else(|p| p.into_inner()).take() {
             t.abort();
         }
-        self.unstarted
+        self.listening
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
         self.serving.store(NOBODY, Ordering::Release);
     }
 
+    /// A copy of everything the store holds, for an engine's start.
+    pub async fn copies(&self) -> Copies {
+        Keeping::copies_for(self, None).await
+    }
+
     /// A new engine of `slot` starts: its ends of fresh hand-off sockets,
     /// one per listener, for its `LISTEN_FDS` (blocking, as engines
     /// expect); the shim's ends replace the slot's previous engine's. The
-    /// new engine serves only once it proves it holds the lock.
+    /// new engine serves only once it proves it holds the lock. None when
+    /// the engines accept.
     pub fn ends_for(&self, slot: SlotId) -> Result<Vec<OwnedFd>> {
+        if self.listeners == 0 {
+            return Ok(Vec::new());
+        }
         let conns = owner::handle()?;
         // Watched by the connection thread's reactor, as the acceptors.
         let _on_conns = conns.enter();
@@ -293,24 +385,30 @@ impl Handoff {
 
     /// `slot`'s engine (the one running now) was answered its fetch: it
     /// held the lock, and is handed what was accepted from now on (and
-    /// what waits). That engine, once the task has taken it in.
+    /// what waits). That engine, once the keeper has taken it in.
     pub async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient> {
+        if self.listeners == 0 {
+            return None;
+        }
         let (reply, answer) = oneshot::channel();
         self.tell(Told::FetchAnswered { slot, reply });
         answer.await.ok().flatten()
     }
 
-    /// The supervisor's active engine now: sent to the task when it
+    /// The supervisor's active engine now: sent to the keeper when it
     /// changed since the last one sent (what a change means is the
     /// decision's, `ConnEvent::Active`).
     pub fn active_is(&self, now: Option<SlotId>) {
+        if self.listeners == 0 {
+            return;
+        }
         let word = now.map_or(NOBODY, |s| s.index() as u64);
         if self.active_sent.swap(word, Ordering::AcqRel) != word {
             self.tell(Told::Active(now));
         }
     }
 
-    /// The slot handed connections now, as the task last decided.
+    /// The slot handed connections now, as the keeper last decided.
     pub fn serving(&self) -> Option<SlotId> {
         match self.serving.load(Ordering::Acquire) {
             NOBODY => None,
@@ -319,7 +417,7 @@ impl Handoff {
     }
 
     #[cfg(test)]
-    /// The engine now in `slot`, as the task knows it.
+    /// The engine now in `slot`, as the keeper knows it.
     async fn engine(&self, slot: SlotId) -> Option<Recipient> {
         let (reply, answer) = oneshot::channel();
         self.tell(Told::Engine { slot, reply });
@@ -333,13 +431,13 @@ struct Ends {
     socks: Vec<End>,
 }
 
-/// The hand-off task's state: its alone.
-struct Hands {
+/// The keeper's state: its alone.
+struct Kept {
     id: String,
-    store: Shared,
-    tx: Inputs,
-    /// Signalled whenever descriptors leave the store.
-    room: Arc<tokio::sync::Notify>,
+    store: FdStore,
+    figures: Arc<Figures>,
+    /// Told the store's figures moved; from the pair's start.
+    tx: Option<Inputs>,
     /// Who is handed connections: the one place that says it.
     decided: Connections,
     /// Per slot: its current engine's ends.
@@ -350,12 +448,18 @@ struct Hands {
     serving: Arc<AtomicU64>,
 }
 
-impl Hands {
-    async fn run(
-        mut self,
-        mut inbox: mpsc::UnboundedReceiver<Told>,
-        listeners: Vec<AsyncFd<OwnedFd>>,
-    ) {
+impl Kept {
+    async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Told>) {
+        // The store's hang-ups, on its own epoll (systemd's `FDPOLL`):
+        // data arriving for an engine never wakes the shim.
+        let hangups = match self.watch_hangups() {
+            Ok(h) => Some(h),
+            Err(e) => {
+                log::warn!("pair {}: fd store: hang-ups not watched: {e}", self.id);
+                None
+            }
+        };
+        let mut listeners: Vec<AsyncFd<OwnedFd>> = Vec::new();
         // Where the look for a readable listener starts: each in turn, so
         // that a flood on one does not starve the others.
         let mut first = 0;
@@ -363,24 +467,38 @@ impl Hands {
             let blocked: Vec<End> = (0..listeners.len())
                 .filter_map(|i| self.hand_waiting(i))
                 .collect();
-            let has_room = {
-                let mut st = fdstore::lock(&self.store);
-                let room = st.has_room();
-                if !room {
-                    st.watch_handed();
-                }
-                room
-            };
-            let room = self.room.clone();
-            tokio::select! {
+            let has_room = self.store.has_room();
+            if !has_room {
+                self.store.watch_handed();
+            }
+            self.nudge();
+            let told = tokio::select! {
                 // What it is told first: a proof moves connections before
-                // more are accepted for nobody.
+                // more are accepted for nobody, and a store datagram is in
+                // before the fetch that follows it.
                 biased;
                 told = inbox.recv() => match told {
-                    Some(told) => self.take(told),
+                    Some(told) => Some(told),
                     None => return,
                 },
-                (index, ready) = readable(&listeners, first), if has_room => {
+                ready = watched(hangups.as_ref()) => {
+                    match ready {
+                        Ok(mut ready) => {
+                            let gone = self.store.hung_up();
+                            ready.clear_ready();
+                            if !gone.is_empty() {
+                                log::debug!("pair {}: fd store: {} hung up", self.id, gone.len());
+                                tokio::spawn(close_off_runtime(gone, Close::Release));
+                            }
+                        }
+                        Err(e) => {
+                            log::warn!("pair {}: fd store: hang-ups are no longer watched: {e}", self.id);
+                            return;
+                        }
+                    }
+                    None
+                }
+                (index, ready) = readable(&listeners, first), if has_room && !listeners.is_empty() => {
                     let Ok(mut ready) = ready else {
                         log::warn!("pair {}: listening socket {index} is no longer watched", self.id);
                         return;
@@ -389,13 +507,50 @@ impl Hands {
                     if self.accept_some(index, listeners[index].get_ref().as_fd()) {
                         ready.clear_ready();
                     }
+                    None
                 }
                 ready = writable(&blocked), if !blocked.is_empty() => {
                     if let Ok(mut ready) = ready {
                         ready.clear_ready();
                     }
+                    None
                 }
-                _ = room.notified(), if !has_room => {}
+            };
+            match told {
+                Some(Told::Start { tx, listening }) => {
+                    self.tx = Some(tx);
+                    match watch_listeners(listening) {
+                        Ok(l) => listeners = l,
+                        Err(e) => log::error!("pair {}: the runtime does not accept: {e}", self.id),
+                    }
+                }
+                Some(told) => self.take(told),
+                None => {}
+            }
+        }
+    }
+
+    /// The store's epoll, watched by the connection thread's reactor.
+    fn watch_hangups(&self) -> Result<AsyncFd<OwnedFd>> {
+        let fd = self
+            .store
+            .epoll_fd()
+            .try_clone_to_owned()
+            .map_err(|e| Error::io("copying the fd store's epoll descriptor", e))?;
+        // SAFETY: the AsyncFd owns `fd` (an OwnedFd, a copy of the
+        // epoll's) and neither closes nor replaces it while registered; it
+        // is closed when the AsyncFd drops.
+        unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
+            .map_err(|e| Error::io("watching the fd store's epoll", e.into()))
+    }
+
+    /// The supervisor hears of the first move of the store's figures since
+    /// its publisher last looked (it republishes within
+    /// `publish::COUNTERS_EVERY`); a full queue has it busy anyway.
+    fn nudge(&mut self) {
+        if self.store.take_nudge() {
+            if let Some(tx) = &self.tx {
+                let _ = tx.try_send(Input::StoreMoved);
             }
         }
     }
@@ -403,6 +558,38 @@ impl Hands {
     /// Takes in what it was told.
     fn take(&mut self, told: Told) {
         let event = match told {
+            Told::Start { .. } => return,
+            Told::Store { text, fds, reply } => {
+                let out = self.store.store(&text, fds);
+                if let Err(out) = reply.send(out) {
+                    // The reader is gone (the pair ends): what was not
+                    // kept is closed off this thread.
+                    release_now(out.refused);
+                }
+                return;
+            }
+            Told::Remove { text, reply } => {
+                let gone = self.store.remove(&text);
+                if let Err(gone) = reply.send(gone) {
+                    release_now(gone);
+                }
+                return;
+            }
+            Told::CopiesFor { who, reply } => {
+                let copies = self.store.copies_for(who);
+                if let Err(copies) = reply.send(copies) {
+                    release_now(copies.into_iter().map(|(_, fd)| fd).collect());
+                }
+                return;
+            }
+            Told::Fetched(n) => {
+                self.store.fetched(n);
+                return;
+            }
+            Told::FetchRefused => {
+                self.store.fetch_refused();
+                return;
+            }
             Told::Started { slot, serial, ends } => {
                 if let Some(e) = self.ends.get_mut(slot.index()) {
                     *e = Some(Ends {
@@ -499,11 +686,8 @@ impl Hands {
     fn hand_waiting(&mut self, index: usize) -> Option<End> {
         while let Some(&token) = self.waiting[index].front() {
             let (who, sock) = self.current(index)?;
-            let sent = fdstore::update(&self.store, &self.tx, |st| {
-                let out = st.hand(token, who, |name, conn| {
-                    send(sock.get_ref().as_fd(), name, conn)
-                });
-                (out, matches!(out, Hand::Sent))
+            let sent = self.store.hand(token, who, |name, conn| {
+                send(sock.get_ref().as_fd(), name, conn)
             });
             match sent {
                 Hand::Sent | Hand::Gone => {
@@ -532,55 +716,67 @@ impl Hands {
     }
 
     /// Accepts up to [`ACCEPT_BATCH`] connections into the store: whether
-    /// the listener has none left (its readiness is spent). Each accept
-    /// happens under the store's lock, once it has room: a connection is
-    /// never taken from the backlog without a place in the store.
+    /// the listener has none left (its readiness is spent). An accept is
+    /// made only while the store has room: a connection is never taken
+    /// from the backlog without a place in the store.
     fn accept_some(&mut self, index: usize, listener: BorrowedFd<'_>) -> bool {
-        /// One accept's outcome, under the store's lock.
-        enum Took {
-            Kept(u64),
-            /// The store is full (no accept made).
-            Full,
-            /// The listener has none left, or failed: this round ends.
-            Spent,
-            Again,
-        }
         for _ in 0..ACCEPT_BATCH {
-            let took = fdstore::update(&self.store, &self.tx, |st| {
-                if !st.has_room() {
-                    return (Took::Full, false);
+            if !self.store.has_room() {
+                return false;
+            }
+            // Blocking and close-on-exec: the engine that is handed it
+            // gets the connection as its own accept would have made it.
+            let conn = match accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
+                // SAFETY: accept4 just returned this descriptor; it is
+                // owned here and nowhere else.
+                Ok(raw) => unsafe { OwnedFd::from_raw_fd(raw) },
+                Err(nix::errno::Errno::EAGAIN) => return true,
+                Err(nix::errno::Errno::EINTR | nix::errno::Errno::ECONNABORTED) => continue,
+                // Out of descriptors, or memory: this round ends; the next
+                // readiness tries again.
+                Err(e) => {
+                    log::warn!("pair {}: accept on listening socket {index}: {e}", self.id);
+                    return true;
                 }
-                // Blocking and close-on-exec: the engine that is handed it
-                // gets the connection as its own accept would have made it.
-                let conn = match accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
-                    // SAFETY: accept4 just returned this descriptor; it is
-                    // owned here and nowhere else.
-                    Ok(raw) => unsafe { OwnedFd::from_raw_fd(raw) },
-                    Err(nix::errno::Errno::EAGAIN) => return (Took::Spent, false),
-                    Err(nix::errno::Errno::EINTR | nix::errno::Errno::ECONNABORTED) => {
-                        return (Took::Again, false)
-                    }
-                    // Out of descriptors, or memory: this round ends; the
-                    // next readiness tries again.
-                    Err(e) => {
-                        log::warn!("pair {}: accept on listening socket {index}: {e}", self.id);
-                        return (Took::Spent, false);
-                    }
-                };
-                match st.accept(index, conn) {
-                    Ok(token) => (Took::Kept(token), true),
-                    // Room was there under the same lock.
-                    Err(_) => (Took::Full, false),
+            };
+            match self.store.accept(index, conn) {
+                Ok(token) => self.waiting[index].push_back(token),
+                // Room was there a moment ago, on this same task: not
+                // reached; the connection is let go rather than lost.
+                Err(conn) => {
+                    release_now(vec![conn]);
+                    return false;
                 }
-            });
-            match took {
-                Took::Kept(token) => self.waiting[index].push_back(token),
-                Took::Again => continue,
-                Took::Full => return false,
-                Took::Spent => return true,
             }
         }
         false
+    }
+}
+
+/// The pair's listening sockets (copies), watched by the connection
+/// thread's reactor.
+fn watch_listeners(listening: Vec<OwnedFd>) -> Result<Vec<AsyncFd<OwnedFd>>> {
+    let mut listeners = Vec::with_capacity(listening.len());
+    for fd in listening {
+        // This copy's open file is the pair's one listening socket, and no
+        // engine has it in this mode: non-blocking is the shim's own.
+        set_nonblocking(&fd, "a listening socket")?;
+        // SAFETY: the AsyncFd owns `fd` (an OwnedFd) and neither closes
+        // nor replaces it while registered.
+        let listener = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
+            .map_err(|e| Error::io("watching a listening socket", e.into()))?;
+        listeners.push(listener);
+    }
+    Ok(listeners)
+}
+
+/// `fd` readable; never, when there is none.
+async fn watched(
+    fd: Option<&AsyncFd<OwnedFd>>,
+) -> std::io::Result<tokio::io::unix::AsyncFdReadyGuard<'_, OwnedFd>> {
+    match fd {
+        Some(fd) => fd.readable().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -661,8 +857,8 @@ mod tests {
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 
     use super::*;
-    use crate::pair::fdstore::FdStore;
     use crate::pair::input;
+    use shadow_contract::state::FdStoreStatus;
 
     const S0: SlotId = SlotId::ZERO;
     const S1: SlotId = SlotId::ONE;
@@ -698,25 +894,36 @@ mod tests {
     }
 
     struct Rig {
-        h: Arc<Handoff>,
-        store: Shared,
+        h: Arc<Keeper>,
+        figures: Arc<Figures>,
         addr: std::net::SocketAddr,
-        _inputs: tokio::sync::mpsc::Receiver<input::Input>,
+        inputs: tokio::sync::mpsc::Receiver<input::Input>,
     }
 
+    /// A keeper of a store of 16, the runtime accepting on one listener.
     fn rig() -> Rig {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("address");
-        let store: Shared = Arc::new(Mutex::new(FdStore::new(16).expect("store")));
-        let h = Handoff::new("t", store.clone(), vec![OwnedFd::from(listener)], 2);
+        let store = FdStore::new(16).expect("store");
+        let h = Keeper::new("t", store, vec![OwnedFd::from(listener)], 2).expect("keeper");
         let (tx, rx) = input::channel();
-        Handoff::start(&h, &tx).expect("start");
+        h.start(&tx);
         Rig {
+            figures: h.figures(),
             h,
-            store,
             addr,
-            _inputs: rx,
+            inputs: rx,
         }
+    }
+
+    /// `f` of the figures, once it holds (the keeper counts on its thread).
+    fn eventually(figures: &Figures, what: &str, f: impl Fn(&FdStoreStatus) -> bool) {
+        shadow_wait::until(
+            what,
+            Duration::from_secs(10),
+            Duration::from_millis(2),
+            || Some(()).filter(|_| f(&figures.status())),
+        );
     }
 
     /// The client's bytes reach the handed connection, and back.
@@ -738,7 +945,7 @@ mod tests {
         // Nobody proven yet: the connection waits in the store.
         let mut c1 = TcpStream::connect(r.addr).expect("connect");
         assert!(receive(&e0, Duration::from_millis(200)).is_none());
-        assert_eq!(fdstore::lock(&r.store).status().accepted, 1);
+        eventually(&r.figures, "one accepted", |s| s.accepted == 1);
         // Slot 0's fetch is answered: what waited is handed to it, and
         // what comes next; slot 1, parked, gets nothing.
         r.h.fetch_answered(S0).await;
@@ -749,7 +956,7 @@ mod tests {
         let (_, mut h2) = receive(&e0, Duration::from_secs(10)).expect("handed");
         talks(&mut c2, &mut h2);
         assert!(receive(&e1, Duration::from_millis(100)).is_none());
-        assert_eq!(fdstore::lock(&r.store).status().handed, 2);
+        eventually(&r.figures, "two handed", |s| s.handed == 2);
         r.h.stop();
     }
 
@@ -812,5 +1019,82 @@ mod tests {
         talks(&mut c, &mut handed);
         assert!(receive(&e0, Duration::from_millis(50)).is_none());
         r.h.stop();
+    }
+
+    fn memfd(name: &str) -> OwnedFd {
+        nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC).expect("memfd")
+    }
+
+    /// The store's one owner: what a reader stored is in the copies asked
+    /// after it, in order; a remove hands back what it took; the
+    /// publisher's figures follow, and the supervisor hears of the first
+    /// move since they were read, once.
+    #[tokio::test]
+    async fn stores_removes_and_copies_go_through_the_keeper_in_order() {
+        let mut r = rig();
+        let kept =
+            r.h.store(b"FDSTORE=1\nFDNAME=a\n".to_vec(), vec![memfd("a")])
+                .await;
+        assert_eq!((kept.kept, kept.refused.len()), (1, 0));
+        let (s, _c) = {
+            let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+            let c = TcpStream::connect(l.local_addr().expect("address")).expect("connect");
+            (l.accept().expect("accept").0, c)
+        };
+        r.h.store(b"FDSTORE=1\nFDNAME=b\n".to_vec(), vec![OwnedFd::from(s)])
+            .await;
+        let names: Vec<String> = r.h.copies().await.into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["a", "b"]);
+        // Something neither a socket nor a memfd comes back, refused.
+        let (pipe, _w) = nix::unistd::pipe().expect("pipe");
+        let refused =
+            r.h.store(b"FDSTORE=1\nFDNAME=c\n".to_vec(), vec![pipe])
+                .await;
+        assert_eq!((refused.kept, refused.refused.len()), (0, 1));
+        let gone = r.h.remove(b"FDSTOREREMOVE=1\nFDNAME=a\n".to_vec()).await;
+        assert_eq!(gone.len(), 1);
+        let s = r.figures.status();
+        assert_eq!((s.fds, s.stored, s.removed), (1, 2, 1));
+        assert_eq!(s.refused["wrong_type"], 1);
+        // One nudge for all of it: nobody read the figures meanwhile.
+        let got = tokio::time::timeout(Duration::from_secs(5), r.inputs.recv()).await;
+        assert!(matches!(got, Ok(Some(input::Input::StoreMoved))), "{got:?}");
+        let more = tokio::time::timeout(Duration::from_millis(50), r.inputs.recv()).await;
+        assert!(more.is_err(), "{more:?}");
+        // Read: the next move is told again.
+        assert!(r.figures.take_moved());
+        r.h.fetch_refused();
+        let got = tokio::time::timeout(Duration::from_secs(5), r.inputs.recv()).await;
+        assert!(matches!(got, Ok(Some(input::Input::StoreMoved))), "{got:?}");
+        assert_eq!(r.figures.status().fetches_refused, 1);
+        r.h.stop();
+    }
+
+    /// A stored socket whose peer hung up leaves the store on the keeper's
+    /// own watch; the engines' accepting pair hands nothing.
+    #[tokio::test]
+    async fn the_keeper_drops_hung_up_sockets_and_an_engines_accepting_pair_hands_nothing() {
+        let h = Keeper::new("t", FdStore::new(4).expect("store"), Vec::new(), 2).expect("keeper");
+        let (tx, _rx) = input::channel();
+        h.start(&tx);
+        assert!(!h.hands());
+        assert!(h.ends_for(S0).expect("no ends").is_empty());
+        assert_eq!(h.fetch_answered(S0).await, None);
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = TcpStream::connect(l.local_addr().expect("address")).expect("connect");
+        let (s, _) = l.accept().expect("accept");
+        h.store(
+            b"FDSTORE=1\nFDNAME=conn\n".to_vec(),
+            vec![OwnedFd::from(s.try_clone().expect("dup"))],
+        )
+        .await;
+        s.shutdown(std::net::Shutdown::Write).expect("shutdown");
+        drop((s, c));
+        let figures = h.figures();
+        eventually(&figures, "the hung-up socket dropped", |s| {
+            s.hung_up == 1 && s.fds == 0
+        });
+        assert!(h.copies().await.is_empty());
+        h.stop();
     }
 }
