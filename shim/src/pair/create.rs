@@ -23,7 +23,8 @@ use super::fetch::FetchSocket;
 use super::gms::{GmsDaemons, InPod};
 use super::gpus::{self, Gpu};
 use super::host::Machine;
-use super::keeper::{Keeper, Keeping};
+use super::keeper::Keeper;
+use super::keeping::Keeping;
 use super::leftovers::{self, PairName};
 use super::listen::{ListenSockets, Site};
 use super::made::Made;
@@ -460,16 +461,21 @@ async fn create_steps(
     let output = Arc::new(SharedOutput::new(out, err).with_stdin(stdin));
     let listen_count = listen.as_ref().map_or(0, |l| l.names().len());
     // The store's one owner, and the acceptor when the runtime accepts.
-    let (keeper, fetch) = match fdstore {
+    let keeper = match fdstore {
         Some((store, fetch)) => {
             let listening = match &listen {
                 Some(l) if accept_runtime => l.copies()?,
                 _ => Vec::new(),
             };
-            let k = Keeper::new(&req.id, store, listening, engines.len())?;
-            (Some(k), fetch)
+            Some(Keeper::new(
+                &req.id,
+                store,
+                fetch,
+                listening,
+                engines.len(),
+            )?)
         }
-        None => (None, Vec::new()),
+        None => None,
     };
     let host = Arc::new(Machine::new(
         engines.clone(),
@@ -502,7 +508,6 @@ async fn create_steps(
         router: rt.router.clone(),
         events: rt.events.clone(),
         notify: Some(notify),
-        fetch,
         lock_path: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
         state_json: dirs.state_json.clone(),
         containerd: rt.containerd.clone(),

@@ -35,7 +35,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::host::Host;
-use super::keeper::Keeping;
+use super::keeping::Keeping;
 use super::lock::LockSeen;
 use super::notify::{close_off_runtime, Close, NotifySocket};
 use super::owner;
@@ -309,6 +309,7 @@ mod tests {
     use crate::pair::host::{Passing, ReapFuture};
     use crate::pair::input;
     use crate::pair::keeper::Keeper;
+    use crate::pair::keeping::Fetching;
     use crate::pair::lock::LockLook;
 
     const S0: SlotId = SlotId::ZERO;
@@ -427,17 +428,16 @@ mod tests {
         let mut store = FdStore::new(16).expect("store");
         store.store(b"FDSTORE=1\nFDNAME=a\n", vec![memfd("a")]);
         store.store(b"FDSTORE=1\nFDNAME=b\n", vec![memfd("b")]);
-        let keeper = Keeper::new("t", store, Vec::new(), 2).expect("keeper");
+        // Slot 0's fetch socket, served by the keeper from its start.
+        let sock = FetchSocket::bind(&path).expect("bind");
+        let keeper = Keeper::new("t", store, vec![sock], Vec::new(), 2).expect("keeper");
         let host = Arc::new(host);
         let (tx, rx) = input::channel();
-        keeper.start(&tx);
-        let shared = Arc::new(Fetchers {
-            id: "t".into(),
-            keeper: keeper.clone(),
+        let fetching = Fetching {
             host: host.clone(),
             notify: Vec::new(),
-        });
-        serve(S0, FetchSocket::bind(&path).expect("bind"), shared).expect("serve");
+        };
+        keeper.clone().start(&tx, fetching);
         Served {
             _dir: dir,
             path,

@@ -57,7 +57,9 @@ use tokio::task::JoinHandle;
 
 use super::fdstore::accepted::Hand;
 use super::fdstore::{FdStore, Figures, Stored};
+use super::fetch::{self, FetchSocket, Fetchers};
 use super::input::{Input, Inputs};
+use super::keeping::{Copies, Fetching, Keeping};
 use super::notify::{close_off_runtime, release_now, Close};
 use super::owner;
 use crate::error::{Error, Result};
@@ -71,9 +73,6 @@ const NOBODY: u64 = u64::MAX;
 
 /// A hand-off socket (the shim's end), watched by the connection thread.
 type End = Arc<AsyncFd<OwnedFd>>;
-
-/// Descriptors with their names, in the order stored.
-pub type Copies = Vec<(String, OwnedFd)>;
 
 /// What the keeper is told: its inbox, read in order.
 enum Told {
@@ -129,51 +128,37 @@ enum Told {
     },
 }
 
-/// What the supervisor, the notify readers and the fetch servers ask of
-/// the keeper: a trait, so that the supervisor's race tests stand a fake
-/// in for [`Keeper`].
-#[async_trait]
-pub trait Keeping: Send + Sync {
-    /// The pair started: the runtime accepts from now on (when it does);
-    /// `tx` hears when the store's figures moved. Once.
-    fn start(&self, tx: &Inputs);
-    /// Whether the runtime accepts (`shadow.dev/accept: runtime`).
-    fn hands(&self) -> bool;
-    /// `FDSTORE=1` with `fds`: what was kept, and what was not (to close).
-    async fn store(&self, text: Vec<u8>, fds: Vec<OwnedFd>) -> Stored;
-    /// `FDSTOREREMOVE=1`: what it took out of the store, to close.
-    async fn remove(&self, text: Vec<u8>) -> Vec<OwnedFd>;
-    /// A fetch's copies for `who` (see `FdStore::copies_for`); `None`: a
-    /// copy of everything.
-    async fn copies_for(&self, who: Option<Recipient>) -> Copies;
-    /// A fetch was answered with `n` descriptors.
-    fn fetched(&self, n: usize);
-    /// A fetch was refused.
-    fn fetch_refused(&self);
-    /// `slot`'s engine (the one running now) was answered its fetch:
-    /// that engine, once the keeper has taken it in (none when the
-    /// runtime does not accept).
-    async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient>;
-    /// `slot`'s engine (the one running now) said `READY=1` from a
-    /// process seen holding the lock.
-    fn ready_from_holder(&self, slot: SlotId);
-    /// The slot handed connections now, if any (as last decided).
-    fn serving(&self) -> Option<SlotId>;
-    /// The supervisor's active engine now (told after each of its steps).
-    fn active_is(&self, now: Option<SlotId>);
-    /// The engine now in `slot` died (its reap).
-    fn died(&self, slot: SlotId);
-    /// `slot`'s engine was seen not holding the lock.
-    fn lock_lost(&self, slot: SlotId);
-    /// The pair ended: no more accepts, every hand-off socket closed, the
-    /// store let go.
-    fn stop(&self);
-}
-
 #[async_trait]
 impl Keeping for Keeper {
-    fn start(&self, tx: &Inputs) {
-        Keeper::start(self, tx)
+    fn start(self: Arc<Self>, tx: &Inputs, fetching: Fetching) {
+        let sockets = self
+            .fetch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .unwrap_or_default();
+        let fetchers = Arc::new(Fetchers {
+            id: self.id.clone(),
+            keeper: self.clone(),
+            host: fetching.host,
+            notify: fetching.notify,
+        });
+        let mut servers = Vec::with_capacity(sockets.len());
+        for (i, sock) in sockets.into_iter().enumerate() {
+            let Some(slot) = SlotId::new(i) else { break };
+            match fetch::serve(slot, sock, fetchers.clone()) {
+                Ok(task) => servers.push(task),
+                Err(e) => log::warn!(
+                    "pair {}: slot {slot}'s fd store socket not served: {e}",
+                    self.id
+                ),
+            }
+        }
+        self.servers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(servers);
+        self.start_accepting(tx)
     }
     fn hands(&self) -> bool {
         self.listeners > 0
@@ -240,6 +225,11 @@ impl Keeping for Keeper {
 
 /// The keeper's handle: its inbox, and what others read of it.
 pub struct Keeper {
+    id: String,
+    /// Each slot's fetch socket, until [`Keeping::start`] serves them.
+    fetch: Mutex<Option<Vec<FetchSocket>>>,
+    /// The fetch servers, from the start; they end with the keeper.
+    servers: Mutex<Vec<JoinHandle<()>>>,
     /// Listening sockets the runtime accepts on (0: the engines accept).
     listeners: usize,
     inbox: mpsc::UnboundedSender<Told>,
@@ -262,12 +252,14 @@ pub struct Keeper {
 impl Keeper {
     /// The keeper of `store`, for a pair of `slots` engines, running from
     /// now on (the store is asked for copies at the first engine's
-    /// create); with `listening` (copies of the pair's listening sockets,
-    /// in their order; none: the engines accept), the runtime accepts on
-    /// them once the pair started.
+    /// create); once the pair started, it serves `fetch` (each slot's
+    /// fetch socket, in slot order) and, with `listening` (copies of the
+    /// pair's listening sockets, in their order; none: the engines
+    /// accept), accepts on them.
     pub fn new(
         id: &str,
         store: FdStore,
+        fetch: Vec<FetchSocket>,
         listening: Vec<OwnedFd>,
         slots: usize,
     ) -> Result<Arc<Self>> {
@@ -287,6 +279,9 @@ impl Keeper {
         let figures = kept.figures.clone();
         let task = conns.spawn(kept.run(rx));
         Ok(Arc::new(Keeper {
+            id: id.to_owned(),
+            fetch: Mutex::new(Some(fetch)),
+            servers: Mutex::new(Vec::new()),
             listeners: listening.len(),
             inbox,
             listening: Mutex::new(Some(listening)),
@@ -310,7 +305,7 @@ impl Keeper {
 
     /// The pair started: accepts from now on, until [`Keeper::stop`]
     /// (once); `tx` hears when the store's figures moved.
-    pub fn start(&self, tx: &Inputs) {
+    fn start_accepting(&self, tx: &Inputs) {
         let Some(listening) = self
             .listening
             .lock()
@@ -325,9 +320,18 @@ impl Keeper {
         });
     }
 
-    /// The pair ended: no more accepts; the keeper ends, and every
-    /// hand-off socket and the store with it.
+    /// The pair ended: no more accepts or fetches; the keeper ends, and
+    /// every hand-off socket and the store with it.
     pub fn stop(&self) {
+        for t in self
+            .servers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+        self.fetch.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(t) = self.task.lock().unwrap_or_else(|p| p.into_inner()).take() {
             t.abort();
         }
@@ -905,9 +909,10 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("address");
         let store = FdStore::new(16).expect("store");
-        let h = Keeper::new("t", store, vec![OwnedFd::from(listener)], 2).expect("keeper");
+        let h =
+            Keeper::new("t", store, Vec::new(), vec![OwnedFd::from(listener)], 2).expect("keeper");
         let (tx, rx) = input::channel();
-        h.start(&tx);
+        h.start_accepting(&tx);
         Rig {
             figures: h.figures(),
             h,
@@ -1074,9 +1079,16 @@ mod tests {
     /// own watch; the engines' accepting pair hands nothing.
     #[tokio::test]
     async fn the_keeper_drops_hung_up_sockets_and_an_engines_accepting_pair_hands_nothing() {
-        let h = Keeper::new("t", FdStore::new(4).expect("store"), Vec::new(), 2).expect("keeper");
+        let h = Keeper::new(
+            "t",
+            FdStore::new(4).expect("store"),
+            Vec::new(),
+            Vec::new(),
+            2,
+        )
+        .expect("keeper");
         let (tx, _rx) = input::channel();
-        h.start(&tx);
+        h.start_accepting(&tx);
         assert!(!h.hands());
         assert!(h.ends_for(S0).expect("no ends").is_empty());
         assert_eq!(h.fetch_answered(S0).await, None);

@@ -21,6 +21,7 @@ pub mod gpus;
 pub mod host;
 pub mod input;
 pub mod keeper;
+pub mod keeping;
 pub mod leftovers;
 pub mod listen;
 pub mod lock;

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 use super::host::Host;
 use super::input::{Input, Inputs};
-use super::keeper::Keeping;
+use super::keeping::Keeping;
 use super::notify::{
     close_off_runtime, discard, Close, DropCounts, Dropped, Gate, NotifySocket, Queue, Received,
 };

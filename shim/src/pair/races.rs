@@ -25,7 +25,7 @@ use super::engine::SharedOutput;
 use super::fdstore::Stored;
 use super::host::{Host, Passed, Passing, ReapFuture, Reaped};
 use super::input::Input;
-use super::keeper::{Copies, Keeping};
+use super::keeping::{Copies, Fetching, Keeping};
 use super::lock::{LockLook, LockSeen};
 use super::made::Made;
 use super::notify::{Datagram, SenderSlot};
@@ -124,7 +124,7 @@ impl Passing for FakeKeeper {
 
 #[async_trait]
 impl Keeping for FakeKeeper {
-    fn start(&self, _tx: &super::input::Inputs) {}
+    fn start(self: Arc<Self>, _tx: &super::input::Inputs, _fetching: Fetching) {}
     fn hands(&self) -> bool {
         true
     }
@@ -383,7 +383,6 @@ impl Rig {
             router: Arc::new(ExitRouter::default()),
             events,
             notify: None,
-            fetch: Vec::new(),
             lock_path: None,
             state_json: dir.path().join("state.json"),
             containerd: "/run/containerd/containerd.sock".into(),

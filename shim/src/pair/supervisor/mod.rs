@@ -41,10 +41,9 @@ use super::command::Command;
 use super::config::PairConfig;
 use super::engine::SharedOutput;
 use super::fdstore::Figures;
-use super::fetch::{self, FetchSocket, Fetchers};
 use super::host::{Host, Passing};
 use super::input::{self, Input, Inputs};
-use super::keeper::Keeping;
+use super::keeping::{Fetching, Keeping};
 use super::made::Made;
 use super::notify::{DropCounts, NotifySocket, Queue};
 use super::observe::{self, Clock};
@@ -87,8 +86,6 @@ pub struct Parts {
     pub events: EventSink,
     /// Each slot's notify socket (its engine's alone).
     pub notify: Option<Vec<NotifySocket>>,
-    /// Each slot's fetch socket (none: no store).
-    pub fetch: Vec<FetchSocket>,
     /// The election lock file, watched for closes (inotify).
     pub lock_path: Option<PathBuf>,
     pub state_json: PathBuf,
@@ -186,8 +183,6 @@ pub struct Supervisor {
     router: Arc<ExitRouter>,
     events: EventSink,
     notify: Option<Vec<NotifySocket>>,
-    /// Each slot's fetch socket, until the pair starts.
-    fetch: Option<Vec<FetchSocket>>,
     /// Datagrams the notify readers forwarded and this task has not taken.
     notify_queue: Arc<Queue>,
     /// What the notify reader dropped, by reason (published as a metric).
@@ -270,7 +265,6 @@ impl Supervisor {
             router: p.router,
             events: p.events,
             notify: p.notify,
-            fetch: Some(p.fetch),
             notify_queue: Arc::new(Queue::default()),
             notify_drops,
             lock_path: p.lock_path,
@@ -364,9 +358,12 @@ impl Supervisor {
                     self.tx.clone(),
                 ));
             }
-            if let (Some(k), Some(fetch)) = (self.keeper.clone(), self.fetch.take()) {
-                self.serve_fetches(k.clone(), fetch, socks);
-                k.start(&self.tx);
+            if let Some(k) = self.keeper.clone() {
+                let fetching = Fetching {
+                    host: self.host.clone(),
+                    notify: socks,
+                };
+                k.start(&self.tx, fetching);
             }
         }
         if let Some(path) = self.lock_path.take() {
@@ -385,31 +382,6 @@ impl Supervisor {
             self.xid_stop.clone(),
             self.tx.clone(),
         );
-    }
-
-    /// Each slot's fetch server: a client of the keeper, which holds the
-    /// store.
-    fn serve_fetches(
-        &mut self,
-        keeper: Arc<dyn Keeping>,
-        fetch: Vec<FetchSocket>,
-        notify: Vec<Arc<NotifySocket>>,
-    ) {
-        let fetchers = Arc::new(Fetchers {
-            id: self.id.clone(),
-            keeper,
-            host: self.host.clone(),
-            notify,
-        });
-        for (slot, sock) in self.pair.slot_ids().zip(fetch) {
-            match fetch::serve(slot, sock, fetchers.clone()) {
-                Ok(task) => self.observers.push(task),
-                Err(e) => log::warn!(
-                    "pair {}: slot {slot}'s fd store socket not served: {e}",
-                    self.id
-                ),
-            }
-        }
     }
 
     /// Start both engines inline (Start waits for them), so that a spec
