@@ -54,6 +54,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use super::fdstore::accepted::Hand;
 use super::fdstore::{FdStore, Figures, Stored};
@@ -113,7 +114,7 @@ enum Told {
         reply: oneshot::Sender<Option<Recipient>>,
     },
     /// `slot`'s engine said `READY=1` from a process holding the lock.
-    ReadyFromHolder { slot: SlotId },
+    ReadyFromHolder { slot: SlotId, read_at: Instant },
     /// The supervisor's active engine now.
     Active(Option<SlotId>),
     /// `slot`'s engine died (its reap).
@@ -197,9 +198,9 @@ impl Keeping for Keeper {
     async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient> {
         Keeper::fetch_answered(self, slot).await
     }
-    fn ready_from_holder(&self, slot: SlotId) {
+    fn ready_from_holder(&self, slot: SlotId, read_at: Instant) {
         if self.hands() {
-            self.tell(Told::ReadyFromHolder { slot });
+            self.tell(Told::ReadyFromHolder { slot, read_at });
         }
     }
     fn serving(&self) -> Option<SlotId> {
@@ -612,14 +613,17 @@ impl Kept {
                     serial: r.serial,
                 }
             }
-            Told::ReadyFromHolder { slot } => {
+            Told::ReadyFromHolder { slot, read_at } => {
                 let Some(r) = self.decided.engine(slot) else {
                     return;
                 };
-                ConnEvent::ReadyFromHolder {
+                let event = ConnEvent::ReadyFromHolder {
                     slot,
                     serial: r.serial,
-                }
+                };
+                let read = read_at.elapsed().as_secs_f64() * 1e3;
+                self.decide_saying(event, &format!(", {read:.3} ms after it was read"));
+                return;
             }
             Told::Active(now) => ConnEvent::Active(now),
             Told::Died { slot } => {
@@ -641,13 +645,20 @@ impl Kept {
 
     /// Tells the decision `event`, and logs a move of the recipient.
     fn decide(&mut self, event: ConnEvent) {
+        self.decide_saying(event, "");
+    }
+
+    /// [`Kept::decide`], the log of a move ending with `more`. A move to
+    /// an engine is said at info (once or twice a failover: which proof
+    /// moved the connections, and when, is the runtime's share of it).
+    fn decide_saying(&mut self, event: ConnEvent, more: &str) {
         if !self.decided.handle(event) {
             return;
         }
         let now = self.decided.recipient();
         match now {
-            Some(r) => log::debug!(
-                "pair {}: connections go to slot {} ({event:?})",
+            Some(r) => log::info!(
+                "pair {}: connections go to slot {} ({event:?}{more})",
                 self.id,
                 r.slot
             ),
@@ -970,7 +981,7 @@ mod tests {
         let r = rig();
         let e0 = r.h.ends_for(S0).expect("ends of slot 0").remove(0);
         let mut c = TcpStream::connect(r.addr).expect("connect");
-        r.h.ready_from_holder(S0);
+        r.h.ready_from_holder(S0, tokio::time::Instant::now());
         let (_, mut handed) = receive(&e0, Duration::from_secs(10)).expect("handed");
         talks(&mut c, &mut handed);
         assert_eq!(r.h.serving(), Some(S0));

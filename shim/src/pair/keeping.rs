@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use shadow_pair::{Recipient, SlotId};
+use tokio::time::Instant;
 
 use super::fdstore::Stored;
 use super::host::Host;
@@ -53,7 +54,8 @@ pub trait Keeping: Send + Sync {
     async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient>;
     /// `slot`'s engine (the one running now) said `READY=1` from a
     /// process seen holding the lock.
-    fn ready_from_holder(&self, slot: SlotId);
+    /// `read_at`: when its reader read it, for the log of the move.
+    fn ready_from_holder(&self, slot: SlotId, read_at: Instant);
     /// The slot handed connections now, if any (as last decided).
     fn serving(&self) -> Option<SlotId>;
     /// The supervisor's active engine now (told after each of its steps).

@@ -188,7 +188,7 @@ pub fn notify(
                     }
                     if verdict.is_ok() && d.lines.ready {
                         if let Some(k) = keeper.as_ref().filter(|k| k.hands()) {
-                            prove_ready(k.as_ref(), host.as_ref(), slot, d.pid);
+                            prove_ready(k.as_ref(), host.as_ref(), slot, d.pid, at);
                         }
                     }
                     verdict
@@ -238,12 +238,12 @@ pub fn notify(
 /// gate lets through. A respawn of the serving slot whose `READY=1`
 /// comes before the keeper has taken in the death is proven by its fetch
 /// instead, a millisecond or two later.
-pub(super) fn prove_ready(h: &dyn Keeping, host: &dyn Host, slot: SlotId, pid: u32) {
+pub(super) fn prove_ready(h: &dyn Keeping, host: &dyn Host, slot: SlotId, pid: u32, at: Instant) {
     if h.serving() == Some(slot) {
         return;
     }
     if host.slot_of_pid(pid) == Some(slot) && host.lock_held_by(pid) == Some(true) {
-        h.ready_from_holder(slot);
+        h.ready_from_holder(slot, at);
     }
 }
 

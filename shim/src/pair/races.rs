@@ -153,7 +153,7 @@ impl Keeping for FakeKeeper {
         });
         Some(r)
     }
-    fn ready_from_holder(&self, slot: SlotId) {
+    fn ready_from_holder(&self, slot: SlotId, _read_at: Instant) {
         if let Some(r) = self.recipient(slot) {
             self.tell(ConnEvent::ReadyFromHolder {
                 slot,
@@ -1024,16 +1024,16 @@ fn a_ready_from_the_lock_holder_is_proof_at_once_and_from_anyone_else_nothing() 
     let p1 = host.new_pid(S1);
     host.state().holder = Some(S1);
     let h = host.1.clone();
-    super::observe::prove_ready(h.as_ref(), &host, S0, p0);
+    super::observe::prove_ready(h.as_ref(), &host, S0, p0, Instant::now());
     assert_eq!(h.to(), None, "slot 0 does not hold the lock");
-    super::observe::prove_ready(h.as_ref(), &host, S0, p1);
+    super::observe::prove_ready(h.as_ref(), &host, S0, p1, Instant::now());
     assert_eq!(h.to(), None, "slot 1's process on slot 0's socket");
-    super::observe::prove_ready(h.as_ref(), &host, S1, p1);
+    super::observe::prove_ready(h.as_ref(), &host, S1, p1, Instant::now());
     assert_eq!(h.to(), Some(S1));
     // Slot 1 dies and respawns: the new engine proves itself again.
     h.died(S1);
     assert_eq!(h.to(), None);
     let p2 = host.new_pid(S1);
-    super::observe::prove_ready(h.as_ref(), &host, S1, p2);
+    super::observe::prove_ready(h.as_ref(), &host, S1, p2, Instant::now());
     assert_eq!(h.to(), Some(S1));
 }
