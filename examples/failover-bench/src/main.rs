@@ -135,11 +135,12 @@ fn poll<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     }
 }
 
-/// Ask `/health` until it answers 200 or `limit` passes.
-fn wait_healthy(port: u16, limit: Duration) -> bool {
+/// Ask `/health` until it answers 200, `limit` passes or `gone` says
+/// nothing will answer (the `ctr run` that starts it has exited).
+fn wait_healthy(port: u16, limit: Duration, mut gone: impl FnMut() -> bool) -> bool {
     use std::io::{Read, Write};
     let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
+    while Instant::now() < deadline && !gone() {
         let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
         if let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
             let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
@@ -252,7 +253,8 @@ fn restart_arm(
                 restarts.fetch_add(1, Ordering::AcqRel);
             }
         });
-        let result = if wait_healthy(w.port, Duration::from_secs(600)) {
+        // The restarter runs `ctr run` again and again: only time ends this.
+        let result = if wait_healthy(w.port, Duration::from_secs(600), || false) {
             let (samples, kills_ms, _) = drive(o, w, || {
                 let pid = ctr.tasks().ok()?.into_iter().find(|t| t.id == id)?.pid;
                 kill_now(pid)
@@ -305,8 +307,18 @@ fn shim_arm(
         annotations.push((shadow_contract::annotations::LISTEN, &socket));
         annotations.push((shadow_contract::annotations::ACCEPT, &o.accept));
     }
-    let ctr = env.run(cd, id, &annotations, &["--rm", "--net-host"], &cmd)?;
-    let ready = wait_healthy(w.port, Duration::from_secs(600));
+    let mut ctr = env.run(cd, id, &annotations, &["--rm", "--net-host"], &cmd)?;
+    let ready = wait_healthy(w.port, Duration::from_secs(600), || ctr.has_exited());
+    if !ready && ctr.has_exited() {
+        // Create or Start failed: say why now rather than wait out the limit.
+        return Err(Error::Arm {
+            arm: arm.into(),
+            reason: format!(
+                "ctr run exited before the engine served: {}",
+                ctr.stderr_so_far().trim()
+            ),
+        });
+    }
     // A pair is ready for the kill once its shadow is parked; a single
     // engine once it serves.
     let protected = ready

@@ -747,6 +747,10 @@ fn main() {
     if !left.is_empty() {
         failed.push(format!("left after stop: {left:?}"));
     }
+    // The private containerd and its directory go before the verdict:
+    // `exit` runs no destructor, and a failed soak must leave nothing too.
+    drop(pair);
+    drop(cd);
     if failed.is_empty() {
         println!("soak: PASS");
     } else {
