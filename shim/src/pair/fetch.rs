@@ -94,7 +94,7 @@ pub struct Fetchers {
     pub notify: Vec<Arc<NotifySocket>>,
 }
 
-/// Serve `slot`'s fetch socket until the pair ends (the task is aborted).
+/// Serve `slot`'s fetch socket until the keeper that started it ends it.
 pub fn serve(slot: SlotId, sock: FetchSocket, shared: Arc<Fetchers>) -> Result<JoinHandle<()>> {
     // Served on the connection thread (`owner.rs`): a takeover's fetch
     // waits for nothing the supervisor does.

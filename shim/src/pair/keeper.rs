@@ -985,7 +985,7 @@ mod tests {
         let (_, mut handed) = receive(&e0, Duration::from_secs(10)).expect("handed");
         talks(&mut c, &mut handed);
         assert_eq!(r.h.serving(), Some(S0));
-        // Its reap: the task closes the shim's ends (the engine's end
+        // Its reap: the keeper closes the shim's ends (the engine's end
         // reads the end of the stream) and hands it nothing more.
         r.h.died(S0);
         let mut buf = [0u8; 64];
