@@ -269,7 +269,6 @@ impl Keeper {
         let serving = Arc::new(AtomicU64::new(NOBODY));
         let kept = Kept {
             id: id.to_owned(),
-            figures: store.figures(),
             store,
             tx: None,
             decided: Connections::new(),
@@ -277,7 +276,7 @@ impl Keeper {
             waiting: vec![VecDeque::new(); listening.len()],
             serving: serving.clone(),
         };
-        let figures = kept.figures.clone();
+        let figures = kept.store.figures();
         let task = conns.spawn(kept.run(rx));
         Ok(Arc::new(Keeper {
             id: id.to_owned(),
@@ -440,7 +439,6 @@ struct Ends {
 struct Kept {
     id: String,
     store: FdStore,
-    figures: Arc<Figures>,
     /// Told the store's figures moved; from the pair's start.
     tx: Option<Inputs>,
     /// Who is handed connections: the one place that says it.
