@@ -162,7 +162,7 @@ impl Keeping for Keeper {
         self.start_accepting(tx)
     }
     fn hands(&self) -> bool {
-        self.listeners > 0
+        Keeper::hands(self)
     }
     async fn store(&self, text: Vec<u8>, fds: Vec<OwnedFd>) -> Stored {
         let (reply, answer) = oneshot::channel();
@@ -199,9 +199,7 @@ impl Keeping for Keeper {
         Keeper::fetch_answered(self, slot).await
     }
     fn ready_from_holder(&self, slot: SlotId, read_at: Instant) {
-        if self.hands() {
-            self.tell(Told::ReadyFromHolder { slot, read_at });
-        }
+        self.tell_hands(Told::ReadyFromHolder { slot, read_at });
     }
     fn serving(&self) -> Option<SlotId> {
         Keeper::serving(self)
@@ -210,14 +208,10 @@ impl Keeping for Keeper {
         Keeper::active_is(self, now)
     }
     fn died(&self, slot: SlotId) {
-        if self.hands() {
-            self.tell(Told::Died { slot });
-        }
+        self.tell_hands(Told::Died { slot });
     }
     fn lock_lost(&self, slot: SlotId) {
-        if self.hands() {
-            self.tell(Told::LockLost { slot });
-        }
+        self.tell_hands(Told::LockLost { slot });
     }
     fn stop(&self) {
         Keeper::stop(self)
@@ -234,7 +228,7 @@ pub struct Keeper {
     /// Listening sockets the runtime accepts on (0: the engines accept).
     listeners: usize,
     inbox: mpsc::UnboundedSender<Told>,
-    /// The pair's listening sockets (copies), until [`Keeper::start`].
+    /// The pair's listening sockets (copies), until the pair starts.
     listening: Mutex<Option<Vec<OwnedFd>>>,
     task: Mutex<Option<JoinHandle<()>>>,
     figures: Arc<Figures>,
@@ -303,6 +297,21 @@ impl Keeper {
         let _ = self.inbox.send(told);
     }
 
+    /// Whether the runtime accepts: the one place that says whether the
+    /// keeper hands connections (and so hears of proofs, deaths and who
+    /// is active).
+    fn hands(&self) -> bool {
+        self.listeners > 0
+    }
+
+    /// [`Keeper::tell`], when the keeper hands connections; nothing else
+    /// needs the news.
+    fn tell_hands(&self, told: Told) {
+        if self.hands() {
+            self.tell(told);
+        }
+    }
+
     /// The pair started: accepts from now on, until [`Keeper::stop`]
     /// (once); `tx` hears when the store's figures moved.
     fn start_accepting(&self, tx: &Inputs) {
@@ -353,7 +362,7 @@ impl Keeper {
     /// new engine serves only once it proves it holds the lock. None when
     /// the engines accept.
     pub fn ends_for(&self, slot: SlotId) -> Result<Vec<OwnedFd>> {
-        if self.listeners == 0 {
+        if !self.hands() {
             return Ok(Vec::new());
         }
         let conns = owner::handle()?;
@@ -391,7 +400,7 @@ impl Keeper {
     /// held the lock, and is handed what was accepted from now on (and
     /// what waits). That engine, once the keeper has taken it in.
     pub async fn fetch_answered(&self, slot: SlotId) -> Option<Recipient> {
-        if self.listeners == 0 {
+        if !self.hands() {
             return None;
         }
         let (reply, answer) = oneshot::channel();
@@ -403,7 +412,7 @@ impl Keeper {
     /// changed since the last one sent (what a change means is the
     /// decision's, `ConnEvent::Active`).
     pub fn active_is(&self, now: Option<SlotId>) {
-        if self.listeners == 0 {
+        if !self.hands() {
             return;
         }
         let word = now.map_or(NOBODY, |s| s.index() as u64);
