@@ -25,6 +25,7 @@
 
 pub mod client;
 mod error;
+pub mod holder;
 pub mod kv;
 pub mod layout;
 pub mod mapper;
