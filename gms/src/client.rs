@@ -154,12 +154,12 @@ pub(crate) fn retryable(e: &Error) -> bool {
     }
 }
 
-fn open(socket: &Path) -> Result<UnixStream> {
+pub(crate) fn open(socket: &Path) -> Result<UnixStream> {
     UnixStream::connect(socket)
         .map_err(|e| Error::io(format!("connecting to gmsd at {}", socket.display()), e))
 }
 
-fn call_on(sock: &UnixStream, req: &Request) -> Result<(Response, Vec<OwnedFd>)> {
+pub(crate) fn call_on(sock: &UnixStream, req: &Request) -> Result<(Response, Vec<OwnedFd>)> {
     let body = protocol::encode_request(req)?;
     if let Err(sent) = wire::send(sock.as_fd(), &body, &[]) {
         // gmsd answers a refused peer (not allowed, too many connections)
@@ -195,7 +195,7 @@ fn peer_closed(e: &Error) -> bool {
     )
 }
 
-fn unexpected(req: &Request, resp: &Response) -> Error {
+pub(crate) fn unexpected(req: &Request, resp: &Response) -> Error {
     Error::UnexpectedResponse {
         request: req.op().into(),
         got: resp.op().into(),

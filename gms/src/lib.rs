@@ -27,6 +27,7 @@ pub mod client;
 mod error;
 pub mod holder;
 pub mod kv;
+pub mod kvpool;
 pub mod layout;
 pub mod mapper;
 pub mod protocol;

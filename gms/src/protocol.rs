@@ -24,6 +24,9 @@ pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 pub const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 /// Most file descriptors one message carries (well under `SCM_MAX_FD`).
 pub const MAX_FDS_PER_MESSAGE: usize = 64;
+/// The largest KV index a daemon makes (host memory, counted against
+/// nothing else: a pool's block table and prefix index fit well within).
+pub const MAX_KV_INDEX_BYTES: u64 = 64 << 20;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -61,9 +64,19 @@ pub enum Request {
         ids: Vec<u64>,
     },
     /// The pair's supervisor only (not an engine), as the first message or
-    /// without a lease: forget the committed layout so that the next engine
-    /// loads again. Needs no lease attached.
+    /// without a lease: forget the committed layout (and the KV pool) so
+    /// that the next engine loads again. Needs no lease attached.
     Reset,
+    /// The first and only request of a connection that becomes the write
+    /// lease of the pair's KV pool: granted to the holder of the pair's
+    /// election lock only (the peer or a child of it holds it). The first grant makes the pool (`size` bytes, rounded up to the
+    /// granularity, recorded at `va`) and its index (`index_bytes` of host
+    /// memory, zeroed); later grants get the same pool, whatever they ask.
+    KvPool {
+        size: u64,
+        index_bytes: u64,
+        va: u64,
+    },
 }
 
 impl Request {
@@ -79,6 +92,7 @@ impl Request {
             Request::GetLayout => "get_layout",
             Request::Export { .. } => "export",
             Request::Reset => "reset",
+            Request::KvPool { .. } => "kv_pool",
         }
     }
 
@@ -134,6 +148,21 @@ pub enum Response {
     ResetDone {
         generation: u64,
     },
+    /// The KV pool's write lease. Carries three fds: the pool's memory
+    /// (read-write, map it at `va`), its index (a memfd of `index_bytes`,
+    /// read-write) and the fence (an eventfd, readable once every engine
+    /// that held this lease before is gone, so no write of theirs can land
+    /// any more; readable at once when there was none). `pool` names this
+    /// pool for its whole life (a new pool, after a reset or in a new gmsd,
+    /// has a new one); `created`: made by this grant, so nothing is in it.
+    KvGranted {
+        pool: u64,
+        size: u64,
+        index_bytes: u64,
+        va: u64,
+        created: bool,
+        fenced: bool,
+    },
     /// Always the last message on a connection: the daemon closes it next.
     Error {
         code: ErrorCode,
@@ -154,6 +183,7 @@ impl Response {
             Response::Exported { .. } => "exported",
             Response::Status { .. } => "status",
             Response::ResetDone { .. } => "reset_done",
+            Response::KvGranted { .. } => "kv_granted",
             Response::Error { .. } => "error",
         }
     }
@@ -162,6 +192,7 @@ impl Response {
         match self {
             Response::Allocated { .. } => 1,
             Response::Exported { ids } => ids.len(),
+            Response::KvGranted { .. } => 3,
             _ => 0,
         }
     }
@@ -249,6 +280,14 @@ fn validate(req: &Request) -> Result<()> {
             "tag {tag:?}: 1-64 characters of [A-Za-z0-9_.-]"
         ))),
         Request::Allocate { size: 0, .. } => Err(Error::Invalid("allocation of 0 bytes".into())),
+        Request::KvPool { size: 0, .. } => Err(Error::Invalid("a KV pool of 0 bytes".into())),
+        Request::KvPool { index_bytes, .. }
+            if *index_bytes == 0 || *index_bytes > MAX_KV_INDEX_BYTES =>
+        {
+            Err(Error::Invalid(format!(
+                "a KV index of {index_bytes} bytes: between 1 and {MAX_KV_INDEX_BYTES}"
+            )))
+        }
         Request::Export { ids } if ids.is_empty() || ids.len() > MAX_FDS_PER_MESSAGE => {
             Err(Error::Invalid(format!(
                 "export of {} allocations: between 1 and {MAX_FDS_PER_MESSAGE} per message",
@@ -309,6 +348,11 @@ pub fn sample_requests() -> Vec<Request> {
         Request::GetLayout,
         Request::Export { ids: vec![1, 2, 3] },
         Request::Reset,
+        Request::KvPool {
+            size: 1 << 30,
+            index_bytes: 1 << 20,
+            va: 0x7e00_0000_0000,
+        },
     ]
 }
 
@@ -388,6 +432,20 @@ mod tests {
         );
         assert_eq!(
             code(br#"{"version":1,"op":"export","ids":[]}"#, 0),
+            ErrorCode::Invalid
+        );
+        assert_eq!(
+            code(
+                br#"{"version":1,"op":"kv_pool","size":0,"index_bytes":1,"va":0}"#,
+                0
+            ),
+            ErrorCode::Invalid
+        );
+        assert_eq!(
+            code(
+                br#"{"version":1,"op":"kv_pool","size":4096,"index_bytes":1099511627776,"va":0}"#,
+                0
+            ),
             ErrorCode::Invalid
         );
         let big = vec![b' '; MAX_REQUEST_BYTES + 1];

@@ -49,12 +49,32 @@ pub struct StatusReport {
     /// The writer's uncommitted layout, if a writer holds the lease.
     pub working: Option<LayoutSummary>,
     pub committed: Option<LayoutSummary>,
-    /// Bytes allocated (working + committed).
+    /// Bytes allocated (working + committed + the KV pool).
     pub bytes: u64,
     /// Bytes the kernel reports as backed by memory.
     pub resident_bytes: u64,
     pub allocations: usize,
     pub limits: LimitsReport,
+    /// The pair's KV pool, once an engine was granted it.
+    #[serde(default)]
+    pub kv: Option<KvReport>,
+}
+
+/// The KV pool as the daemon holds it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct KvReport {
+    pub pool: u64,
+    pub size: u64,
+    pub index_bytes: u64,
+    pub va: u64,
+    /// Write leases granted on it so far (one per promoted engine).
+    pub grants: u64,
+    /// The engine that holds, or last held, the write lease.
+    pub writer_pid: Option<i32>,
+    /// Whether that engine's connection is still open.
+    pub writer_connected: bool,
+    /// Earlier writers whose end the last grant's fence still waits for.
+    pub fence_waits_for: usize,
 }
 
 impl StatusReport {
@@ -93,6 +113,20 @@ impl StatusReport {
                 out,
                 "  #{} {} pid {} uid {} gid {} {}",
                 l.id, l.kind, l.pid, l.uid, l.gid, l.client
+            );
+        }
+        if let Some(kv) = &self.kv {
+            let _ = writeln!(
+                out,
+                "KV pool {:016x}: {:.1} MiB at {:#x}, index {} bytes; {} grant(s); writer pid {} ({}); fence waits for {}",
+                kv.pool,
+                mib(kv.size),
+                kv.va,
+                kv.index_bytes,
+                kv.grants,
+                kv.writer_pid.map_or("-".to_string(), |p| p.to_string()),
+                if kv.writer_connected { "connected" } else { "gone" },
+                kv.fence_waits_for
             );
         }
         for (name, layout) in [("working", &self.working), ("committed", &self.committed)] {

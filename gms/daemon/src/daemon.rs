@@ -36,6 +36,8 @@
 //! - `allocate`: `allocate`, whose memory is made outside the lock;
 //! - `store`: the working and committed stores: commit replaces, reset
 //!   drops, a writer's end discards;
+//! - `kv`: the pair's KV pool, its write lease for the lock's holder and
+//!   the fence that says its earlier writers are gone;
 //! - `report`: the status report, one snapshot under the lock.
 
 use std::collections::BTreeMap;
@@ -52,6 +54,7 @@ mod admission;
 mod allocate;
 mod config;
 mod connection;
+mod kv;
 mod listener;
 mod report;
 mod requests;
@@ -78,6 +81,8 @@ struct Connection {
     said_hello: bool,
     /// The peer is gmsd's supervisor (see [`Supervisor`]).
     supervisor: bool,
+    /// The connection is the KV pool's write lease (`kv`).
+    kv_writer: bool,
     /// A second handle on the socket, so shutdown can wake the thread.
     stream: UnixStream,
 }
@@ -104,6 +109,8 @@ struct State {
     generation: u64,
     next_conn: u64,
     connections: BTreeMap<u64, Connection>,
+    /// The pair's KV pool, from its first grant (`kv`).
+    kv: Option<kv::Pool>,
 }
 
 impl Daemon {

@@ -83,6 +83,15 @@ impl GmsdCommand {
         self.arg("--max-allocations").arg(count.to_string())
     }
 
+    /// `--lock PATH`: the pair's election lock, whose holder alone gets the
+    /// KV pool's write lease.
+    pub fn lock(self, path: Option<&Path>) -> GmsdCommand {
+        match path {
+            Some(path) => self.arg("--lock").arg(path.as_os_str()),
+            None => self,
+        }
+    }
+
     /// One more argument after the socket dir and device.
     pub fn arg(mut self, arg: impl Into<OsString>) -> GmsdCommand {
         self.args.push(arg.into());

@@ -402,6 +402,7 @@ async fn create_steps(
                 GmsBackend::Host => spec::memory_limit(spec).unwrap_or(0),
                 _ => 0,
             },
+            lock: Some(dirs.pair.join(shadow_contract::paths::LOCK_FILE)),
         };
         made.gms = Some(GmsDaemons::start(cfg, &dirs.gms, devices, &pod).await?);
     }

@@ -44,6 +44,9 @@ pub struct GmsDaemon {
     /// The pair's gmsd cgroup (`cgroup.procs` files), joined before exec.
     cgroup: Vec<PathBuf>,
     oom_score_adj: i32,
+    /// The pair's election lock: gmsd grants the KV pool's write lease to
+    /// its holder only.
+    lock: Option<PathBuf>,
     /// The running daemon, once it announced its socket.
     daemon: Option<Gmsd>,
     generation: u64,
@@ -64,6 +67,7 @@ impl GmsDaemon {
             start_timeout: config.gms_start_timeout(),
             cgroup: Vec::new(),
             oom_score_adj: 0,
+            lock: None,
             daemon: None,
             generation: 0,
             status: Arc::new(Mutex::new(None)),
@@ -79,9 +83,11 @@ impl GmsDaemon {
         cgroup: Vec<PathBuf>,
         oom_score_adj: i32,
         default_max_bytes: u64,
+        lock: Option<PathBuf>,
     ) -> Self {
         self.cgroup = cgroup;
         self.oom_score_adj = oom_score_adj;
+        self.lock = lock;
         if self.max_bytes == 0 {
             self.max_bytes = default_max_bytes;
         }
@@ -116,6 +122,7 @@ impl GmsDaemon {
             .max_allocations(self.max_allocations)
             .cgroup(self.cgroup.clone())
             .oom_score_adj(self.oom_score_adj)
+            .lock(self.lock.as_deref())
             .reaper(Reaper::Elsewhere);
         let timeout = self.start_timeout;
         let launched = tokio::task::spawn_blocking(move || command.spawn(timeout))
@@ -221,6 +228,8 @@ pub struct InPod {
     pub cgroup: Vec<PathBuf>,
     pub oom_score_adj: i32,
     pub max_bytes: u64,
+    /// The pair's election lock file (host path).
+    pub lock: Option<PathBuf>,
 }
 
 /// Every GMS daemon of a pair, in the order of the spec's devices.
@@ -245,6 +254,7 @@ impl GmsDaemons {
                 pod.cgroup.clone(),
                 pod.oom_score_adj,
                 pod.max_bytes,
+                pod.lock.clone(),
             );
             let started = g.start().await;
             set.daemons.push(g);

@@ -10,6 +10,12 @@
 //!   to it: expected to die of SIGSEGV.
 //! - `import`: time one import and print it (the benchmark's reader).
 //! - `reset`: ask for the supervisor's reset (refused: a probe is an engine).
+//! - `kv`: take the flock of `--lock` (waiting for it, as a parked engine
+//!   does; `--no-lock` asks without it), then the KV pool's write lease;
+//!   prints `ready {...}` with the pool's first byte; on stdin `write B`
+//!   fills the pool's first page with byte B, `fence MS` waits that long
+//!   for the fence and prints `fence {"passed": …}`, `unlock` drops the
+//!   flock and stays alive.
 //!
 //! Any failure prints `error {"code": …, "message": …}` and exits 1.
 
@@ -54,6 +60,14 @@ enum Command {
     ReaderWrite,
     Import,
     Reset,
+    Kv {
+        #[arg(long)]
+        lock: PathBuf,
+        #[arg(long)]
+        no_lock: bool,
+        #[arg(long, default_value = "4M", value_parser = gmsd::parse_bytes)]
+        size: u64,
+    },
 }
 
 fn parse_mode(s: &str) -> Result<Mode, String> {
@@ -204,6 +218,11 @@ fn run(cli: Cli) -> gms::Result<()> {
             say("reset", json!({ "generation": generation }));
             Ok(())
         }
+        Command::Kv {
+            lock,
+            no_lock,
+            size,
+        } => kv(&socket, &lock, no_lock, size),
         Command::Import => {
             let started = Instant::now();
             let client = Client::connect(&socket, Mode::Ro, "gms-probe import")?;
@@ -223,6 +242,63 @@ fn run(cli: Cli) -> gms::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `kv`: see the module's doc.
+fn kv(
+    socket: &std::path::Path,
+    lock: &std::path::Path,
+    no_lock: bool,
+    size: u64,
+) -> gms::Result<()> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(lock)
+        .map_err(|e| gms::Error::io(format!("opening {}", lock.display()), e))?;
+    if !no_lock {
+        // SAFETY: flock on a descriptor this process owns.
+        if unsafe { nix::libc::flock(file.as_raw_fd(), nix::libc::LOCK_EX) } != 0 {
+            return Err(gms::Error::io("flock", std::io::Error::last_os_error()));
+        }
+    }
+    let mapper = gms::mapper::HostMapper::default();
+    let pool = gms::kvpool::KvPool::open(&mapper, socket, size, 1 << 16, 4096)?;
+    let mut first = [0u8; 1];
+    pool.read_at(0, &mut first)?;
+    say(
+        "ready",
+        json!({
+            "pid": std::process::id(),
+            "pool": pool.id(),
+            "created": pool.created(),
+            "fenced": pool.fence().passed(),
+            "first": first[0],
+            "va": pool.addr(),
+            "size": pool.len(),
+        }),
+    );
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let mut words = line.split_whitespace();
+        match (words.next(), words.next()) {
+            (Some("write"), Some(b)) => {
+                let b: u8 = b.parse().unwrap_or(0);
+                pool.write_at(0, &[b; 4096])?;
+                say("written", json!({ "byte": b }));
+            }
+            (Some("fence"), Some(ms)) => {
+                let ms: u64 = ms.parse().unwrap_or(0);
+                let passed = pool.fence().wait(std::time::Duration::from_millis(ms));
+                say("fence", json!({ "passed": passed }));
+            }
+            (Some("unlock"), _) => {
+                // SAFETY: as above.
+                unsafe { nix::libc::flock(file.as_raw_fd(), nix::libc::LOCK_UN) };
+                say("unlocked", json!({}));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {

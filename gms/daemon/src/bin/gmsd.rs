@@ -74,6 +74,11 @@ enum Command {
         /// Group owner of the socket, which then gets mode 0660 (else 0600).
         #[arg(long)]
         socket_group: Option<u32>,
+        /// The pair's election lock file: only the engine that holds it
+        /// gets the KV pool's write lease. Without it, none does. Its
+        /// identity is read once, at start.
+        #[arg(long)]
+        lock: Option<PathBuf>,
         /// error, warn, info, debug or trace (or a tracing filter).
         #[arg(long, default_value = "info")]
         log_level: String,
@@ -111,6 +116,7 @@ fn main() -> ExitCode {
             allow_uids,
             allow_gids,
             socket_group,
+            lock,
             log_level,
         } => {
             let filter = tracing_subscriber::EnvFilter::try_new(&log_level)
@@ -163,7 +169,19 @@ fn main() -> ExitCode {
                     }
                 },
             };
+            let lock = match lock
+                .as_deref()
+                .map(gms::holder::LockFile::of_path)
+                .transpose()
+            {
+                Ok(lock) => lock,
+                Err(e) => {
+                    eprintln!("gmsd: --lock: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
             let config = Config {
+                lock,
                 socket_dir,
                 limits: Limits {
                     max_bytes,

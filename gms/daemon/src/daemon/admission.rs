@@ -140,6 +140,7 @@ impl Daemon {
                 lease: None,
                 said_hello: false,
                 supervisor,
+                kv_writer: false,
                 stream,
             },
         );

@@ -113,4 +113,8 @@ pub struct Config {
     pub socket_group: Option<u32>,
     pub timeouts: Timeouts,
     pub supervisor: Supervisor,
+    /// The pair's election lock, as its `stat` said when the daemon started
+    /// (`--lock`): only the engine that holds it is granted the KV pool's
+    /// write lease. Without it no engine is.
+    pub lock: Option<gms::holder::LockFile>,
 }

@@ -173,6 +173,11 @@ impl Daemon {
         let Some(conn) = st.connections.get(&id) else {
             return Wait::Within(Duration::ZERO, "connection vanished");
         };
+        if conn.kv_writer {
+            // The KV pool's write lease: like a reader, its connection is
+            // its lease and may stay silent for ever.
+            return Wait::Forever;
+        }
         match conn.lease.and_then(|l| st.leases.kind(l)) {
             Some(LeaseKind::Ro) => Wait::Forever,
             Some(LeaseKind::Rw) => Wait::Within(

@@ -16,7 +16,7 @@ impl Daemon {
             metadata_entries: s.layout.metadata.len(),
         };
         let stores = || [&st.working, &st.committed].into_iter().flatten();
-        let resident_bytes = stores()
+        let resident_bytes: u64 = stores()
             .flat_map(|s| s.memory.values())
             .map(|m| m.resident_bytes().unwrap_or(0))
             .sum();
@@ -27,6 +27,7 @@ impl Daemon {
             (true, true) => "replacing",
         };
         let l = &self.config.limits;
+        let (kv_bytes, kv_resident) = st.kv_bytes();
         StatusReport {
             pid: std::process::id(),
             backend: self.backend.name().into(),
@@ -51,8 +52,8 @@ impl Daemon {
                 .collect(),
             working: st.working.as_ref().map(summary),
             committed: st.committed.as_ref().map(summary),
-            bytes: stores().map(|s| s.layout.bytes()).sum(),
-            resident_bytes,
+            bytes: stores().map(|s| s.layout.bytes()).sum::<u64>() + kv_bytes,
+            resident_bytes: resident_bytes + kv_resident,
             allocations: stores().map(|s| s.layout.allocations.len()).sum(),
             limits: LimitsReport {
                 max_bytes: l.max_bytes,
@@ -61,6 +62,7 @@ impl Daemon {
                 max_metadata_bytes: l.max_metadata_bytes,
                 max_connections: l.max_connections,
             },
+            kv: st.kv_report(),
         }
     }
 }

@@ -29,10 +29,25 @@ impl Daemon {
             // Takes the lock itself, twice (see `allocate`).
             return self.allocate(conn_id, tag, size, va);
         }
+        if let Request::KvPool {
+            size,
+            index_bytes,
+            va,
+        } = req
+        {
+            // Proves the lock's holder and makes the pool outside the lock.
+            return self.kv_pool(conn_id, size, index_bytes, va);
+        }
         let mut guard = self.lock();
         let st = &mut *guard;
         let op = req.op();
-        connection(st, conn_id)?;
+        if connection(st, conn_id)?.kv_writer {
+            return Err(Error::NotPermitted {
+                op: op.into(),
+                why: "this connection is the KV pool's write lease; it takes no other request"
+                    .into(),
+            });
+        }
         match req {
             Request::Status => Ok(self.status(st)),
             Request::Reset => reset(st, conn_id, op),
@@ -69,11 +84,13 @@ impl Daemon {
                 require_writer(kind, op)?;
                 commit(st, lease)
             }
-            Request::Allocate { .. } | Request::Hello { .. } | Request::Status | Request::Reset => {
-                Err(Error::Backend(format!(
-                    "'{op}' reached the lease dispatcher"
-                )))
-            }
+            Request::Allocate { .. }
+            | Request::Hello { .. }
+            | Request::Status
+            | Request::Reset
+            | Request::KvPool { .. } => Err(Error::Backend(format!(
+                "'{op}' reached the lease dispatcher"
+            ))),
         }
     }
 
@@ -167,11 +184,13 @@ fn reset(st: &mut State, conn_id: u64, op: &str) -> Result<Reply> {
         });
     }
     let pid = conn.pid;
+    let pool = super::kv::reset_pool(st)?;
     let generation = st.reset()?;
     tracing::info!(
         generation,
         pid,
-        "reset by the supervisor: committed layout dropped"
+        kv_pool = pool.unwrap_or(0),
+        "reset by the supervisor: committed layout and KV pool dropped"
     );
     Ok((Response::ResetDone { generation }, vec![]))
 }

@@ -1,0 +1,228 @@
+//! The engine side of the pair's KV pool: the write lease (its own
+//! connection), the pool mapped read-write at the pool's address, its
+//! index, and the fence.
+//!
+//! Why apart from [`crate::kv`]: that cache is an engine's own memory and
+//! dies with it; this pool is gmsd's and outlives every engine, so what is
+//! in it must be read with care. The rules an engine follows with it are
+//! docs/engine-contract.md's ("Carrying the KV cache"): what the index
+//! says is committed may be read at once; blocks an earlier writer may
+//! still have been writing are written only after [`Fence::passed`].
+//!
+//! Ownership: a [`KvPool`] owns the lease's connection (dropping it ends
+//! the lease), the range the pool is mapped over (unmapped before the
+//! descriptor closes), the index's descriptor and the fence's.
+
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+
+use crate::client::{call_on, open, unexpected};
+use crate::mapper::{Access, Mapper, Range};
+use crate::protocol::{Request, Response};
+use crate::{Error, Result};
+
+/// The eventfd gmsd makes readable once every engine that wrote the pool
+/// before this one is gone.
+#[derive(Debug)]
+pub struct Fence {
+    fd: OwnedFd,
+    /// Seen readable once: it stays so (nobody reads the count).
+    passed: AtomicBool,
+}
+
+impl Fence {
+    /// Whether no earlier writer can write any more (never waits).
+    pub fn passed(&self) -> bool {
+        self.wait(Duration::ZERO)
+    }
+
+    /// Waits up to `timeout` for the fence; whether it passed.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        if self.passed.load(Ordering::Acquire) {
+            return true;
+        }
+        let mut fds = [PollFd::new(self.fd.as_fd(), PollFlags::POLLIN)];
+        let t = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
+        let open = matches!(poll(&mut fds, t), Ok(n) if n > 0);
+        if open {
+            self.passed.store(true, Ordering::Release);
+        }
+        open
+    }
+
+    /// The eventfd, for an event loop (readable once passed; do not read it).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+/// The pool's write lease and its memory, mapped read-write.
+pub struct KvPool<R: Range> {
+    pool: u64,
+    created: bool,
+    // Field order: the range is unmapped before the descriptor closes.
+    range: R,
+    memory: OwnedFd,
+    index: File,
+    index_bytes: u64,
+    fence: Fence,
+    /// The lease: dropped last.
+    _lease: UnixStream,
+}
+
+impl<R: Range> KvPool<R> {
+    /// Asks the gmsd at `socket` for the write lease of the pair's KV pool
+    /// (this process, or a child of it, must hold the pair's
+    /// election lock) and maps the pool read-write: at the pool's address
+    /// when it exists (where every engine of the pair maps it), else at an
+    /// address this process reserves for `size` bytes. `index_bytes` is the
+    /// index a new pool gets.
+    pub fn open<M: Mapper<Range = R>>(
+        mapper: &M,
+        socket: &Path,
+        size: u64,
+        index_bytes: u64,
+        granularity: u64,
+    ) -> Result<KvPool<R>> {
+        let size = size
+            .checked_next_multiple_of(granularity.max(1))
+            .ok_or_else(|| Error::Invalid(format!("KV pool size {size} overflows")))?;
+        let mut range = mapper.reserve(size, None)?;
+        let sock = open(socket)?;
+        let req = Request::KvPool {
+            size,
+            index_bytes,
+            va: range.addr(),
+        };
+        let (granted, fds) = call_on(&sock, &req)?;
+        let Response::KvGranted {
+            pool,
+            size: got,
+            index_bytes,
+            va,
+            created,
+            fenced: _,
+        } = granted
+        else {
+            return Err(unexpected(&req, &granted));
+        };
+        let [memory, index, fence]: [OwnedFd; 3] = fds
+            .try_into()
+            .map_err(|_| Error::Malformed("kv_granted without its three descriptors".into()))?;
+        if got != range.len() || va != range.addr() {
+            // The pool was made by an engine before this one: map it where
+            // that one did.
+            drop(range);
+            range = mapper.reserve(got, Some(va))?;
+            if range.addr() != va {
+                return Err(Error::AddressConflict(format!(
+                    "the KV pool lives at {va:#x}, which this process could not reserve \
+                     (got {:#x})",
+                    range.addr()
+                )));
+            }
+        }
+        range.map(memory.as_fd(), Access::ReadWrite)?;
+        Ok(KvPool {
+            pool,
+            created,
+            range,
+            memory,
+            index: File::from(index),
+            index_bytes,
+            fence: Fence {
+                fd: fence,
+                passed: AtomicBool::new(false),
+            },
+            _lease: sock,
+        })
+    }
+
+    /// The pool's id: another pool (after a reset, or in another gmsd)
+    /// has another one.
+    pub fn id(&self) -> u64 {
+        self.pool
+    }
+
+    /// Whether this grant made the pool (nothing is in it yet).
+    pub fn created(&self) -> bool {
+        self.created
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.range.addr()
+    }
+
+    pub fn len(&self) -> u64 {
+        self.range.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// The index: a memfd of [`Self::index_bytes`], shared by every engine
+    /// that holds the lease in turn.
+    pub fn index(&self) -> &File {
+        &self.index
+    }
+
+    pub fn index_bytes(&self) -> u64 {
+        self.index_bytes
+    }
+
+    pub fn fence(&self) -> &Fence {
+        &self.fence
+    }
+
+    /// The pool's descriptor (for a device API that imports it).
+    pub fn memory_fd(&self) -> BorrowedFd<'_> {
+        self.memory.as_fd()
+    }
+
+    /// The range the pool is mapped over.
+    pub fn range(&self) -> &R {
+        &self.range
+    }
+}
+
+impl KvPool<crate::mapper::HostRange> {
+    /// Copies `data` into the pool at `offset`. Threads may write disjoint
+    /// parts at once; the pool is shared memory, so what another engine
+    /// wrote there is simply overwritten.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
+        let at = self.checked(offset, data.len())?;
+        // SAFETY: `at .. at + data.len()` lies inside the range, which is
+        // mapped read-write (MAP_SHARED over the pool's memfd) for as long
+        // as `self` lives; the pool is plain bytes with no Rust invariant,
+        // shared with other processes by design.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, data.len()) };
+        Ok(())
+    }
+
+    /// Copies the pool's bytes at `offset` into `out`.
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        let at = self.checked(offset, out.len())?;
+        // SAFETY: as in `write_at`: inside the range, mapped for as long as
+        // `self` lives; any byte pattern is a valid `u8`.
+        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn checked(&self, offset: u64, len: usize) -> Result<u64> {
+        let end = offset.checked_add(len as u64);
+        match end {
+            Some(end) if end <= self.range.len() => Ok(self.range.addr() + offset),
+            _ => Err(Error::Invalid(format!(
+                "{len} bytes at {offset} of a KV pool of {} bytes",
+                self.range.len()
+            ))),
+        }
+    }
+}
