@@ -30,6 +30,13 @@
 //! The runtime finds the lock's holder in `/proc/locks` and maps its pid to
 //! a slot by its cgroup: the holder, the engine's child in its container,
 //! counts as the engine.
+//!
+//! The proof: with its answer the holder sends a copy of the descriptor it
+//! holds the lock through (`SCM_RIGHTS`), which [`Holder::acquire`] returns
+//! as a [`LockProof`]. gmsd grants the pair's KV pool to whoever shows it
+//! (it reads the lock off its own copy's `/proc/self/fdinfo`, which needs
+//! no capability). The engine must drop it as soon as it was shown: while
+//! the engine's copy is open, the lock outlives the holder.
 
 use std::ffi::CString;
 use std::num::NonZeroUsize;
@@ -50,6 +57,20 @@ use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{fork, getpid, ForkResult, Pid};
 
 use crate::watchdog::Pacer;
+
+/// A copy of the descriptor through which the holder holds the lock, to
+/// show gmsd (`gms::kvpool`). Drop it at once after: while it is open, a
+/// kill of this engine releases the lock only once the engine's own
+/// descriptors close (after its memory is freed), not with the holder.
+#[derive(Debug)]
+pub struct LockProof(Option<OwnedFd>);
+
+impl LockProof {
+    /// The descriptor, if the holder sent one (not on a second `acquire`).
+    pub fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.0.as_ref().map(AsFd::as_fd)
+    }
+}
 
 /// What went wrong holding the lock.
 #[derive(Debug, thiserror::Error)]
@@ -185,15 +206,17 @@ impl Holder {
     /// Asks the holder to take the lock and blocks until it has it: the
     /// engine is then the active one. With a `pacer` (a watchdog) the wait
     /// times out when a ping is due and calls `ping` (`WATCHDOG=1`); the
-    /// wait ends the moment the holder says it has the lock.
+    /// wait ends the moment the holder says it has the lock. Returns the
+    /// [`LockProof`] the holder sent (drop it at once after use).
     pub fn acquire(
         &mut self,
         mut pacer: Option<&mut Pacer>,
         mut ping: impl FnMut(),
-    ) -> Result<(), LockError> {
+    ) -> Result<LockProof, LockError> {
         if self.is_held() {
-            return Ok(());
+            return Ok(LockProof(None));
         }
+        let mut proof = None;
         if !self.asked {
             write_all(self.link.as_fd(), b"G").map_err(setup("asking the holder"))?;
             self.asked = true;
@@ -226,7 +249,7 @@ impl Holder {
                 Err(Errno::EINTR) => continue,
                 Err(e) => return Err(setup("waiting for the holder")(e)),
             }
-            let n = match nix::unistd::read(&self.link, &mut said[len..]) {
+            let n = match read_answer(&self.link, &mut said[len..], &mut proof) {
                 Ok(n) => n,
                 Err(Errno::EINTR) => continue,
                 Err(e) => return Err(setup("reading the holder's answer")(e)),
@@ -238,7 +261,7 @@ impl Holder {
                     let mut st = lock(&self.state);
                     if st.gone.is_none() {
                         st.held = true;
-                        return Ok(());
+                        return Ok(LockProof(proof));
                     }
                     break; // it died right after saying so
                 }
@@ -278,6 +301,35 @@ impl Drop for Holder {
             let _ = r.join();
         }
     }
+}
+
+/// One read of the holder's answer, with the descriptor that may come
+/// with it (kept in `fd`; any more are closed).
+fn read_answer(link: &OwnedFd, buf: &mut [u8], fd: &mut Option<OwnedFd>) -> nix::Result<usize> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    use std::os::fd::FromRawFd;
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let mut space = nix::cmsg_space!([RawFd; 1]);
+    let msg = recvmsg::<()>(
+        link.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    let n = msg.bytes;
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(fds) = c {
+            for raw in fds {
+                // SAFETY: the kernel just installed this descriptor in
+                // this process for this message; nothing else owns it.
+                let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+                if fd.is_none() {
+                    *fd = Some(owned);
+                }
+            }
+        }
+    }
+    Ok(n)
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -384,7 +436,31 @@ fn hold(
             libc::write(link, msg.as_ptr().cast(), msg.len());
             libc::_exit(EXIT_FLOCK);
         }
-        libc::write(link, b"L".as_ptr().cast(), 1);
+        // "L", with a copy of the locked descriptor: the engine's proof.
+        // The message and its control buffer are locals (no allocation).
+        let said = b'L';
+        let mut iov = libc::iovec {
+            iov_base: (&said as *const u8).cast_mut().cast(),
+            iov_len: 1,
+        };
+        let mut control = [0u64; 4];
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = libc::CMSG_SPACE(4) as _;
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        if cmsg.is_null() {
+            libc::write(link, b"L".as_ptr().cast(), 1);
+        } else {
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(4) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd);
+            if libc::sendmsg(link, &msg, libc::MSG_NOSIGNAL) != 1 {
+                libc::write(link, b"L".as_ptr().cast(), 1);
+            }
+        }
         // Returns when the engine's main thread dies (EOWNERDEAD) or, at
         // the engine's release, never (the holder is killed): either way
         // this exit drops the flock.

@@ -20,6 +20,7 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -286,11 +287,26 @@ fn the_holder_holds_it_for_the_engine(lock: &Path) {
         "taken before acquire(): an engine still starting would be active"
     );
     assert!(!h.is_held());
-    h.acquire(None, || {}).expect("acquire");
+    let proof = h.acquire(None, || {}).expect("acquire");
     assert!(h.is_held());
     assert!(is_held(lock));
     // The kernel lists the holder, this process's child, not this process.
     assert_eq!(lock_holders(lock), vec![h.pid().as_raw() as u32]);
+    // The proof the holder sent: its own open file, through which the
+    // kernel says the exclusive flock is held (what gmsd reads).
+    let fd = proof.fd().expect("the holder sent its descriptor");
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))
+        .expect("fdinfo of the proof");
+    assert!(
+        info.lines()
+            .any(|l| l.starts_with("lock:") && l.contains("FLOCK") && l.contains("WRITE")),
+        "{info}"
+    );
+    drop(proof);
+    assert!(
+        h.acquire(None, || {}).expect("again").fd().is_none(),
+        "no second proof: the engine holds it already"
+    );
     let pid = h.pid();
     drop(h);
     assert!(!is_held(lock), "dropping the Holder lets go");
