@@ -160,8 +160,17 @@ pub(crate) fn open(socket: &Path) -> Result<UnixStream> {
 }
 
 pub(crate) fn call_on(sock: &UnixStream, req: &Request) -> Result<(Response, Vec<OwnedFd>)> {
+    call_with(sock, req, &[])
+}
+
+/// [`call_on`], with descriptors sent along (`req.fd_count()` of them).
+pub(crate) fn call_with(
+    sock: &UnixStream,
+    req: &Request,
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> Result<(Response, Vec<OwnedFd>)> {
     let body = protocol::encode_request(req)?;
-    if let Err(sent) = wire::send(sock.as_fd(), &body, &[]) {
+    if let Err(sent) = wire::send(sock.as_fd(), &body, fds) {
         // gmsd answers a refused peer (not allowed, too many connections)
         // and closes before reading anything, so our request may meet a
         // closed socket. Its answer is still queued on our side: that,

@@ -1,10 +1,11 @@
 //! Who holds an exclusive `flock`, proven from `/proc/<pid>/fdinfo`, not
 //! from `/proc/locks`.
 //!
-//! Why it is here: two programs ask it of the pair's election lock. The
-//! shim asks whether an engine that says `READY=1` (or asks for its
-//! connections) holds it; gmsd asks whether an engine that asks for the
-//! write lease of the pair's KV pool does. Both must not wait on
+//! Why it is here: two programs read the pair's election lock off
+//! `fdinfo`. The shim asks whether an engine that says `READY=1` (or asks
+//! for its connections) holds it, from the engine's `/proc`; gmsd asks
+//! whether the descriptor an engine shows for the KV pool's write lease
+//! holds it, from its own ([`fdinfo_holds`]). Neither may wait on
 //! `/proc/locks`: every read of it takes the kernel's `file_rwsem` for
 //! writing, which waits out an RCU grace period (about 8 ms here, 12 on a
 //! busy host), and both questions are asked on a failover's path.
@@ -160,34 +161,6 @@ pub fn fdinfo_holds(text: &str, file: LockFile) -> bool {
         })
 }
 
-/// The pids `/proc/locks` lists as holding `file`'s exclusive flock: the
-/// slow way (an RCU grace period per read, see the module's doc), for when
-/// a process's descriptors cannot be looked at (another uid, and no
-/// capability to read its `/proc/<pid>/fd`).
-pub fn holders_in_proc_locks(file: LockFile) -> std::io::Result<Vec<u32>> {
-    use std::io::Read;
-    // Room for a whole page per read(2), so a short text is one
-    // consistent read.
-    let mut bytes = Vec::with_capacity(64 << 10);
-    std::fs::File::open("/proc/locks")?.read_to_end(&mut bytes)?;
-    let text = String::from_utf8_lossy(&bytes);
-    Ok(text
-        .lines()
-        .filter_map(|line| {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            let held = f.len() >= 6
-                && f[1] == "FLOCK"
-                && f[3] == "WRITE"
-                && record_file(f[5]) == Some(file);
-            if held {
-                f[4].parse().ok()
-            } else {
-                None
-            }
-        })
-        .collect())
-}
-
 /// `maj:min:inode`, majors and minors in hex as the kernel prints them.
 fn record_file(field: &str) -> Option<LockFile> {
     let mut parts = field.splitn(3, ':');
@@ -199,14 +172,6 @@ fn record_file(field: &str) -> Option<LockFile> {
         minor,
         inode,
     })
-}
-
-/// The parent of `pid`, from `/proc/<pid>/stat` (after the command's
-/// closing parenthesis, which a command name may itself contain).
-pub fn parent_of(pid: u32) -> Option<u32> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &text[text.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 #[cfg(test)]
@@ -292,11 +257,6 @@ mod tests {
         }
         let tid = nix::unistd::gettid().as_raw() as u32;
         assert_eq!(thread_children(me, tid), Some(vec![child.id()]));
-        assert_eq!(parent_of(child.id()), Some(me));
-        assert_eq!(
-            holders_in_proc_locks(file).expect("/proc/locks"),
-            vec![child.id()]
-        );
         let _ = child.kill();
         let _ = child.wait();
     }

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
-use crate::client::{call_on, open, unexpected};
+use crate::client::{call_with, open, unexpected};
 use crate::mapper::{Access, Mapper, Range};
 use crate::protocol::{Request, Response};
 use crate::{Error, Result};
@@ -77,15 +77,17 @@ pub struct KvPool<R: Range> {
 }
 
 impl<R: Range> KvPool<R> {
-    /// Asks the gmsd at `socket` for the write lease of the pair's KV pool
-    /// (this process, or a child of it, must hold the pair's
-    /// election lock) and maps the pool read-write: at the pool's address
+    /// Asks the gmsd at `socket` for the write lease of the pair's KV pool,
+    /// showing `proof`, a descriptor through which the pair's election
+    /// lock is held (the engine kit's `LockProof`), and maps the pool
+    /// read-write: at the pool's address
     /// when it exists (where every engine of the pair maps it), else at an
     /// address this process reserves for `size` bytes. `index_bytes` is the
     /// index a new pool gets.
     pub fn open<M: Mapper<Range = R>>(
         mapper: &M,
         socket: &Path,
+        proof: BorrowedFd<'_>,
         size: u64,
         index_bytes: u64,
         granularity: u64,
@@ -100,7 +102,20 @@ impl<R: Range> KvPool<R> {
             index_bytes,
             va: range.addr(),
         };
-        let (granted, fds) = call_on(&sock, &req)?;
+        let (granted, fds) = call_with(&sock, &req, &[proof]).map_err(|e| match e {
+            // A gmsd that grants no KV pool refuses descriptors at the
+            // kernel (SO_PASSRIGHTS off), so the proof never leaves.
+            Error::Sys {
+                source: nix::errno::Errno::EPERM,
+                ..
+            } => Error::NotPermitted {
+                op: "kv_pool".into(),
+                why: "gmsd refuses descriptors: it was started without --lock, so it \
+                      grants no KV pool"
+                    .into(),
+            },
+            other => other,
+        })?;
         let Response::KvGranted {
             pool,
             size: got,

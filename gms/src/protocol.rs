@@ -68,8 +68,10 @@ pub enum Request {
     /// that the next engine loads again. Needs no lease attached.
     Reset,
     /// The first and only request of a connection that becomes the write
-    /// lease of the pair's KV pool: granted to the holder of the pair's
-    /// election lock only (the peer or a child of it holds it). The first grant makes the pool (`size` bytes, rounded up to the
+    /// lease of the pair's KV pool. Carries one fd, the proof: a descriptor
+    /// of the pair's election lock file through which its exclusive
+    /// `flock` is held (the engine kit's holder sends the engine a copy).
+    /// The first grant makes the pool (`size` bytes, rounded up to the
     /// granularity, recorded at `va`) and its index (`index_bytes` of host
     /// memory, zeroed); later grants get the same pool, whatever they ask.
     KvPool {
@@ -96,10 +98,14 @@ impl Request {
         }
     }
 
-    /// Requests never carry descriptors in version 1: memory flows from the
-    /// daemon to engines only.
+    /// Memory flows from the daemon to engines only; the one descriptor a
+    /// request carries is `kv_pool`'s proof: the descriptor through which
+    /// the peer (or its lock holder) holds the pair's election lock.
     pub fn fd_count(&self) -> usize {
-        0
+        match self {
+            Request::KvPool { .. } => 1,
+            _ => 0,
+        }
     }
 }
 
@@ -365,7 +371,7 @@ mod tests {
         for req in sample_requests() {
             let bytes = encode_request(&req).unwrap();
             assert_eq!(
-                decode(&bytes, 0).unwrap(),
+                decode(&bytes, req.fd_count()).unwrap(),
                 req,
                 "{}",
                 String::from_utf8_lossy(&bytes)
@@ -437,14 +443,14 @@ mod tests {
         assert_eq!(
             code(
                 br#"{"version":1,"op":"kv_pool","size":0,"index_bytes":1,"va":0}"#,
-                0
+                1
             ),
             ErrorCode::Invalid
         );
         assert_eq!(
             code(
                 br#"{"version":1,"op":"kv_pool","size":4096,"index_bytes":1099511627776,"va":0}"#,
-                0
+                1
             ),
             ErrorCode::Invalid
         );

@@ -11,7 +11,8 @@
 //! - `import`: time one import and print it (the benchmark's reader).
 //! - `reset`: ask for the supervisor's reset (refused: a probe is an engine).
 //! - `kv`: take the flock of `--lock` (waiting for it, as a parked engine
-//!   does; `--no-lock` asks without it), then the KV pool's write lease;
+//!   does; `--no-lock` asks without it), then the KV pool's write lease,
+//!   showing the locked descriptor as its proof;
 //!   prints `ready {...}` with the pool's first byte; on stdin `write B`
 //!   fills the pool's first page with byte B, `fence MS` waits that long
 //!   for the fence and prints `fence {"passed": …}`, `unlock` drops the
@@ -261,7 +262,10 @@ fn kv(
         }
     }
     let mapper = gms::mapper::HostMapper::default();
-    let pool = gms::kvpool::KvPool::open(&mapper, socket, size, 1 << 16, 4096)?;
+    use std::os::fd::AsFd;
+    // The proof is the descriptor the lock is held through (with
+    // `--no-lock`, one through which nothing is held).
+    let pool = gms::kvpool::KvPool::open(&mapper, socket, file.as_fd(), size, 1 << 16, 4096)?;
     let mut first = [0u8; 1];
     pool.read_at(0, &mut first)?;
     say(

@@ -80,7 +80,9 @@ impl Daemon {
         if !self.await_request(id, stream) {
             return false;
         }
-        let outcome = self.receive(stream).and_then(|req| self.handle(id, req));
+        let outcome = self
+            .receive(stream)
+            .and_then(|(req, fds)| self.handle(id, req, fds));
         match outcome {
             Ok((resp, fds)) => self.answer(id, stream, &resp, &fds),
             Err(Error::Closed) => false,
@@ -122,9 +124,9 @@ impl Daemon {
         true
     }
 
-    /// Reads and decodes one request; a frame left half-sent past the frame
-    /// timeout is a `timeout`.
-    fn receive(&self, stream: &UnixStream) -> Result<Request> {
+    /// Reads and decodes one request, with the descriptors it carried; a
+    /// frame left half-sent past the frame timeout is a `timeout`.
+    fn receive(&self, stream: &UnixStream) -> Result<(Request, Vec<OwnedFd>)> {
         let frame = wire::recv(stream, MAX_REQUEST_BYTES).map_err(|e| match e {
             Error::Sys {
                 source: nix::errno::Errno::EAGAIN,
@@ -135,7 +137,8 @@ impl Daemon {
             )),
             other => other,
         })?;
-        protocol::decode(&frame.body, frame.fds.len())
+        let req = protocol::decode(&frame.body, frame.fds.len())?;
+        Ok((req, frame.fds))
     }
 
     /// Sends one answer with its descriptors; false if the connection is to

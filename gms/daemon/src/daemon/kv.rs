@@ -11,8 +11,12 @@
 //!
 //! The write lease is a connection whose first and only request is
 //! `kv_pool`, as a weights lease is one that said `hello`; it is granted
-//! only to the lock's holder (the peer, or a child of it such as the
-//! engine kit's lock holder), proven from `/proc` as the shim proves it. Granting it to a new holder takes nothing from the old
+//! only to the lock's holder, proven by a descriptor sent with the request
+//! through which the pair's election lock is held (the engine kit's lock
+//! holder sends the engine a copy of its own). gmsd reads the lock off its
+//! own copy's `/proc/self/fdinfo`: no capability, no `/proc/locks` (whose
+//! read waits out an RCU grace period), no look at the engine's `/proc`
+//! (which a gmsd without capabilities may not read). Granting it to a new holder takes nothing from the old
 //! one, which is dying (it lost the lock): a mapping cannot be revoked. So
 //! the grant carries a **fence**, an eventfd gmsd makes readable once every
 //! engine that held the lease before is gone (its pidfd readable: the
@@ -87,6 +91,7 @@ impl Daemon {
     pub(super) fn kv_pool(
         &self,
         conn_id: u64,
+        proof: OwnedFd,
         size: u64,
         index_bytes: u64,
         va: u64,
@@ -112,15 +117,16 @@ impl Daemon {
                   holder: no engine may write a KV pool"
                 .into(),
         })?;
-        if !holds_election(pid, lock) {
+        if let Err(seen) = proves_the_lock(&proof, lock) {
             return Err(Error::NotPermitted {
                 op: op.into(),
                 why: format!(
-                    "pid {pid} (nor a child of it) does not hold the pair's \
-                     election lock: only the active engine writes the KV pool"
+                    "pid {pid}'s proof does not hold the pair's election lock ({seen}): \
+                     only the active engine writes the KV pool"
                 ),
             });
         }
+        drop(proof);
         let pidfd = Arc::new(pidfd_open(pid)?);
         let made = if self.lock().kv.is_none() {
             Some(self.make_pool(size, index_bytes, va)?)
@@ -274,22 +280,23 @@ impl State {
     }
 }
 
-/// Whether `pid`, or a child of it (the engine kit's lock holder is one),
-/// holds the exclusive flock of `lock`: proven from their descriptors, or,
-/// where those cannot be read (an engine of another uid: gmsd has no
-/// capability), from `/proc/locks`, whose holder must be `pid` or a child
-/// of it. Not an ancestor: from a container's process up, the ancestors
-/// soon are the runtime's, whose children are both engines of the pair.
-fn holds_election(pid: i32, lock: LockFile) -> bool {
-    let Ok(pid) = u32::try_from(pid) else {
-        return false;
-    };
-    match holder::held_by(pid, lock) {
-        Some(held) => held,
-        None => holder::holders_in_proc_locks(lock)
-            .unwrap_or_default()
-            .into_iter()
-            .any(|h| h == pid || holder::parent_of(h) == Some(pid)),
+/// Whether `proof` is a descriptor of the lock file through which its
+/// exclusive flock is held: its identity by `fstat`, the lock by this
+/// process's own `fdinfo` of it (the kernel lists there the flocks held
+/// through that open file). Err: what it is instead.
+fn proves_the_lock(proof: &OwnedFd, lock: LockFile) -> std::result::Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let st = nix::sys::stat::fstat(proof.as_fd()).map_err(|e| format!("fstat: {e}"))?;
+    let file = LockFile::from_stat(st.st_dev, st.st_ino);
+    if file != lock {
+        return Err("a descriptor of another file".into());
+    }
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", proof.as_raw_fd()))
+        .map_err(|e| format!("reading its fdinfo: {e}"))?;
+    if holder::fdinfo_holds(&info, lock) {
+        Ok(())
+    } else {
+        Err("no exclusive flock is held through it".into())
     }
 }
 

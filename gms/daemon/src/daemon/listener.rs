@@ -127,8 +127,14 @@ fn accept_one(
 ) -> Duration {
     match listener.accept() {
         Ok((stream, _)) => {
-            // No request carries descriptors.
-            wire::refuse_rights(stream.as_fd());
+            // Only `kv_pool` carries a descriptor (its proof), and only a
+            // daemon that knows the pair's lock grants it: any other
+            // refuses descriptors at the kernel. (What a peer sends
+            // anyway is owned by `wire::recv`, counted by the decoder
+            // against what the request may carry, and closed.)
+            if daemon.config.lock.is_none() {
+                wire::refuse_rights(stream.as_fd());
+            }
             if let Some(t) = daemon.admit(stream) {
                 threads.push(t);
             }

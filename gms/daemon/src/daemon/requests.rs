@@ -24,7 +24,9 @@ type Reply = (Response, Vec<OwnedFd>);
 
 impl Daemon {
     /// Answers one request of connection `conn_id`.
-    pub(super) fn handle(&self, conn_id: u64, req: Request) -> Result<Reply> {
+    /// `fds`: what the request carried (as many as its kind has, which
+    /// the decoder checked).
+    pub(super) fn handle(&self, conn_id: u64, req: Request, fds: Vec<OwnedFd>) -> Result<Reply> {
         if let Request::Allocate { tag, size, va } = req {
             // Takes the lock itself, twice (see `allocate`).
             return self.allocate(conn_id, tag, size, va);
@@ -35,8 +37,13 @@ impl Daemon {
             va,
         } = req
         {
-            // Proves the lock's holder and makes the pool outside the lock.
-            return self.kv_pool(conn_id, size, index_bytes, va);
+            // Checks the proof and makes the pool outside the lock.
+            let proof = fds.into_iter().next().ok_or_else(|| Error::WrongFdCount {
+                op: "kv_pool".into(),
+                got: 0,
+                want: 1,
+            })?;
+            return self.kv_pool(conn_id, proof, size, index_bytes, va);
         }
         let mut guard = self.lock();
         let st = &mut *guard;
