@@ -15,7 +15,8 @@ use shadow_engine::promotion::Part;
 use crate::conn::{self, Conn};
 use crate::continuity::{Link, Progress as Phase, Work};
 use crate::live::Live;
-use crate::worker::{Ctx, Kv, Resumed};
+use crate::paged::{self, Seq};
+use crate::worker::{Ctx, Resumed};
 
 /// Largest request head + body the server reads.
 const MAX_REQUEST: usize = 64 << 10;
@@ -28,8 +29,8 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 enum Reply<'a> {
     /// A whole JSON answer.
     Json(u16, Value),
-    /// A completion to stream (`"stream": true`), accepted and its state
-    /// already in the KV cache: [`stream`] writes it as it decodes.
+    /// A completion to stream (`"stream": true`), accepted and prefilled:
+    /// [`stream`] writes it as it decodes.
     Stream {
         head: StreamHead,
         prompt: String,
@@ -50,7 +51,7 @@ pub fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
     let on = |method: &str, path: &str, body: &[u8]| {
         ctx.live.computing(worker, |step| {
-            route(method, path, body, ctx.model, ctx.bytes, kv, ctx.info, step)
+            route(method, path, body, ctx.model, ctx.bytes, ctx.info, step)
         })
     };
     let bad = |reason: String| Reply::Json(400, json!({ "error": reason }));
@@ -97,11 +98,16 @@ pub fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
         }
         Streamed(head, _, decoder, max_tokens) => {
             link.note(Phase::Answering(0));
+            // Its KV in the pool, under its name in the store (a name of
+            // its own when it has none: nobody goes on with it).
+            let key = link.name().map_or_else(paged::private_key, paged::key_of);
+            let mut seq = kv.as_ref().map(|p| p.begin(key));
             stream(
                 &mut conn,
                 &mut link,
                 &head,
                 decoder,
+                seq.as_mut(),
                 max_tokens,
                 openai::STREAM_HEAD,
                 ctx.live,
@@ -140,10 +146,12 @@ use Ready::{Plain, Streamed};
 /// Goes on with an answer the engine before this one recorded: what the
 /// socket did not get of it yet (the kernel's count of the bytes written
 /// says where that starts), then for a stream the tokens still to decode,
-/// recorded as they go, as [`answer`] does. The prompt and the tokens
-/// already sent are computed again (the KV cache died with that engine),
-/// step by step under the watchdog. A count beyond what was recorded (a
-/// state that lags the socket) is not gone on with: closed.
+/// recorded as they go, as [`answer`] does. A stream goes on from its
+/// last sent token's entry in the pair's KV pool, with nothing computed
+/// again, when the pool has it (`paged`); else the prompt and the tokens
+/// already sent are computed again, step by step under the watchdog, and
+/// a line says why. A count beyond what was recorded (a state that lags
+/// the socket) is not gone on with: closed.
 pub fn go_on(r: Resumed, ctx: &Ctx<'_>, worker: usize) {
     let Resumed {
         mut conn,
@@ -187,13 +195,34 @@ pub fn go_on(r: Resumed, ctx: &Ctx<'_>, worker: usize) {
                 link.drop_entry();
                 return;
             }
-            let decoder = ctx.live.computing(worker, |step| {
-                ctx.model.resume_with(ctx.bytes, &prompt, n, step)
-            });
-            // The sequence's state back in the KV cache, as at its start.
-            if let Some(kv) = ctx.kv.get() {
-                let _ = kv.write(prompt.as_bytes());
-            }
+            let pool = ctx.kv.get().and_then(Option::as_ref);
+            let name = link.name().unwrap_or("-").to_owned();
+            let (mut seq, decoder) = match pool {
+                Some(p) => {
+                    let (seq, decoder, why) = ctx.live.computing(worker, |step| {
+                        p.resume(paged::key_of(&name), n, ctx.model, ctx.bytes, &prompt, step)
+                    });
+                    let (from_pool, again) = match &why {
+                        Some(_) => (0, n),
+                        None => (n, 0),
+                    };
+                    println!(
+                        "shadow-engine: KV of {name} at token {n}: {from_pool} tokens from the pool, {again} computed again{}",
+                        why.map_or(String::new(), |w| format!(" ({w})"))
+                    );
+                    (Some(seq), decoder)
+                }
+                None => {
+                    let decoder = ctx.live.computing(worker, |step| {
+                        ctx.model.resume_with(ctx.bytes, &prompt, n, step)
+                    });
+                    println!(
+                        "shadow-engine: KV of {name} at token {n}: 0 tokens from the pool, {n} computed again (this engine has no KV pool)"
+                    );
+                    (None, decoder)
+                }
+            };
+            let _ = std::io::stdout().flush();
             let sent = openai::stream_bytes(&head, decoder.generated(), finishing);
             let Some(rest) = sent.get(written..) else {
                 beyond("a stream", sent.len());
@@ -204,7 +233,15 @@ pub fn go_on(r: Resumed, ctx: &Ctx<'_>, worker: usize) {
                 let _ = ctx.live.waiting(worker, || conn.write_all(rest));
             } else {
                 stream(
-                    &mut conn, &mut link, &head, decoder, max_tokens, rest, ctx.live, worker,
+                    &mut conn,
+                    &mut link,
+                    &head,
+                    decoder,
+                    seq.as_mut(),
+                    max_tokens,
+                    rest,
+                    ctx.live,
+                    worker,
                 );
             }
         }
@@ -216,8 +253,10 @@ pub fn go_on(r: Resumed, ctx: &Ctx<'_>, worker: usize) {
 /// stream still owes of the events so far), then each token's event with
 /// a write of its own as soon as it is decoded, then the final event and
 /// `[DONE]`, as [`openai::stream_bytes`] says; the close ends the body.
-/// Each event's count is recorded before its bytes are written, so the
-/// bytes in the socket never go beyond what the state says. Decode steps
+/// Each token's KV entry goes to the pool (`seq`) and then its event's
+/// count is recorded, before its bytes are written: the bytes in the
+/// socket never go beyond what the state says, nor the state beyond the
+/// pool. Decode steps
 /// feed the watchdog; the writes are waits on the client. A client gone
 /// (or not reading for [`WRITE_TIMEOUT`]) ends the stream.
 #[allow(clippy::too_many_arguments)]
@@ -226,6 +265,7 @@ fn stream(
     link: &mut Link,
     head: &StreamHead,
     mut decoder: Decoder<'_>,
+    mut seq: Option<&mut Seq<'_>>,
     max_tokens: usize,
     first: &[u8],
     live: &Live,
@@ -242,6 +282,9 @@ fn stream(
             let index = decoder.tokens();
             let token = decoder.next_token();
             step();
+            if let Some(seq) = seq.as_deref_mut() {
+                seq.put(index, &decoder);
+            }
             link.note(Phase::Answering(index as u64 + 1));
             if !send(&openai::token_event(head, index, token)) {
                 return;
@@ -295,7 +338,6 @@ fn route<'a>(
     body: &[u8],
     model: &'a Model,
     bytes: &'a [u8],
-    kv: &Kv,
     info: &Value,
     step: &mut dyn FnMut(),
 ) -> Reply<'a> {
@@ -324,11 +366,6 @@ fn route<'a>(
             let head = StreamHead::new(prompt.len());
             if streamed {
                 let decoder = model.start(bytes, prompt);
-                // The prefill's state goes to the KV cache before the
-                // response head, so that no room is still a plain 503.
-                if let Err(e) = kv.write(prompt.as_bytes()) {
-                    return error(503, e);
-                }
                 return Reply::Stream {
                     head,
                     prompt: prompt.to_owned(),
@@ -337,11 +374,6 @@ fn route<'a>(
                 };
             }
             let c = model.complete_with(bytes, prompt, max_tokens, step);
-            // The KV cache holds the sequence's state; a real engine keeps
-            // pages per sequence, here one page is rewritten per request.
-            if let Err(e) = kv.write(c.text.as_bytes()) {
-                return error(503, e);
-            }
             Reply::Json(200, openai::completion_body(&head, &c, info))
         }
         _ => error(404, format!("no route {method} {path}")),

@@ -454,6 +454,14 @@ impl Link {
         self.track.is_some()
     }
 
+    /// The name the connection is stored under, if it is.
+    pub fn name(&self) -> Option<&str> {
+        self.track
+            .as_ref()
+            .map(|t| t.name.as_str())
+            .or(self.handed.as_deref())
+    }
+
     fn failed(&mut self, what: &str, e: &io::Error) {
         if let Some(t) = self.track.take() {
             self.handed = None;

@@ -59,6 +59,7 @@ mod answer;
 mod conn;
 mod continuity;
 mod live;
+mod paged;
 mod takeover;
 mod weights;
 mod worker;
@@ -87,8 +88,9 @@ use shadow_engine_kit::watchdog::{self, Pacer};
 use acceptor::accept_loop;
 use answer::{answer, go_on};
 use live::{ping, Live, WORKERS};
+use paged::Paged;
 use takeover::take_over;
-use weights::{attach, gms_err};
+use weights::attach;
 use worker::{Ctx, Job, Kv};
 
 fn now_us() -> u128 {
@@ -140,7 +142,8 @@ struct Args {
     /// it); unused when the pair hands its socket down (LISTEN_FDS).
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// KV cache, in MiB: reserved while parked, materialised on wake.
+    /// KV cache, in MiB: the size of the pair's KV pool when this engine
+    /// is the first to ask for it (later engines take the pool as it is).
     #[arg(long, default_value_t = 16)]
     kv_mib: u64,
     /// Keep no connection in the pair's fd store: each one dies with this
@@ -197,7 +200,7 @@ fn serve(args: Args) -> Result<()> {
     let mut inherited_store = (use_store && !fetches).then_some(inherited_store);
     let t0 = Instant::now();
     let kv_bytes = args.kv_mib << 20;
-    let (source, gms_kv) = attach(&args.weights, &slot, kv_bytes)?;
+    let (source, gms_socket) = attach(&args.weights, &slot)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let model = Model::build(source.bytes(), &args.weights)?;
     let init_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -285,13 +288,28 @@ fn serve(args: Args) -> Result<()> {
         let (resumed_tx, resumed) = mpsc::channel::<VecDeque<Job>>();
         let (go, fetch_when) = mpsc::channel::<()>();
         if use_store {
-            let (slot, promoted) = (&slot, &promoted);
+            let (slot, promoted, kv) = (&slot, &promoted, &kv);
             s.spawn(move || {
                 if fetch_when.recv().is_err() {
                     return; // never promoted
                 }
                 let own = continuity::own_prefix(slot, boot_us);
                 let jobs = take_over(slot, &own, inherited_store);
+                // What the pool holds of sequences nobody goes on with is
+                // let go (kept aside until the fence).
+                if let Some(Some(p)) = kv.get() {
+                    let going_on: std::collections::HashSet<u64> = jobs
+                        .iter()
+                        .filter_map(|j| match j {
+                            Job::Resume(r) => r.link.name().map(paged::key_of),
+                            Job::Fresh(..) => None,
+                        })
+                        .collect();
+                    let let_go = p.settle(&going_on);
+                    if let_go > 0 {
+                        println!("shadow-engine slot {slot} KV: {let_go} sequences no connection goes on with, let go");
+                    }
+                }
                 promoted.mark(Part::Fetched);
                 let _ = resumed_tx.send(jobs);
             });
@@ -300,28 +318,45 @@ fn serve(args: Args) -> Result<()> {
         }
         notify(sd_notify::NotifyState::Status("parked"));
 
-        if let Some(h) = holder.as_mut() {
-            h.acquire(live.lock().pacer.as_mut(), ping)
-                .map_err(|e| Error::Usage(format!("taking the election lock: {e}")))?;
-        }
+        let proof = match holder.as_mut() {
+            Some(h) => Some(
+                h.acquire(live.lock().pacer.as_mut(), ping)
+                    .map_err(|e| Error::Usage(format!("taking the election lock: {e}")))?,
+            ),
+            None => None,
+        };
         promoted.locked(promotion::mono_us());
         let lock_us = now_us();
-        // The KV cache: the reserved GMS range's first chunk backed here
-        // (on the host backend one mmap, no page touched: the first request
-        // then waits for no grower thread to be scheduled, and with the
-        // default 16 MiB there is no grower at all), the rest growing as
-        // memory allows, serving not waiting for it; or private memory.
-        let woken = match gms_kv {
-            Some(mut cache) => {
-                let first = cache.chunk().min(cache.len());
-                if let Err(e) = cache.wake(first) {
-                    eprintln!("shadow-engine: backing the KV cache's first {first} bytes at once: {e}: growing it instead");
-                    cache.wake(0).map_err(gms_err("wake KV"))?;
+        // The KV cache: the write lease of the pair's KV pool, with what
+        // the engine before this one left in it (its streams go on from
+        // there); without GMS (or the lease), none: nothing is carried.
+        // The holder's proof is shown to gmsd and closed at once: while
+        // this engine holds a copy, its death would free the lock late.
+        let shown = proof.as_ref().and_then(|p| p.fd());
+        let woken: Kv = match (gms_socket.as_deref(), shown) {
+            (Some(socket), Some(shown)) if kv_bytes > 0 => {
+                match Paged::open(socket, shown, kv_bytes) {
+                    Ok(p) => {
+                        println!(
+                        "shadow-engine slot {slot} KV pool {:016x}: {} blocks of {} tokens, {} sequences carried{}; fence {}",
+                        p.pool_id(),
+                        p.blocks(),
+                        paged::BLOCK_TOKENS,
+                        p.carried_sequences(),
+                        p.fresh().map_or(String::new(), |w| format!(" ({w})")),
+                        if p.fenced() { "passed" } else { "pending" }
+                    );
+                        Some(p)
+                    }
+                    Err(e) => {
+                        eprintln!("shadow-engine: {e}: no KV is carried to the next engine");
+                        None
+                    }
                 }
-                Kv::Gms(cache)
             }
-            None => Kv::Private(Mutex::new(vec![0u8; kv_bytes as usize])),
+            _ => None,
         };
+        drop(proof);
         let _ = kv.set(woken);
         promoted.mark(Part::Kv);
         if own {

@@ -331,6 +331,40 @@ impl Model {
         }
         d
     }
+
+    /// The generation another process left after `words.len()` tokens,
+    /// from what its KV cache kept of its last step ([`Decoder::entry`]):
+    /// the activation and running state after that step, and the index of
+    /// every token so far in the vocabulary ([`word_index`]). Nothing is
+    /// computed again. None when the entry cannot be ours (a wrong width,
+    /// a word out of range).
+    pub fn restore<'a>(
+        &'a self,
+        bytes: &'a [u8],
+        x: Vec<f32>,
+        state: u64,
+        words: &[u32],
+    ) -> Option<Decoder<'a>> {
+        if x.len() != COLS {
+            return None;
+        }
+        let words = words
+            .iter()
+            .map(|&w| WORDS.get(w as usize).copied())
+            .collect::<Option<Vec<_>>>()?;
+        Some(Decoder {
+            model: self,
+            bytes,
+            x,
+            state,
+            words,
+        })
+    }
+}
+
+/// Where `word` is in the vocabulary of output tokens.
+pub fn word_index(word: &str) -> Option<u32> {
+    WORDS.iter().position(|w| *w == word).map(|i| i as u32)
 }
 
 /// One generation in progress, token by token (see [`Model::start`],
@@ -391,6 +425,13 @@ impl Decoder<'_> {
     /// How many tokens were generated so far.
     pub fn tokens(&self) -> usize {
         self.words.len()
+    }
+
+    /// What a KV cache keeps of the last step: the activation and the
+    /// running state after it (with [`Self::generated`], what
+    /// [`Model::restore`] goes on from).
+    pub fn entry(&self) -> (&[f32], u64) {
+        (&self.x, self.state)
     }
 
     /// The fingerprint of the generation so far (that of a [`Completion`]
@@ -545,6 +586,36 @@ mod tests {
         assert_eq!(
             m.start(&a, "resume me").fingerprint(),
             m.complete(&a, "resume me", 0).fingerprint
+        );
+    }
+
+    #[test]
+    fn a_restored_decoder_goes_on_without_computing_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = make(dir.path(), 8, 3);
+        let m = Model::build(&bytes, Path::new("m")).unwrap();
+        let mut d = m.start(&bytes, "restore me");
+        for _ in 0..21 {
+            d.next_token();
+        }
+        let (x, state) = d.entry();
+        let words: Vec<u32> = d
+            .generated()
+            .iter()
+            .map(|w| word_index(w).unwrap())
+            .collect();
+        let mut r = m.restore(&bytes, x.to_vec(), state, &words).unwrap();
+        for _ in 0..11 {
+            assert_eq!(r.next_token(), d.next_token());
+        }
+        assert_eq!(r.completion(), d.completion());
+        assert!(
+            m.restore(&bytes, vec![0.0; 3], 0, &[]).is_none(),
+            "a wrong width"
+        );
+        assert!(
+            m.restore(&bytes, vec![0.0; COLS], 0, &[u32::MAX]).is_none(),
+            "a word out of range"
         );
     }
 

@@ -1,13 +1,13 @@
 //! Startup: the weights attached, through GMS when the pair has a host
 //! daemon (the first engine writes and commits them, the others map the
-//! committed bytes), else read privately; either way verified. And the KV
-//! cache's range, reserved while parked.
+//! committed bytes), else read privately; either way verified. And the
+//! daemon's socket, where the engine asks for the KV pool once active.
 
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gms::client::{host_socket, Client, Imported, KvCache, Weights};
+use gms::client::{host_socket, Client, Imported, Weights};
 use gms::protocol::{LeaseKind, Mode};
 use shadow_contract::env;
 use shadow_engine::model::verify;
@@ -63,8 +63,9 @@ pub fn gms_err(what: &'static str) -> impl FnOnce(gms::Error) -> Error {
     move |source| Error::Gms { what, source }
 }
 
-/// Attach the weights: through GMS when its socket is there, else privately.
-pub fn attach(file: &Path, slot: &str, kv_bytes: u64) -> Result<(Source, Option<KvCache>)> {
+/// Attach the weights: through GMS when its socket is there (which is
+/// returned too), else privately.
+pub fn attach(file: &Path, slot: &str) -> Result<(Source, Option<PathBuf>)> {
     let socket = std::env::var_os(env::GMS_SOCKET_DIR).map(|d| host_socket(Path::new(&d)));
     let Some(socket) = socket.filter(|s| s.exists()) else {
         let bytes = std::fs::read(file).map_err(io("read weights", file))?;
@@ -74,11 +75,6 @@ pub fn attach(file: &Path, slot: &str, kv_bytes: u64) -> Result<(Source, Option<
     let name = format!("shadow-engine-{slot}");
     let mut c = Client::connect_wait(&socket, Mode::RwOrRo, &name, Duration::from_secs(10))
         .map_err(gms_err("connect"))?;
-    // Reserved now (addresses only), backed at wake-up.
-    let kv = match kv_bytes {
-        0 => None,
-        n => Some(c.reserve_kv(n).map_err(gms_err("reserve KV"))?),
-    };
     if c.lease() == LeaseKind::Rw {
         let mut f = std::fs::File::open(file).map_err(io("open weights", file))?;
         let len = f.metadata().map_err(io("stat weights", file))?.len() as usize;
@@ -97,7 +93,7 @@ pub fn attach(file: &Path, slot: &str, kv_bytes: u64) -> Result<(Source, Option<
             .map_err(gms_err("put_meta"))?;
         c.commit(std::slice::from_mut(&mut w))
             .map_err(gms_err("commit"))?;
-        Ok((Source::GmsWriter(w, Lease(c), len), kv))
+        Ok((Source::GmsWriter(w, Lease(c), len), Some(socket)))
     } else {
         let imp = c.import().map_err(gms_err("import"))?;
         let len = c
@@ -109,6 +105,6 @@ pub fn attach(file: &Path, slot: &str, kv_bytes: u64) -> Result<(Source, Option<
                     "GMS layout has no {LEN_KEY}: not written by shadow-engine"
                 ))
             })?;
-        Ok((Source::GmsReader(imp, Lease(c), len), kv))
+        Ok((Source::GmsReader(imp, Lease(c), len), Some(socket)))
     }
 }

@@ -322,6 +322,29 @@ fn tally(lines: &[&str]) -> [u64; 6] {
     sum
 }
 
+/// The engines' lines for each stream they went on with: (streams, tokens
+/// from the KV pool, tokens computed again) and each reason given.
+fn kv_tally(log: &str) -> (u64, u64, u64, Vec<String>) {
+    let (mut streams, mut carried, mut again) = (0, 0, 0);
+    let mut why = Vec::new();
+    for l in log.lines().filter(|l| l.contains("shadow-engine: KV of ")) {
+        let num = |key: &str| -> u64 {
+            l.split(key)
+                .next()
+                .and_then(|r| r.rsplit(' ').find(|w| !w.is_empty()))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0)
+        };
+        streams += 1;
+        carried += num(" tokens from the pool");
+        again += num(" computed again");
+        if let Some(w) = l.split(" computed again (").nth(1) {
+            why.push(w.trim_end_matches(')').to_owned());
+        }
+    }
+    (streams, carried, again, why)
+}
+
 /// Counts shared by the clients and the test.
 #[derive(Default)]
 struct Shared {
@@ -547,10 +570,14 @@ fn survive_kills(accept: &str) {
     for l in ctr
         .stdout_so_far()
         .lines()
-        .filter(|l| l.contains("ready on"))
+        .filter(|l| l.contains("ready on") || l.contains("KV"))
     {
         println!("continuity: {}", l.trim());
     }
+    let (kv_streams, from_pool, again, why) = kv_tally(&ctr.stdout_so_far());
+    println!(
+        "continuity: KV: {kv_streams} streams gone on with: {from_pool} tokens from the pool, {again} computed again"
+    );
     for l in ctr
         .stderr_so_far()
         .lines()
@@ -613,6 +640,13 @@ fn survive_kills(accept: &str) {
         count(Kind::Other)
     );
     assert!(!cut.is_empty(), "no stream was under way at a kill");
+    // Every stream a takeover went on with had its sent tokens in the
+    // pair's KV pool: none was decoded again.
+    assert!(
+        from_pool > 0,
+        "no stream went on from the KV pool ({kv_streams} gone on with)"
+    );
+    assert_eq!(again, 0, "tokens computed again: {why:?}");
 
     cd.ctr()
         .run(&["task", "kill", "-s", "SIGKILL", id])
