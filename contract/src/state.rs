@@ -126,6 +126,15 @@ pub struct PairSnapshot {
     /// Why the pair last restarted cold (or began to).
     #[serde(default)]
     pub last_cold_restart: Option<ColdRestartCause>,
+    /// Cold restarts that dropped the pair's KV pool with the rest of its
+    /// GMS state: what engines carried across promotions is not carried
+    /// across these (absent from files written before it existed: 0).
+    #[serde(default)]
+    pub kv_drops: u64,
+    /// Why the KV pool was last dropped (a device-invalidating XID, a
+    /// GMS daemon's death, weights found changed).
+    #[serde(default)]
+    pub last_kv_drop: Option<ColdRestartCause>,
     /// Deaths of each GMS daemon, by device (a GPU UUID, or `host`).
     #[serde(default)]
     pub gms_deaths: std::collections::BTreeMap<String, u64>,
@@ -617,6 +626,8 @@ mod tests {
                 weights_corrupt: 0,
                 last_promotion: Some(promotion.clone()),
                 last_cold_restart: None,
+                kv_drops: 0,
+                last_kv_drop: None,
                 gms_deaths: Default::default(),
                 hangs: Hangs {
                     watchdog: 1,

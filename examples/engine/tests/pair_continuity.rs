@@ -379,6 +379,95 @@ fn streams_and_answers_survive_kills_when_the_runtime_accepts() {
     survive_kills("runtime");
 }
 
+/// The carried KV is dropped when the memory it is in can no longer be
+/// trusted. A GMS daemon's death (the device-invalidating cause this
+/// machine can make; on a GPU, an XID of the memory-integrity or reset
+/// class does the same) restarts the pair cold: the streams under way are
+/// still answered whole by the engines of the cold restart, which find a
+/// new KV pool and compute what was sent again, and say why; the state
+/// file counts the drop and names its cause.
+#[test]
+fn streams_are_computed_again_when_the_gms_daemon_dies() {
+    let cd = Containerd::start().unwrap();
+    let port = free_port();
+    let id = "engine-kv-drop";
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let (env, ctr) = common::run_pair(&cd, id, &[(LISTEN, listen.as_str())], port);
+    env.wait_protected(&cd, id, LONG);
+    let prompts: Vec<String> = (0..2)
+        .map(|i| format!("a stream whose KV cannot be trusted, {i}"))
+        .collect();
+    let quiet = AtomicUsize::new(0);
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let seen = until("an undisturbed stream", LONG, STEP, || {
+                stream_once(port, p, false, &quiet).ok()
+            });
+            text_of(&seen)
+        })
+        .collect();
+    let progress: Arc<[AtomicUsize; 2]> = Arc::new(Default::default());
+    let clients: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (p, progress) = (p.clone(), progress.clone());
+            // The first reads slowly: still streaming when the daemon dies.
+            std::thread::spawn(move || stream_once(port, &p, i == 0, &progress[i]))
+        })
+        .collect();
+    until("both streams under way", LONG, STEP, || {
+        progress
+            .iter()
+            .all(|p| (UNDER_WAY..STREAM_TOKENS).contains(&p.load(Ordering::SeqCst)))
+            .then_some(())
+    });
+    let st = env.state(&cd, id).expect("the pair's state");
+    let gmsd = st.gms_daemons.first().expect("the host gmsd").pid;
+    // SAFETY: kill(2) of the pair's gmsd, its pid from the state file.
+    assert_eq!(unsafe { libc::kill(gmsd as i32, libc::SIGKILL) }, 0);
+    for (i, c) in clients.into_iter().enumerate() {
+        let seen = c
+            .join()
+            .expect("a client thread")
+            .unwrap_or_else(|f| panic!("stream {i}: {:?}: {}", f.kind, f.what));
+        check_stream(&seen, &want[i]).unwrap_or_else(|why| panic!("stream {i}: {why}"));
+    }
+    let st = until("protected after the cold restart", LONG, STEP, || {
+        env.state(&cd, id)
+            .filter(|s| s.pair.cold_restarts == 1 && s.pair.protected)
+    });
+    let cause = Some(shadow_contract::state::ColdRestartCause::GmsDied {
+        device: "host".into(),
+    });
+    assert_eq!(st.pair.kv_drops, 1);
+    assert_eq!(st.pair.last_kv_drop, cause);
+    let log = ctr.stdout_so_far();
+    for l in log.lines().filter(|l| l.contains("KV")) {
+        println!("kv drop: {}", l.trim());
+    }
+    let (streams, from_pool, again, why) = kv_tally(&log);
+    println!(
+        "kv drop: {streams} streams gone on with: {from_pool} tokens from the pool, {again} computed again"
+    );
+    assert!(
+        again > 0,
+        "nothing was computed again after the KV pool was dropped"
+    );
+    assert!(
+        why.iter().any(|w| w.contains("new pool")),
+        "the engines said why: {why:?}"
+    );
+    cd.ctr()
+        .run(&["task", "kill", "-s", "SIGKILL", id])
+        .unwrap()
+        .assert_success();
+    ctr.wait(LONG).unwrap();
+    let _ = cd.ctr().run(&["container", "rm", id]);
+    cd.assert_no_leftovers();
+}
+
 fn survive_kills(accept: &str) {
     let cd = Containerd::start().unwrap();
     let port = free_port();

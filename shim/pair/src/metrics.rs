@@ -147,6 +147,12 @@ pub fn render(
         &one(snap.cold_restarts.to_string()),
     );
     metric(
+        "shadow_pair_kv_drops_total",
+        "counter",
+        "Cold restarts that dropped the pair's KV pool with its GMS state: nothing engines carried across promotions is carried across these.",
+        &one(snap.kv_drops.to_string()),
+    );
+    metric(
         "shadow_pair_weights_corrupt_total",
         "counter",
         "Engines that found the committed weights changed since their digest was recorded (each restarts the pair cold).",

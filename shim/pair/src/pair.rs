@@ -86,6 +86,7 @@ struct Observable {
     weights_corrupt: u64,
     last_promotion: Option<u64>,
     last_cold_restart: Option<ColdRestartCause>,
+    kv_drops: u64,
     hangs: Hangs,
     /// Arming and disarming are changes (a ping that only moves an armed
     /// watchdog on is not).
@@ -117,6 +118,10 @@ pub struct Pair {
     failovers: u64,
     cold_restarts: u64,
     last_cold_restart: Option<ColdRestartCause>,
+    /// Cold restarts that dropped the pair's GMS state, the KV pool with
+    /// it, and the last one's cause.
+    kv_drops: u64,
+    last_kv_drop: Option<ColdRestartCause>,
     gms_deaths: BTreeMap<String, u64>,
     /// Engine deaths the OOM killer had a hand in.
     oom_kills: u64,
@@ -205,6 +210,8 @@ impl Pair {
             failovers: 0,
             cold_restarts: 0,
             last_cold_restart: None,
+            kv_drops: 0,
+            last_kv_drop: None,
             gms_deaths: BTreeMap::new(),
             oom_kills: 0,
             weights_corrupt: 0,
@@ -345,6 +352,7 @@ impl Pair {
             weights_corrupt: self.weights_corrupt,
             last_promotion: self.last_promotion.as_ref().map(|p| p.number),
             last_cold_restart: self.last_cold_restart.clone(),
+            kv_drops: self.kv_drops,
             hangs: self.hangs,
             armed: self.watchdogs_armed(),
         }

@@ -447,12 +447,20 @@ fn gms_death_restarts_the_pair_cold() {
         "the cause names the GPU whose daemon died"
     );
     assert_eq!(snap.gms_deaths.get(gpu), Some(&1));
+    // The KV pool went with the daemon: dropped, with the same cause.
+    assert_eq!(snap.kv_drops, 1);
+    assert_eq!(snap.last_kv_drop, snap.last_cold_restart);
 }
 
 #[test]
 fn invalidating_xid_restarts_cold_preserving_xid_does_not() {
     let mut p = running();
     assert!(p.handle(Event::Xid(13), t(5)).is_empty());
+    assert_eq!(
+        p.snapshot().kv_drops,
+        0,
+        "a preserving XID keeps the KV pool"
+    );
     assert_eq!(p.handle(Event::Xid(79), t(6)), vec![Action::KillAll]);
     p.handle(
         Event::Exited {
@@ -472,6 +480,11 @@ fn invalidating_xid_restarts_cold_preserving_xid_does_not() {
     assert_eq!(
         p.snapshot().last_cold_restart,
         Some(ColdRestartCause::Xid { xid: 79 })
+    );
+    assert_eq!(
+        (p.snapshot().kv_drops, p.snapshot().last_kv_drop),
+        (1, Some(ColdRestartCause::Xid { xid: 79 })),
+        "an XID that invalidates the device drops the carried KV"
     );
 }
 

@@ -232,6 +232,10 @@ pub struct Snapshot {
     pub last_promotion: Option<Promotion>,
     /// Why the pair last restarted cold (or began to).
     pub last_cold_restart: Option<ColdRestartCause>,
+    /// Cold restarts that dropped the KV pool (with the rest of the GMS
+    /// state), and why the last one did.
+    pub kv_drops: u64,
+    pub last_kv_drop: Option<ColdRestartCause>,
     /// Deaths of each GMS daemon (by device) since the pair was created.
     pub gms_deaths: BTreeMap<String, u64>,
     /// `READY=1`s refused ([`Pair::ready_refused`](crate::Pair::ready_refused)); not part of the

@@ -303,6 +303,12 @@ fn show(
             g.leases.len()
         );
     }
+    if s.pair.kv_drops > 0 {
+        println!(
+            "  KV pool dropped {} time(s), with the GMS state of a cold restart (the last one's cause below)",
+            s.pair.kv_drops
+        );
+    }
     if let Some(c) = &s.pair.last_cold_restart {
         match c {
             ColdRestartCause::GmsDied { device } => {

@@ -55,6 +55,8 @@ pub fn snapshot(s: &Snapshot) -> file::PairSnapshot {
         weights_corrupt: s.weights_corrupt,
         last_promotion: s.last_promotion.as_ref().map(promotion),
         last_cold_restart: s.last_cold_restart.clone(),
+        kv_drops: s.kv_drops,
+        last_kv_drop: s.last_kv_drop.clone(),
         gms_deaths: s.gms_deaths.clone(),
         hangs: s.hangs,
     }

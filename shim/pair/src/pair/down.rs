@@ -69,6 +69,10 @@ impl Pair {
             return Vec::new();
         }
         self.cold_restart = true;
+        // GMS state is dropped (a daemon that died has none; a living one
+        // is reset before the engines start again), the KV pool with it.
+        self.kv_drops += 1;
+        self.last_kv_drop = self.last_cold_restart.clone();
         self.cold_useful = may_be_useful
             && self.slots.iter().any(|s| {
                 matches!(

@@ -174,6 +174,8 @@ impl Pair {
             weights_corrupt: self.weights_corrupt,
             last_promotion: self.last_promotion.clone(),
             last_cold_restart: self.last_cold_restart.clone(),
+            kv_drops: self.kv_drops,
+            last_kv_drop: self.last_kv_drop.clone(),
             gms_deaths: self.gms_deaths.clone(),
             ready_refused: self.ready_refused,
             hangs: self.hangs,
