@@ -145,6 +145,32 @@ int gms_kv_event_fd(int64_t kv);
 char *gms_kv_info_json(int64_t kv);
 int gms_kv_release(int64_t kv);
 
+/* The pair's KV pool: device memory gmsd owns, which outlives every engine
+ * and which the holder of the pair's election lock alone may write.
+ * gms_kv_pool_open takes its write lease (a connection of its own),
+ * showing proof_fd, a descriptor through which this engine holds the
+ * election lock, and maps the pool read-write at the address every engine
+ * of the pair maps it at. `bytes` and `index_bytes` size a pool made now
+ * (created = 1: nothing is in it); an existing one comes as it is, with
+ * what the engine before this one left in it and in its index (host
+ * memory: pread/pwrite index_fd). fence_fd becomes readable once every
+ * engine that wrote the pool before is gone: until then write only where
+ * none of them could have been writing (docs/engine-contract.md,
+ * "Carrying the KV cache"). Both descriptors are libgms's: close neither.
+ * One per process; 0 or -1. gms_kv_pool_close gives the lease back (the
+ * pool stays gmsd's); 0 or -1. */
+typedef struct {
+    uint64_t addr;
+    uint64_t size;
+    uint64_t pool;
+    uint64_t index_bytes;
+    int created;
+    int index_fd;
+    int fence_fd;
+} gms_kv_pool;
+int gms_kv_pool_open(int proof_fd, uint64_t bytes, uint64_t index_bytes, gms_kv_pool *out);
+int gms_kv_pool_close(void);
+
 /* sleep != 0: unmaps every weight mapping of this process, keeping the
  * addresses; sleep == 0: maps them again. 0 or -1. */
 int gms_weights_sleep(int sleep);

@@ -238,11 +238,12 @@ def runtime():
     return rt
 
 
-def gmsd(name, max_bytes="120G"):
+def gmsd(name, max_bytes="120G", lock=None):
     d = tempfile.mkdtemp(prefix=f"{name}-", dir=Session.dir)
     os.chmod(d, 0o700)
+    extra = ["--lock", lock] if lock else []
     g = Proc(f"gmsd-{name}", [os.path.join(BIN, "gmsd"), "serve", "--socket-dir", d, "--device", "0",
-                               "--max-bytes", max_bytes], stdin=False)
+                               "--max-bytes", max_bytes, *extra], stdin=False)
     line = g.expect(lambda o: isinstance(o, str) and o.startswith("ready "), 30, "ready line")
     g.socket, g.socket_dir = line.split(" ", 1)[1], d
     return g
@@ -505,6 +506,47 @@ def test_measure_attach_and_kv_from_rust_and_python():
     assert st["resident_bytes"] == wg << 30 and not st["leases"], st
     g.kill(signal.SIGTERM)
     assert g.wait(60) == 0
+
+
+def test_kv_pool_outlives_its_writer_behind_a_fence():
+    """The pair's KV pool on the device: gmsd's memory, the lock holder's
+    to write. The first engine fills it and is SIGKILLed under a second of
+    queued GPU writes into its last block; the next (parked on the lock)
+    is granted the pool at once, at the same address, with what the first
+    committed in it, and a fence that passes only once the dead engine's
+    context is torn down: the writes that land meanwhile are the hazard
+    the fence guards against."""
+    lock = os.path.join(Session.dir, "kv-pool.lock")
+    open(lock, "w").close()
+    g = gmsd("kvpool", lock=lock)
+    a = Proc("kv-a", [sys.executable, WORKER, "kv-pool", "--lock", lock, "--kv-gib", "4"],
+             env={"GMS_SOCKET_DIR": g.socket_dir})
+    first = a.event("granted")
+    assert first["created"] and first["fenced"], first
+    b = Proc("kv-b", [sys.executable, WORKER, "kv-pool", "--lock", lock, "--kv-gib", "4"],
+             env={"GMS_SOCKET_DIR": g.socket_dir})
+    b.event("parked")
+    a.send("spin")
+    a.event("spinning")
+    time.sleep(0.2)
+    killed = time.monotonic()
+    a.kill()
+    second = b.event("granted")
+    assert not second["created"], second
+    assert second["pool"] == first["pool"] and second["addr"] == first["addr"], (first, second)
+    assert second["carried"], "what the first engine wrote is not in the pool"
+    b.send("fence")
+    fence = b.event("fence", timeout=60)
+    assert fence["passed"], fence
+    figure("kv_pool_lock_after_kill", round((second["locked"] - killed) * 1e3, 2), "ms")
+    figure("kv_pool_grant", second["grant_ms"], "ms")
+    figure("kv_pool_granted_after_kill", round((second["granted"] - killed) * 1e3, 2), "ms")
+    figure("kv_pool_fence_after_kill", round((fence["at"] - killed) * 1e3, 2), "ms")
+    figure("kv_pool_dead_writes_after_grant", fence["tail"] - fence["tail_at_grant"], "writes")
+    st = status(g)
+    assert st["kv"]["grants"] == 2 and st["kv"]["fence_waits_for"] == 0, st["kv"]
+    b.send("quit")
+    b.wait(30)
 
 
 def test_kv_wake_grows_as_device_memory_comes_back():

@@ -13,6 +13,13 @@
   worker.py kv-wake --kv-gib N   reserve a KV cache, wake it (it grows as
                               memory allows), report; "wait" reports once
                               all of it is backed, and writes its last byte
+  worker.py kv-pool --lock PATH --kv-gib N
+                              take the election lock, then the pair's KV pool
+                              (showing the locked descriptor): report what is
+                              in it; a new pool gets a pattern; "spin" queues
+                              a second of GPU writes into its last block and
+                              reports, to be killed under them; "fence" waits
+                              for the fence and reports the last block again
 
 Prints one JSON object per line; after reporting, writer and reader obey
 "check" (report again) and "quit" lines on stdin.
@@ -228,8 +235,62 @@ def kv_wake(args):
     return 0
 
 
+def kv_pool(args):
+    import fcntl
+    lock = args[args.index("--lock") + 1]
+    nbytes = int(float(args[args.index("--kv-gib") + 1]) * (1 << 30))
+    # Everything but the lock first, as a parked engine does.
+    gms = Gms(mode="rw_or_ro", client="gpu-test-kv-pool", timeout_s=30)
+    if gms.lease == "rw":
+        gms.commit()  # an empty layout: the next engine is a reader
+    torch.zeros(1, device="cuda").add_(1)
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
+    say(event="parked", pid=os.getpid())
+    fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    locked = time.monotonic()
+    t = time.perf_counter()
+    pool = gms.kv_pool(fd, nbytes, 1 << 20)
+    grant_ms = (time.perf_counter() - t) * 1e3
+    granted = time.monotonic()
+    fenced_at_grant = pool.fenced()
+    head = pool.tensor(torch.int64, shape=(1 << 20,))
+    tail = pool.tensor(torch.int64, shape=(1 << 10,), offset=pool.nbytes - (8 << 10))
+    if pool.created:
+        head.copy_(torch.arange(1 << 20, device="cuda") * 7 + 3)
+        tail.zero_()
+        torch.cuda.synchronize()
+    expect = torch.arange(1 << 20, device="cuda") * 7 + 3
+    carried = bool(torch.equal(head, expect))
+    tail_at_grant = int(tail[0])
+    say(event="granted", pid=os.getpid(), pool=f"{pool.pool:016x}", addr=pool.addr, size=pool.nbytes,
+        created=pool.created, carried=carried, fenced=fenced_at_grant, grant_ms=round(grant_ms, 3),
+        locked=locked, granted=granted, tail=tail_at_grant)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "spin":
+            # Writes queued on the GPU, as a dying engine's kernels are:
+            # each one adds 1 to the last block, a second or more of them.
+            torch.cuda.synchronize()
+            say(event="spinning", tail=int(tail[0]))
+            while True:
+                torch.cuda._sleep(1 << 20)
+                tail.add_(1)
+        elif cmd == "fence":
+            passed = pool.fenced(30.0)
+            at = time.monotonic()
+            torch.cuda.synchronize()
+            say(event="fence", passed=passed, at=at, tail=int(tail[0]), tail_at_grant=tail_at_grant)
+        elif cmd == "quit":
+            break
+    pool.close()
+    return 0
+
+
 if __name__ == "__main__":
     cmd, rest = sys.argv[1], sys.argv[2:]
     fn = {"writer": writer, "reader": reader, "reader-write": reader_write, "verify": verify,
-          "scribble": scribble, "measure": measure, "hog": hog, "kv-wake": kv_wake}[cmd]
+          "scribble": scribble, "measure": measure, "hog": hog, "kv-wake": kv_wake,
+          "kv-pool": kv_pool}[cmd]
     sys.exit(fn(rest))

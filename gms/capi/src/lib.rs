@@ -28,6 +28,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use gms_core::client::{host_socket, Client, Imported, KvCache, KvWatch, Weights};
+use gms_core::kvpool::KvPool;
 use gms_core::mapper::{HostRange, Mapper};
 use gms_core::protocol::{LeaseKind, Mode};
 use gms_cuda::mapper::{connect_wait, CudaMapper};
@@ -133,8 +134,12 @@ where
     imported: Option<Imported<M::Range>>,
     kv: BTreeMap<i64, KvCache<M::Range>>,
     next_kv: i64,
+    /// The pair's KV pool, once this process holds its write lease.
+    kv_pool: Option<KvPool<M::Range>>,
     /// The CUDA ordinal, or -1 for the host backend.
     ordinal: i32,
+    /// The daemon's socket (a KV pool's lease is a connection of its own).
+    socket: PathBuf,
     client: Client<M>,
     mapper: M,
 }
@@ -287,7 +292,7 @@ pub unsafe extern "C" fn gms_connect(
             let client = Client::connect_with_wait(mapper.clone(), &socket, mode, &name, timeout)
                 .map_err(|e| format!("{}: {e}", socket.display()))?;
             let lease = client.lease();
-            *guard = Some(AnySession::Host(Session::new(client, mapper, -1)));
+            *guard = Some(AnySession::Host(Session::new(client, mapper, -1, socket)));
             return Ok(lease_code(lease));
         }
         let selector = parse_device(&device.to_string()).map_err(|e| e.to_string())?;
@@ -298,7 +303,9 @@ pub unsafe extern "C" fn gms_connect(
         let client = connect_wait(mapper.clone(), &socket, mode, &name, timeout)
             .map_err(|e| format!("{}: {e}", socket.display()))?;
         let lease = client.lease();
-        *guard = Some(AnySession::Cuda(Session::new(client, mapper, device)));
+        *guard = Some(AnySession::Cuda(Session::new(
+            client, mapper, device, socket,
+        )));
         Ok(lease_code(lease))
     })
 }
@@ -307,13 +314,15 @@ impl<M: Mapper> Session<M>
 where
     M::Range: 'static,
 {
-    fn new(client: Client<M>, mapper: M, ordinal: i32) -> Self {
+    fn new(client: Client<M>, mapper: M, ordinal: i32, socket: PathBuf) -> Self {
         Session {
             written: BTreeMap::new(),
             imported: None,
             kv: BTreeMap::new(),
             next_kv: 0,
+            kv_pool: None,
             ordinal,
+            socket,
             client,
             mapper,
         }
@@ -683,6 +692,84 @@ pub extern "C" fn gms_kv_info_json(kv: i64) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn gms_kv_release(kv: i64) -> c_int {
     guarded("gms_kv_release", -1, || kv_op(kv, KvOp::Release))
+}
+
+/// What `gms_kv_pool_open` fills in. The descriptors stay libgms's (valid
+/// until `gms_kv_pool_close` or `gms_disconnect`): read the index with
+/// `pread`/`pwrite`, poll the fence for readability, close neither.
+#[repr(C)]
+pub struct GmsKvPool {
+    pub addr: u64,
+    pub size: u64,
+    pub pool: u64,
+    pub index_bytes: u64,
+    pub created: c_int,
+    pub index_fd: c_int,
+    pub fence_fd: c_int,
+}
+
+/// The write lease of the pair's KV pool, showing `proof_fd` (a
+/// descriptor through which this engine holds the pair's election lock),
+/// with the pool mapped read-write at its address (the one every engine
+/// of the pair maps it at) and its index and fence described in `*out`.
+/// `bytes` and `index_bytes` size a pool made now; an existing pool is
+/// taken as it is. One per process. 0 or -1.
+///
+/// # Safety
+/// `out` is a valid pointer.
+#[no_mangle]
+pub unsafe extern "C" fn gms_kv_pool_open(
+    proof_fd: c_int,
+    bytes: u64,
+    index_bytes: u64,
+    out: *mut GmsKvPool,
+) -> c_int {
+    guarded("gms_kv_pool_open", -1, || {
+        if out.is_null() {
+            return Err("out is NULL".into());
+        }
+        if proof_fd < 0 {
+            return Err(format!("proof_fd {proof_fd} is no descriptor"));
+        }
+        // SAFETY: the caller lends a descriptor that stays open for the
+        // call; it is only sent, never closed here.
+        let proof = unsafe { std::os::fd::BorrowedFd::borrow_raw(proof_fd) };
+        with_session!(|s| {
+            if s.kv_pool.is_some() {
+                return Err("this process holds the KV pool's lease already".into());
+            }
+            let gran = s.client.welcome().granularity;
+            let pool = KvPool::open(&s.mapper, &s.socket, proof, bytes, index_bytes, gran)
+                .map_err(|e| e.to_string())?;
+            let desc = GmsKvPool {
+                addr: pool.addr(),
+                size: pool.len(),
+                pool: pool.id(),
+                index_bytes: pool.index_bytes(),
+                created: c_int::from(pool.created()),
+                index_fd: pool.index().as_raw_fd(),
+                fence_fd: pool.fence().fd().as_raw_fd(),
+            };
+            // SAFETY: non-NULL and valid per the header.
+            unsafe { out.write(desc) };
+            s.kv_pool = Some(pool);
+            Ok(0)
+        })
+    })
+}
+
+/// Gives the KV pool's write lease back (the pool stays gmsd's): the
+/// device is synchronised, the pool unmapped, its descriptors closed.
+/// 0 or -1.
+#[no_mangle]
+pub extern "C" fn gms_kv_pool_close() -> c_int {
+    guarded("gms_kv_pool_close", -1, || {
+        with_session!(|s| {
+            Backend::synchronize(&s.mapper)?;
+            s.kv_pool = None;
+            Ok(0)
+        })
+    })
 }
 
 /// Unmaps (1) or remaps (0) every weight mapping of this process in place.

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import pathlib
+import select
 import struct
 import time
 
@@ -217,6 +218,13 @@ def _is_host(device):
     return device == HOST or (isinstance(device, int) and device < 0)
 
 
+class _KvPoolDesc(ctypes.Structure):
+    """gms.h's gms_kv_pool."""
+    _fields_ = [("addr", ctypes.c_uint64), ("size", ctypes.c_uint64), ("pool", ctypes.c_uint64),
+                ("index_bytes", ctypes.c_uint64), ("created", ctypes.c_int), ("index_fd", ctypes.c_int),
+                ("fence_fd", ctypes.c_int)]
+
+
 def _bind(path):
     lib = ctypes.CDLL(path)
     c = ctypes
@@ -241,6 +249,8 @@ def _bind(path):
         "gms_kv_event_fd": (c.c_int, [c.c_int64]),
         "gms_kv_info_json": (c.c_void_p, [c.c_int64]),
         "gms_kv_release": (c.c_int, [c.c_int64]),
+        "gms_kv_pool_open": (c.c_int, [c.c_int, c.c_uint64, c.c_uint64, c.POINTER(_KvPoolDesc)]),
+        "gms_kv_pool_close": (c.c_int, []),
         "gms_weights_sleep": (c.c_int, [c.c_int]),
         "gms_disconnect": (None, []),
     }
@@ -326,6 +336,42 @@ class KvCache:
         if shape is None:
             shape = ((self.nbytes - offset) // size,)
         return device_tensor(self.addr + offset, dtype, shape)
+
+
+class KvPool:
+    """The pair's KV pool, this engine's to write: gmsd's memory, mapped at
+    the address every engine of the pair maps it at, with what the engine
+    before this one left in it (``created``: nothing), its index (host
+    memory, ``index_fd``: ``os.pread``/``os.pwrite``) and its fence
+    (``fence_fd``, readable once every engine that wrote the pool before is
+    gone). Until ``fenced()``, write only where none of them could have
+    been writing (docs/engine-contract.md, "Carrying the KV cache")."""
+
+    def __init__(self, gms, desc):
+        self._gms = gms
+        self.addr, self.nbytes, self.pool = desc.addr, desc.size, desc.pool
+        self.index_bytes, self.created = desc.index_bytes, bool(desc.created)
+        self.index_fd, self.fence_fd = desc.index_fd, desc.fence_fd
+        self._fenced = False
+
+    def fenced(self, timeout_s=0.0):
+        """Whether every earlier writer is gone, waiting up to ``timeout_s``."""
+        if not self._fenced:
+            ready, _, _ = select.select([self.fence_fd], [], [], max(0.0, timeout_s))
+            self._fenced = bool(ready)
+        return self._fenced
+
+    def tensor(self, dtype=torch.uint8, shape=None, offset=0):
+        """A view of the pool (device memory for a CUDA daemon)."""
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+        if shape is None:
+            shape = ((self.nbytes - offset) // size,)
+        return self._gms.tensor_at(self.addr + offset, dtype, shape)
+
+    def close(self):
+        """Gives the write lease back (the pool stays gmsd's)."""
+        self._gms._check(self._gms.lib.gms_kv_pool_close(), "gms_kv_pool_close")
 
 
 class Gms:
@@ -581,6 +627,15 @@ class Gms:
         return module
 
     # -- KV ---------------------------------------------------------------
+    def kv_pool(self, proof_fd, nbytes, index_bytes):
+        """The write lease of the pair's KV pool (a ``KvPool``), showing
+        ``proof_fd``: a descriptor through which this engine holds the
+        pair's election lock (``FailoverLock.fd``)."""
+        desc = _KvPoolDesc()
+        self._check(self.lib.gms_kv_pool_open(int(proof_fd), int(nbytes), int(index_bytes), ctypes.byref(desc)),
+                    "gms_kv_pool_open")
+        return KvPool(self, desc)
+
     def kv_cache(self, nbytes):
         addr = ctypes.c_uint64()
         handle = self._check(self.lib.gms_kv_reserve(nbytes, ctypes.byref(addr)), "gms_kv_reserve")

@@ -44,11 +44,11 @@ def built(name, var):
 class Gmsd:
     """A gmsd of the host backend in a private socket directory."""
 
-    def __init__(self):
+    def __init__(self, extra=()):
         self.tmp = tempfile.TemporaryDirectory(prefix="shadow-vllm-gms-")
         self.dir = os.path.join(self.tmp.name, "gms")
         self.proc = subprocess.Popen([built("gmsd", "GMSD"), "serve", "--device", "host", "--socket-dir",
-                                      self.dir, "--log-level", "warn"], stdout=subprocess.DEVNULL)
+                                      self.dir, "--log-level", "warn", *extra], stdout=subprocess.DEVNULL)
         self.socket = os.path.join(self.dir, "gms-host.sock")
         deadline = time.monotonic() + 20
         while not os.path.exists(self.socket):
