@@ -21,7 +21,11 @@
 //! - [`protocol`]: versioned JSON messages and the pure decoder;
 //! - [`wire`]: framing and `SCM_RIGHTS` over a stream socket;
 //! - [`mapper`], [`kv`] and [`client`]: the engine side (host memory
-//!   mapper, the KV cache that grows on wake).
+//!   mapper, the KV cache that grows on wake);
+//! - [`kvpool`]: the engine side of the pair's KV pool (its write lease,
+//!   index and fence), which outlives every engine;
+//! - [`holder`]: who holds the pair's election lock, read off `fdinfo`
+//!   (the shim's proof of an engine, gmsd's of a KV pool's writer).
 
 pub mod client;
 mod error;

@@ -7,14 +7,16 @@
 //!    tensor's SHA-256, commits; a reader maps the committed bytes instead.
 //!    Without GMS (e.g. under plain runc) it reads and verifies the file
 //!    into private memory. Either way it then derives its per-row scales;
-//! 2. reserves its KV range; takes the pair's listening socket when
+//! 2. takes the pair's listening socket when
 //!    `LISTEN_FDS` is set (`shadow.dev/listen`: already listening, held but
 //!    never accepted on while parked), else binds its port (not
 //!    listening); `STATUS=parked`;
 //! 3. `flock(LOCK_EX)` on `SHADOW_LOCK_PATH` (skipped when unset: alone);
-//! 4. wakes the KV range (it grows as memory allows: a request waits
-//!    until the part it writes is backed), listens (its own socket),
-//!    `READY=1`, accepts and serves HTTP:
+//! 4. takes the pair's KV pool from gmsd, showing the lock holder's
+//!    descriptor, with what the engine before it left there (`paged`: a
+//!    stream it takes over goes on from its last sent token's KV, nothing
+//!    decoded again), listens (its own socket), `READY=1`, accepts and
+//!    serves HTTP:
 //!    `POST /v1/completions` (`{"prompt": "...", "max_tokens": n,
 //!    "stream": bool}`, OpenAI's completions API: one JSON answer, or with
 //!    `"stream": true` a server-sent event per token, see
@@ -39,9 +41,9 @@
 //! "Continuity"). `--no-fdstore` turns this off.
 //!
 //! The binary's modules, one job each, in the order a request meets them:
-//! `weights` (startup: the weights attached through GMS or privately, the
-//! KV range reserved), `worker` (what the workers share: their context,
-//! their jobs, the KV cache), `live` (the workers as the watchdog sees
+//! `weights` (startup: the weights attached through GMS or privately),
+//! `paged` (the KV cache, paged in the pair's KV pool), `worker` (what the
+//! workers share: their context, their jobs, the KV cache), `live` (the workers as the watchdog sees
 //! them, and the ping), `acceptor` (the serving loop: accept, or take what
 //! the runtime hands over, and store at once), `answer` (one request, one
 //! response, each step recorded; going on with a recorded answer; the
