@@ -169,6 +169,17 @@ pub(crate) fn call_with(
     req: &Request,
     fds: &[std::os::fd::BorrowedFd<'_>],
 ) -> Result<(Response, Vec<OwnedFd>)> {
+    send_request(sock, req, fds)?;
+    receive_response(sock)
+}
+
+/// Sends `req` with `fds`; a daemon that refused and closed before reading
+/// it makes this its refusal, not the broken pipe.
+pub(crate) fn send_request(
+    sock: &UnixStream,
+    req: &Request,
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> Result<()> {
     let body = protocol::encode_request(req)?;
     if let Err(sent) = wire::send(sock.as_fd(), &body, fds) {
         // gmsd answers a refused peer (not allowed, too many connections)
@@ -186,6 +197,12 @@ pub(crate) fn call_with(
             Err(_) => Err(sent),
         };
     }
+    Ok(())
+}
+
+/// The answer to the request sent last, with its descriptors; an `error`
+/// answer is the error it says.
+pub(crate) fn receive_response(sock: &UnixStream) -> Result<(Response, Vec<OwnedFd>)> {
     let frame = wire::recv(sock, MAX_RESPONSE_BYTES)?;
     match protocol::decode_response(&frame.body, frame.fds.len())? {
         Response::Error { code, message } => Err(Error::Remote { code, message }),

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
-use crate::client::{call_with, open, unexpected};
+use crate::client::{open, receive_response, send_request, unexpected};
 use crate::mapper::{Access, Mapper, Range};
 use crate::protocol::{Request, Response};
 use crate::{Error, Result};
@@ -76,46 +76,22 @@ pub struct KvPool<R: Range> {
     _lease: UnixStream,
 }
 
-impl<R: Range> KvPool<R> {
-    /// Asks the gmsd at `socket` for the write lease of the pair's KV pool,
-    /// showing `proof`, a descriptor through which the pair's election
-    /// lock is held (the engine kit's `LockProof`), and maps the pool
-    /// read-write: at the pool's address
-    /// when it exists (where every engine of the pair maps it), else at an
-    /// address this process reserves for `size` bytes. `index_bytes` is the
-    /// index a new pool gets.
-    pub fn open<M: Mapper<Range = R>>(
-        mapper: &M,
-        socket: &Path,
-        proof: BorrowedFd<'_>,
-        size: u64,
-        index_bytes: u64,
-        granularity: u64,
-    ) -> Result<KvPool<R>> {
-        let size = size
-            .checked_next_multiple_of(granularity.max(1))
-            .ok_or_else(|| Error::Invalid(format!("KV pool size {size} overflows")))?;
-        let mut range = mapper.reserve(size, None)?;
-        let sock = open(socket)?;
-        let req = Request::KvPool {
-            size,
-            index_bytes,
-            va: range.addr(),
-        };
-        let (granted, fds) = call_with(&sock, &req, &[proof]).map_err(|e| match e {
-            // A gmsd that grants no KV pool refuses descriptors at the
-            // kernel (SO_PASSRIGHTS off), so the proof never leaves.
-            Error::Sys {
-                source: nix::errno::Errno::EPERM,
-                ..
-            } => Error::NotPermitted {
-                op: "kv_pool".into(),
-                why: "gmsd refuses descriptors: it was started without --lock, so it \
-                      grants no KV pool"
-                    .into(),
-            },
-            other => other,
-        })?;
+/// A `kv_pool` request sent, its answer not read yet ([`KvPool::ask`]).
+pub struct Asked<R: Range> {
+    range: R,
+    sock: UnixStream,
+    req: Request,
+}
+
+impl<R: Range> Asked<R> {
+    /// Waits for gmsd's answer and maps the pool (see [`KvPool::open`]).
+    pub fn granted<M: Mapper<Range = R>>(self, mapper: &M) -> Result<KvPool<R>> {
+        let Asked {
+            mut range,
+            sock,
+            req,
+        } = self;
+        let (granted, fds) = receive_response(&sock)?;
         let Response::KvGranted {
             pool,
             size: got,
@@ -157,6 +133,66 @@ impl<R: Range> KvPool<R> {
             },
             _lease: sock,
         })
+    }
+}
+
+impl<R: Range> KvPool<R> {
+    /// Asks the gmsd at `socket` for the write lease of the pair's KV pool,
+    /// showing `proof`, a descriptor through which the pair's election
+    /// lock is held (the engine kit's `LockProof`), and maps the pool
+    /// read-write: at the pool's address when it exists (where every
+    /// engine of the pair maps it), else at an address this process
+    /// reserves for `size` bytes. `index_bytes` is the index a new pool
+    /// gets. [`KvPool::ask`] and [`Asked::granted`] in one.
+    pub fn open<M: Mapper<Range = R>>(
+        mapper: &M,
+        socket: &Path,
+        proof: BorrowedFd<'_>,
+        size: u64,
+        index_bytes: u64,
+        granularity: u64,
+    ) -> Result<KvPool<R>> {
+        Self::ask(mapper, socket, proof, size, index_bytes, granularity)?.granted(mapper)
+    }
+
+    /// The first half of [`KvPool::open`]: reserves the addresses, connects
+    /// and sends the request with its proof, and returns without waiting
+    /// for the answer. The proof may be closed as soon as this returns (the
+    /// kernel holds the copy in flight), and the engine may go on (say
+    /// `READY=1`, serve what needs no KV) while gmsd answers.
+    pub fn ask<M: Mapper<Range = R>>(
+        mapper: &M,
+        socket: &Path,
+        proof: BorrowedFd<'_>,
+        size: u64,
+        index_bytes: u64,
+        granularity: u64,
+    ) -> Result<Asked<R>> {
+        let size = size
+            .checked_next_multiple_of(granularity.max(1))
+            .ok_or_else(|| Error::Invalid(format!("KV pool size {size} overflows")))?;
+        let range = mapper.reserve(size, None)?;
+        let sock = open(socket)?;
+        let req = Request::KvPool {
+            size,
+            index_bytes,
+            va: range.addr(),
+        };
+        send_request(&sock, &req, &[proof]).map_err(|e| match e {
+            // A gmsd that grants no KV pool refuses descriptors at the
+            // kernel (SO_PASSRIGHTS off), so the proof never leaves.
+            Error::Sys {
+                source: nix::errno::Errno::EPERM,
+                ..
+            } => Error::NotPermitted {
+                op: "kv_pool".into(),
+                why: "gmsd refuses descriptors: it was started without --lock, so it \
+                      grants no KV pool"
+                    .into(),
+            },
+            other => other,
+        })?;
+        Ok(Asked { range, sock, req })
     }
 
     /// The pool's id: another pool (after a reset, or in another gmsd)

@@ -16,7 +16,7 @@ use crate::conn::{self, Conn};
 use crate::continuity::{Link, Progress as Phase, Work};
 use crate::live::Live;
 use crate::paged::{self, Seq};
-use crate::worker::{Ctx, Resumed};
+use crate::worker::{Ctx, Resumed, KV_WAIT};
 
 /// Largest request head + body the server reads.
 const MAX_REQUEST: usize = 64 << 10;
@@ -45,9 +45,6 @@ enum Reply<'a> {
 /// prompt), and every step of the answer is recorded before its bytes are
 /// written; without one, as without a store.
 pub fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
-    let Some(kv) = ctx.kv.get() else {
-        return link.drop_entry(); // no job comes before the wake
-    };
     let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
     let on = |method: &str, path: &str, body: &[u8]| {
         ctx.live.computing(worker, |step| {
@@ -99,9 +96,11 @@ pub fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
         Streamed(head, _, decoder, max_tokens) => {
             link.note(Phase::Answering(0));
             // Its KV in the pool, under its name in the store (a name of
-            // its own when it has none: nobody goes on with it).
+            // its own when it has none: nobody goes on with it); right
+            // after a promotion the pool may still be on its way from gmsd.
             let key = link.name().map_or_else(paged::private_key, paged::key_of);
-            let mut seq = kv.as_ref().map(|p| p.begin(key));
+            let kv = ctx.live.waiting(worker, || ctx.kv.wait(KV_WAIT));
+            let mut seq = kv.map(|p| p.begin(key));
             stream(
                 &mut conn,
                 &mut link,
@@ -195,7 +194,7 @@ pub fn go_on(r: Resumed, ctx: &Ctx<'_>, worker: usize) {
                 link.drop_entry();
                 return;
             }
-            let pool = ctx.kv.get().and_then(Option::as_ref);
+            let pool = ctx.kv.get();
             let name = link.name().unwrap_or("-").to_owned();
             let (mut seq, decoder) = match pool {
                 Some(p) => {

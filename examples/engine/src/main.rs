@@ -93,7 +93,7 @@ use live::{ping, Live, WORKERS};
 use paged::Paged;
 use takeover::take_over;
 use weights::attach;
-use worker::{Ctx, Job, Kv};
+use worker::{Ctx, Job, Kv, KvSlot};
 
 fn now_us() -> u128 {
     SystemTime::now()
@@ -249,7 +249,7 @@ fn serve(args: Args) -> Result<()> {
     let inherited_store = inherited_store.take().unwrap_or_default();
     let promoted = Timeline::new(&slot, use_store);
     let live = Live::new(watchdog::interval_from_env().map(Pacer::new));
-    let kv = std::sync::OnceLock::new();
+    let kv = KvSlot::default();
     let ctx = Ctx {
         model: &model,
         bytes: source.bytes(),
@@ -288,18 +288,21 @@ fn serve(args: Args) -> Result<()> {
         // runtime, which is busiest right after a failover), and handed to
         // the workers first once here.
         let (resumed_tx, resumed) = mpsc::channel::<VecDeque<Job>>();
-        let (go, fetch_when) = mpsc::channel::<()>();
+        let (go, fetch_when) = mpsc::channel::<Option<paged::Asked>>();
         if use_store {
             let (slot, promoted, kv) = (&slot, &promoted, &kv);
             s.spawn(move || {
-                if fetch_when.recv().is_err() {
+                let Ok(asked) = fetch_when.recv() else {
                     return; // never promoted
-                }
+                };
+                // The pool before the store: what the store holds goes on
+                // from what the pool holds.
+                take_pool(asked, kv, slot, promoted);
                 let own = continuity::own_prefix(slot, boot_us);
                 let jobs = take_over(slot, &own, inherited_store);
                 // What the pool holds of sequences nobody goes on with is
                 // let go (kept aside until the fence).
-                if let Some(Some(p)) = kv.get() {
+                if let Some(p) = kv.get() {
                     let going_on: std::collections::HashSet<u64> = jobs
                         .iter()
                         .filter_map(|j| match j {
@@ -332,42 +335,30 @@ fn serve(args: Args) -> Result<()> {
         // The KV cache: the write lease of the pair's KV pool, with what
         // the engine before this one left in it (its streams go on from
         // there); without GMS (or the lease), none: nothing is carried.
-        // The holder's proof is shown to gmsd and closed at once: while
-        // this engine holds a copy, its death would free the lock late.
+        // Asked for now, showing the holder's proof, which is closed at
+        // once (while this engine holds a copy, its death would free the
+        // lock late); the answer is taken after READY=1, off the path of
+        // the first new request, which needs no KV.
         let shown = proof.as_ref().and_then(|p| p.fd());
-        let woken: Kv = match (gms_socket.as_deref(), shown) {
-            (Some(socket), Some(shown)) if kv_bytes > 0 => {
-                match Paged::open(socket, shown, kv_bytes) {
-                    Ok(p) => {
-                        println!(
-                        "shadow-engine slot {slot} KV pool {:016x}: {} blocks of {} tokens, {} sequences carried{}; fence {}",
-                        p.pool_id(),
-                        p.blocks(),
-                        paged::BLOCK_TOKENS,
-                        p.carried_sequences(),
-                        p.fresh().map_or(String::new(), |w| format!(" ({w})")),
-                        if p.fenced() { "passed" } else { "pending" }
-                    );
-                        Some(p)
-                    }
-                    Err(e) => {
-                        eprintln!("shadow-engine: {e}: no KV is carried to the next engine");
-                        None
-                    }
-                }
-            }
+        let asked = match (gms_socket.as_deref(), shown) {
+            (Some(socket), Some(shown)) if kv_bytes > 0 => Paged::ask(socket, shown, kv_bytes)
+                .map_err(|e| eprintln!("shadow-engine: {e}: no KV is carried to the next engine"))
+                .ok(),
             _ => None,
         };
         drop(proof);
-        let _ = kv.set(woken);
-        promoted.mark(Part::Kv);
         if own {
             listen(&sock, Backlog::new(256).unwrap_or(Backlog::MAXCONN))
                 .map_err(|e| sockerr("listen", e))?;
         }
         notify(sd_notify::NotifyState::Ready);
         promoted.mark(Part::Ready);
-        let _ = go.send(());
+        if use_store {
+            // The fetcher takes the pool's answer, then the store.
+            let _ = go.send(asked);
+        } else {
+            take_pool(asked, &kv, &slot, &promoted);
+        }
         let ready_us = now_us();
         println!(
             "shadow-engine slot {slot} ready on {address}: weights {} MiB from {}, load {load_ms:.1} ms, init {init_ms:.1} ms, lock→ready {} µs",
@@ -387,6 +378,32 @@ fn serve(args: Args) -> Result<()> {
         );
         Ok(())
     })
+}
+
+/// The KV pool asked for at the wake, once gmsd answered (or none): this
+/// engine's KV cache from now on.
+fn take_pool(asked: Option<paged::Asked>, kv: &KvSlot, slot: &str, promoted: &Timeline) {
+    let woken: Kv = asked.and_then(|a| match Paged::granted(a) {
+        Ok(p) => {
+            println!(
+                "shadow-engine slot {slot} KV pool {:016x}: {} blocks of {} tokens, {} sequences carried{}; fence {}",
+                p.pool_id(),
+                p.blocks(),
+                paged::BLOCK_TOKENS,
+                p.carried_sequences(),
+                p.fresh().map_or(String::new(), |w| format!(" ({w})")),
+                if p.fenced() { "passed" } else { "pending" }
+            );
+            let _ = std::io::stdout().flush();
+            Some(p)
+        }
+        Err(e) => {
+            eprintln!("shadow-engine: {e}: no KV is carried to the next engine");
+            None
+        }
+    });
+    kv.set(woken);
+    promoted.mark(Part::Kv);
 }
 
 /// Whether the runtime keeps a store for this engine: a pair's

@@ -98,6 +98,9 @@ pub struct Figures {
     pub tails_copied: AtomicU64,
 }
 
+/// A `kv_pool` request on its way ([`Paged::ask`]).
+pub struct Asked(gms::kvpool::Asked<HostRange>);
+
 /// The paged KV cache of this engine, over the pair's pool.
 pub struct Paged {
     pool: KvPool<HostRange>,
@@ -124,14 +127,30 @@ struct Record {
 }
 
 impl Paged {
-    /// The write lease of the pair's KV pool from the gmsd at `socket`,
-    /// shown `proof` (the descriptor this engine's lock holder holds the
-    /// election lock through), `bytes` of it for a new pool, and what its
-    /// index says was left in it.
-    pub fn open(socket: &Path, proof: BorrowedFd<'_>, bytes: u64) -> Result<Paged, String> {
-        let mapper = HostMapper::default();
+    /// Asks the gmsd at `socket` for the write lease of the pair's KV pool,
+    /// showing `proof` (the descriptor this engine's lock holder holds the
+    /// election lock through), `bytes` of it for a new pool; the proof may
+    /// be closed once this returns. [`Paged::granted`] waits for the answer.
+    pub fn ask(socket: &Path, proof: BorrowedFd<'_>, bytes: u64) -> Result<Asked, String> {
         let index_len = index_bytes(bytes).max(HEADER + RECORD);
-        let pool = KvPool::open(&mapper, socket, proof, bytes, index_len, 4096)
+        KvPool::ask(
+            &HostMapper::default(),
+            socket,
+            proof,
+            bytes,
+            index_len,
+            4096,
+        )
+        .map(Asked)
+        .map_err(|e| format!("asking for the KV pool's write lease: {e}"))
+    }
+
+    /// The pool [`Paged::ask`] asked for, and what its index says was left
+    /// in it.
+    pub fn granted(asked: Asked) -> Result<Paged, String> {
+        let pool = asked
+            .0
+            .granted(&HostMapper::default())
             .map_err(|e| format!("the KV pool's write lease: {e}"))?;
         let blocks = u32::try_from(pool.len() / BLOCK_BYTES as u64).unwrap_or(u32::MAX);
         let blocks = blocks.min(u32::try_from((pool.index_bytes() - HEADER) / RECORD).unwrap_or(0));
