@@ -36,8 +36,9 @@
 //! - `allocate`: `allocate`, whose memory is made outside the lock;
 //! - `store`: the working and committed stores: commit replaces, reset
 //!   drops, a writer's end discards;
-//! - `kv`: the pair's KV pool, its write lease for the lock's holder and
-//!   the fence that says its earlier writers are gone;
+//! - `pool` and `kv`: the pair's KV pool (its state; its write lease for
+//!   the lock's holder and the fence that says its earlier writers are
+//!   gone);
 //! - `report`: the status report, one snapshot under the lock.
 
 use std::collections::BTreeMap;
@@ -56,6 +57,7 @@ mod config;
 mod connection;
 mod kv;
 mod listener;
+mod pool;
 mod report;
 mod requests;
 mod socket;
@@ -110,7 +112,7 @@ struct State {
     next_conn: u64,
     connections: BTreeMap<u64, Connection>,
     /// The pair's KV pool, from its first grant (`kv`).
-    kv: Option<kv::Pool>,
+    kv: Option<pool::Pool>,
 }
 
 impl Daemon {

@@ -46,42 +46,11 @@ use gms::protocol::Response;
 use gms::status::KvReport;
 use gms::{Access, Error, Result};
 
+use super::pool::{Pool, Writer};
 use super::{Daemon, State};
-use crate::backend::Memory;
 
 /// How often a fence thread looks whether it was superseded.
 const FENCE_LOOK: Duration = Duration::from_millis(250);
-
-/// The pool and who writes it.
-pub(super) struct Pool {
-    id: u64,
-    size: u64,
-    va: u64,
-    index_bytes: u64,
-    memory: Box<dyn Memory>,
-    index: OwnedFd,
-    grants: u64,
-    writer: Option<Writer>,
-    /// Writers before the current one that were not gone at its grant.
-    earlier: Vec<Arc<OwnedFd>>,
-    /// Set to end the fence thread of the current grant (a newer grant, a
-    /// reset, the daemon's end).
-    fence_stop: Option<Arc<AtomicBool>>,
-}
-
-struct Writer {
-    conn: u64,
-    pid: i32,
-    pidfd: Arc<OwnedFd>,
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        if let Some(stop) = &self.fence_stop {
-            stop.store(true, Ordering::Relaxed);
-        }
-    }
-}
 
 type Reply = (Response, Vec<OwnedFd>);
 
