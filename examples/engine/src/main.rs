@@ -295,11 +295,12 @@ fn serve(args: Args) -> Result<()> {
                 let Ok(asked) = fetch_when.recv() else {
                     return; // never promoted
                 };
-                // The pool before the store: what the store holds goes on
-                // from what the pool holds.
-                take_pool(asked, kv, slot, promoted);
+                // The store first (with the runtime accepting, this fetch
+                // is what starts the hand-over of new connections), then
+                // the pool, which the jobs go on from.
                 let own = continuity::own_prefix(slot, boot_us);
                 let jobs = take_over(slot, &own, inherited_store);
+                take_pool(asked, kv, slot, promoted);
                 // What the pool holds of sequences nobody goes on with is
                 // let go (kept aside until the fence).
                 if let Some(p) = kv.get() {
