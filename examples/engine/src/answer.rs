@@ -16,7 +16,7 @@ use crate::conn::{self, Conn};
 use crate::continuity::{Link, Progress as Phase, Work};
 use crate::live::Live;
 use crate::paged::{self, Seq};
-use crate::worker::{Ctx, Resumed, KV_WAIT};
+use crate::worker::{Ctx, Resumed};
 
 /// Largest request head + body the server reads.
 const MAX_REQUEST: usize = 64 << 10;
@@ -99,7 +99,8 @@ pub fn answer(mut conn: Conn, mut link: Link, ctx: &Ctx<'_>, worker: usize) {
             // its own when it has none: nobody goes on with it); right
             // after a promotion the pool may still be on its way from gmsd.
             let key = link.name().map_or_else(paged::private_key, paged::key_of);
-            let kv = ctx.live.waiting(worker, || ctx.kv.wait(KV_WAIT));
+            let kv = ctx.live.waiting(worker, || ctx.kv.take());
+            ctx.promoted.mark(Part::Kv);
             let mut seq = kv.map(|p| p.begin(key));
             stream(
                 &mut conn,
@@ -194,7 +195,8 @@ pub fn go_on(r: Resumed, ctx: &Ctx<'_>, worker: usize) {
                 link.drop_entry();
                 return;
             }
-            let pool = ctx.kv.get();
+            let pool = ctx.live.waiting(worker, || ctx.kv.take());
+            ctx.promoted.mark(Part::Kv);
             let name = link.name().unwrap_or("-").to_owned();
             let (mut seq, decoder) = match pool {
                 Some(p) => {

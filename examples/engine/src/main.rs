@@ -93,7 +93,7 @@ use live::{ping, Live, WORKERS};
 use paged::Paged;
 use takeover::take_over;
 use weights::attach;
-use worker::{Ctx, Job, Kv, KvSlot};
+use worker::{Ctx, Job};
 
 fn now_us() -> u128 {
     SystemTime::now()
@@ -249,7 +249,7 @@ fn serve(args: Args) -> Result<()> {
     let inherited_store = inherited_store.take().unwrap_or_default();
     let promoted = Timeline::new(&slot, use_store);
     let live = Live::new(watchdog::interval_from_env().map(Pacer::new));
-    let kv = KvSlot::default();
+    let kv = paged::Pool::new(&slot);
     let ctx = Ctx {
         model: &model,
         bytes: source.bytes(),
@@ -288,34 +288,28 @@ fn serve(args: Args) -> Result<()> {
         // runtime, which is busiest right after a failover), and handed to
         // the workers first once here.
         let (resumed_tx, resumed) = mpsc::channel::<VecDeque<Job>>();
-        let (go, fetch_when) = mpsc::channel::<Option<paged::Asked>>();
+        let (go, fetch_when) = mpsc::channel::<()>();
         if use_store {
             let (slot, promoted, kv) = (&slot, &promoted, &kv);
             s.spawn(move || {
-                let Ok(asked) = fetch_when.recv() else {
+                if fetch_when.recv().is_err() {
                     return; // never promoted
-                };
+                }
                 // The store first (with the runtime accepting, this fetch
                 // is what starts the hand-over of new connections), then
                 // the pool, which the jobs go on from.
                 let own = continuity::own_prefix(slot, boot_us);
                 let jobs = take_over(slot, &own, inherited_store);
-                take_pool(asked, kv, slot, promoted);
                 // What the pool holds of sequences nobody goes on with is
-                // let go (kept aside until the fence).
-                if let Some(p) = kv.get() {
-                    let going_on: std::collections::HashSet<u64> = jobs
-                        .iter()
+                // let go (kept aside until the fence), once it is taken.
+                kv.taken_over(
+                    jobs.iter()
                         .filter_map(|j| match j {
                             Job::Resume(r) => r.link.name().map(paged::key_of),
                             Job::Fresh(..) => None,
                         })
-                        .collect();
-                    let let_go = p.settle(&going_on);
-                    if let_go > 0 {
-                        println!("shadow-engine slot {slot} KV: {let_go} sequences no connection goes on with, let go");
-                    }
-                }
+                        .collect(),
+                );
                 promoted.mark(Part::Fetched);
                 let _ = resumed_tx.send(jobs);
             });
@@ -354,11 +348,11 @@ fn serve(args: Args) -> Result<()> {
         }
         notify(sd_notify::NotifyState::Ready);
         promoted.mark(Part::Ready);
+        kv.asked(asked);
         if use_store {
-            // The fetcher takes the pool's answer, then the store.
-            let _ = go.send(asked);
+            let _ = go.send(());
         } else {
-            take_pool(asked, &kv, &slot, &promoted);
+            kv.taken_over(Default::default());
         }
         let ready_us = now_us();
         println!(
@@ -379,32 +373,6 @@ fn serve(args: Args) -> Result<()> {
         );
         Ok(())
     })
-}
-
-/// The KV pool asked for at the wake, once gmsd answered (or none): this
-/// engine's KV cache from now on.
-fn take_pool(asked: Option<paged::Asked>, kv: &KvSlot, slot: &str, promoted: &Timeline) {
-    let woken: Kv = asked.and_then(|a| match Paged::granted(a) {
-        Ok(p) => {
-            println!(
-                "shadow-engine slot {slot} KV pool {:016x}: {} blocks of {} tokens, {} sequences carried{}; fence {}",
-                p.pool_id(),
-                p.blocks(),
-                paged::BLOCK_TOKENS,
-                p.carried_sequences(),
-                p.fresh().map_or(String::new(), |w| format!(" ({w})")),
-                if p.fenced() { "passed" } else { "pending" }
-            );
-            let _ = std::io::stdout().flush();
-            Some(p)
-        }
-        Err(e) => {
-            eprintln!("shadow-engine: {e}: no KV is carried to the next engine");
-            None
-        }
-    });
-    kv.set(woken);
-    promoted.mark(Part::Kv);
 }
 
 /// Whether the runtime keeps a store for this engine: a pair's

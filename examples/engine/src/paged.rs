@@ -101,6 +101,118 @@ pub struct Figures {
 /// A `kv_pool` request on its way ([`Paged::ask`]).
 pub struct Asked(gms::kvpool::Asked<HostRange>);
 
+/// How long a stream waits for the wake's request for the pool to be made
+/// (it is made before `READY=1`, so only a stream of an engine that was
+/// never promoted could wait: none does); a gmsd that does not answer
+/// costs the first stream this once, which then runs outside the pool.
+pub const KV_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The pair's KV pool as this engine has it: asked for at the wake, its
+/// answer taken by the first stream that needs it (new, or taken over), so
+/// that the grant and the mapping never run beside a promotion's first
+/// plain answers; then this engine's [`Paged`] cache, or none.
+pub struct Pool {
+    slot: String,
+    taken: std::sync::OnceLock<Option<Paged>>,
+    state: Mutex<Waiting>,
+    changed: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct Waiting {
+    /// Set at the wake: the request (None: none was made).
+    asked: Option<Option<Asked>>,
+    /// The streams a takeover goes on with, once it sorted its jobs and
+    /// before the pool was taken: the taker lets the rest go.
+    going_on: Option<HashSet<u64>>,
+}
+
+impl Pool {
+    pub fn new(slot: &str) -> Pool {
+        Pool {
+            slot: slot.to_owned(),
+            taken: std::sync::OnceLock::new(),
+            state: Mutex::new(Waiting::default()),
+            changed: std::sync::Condvar::new(),
+        }
+    }
+
+    /// The wake's request (or that none was made).
+    pub fn asked(&self, asked: Option<Asked>) {
+        lock(&self.state).asked = Some(asked);
+        self.changed.notify_all();
+    }
+
+    /// The pool, if it was taken already (never waits).
+    pub fn get(&self) -> Option<&Paged> {
+        self.taken.get().and_then(Option::as_ref)
+    }
+
+    /// The pool, taking gmsd's answer if nobody did yet (one taker; the
+    /// others wait for it); None without one.
+    pub fn take(&self) -> Option<&Paged> {
+        if let Some(p) = self.taken.get() {
+            return p.as_ref();
+        }
+        let st = lock(&self.state);
+        let mut st = self
+            .changed
+            .wait_timeout_while(st, KV_WAIT, |w| w.asked.is_none())
+            .map(|(g, _)| g)
+            .unwrap_or_else(|e| e.into_inner().0);
+        if let Some(p) = self.taken.get() {
+            return p.as_ref();
+        }
+        let paged = st.asked.take().flatten().and_then(|a| match Paged::granted(a) {
+            Ok(p) => {
+                println!(
+                    "shadow-engine slot {} KV pool {:016x}: {} blocks of {} tokens, {} sequences carried{}; fence {}",
+                    self.slot,
+                    p.pool_id(),
+                    p.blocks(),
+                    BLOCK_TOKENS,
+                    p.carried_sequences(),
+                    p.fresh().map_or(String::new(), |w| format!(" ({w})")),
+                    if p.fenced() { "passed" } else { "pending" }
+                );
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+                Some(p)
+            }
+            Err(e) => {
+                eprintln!("shadow-engine: {e}: no KV is carried to the next engine");
+                None
+            }
+        });
+        if let (Some(p), Some(keys)) = (&paged, &st.going_on) {
+            self.settled(p, keys);
+        }
+        let _ = self.taken.set(paged);
+        drop(st);
+        self.get()
+    }
+
+    /// A takeover sorted its jobs: these streams go on; what the pool
+    /// holds of any other is let go, now or when the pool is taken.
+    pub fn taken_over(&self, going_on: HashSet<u64>) {
+        let mut st = lock(&self.state);
+        match self.taken.get() {
+            Some(Some(p)) => self.settled(p, &going_on),
+            Some(None) => {}
+            None => st.going_on = Some(going_on),
+        }
+    }
+
+    fn settled(&self, p: &Paged, going_on: &HashSet<u64>) {
+        let let_go = p.settle(going_on);
+        if let_go > 0 {
+            println!(
+                "shadow-engine slot {} KV: {let_go} sequences no connection goes on with, let go",
+                self.slot
+            );
+        }
+    }
+}
+
 /// The paged KV cache of this engine, over the pair's pool.
 pub struct Paged {
     pool: KvPool<HostRange>,

@@ -29,7 +29,8 @@ pub fn mono_us() -> u64 {
 /// A step of the wake, in the order it normally comes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Part {
-    /// The KV cache woken (its first bytes backed, or growing).
+    /// The KV pool taken (gmsd's answer to the wake's request mapped), by
+    /// the first stream that needed it.
     Kv,
     /// Listening (its own socket), `READY=1` sent.
     Ready,
