@@ -29,6 +29,10 @@ struct Gmsd {
 
 impl Gmsd {
     fn start(lock: Option<&Path>) -> Gmsd {
+        Gmsd::start_with(lock, &[])
+    }
+
+    fn start_with(lock: Option<&Path>, extra: &[&str]) -> Gmsd {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gmsd"));
         cmd.args(["serve", "--log-level", "warn", "--socket-dir"])
@@ -36,6 +40,7 @@ impl Gmsd {
         if let Some(lock) = lock {
             cmd.arg("--lock").arg(lock);
         }
+        cmd.args(extra);
         let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -266,4 +271,31 @@ fn without_a_lock_no_engine_gets_the_write_lease() {
         "{refused}"
     );
     assert!(gmsd.status().kv.is_none());
+}
+
+#[test]
+fn the_pool_counts_against_the_daemons_byte_limit() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let lock = lock_file(dir.path());
+    let gmsd = Gmsd::start_with(Some(&lock), &["--max-bytes", "4M"]);
+    let mut pool = Probe::spawn(&gmsd, &lock, &[]);
+    pool.expect("ready");
+    assert_eq!(
+        gmsd.status().bytes,
+        1 << 20,
+        "the pool's MiB is the daemon's"
+    );
+    // Weights of 4 MiB on top of the pool's 1 MiB: over the limit.
+    let out = Command::new(env!("CARGO_BIN_EXE_gms-probe"))
+        .arg("--socket")
+        .arg(&gmsd.socket)
+        .args(["writer", "--size", "4M", "--commit"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("gms-probe writer");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains(&ErrorCode::LimitExceeded.to_string()),
+        "a writer over the limit with the pool: {said}"
+    );
 }

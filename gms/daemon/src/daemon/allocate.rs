@@ -64,7 +64,8 @@ impl Daemon {
                 limits.max_allocations
             )));
         }
-        let used: u64 = stores().map(|s| s.layout.bytes()).sum();
+        // The KV pool counts too: its memory is the daemon's as much.
+        let used: u64 = stores().map(|s| s.layout.bytes()).sum::<u64>() + st.kv_bytes().0;
         if used.saturating_add(size) > limits.max_bytes {
             return Err(Error::LimitExceeded(format!(
                 "{size} more bytes on top of {used} exceeds the limit of {} bytes",
