@@ -94,8 +94,13 @@ impl Supervisor {
         if self.pair.lock_watch() == LockWatch::Off {
             return Vec::new();
         }
-        let now = self.clock.now();
+        // Dated when the look is over: a read of /proc/locks can take
+        // milliseconds (an RCU grace period, and the blocking pool's turn),
+        // and a lock seen taken at its end may have changed hands after it
+        // began. Dated at its start, a takeover was once recorded 3 ms
+        // before the kill that caused it (tests/tests/shadows.rs).
         let look = self.host.lock().await;
+        let now = self.clock.now();
         let mut actions = Vec::new();
         for slot in self.pair.slot_ids() {
             if look.waiting.get(slot.index()).copied().unwrap_or(false) {
