@@ -86,18 +86,6 @@ pub fn private_key() -> u64 {
     key_of(&format!("private-{}-{n}", std::process::id()))
 }
 
-/// What the pool did for the streams this engine went on with.
-#[derive(Debug, Default)]
-pub struct Figures {
-    pub resumed: AtomicU64,
-    /// Tokens whose state came from the pool.
-    pub carried: AtomicU64,
-    /// Tokens decoded again because the pool did not have them.
-    pub recomputed: AtomicU64,
-    /// Partial tail blocks copied to a fresh block before the fence.
-    pub tails_copied: AtomicU64,
-}
-
 /// A `kv_pool` request on its way ([`Paged::ask`]).
 pub struct Asked(gms::kvpool::Asked<HostRange>);
 
@@ -228,7 +216,6 @@ pub struct Paged {
     /// Why nothing was carried, when so ("a new pool", "another pool's
     /// index").
     fresh: Option<String>,
-    pub figures: Figures,
 }
 
 /// A block's record in the index.
@@ -335,7 +322,6 @@ impl Paged {
             carried: Mutex::new(carried),
             fenced: AtomicBool::new(fenced),
             fresh,
-            figures: Figures::default(),
         };
         for b in strays {
             paged.let_go(b);
@@ -405,7 +391,6 @@ impl Paged {
         let had = lock(&self.carried).remove(&key).unwrap_or_default();
         let need = n.div_ceil(BLOCK_TOKENS);
         let mut seq = self.begin(key);
-        self.figures.resumed.fetch_add(1, Ordering::Relaxed);
         let whole = n > 0 && had.len() >= need && had[..need].iter().all(Option::is_some);
         let restored = if whole {
             let blocks: Vec<u32> = had[..need].iter().flatten().copied().collect();
@@ -428,9 +413,6 @@ impl Paged {
             } else {
                 Some(format!("the pool holds {held} of its {need} blocks"))
             };
-            self.figures
-                .recomputed
-                .fetch_add(n as u64, Ordering::Relaxed);
             // Decoded again, step by step under the watchdog, each entry
             // back into the pool as it would have been.
             let mut decoder = model.start(bytes, prompt);
@@ -450,7 +432,6 @@ impl Paged {
         if n % BLOCK_TOKENS != 0 && !self.fenced() {
             seq.copy_tail(n % BLOCK_TOKENS);
         }
-        self.figures.carried.fetch_add(n as u64, Ordering::Relaxed);
         (seq, decoder, None)
     }
 
@@ -641,10 +622,6 @@ impl Seq<'_> {
         if let Some(last) = self.blocks.last_mut() {
             *last = new;
         }
-        self.paged
-            .figures
-            .tails_copied
-            .fetch_add(1, Ordering::Relaxed);
     }
 
     fn lose(&mut self, why: &str) {
