@@ -171,6 +171,17 @@ typedef struct {
 int gms_kv_pool_open(int proof_fd, uint64_t bytes, uint64_t index_bytes, gms_kv_pool *out);
 int gms_kv_pool_close(void);
 
+/* Reserves addresses for the KV pool before this process holds its lease
+ * (a parked engine): the existing pool's (returns 1), or `bytes` wherever
+ * the device puts them (returns 0: no pool yet, where this process makes
+ * it if it is the first granted; or the pool's address was taken here).
+ * Nothing is mapped until gms_kv_pool_open, which takes these addresses:
+ * work captured over them now (a CUDA graph) runs on the pool once it is
+ * granted at the same address. A later call moves the reservation to the
+ * pool's address once a pool exists and keeps it where it is otherwise.
+ * *out_addr gets the address; -1 on error. */
+int gms_kv_pool_reserve(uint64_t bytes, uint64_t *out_addr);
+
 /* sleep != 0: unmaps every weight mapping of this process, keeping the
  * addresses; sleep == 0: maps them again. 0 or -1. */
 int gms_weights_sleep(int sleep);

@@ -27,6 +27,64 @@ use crate::mapper::{Access, Mapper, Range};
 use crate::protocol::{Request, Response};
 use crate::{Error, Result};
 
+/// Addresses for the pair's KV pool, reserved before this engine holds
+/// its lease ([`KvPool::ask_in`]): where the pool lives when the gmsd at
+/// `socket` has one (`placed`), else `size` bytes (rounded up to
+/// `granularity`) wherever the mapper puts them, where this engine makes
+/// the pool if it is the first to be granted it. `current` is what an
+/// earlier call reserved: it is kept while there is no pool, or while the
+/// pool's address cannot be reserved here, so that asking again never
+/// moves addresses work was captured over for nothing. A pool that lives
+/// at an address this process cannot reserve is not placed: the grant
+/// then maps it where it lives (and fails if that is taken).
+pub fn reserve_ahead<M: Mapper>(
+    mapper: &M,
+    socket: &Path,
+    size: u64,
+    granularity: u64,
+    current: Option<M::Range>,
+) -> Result<Reserved<M::Range>> {
+    let size = size
+        .checked_next_multiple_of(granularity.max(1))
+        .ok_or_else(|| Error::Invalid(format!("KV pool size {size} overflows")))?;
+    let pool = crate::client::status(socket)?.kv;
+    let current = match (&pool, current) {
+        (Some(kv), Some(range)) if range.addr() == kv.va && range.len() == kv.size => {
+            return Ok(Reserved {
+                range,
+                placed: true,
+            });
+        }
+        (_, current) => current,
+    };
+    if let Some(kv) = pool {
+        if let Ok(range) = mapper.reserve(kv.size, Some(kv.va)) {
+            if range.addr() == kv.va {
+                return Ok(Reserved {
+                    range,
+                    placed: true,
+                });
+            }
+        }
+    }
+    let range = match current {
+        Some(range) => range,
+        None => mapper.reserve(size, None)?,
+    };
+    Ok(Reserved {
+        range,
+        placed: false,
+    })
+}
+
+/// What [`reserve_ahead`] reserved.
+pub struct Reserved<R: Range> {
+    pub range: R,
+    /// At the address of the pool that exists (false: no pool yet, or its
+    /// address was taken in this process).
+    pub placed: bool,
+}
+
 /// The eventfd gmsd makes readable once every engine that wrote the pool
 /// before this one is gone.
 #[derive(Debug)]
@@ -171,7 +229,20 @@ impl<R: Range> KvPool<R> {
         let size = size
             .checked_next_multiple_of(granularity.max(1))
             .ok_or_else(|| Error::Invalid(format!("KV pool size {size} overflows")))?;
-        let range = mapper.reserve(size, None)?;
+        Self::ask_in(mapper.reserve(size, None)?, socket, proof, index_bytes)
+    }
+
+    /// [`KvPool::ask`] into addresses reserved before ([`reserve_ahead`]):
+    /// an engine that reserved them while parked, where the pool lives,
+    /// has every address it captured work over (a CUDA graph) valid once
+    /// the pool is granted. A new pool is made `range.len()` bytes.
+    pub fn ask_in(
+        range: R,
+        socket: &Path,
+        proof: BorrowedFd<'_>,
+        index_bytes: u64,
+    ) -> Result<Asked<R>> {
+        let size = range.len();
         let sock = open(socket)?;
         let req = Request::KvPool {
             size,

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use gms_core::client::{host_socket, Client, Imported, KvCache, KvWatch, Weights};
 use gms_core::kvpool::KvPool;
-use gms_core::mapper::{HostRange, Mapper};
+use gms_core::mapper::{HostRange, Mapper, Range};
 use gms_core::protocol::{LeaseKind, Mode};
 use gms_cuda::mapper::{connect_wait, CudaMapper};
 use gms_cuda::parse_device;
@@ -136,6 +136,10 @@ where
     next_kv: i64,
     /// The pair's KV pool, once this process holds its write lease.
     kv_pool: Option<KvPool<M::Range>>,
+    /// Addresses reserved for the pool ahead of the lease
+    /// (`gms_kv_pool_reserve`), taken by `gms_kv_pool_open`. Boxed: a
+    /// range is large, and most sessions never hold one.
+    kv_pool_ahead: Option<Box<M::Range>>,
     /// The CUDA ordinal, or -1 for the host backend.
     ordinal: i32,
     /// The daemon's socket (a KV pool's lease is a connection of its own).
@@ -321,6 +325,7 @@ where
             kv: BTreeMap::new(),
             next_kv: 0,
             kv_pool: None,
+            kv_pool_ahead: None,
             ordinal,
             socket,
             client,
@@ -739,7 +744,12 @@ pub unsafe extern "C" fn gms_kv_pool_open(
                 return Err("this process holds the KV pool's lease already".into());
             }
             let gran = s.client.welcome().granularity;
-            let pool = KvPool::open(&s.mapper, &s.socket, proof, bytes, index_bytes, gran)
+            let asked = match s.kv_pool_ahead.take() {
+                Some(range) => KvPool::ask_in(*range, &s.socket, proof, index_bytes),
+                None => KvPool::ask(&s.mapper, &s.socket, proof, bytes, index_bytes, gran),
+            };
+            let pool = asked
+                .and_then(|a| a.granted(&s.mapper))
                 .map_err(|e| e.to_string())?;
             let desc = GmsKvPool {
                 addr: pool.addr(),
@@ -754,6 +764,42 @@ pub unsafe extern "C" fn gms_kv_pool_open(
             unsafe { out.write(desc) };
             s.kv_pool = Some(pool);
             Ok(0)
+        })
+    })
+}
+
+/// Reserves addresses for the pair's KV pool before this process holds
+/// its lease (a parked engine): where the pool lives if gmsd has one,
+/// else `bytes` wherever the device puts them, where a pool this process
+/// is the first to be granted is made. Nothing is mapped there until
+/// `gms_kv_pool_open`, which takes these addresses: work captured over
+/// them now (a CUDA graph) runs on the pool once it is granted, if the
+/// pool is there (`gms_kv_pool_open`'s `addr` says). A later call moves
+/// the reservation to the pool's address once a pool exists, and keeps it
+/// where it is otherwise. `*out_addr` gets the address; returns 1 when it
+/// is the existing pool's, 0 when not (no pool yet, or its address was
+/// taken here), -1 on error (the reservation is then dropped).
+///
+/// # Safety
+/// `out_addr` is a valid pointer.
+#[no_mangle]
+pub unsafe extern "C" fn gms_kv_pool_reserve(bytes: u64, out_addr: *mut u64) -> c_int {
+    guarded("gms_kv_pool_reserve", -1, || {
+        if out_addr.is_null() {
+            return Err("out_addr is NULL".into());
+        }
+        with_session!(|s| {
+            if s.kv_pool.is_some() {
+                return Err("this process holds the KV pool's lease already".into());
+            }
+            let gran = s.client.welcome().granularity;
+            let current = s.kv_pool_ahead.take().map(|r| *r);
+            let got = gms_core::kvpool::reserve_ahead(&s.mapper, &s.socket, bytes, gran, current)
+                .map_err(|e| e.to_string())?;
+            // SAFETY: non-NULL and valid per the header.
+            unsafe { out_addr.write(got.range.addr()) };
+            s.kv_pool_ahead = Some(Box::new(got.range));
+            Ok(c_int::from(got.placed))
         })
     })
 }

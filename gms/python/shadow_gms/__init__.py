@@ -41,7 +41,7 @@ from .contract import (CORRUPT_EXIT, FailoverLock, FdStoreError, LockHolder, byt
                        fdstore_store, handoff_receive, is_accepted_name, listen_socket, listen_sockets, notify,
                        watchdog_interval)
 
-_CLIENT = ("Gms", "GmsError", "KvCache", "KvPool", "WeightsCorrupt", "find_library")
+_CLIENT = ("Gms", "GmsError", "KvCache", "KvPool", "WeightsCorrupt", "find_library", "reserved_device_tensor")
 
 
 def __getattr__(name):
@@ -58,4 +58,4 @@ def __getattr__(name):
 __all__ = ["CORRUPT_EXIT", "FailoverLock", "Gms", "GmsError", "KvCache", "KvPool", "LockHolder", "Progress", "Watchdog",
            "WeightsCorrupt", "extend_start", "fdstore_fetch", "fdstore_inherited", "fdstore_remove", "fdstore_store",
            "FdStoreError", "bytes_written", "find_library", "listen_socket", "listen_sockets", "notify", "watchdog_interval",
-           "accepted_by_runtime", "handoff_receive", "is_accepted_name"]
+           "accepted_by_runtime", "handoff_receive", "is_accepted_name", "reserved_device_tensor"]

@@ -251,6 +251,7 @@ def _bind(path):
         "gms_kv_release": (c.c_int, [c.c_int64]),
         "gms_kv_pool_open": (c.c_int, [c.c_int, c.c_uint64, c.c_uint64, c.POINTER(_KvPoolDesc)]),
         "gms_kv_pool_close": (c.c_int, []),
+        "gms_kv_pool_reserve": (c.c_int, [c.c_uint64, c.POINTER(c.c_uint64)]),
         "gms_weights_sleep": (c.c_int, [c.c_int]),
         "gms_disconnect": (None, []),
     }
@@ -283,6 +284,20 @@ def device_tensor(ptr, dtype, shape, stride=None):
     strides_bytes = None if stride is None else [s * size for s in stride]
     raw = torch.as_tensor(_DeviceBytes(ptr, shape, strides_bytes, _TYPESTR[size]), device="cuda")
     return raw.view(dtype)
+
+
+def reserved_device_tensor(ptr, dtype, nbytes, device=0):
+    """A flat tensor over device addresses that may not be mapped yet (the
+    KV pool reserved ahead of its grant, ``Gms.kv_pool_reserve``): torch
+    is told the device instead of asking the driver where ``ptr`` lives,
+    which it cannot say for an address with nothing mapped. Only work
+    captured over it (a CUDA graph) may run before the pool is mapped
+    there; anything launched now would fault."""
+    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    storage = torch._C._construct_storage_from_data_pointer(int(ptr), torch.device("cuda", device), int(nbytes))
+    return torch.empty(0, dtype=dtype, device=torch.device("cuda", device)).set_(
+        storage, 0, (int(nbytes) // size,), (1,))
 
 
 class KvCache:
@@ -635,6 +650,14 @@ class Gms:
         self._check(self.lib.gms_kv_pool_open(int(proof_fd), int(nbytes), int(index_bytes), ctypes.byref(desc)),
                     "gms_kv_pool_open")
         return KvPool(self, desc)
+
+    def kv_pool_reserve(self, nbytes):
+        """Addresses for the pair's KV pool before this engine holds its
+        lease (``gms_kv_pool_reserve``): ``(addr, placed)``, ``placed``
+        when they are the existing pool's. ``kv_pool`` takes them."""
+        addr = ctypes.c_uint64()
+        placed = self._check(self.lib.gms_kv_pool_reserve(int(nbytes), ctypes.byref(addr)), "gms_kv_pool_reserve")
+        return addr.value, bool(placed)
 
     def kv_cache(self, nbytes):
         addr = ctypes.c_uint64()

@@ -19,18 +19,20 @@ import unittest
 
 from test_loader import Gmsd, built
 
-# One engine: its Gms lease first (parked work), then the lock (unless
-# --no-lock), then the pool; a pool it made gets a pattern; one line of
+# One engine: its Gms lease first (parked work; with "ahead" the pool's
+# addresses reserved then), then the lock (unless "none"), then the pool; a pool it made gets a pattern; one line of
 # JSON per step; stdin's EOF ends it.
 CHILD = textwrap.dedent("""
     import fcntl, json, os, sys, time
     import torch
     from shadow_gms.client import Gms
-    lock_path, take = sys.argv[1], sys.argv[2] == "lock"
+    lock_path, take, ahead = sys.argv[1], sys.argv[2] == "lock", sys.argv[3] == "ahead"
     gms = Gms(mode="rw_or_ro", client="kv-pool-test", device="host", timeout_s=20)
     if gms.lease == "rw":
         gms.commit()
-    print(json.dumps({"event": "parked", "pid": os.getpid()}), flush=True)
+    reserved = gms.kv_pool_reserve(8 << 20) if ahead else None
+    again = gms.kv_pool_reserve(8 << 20) if ahead else None
+    print(json.dumps({"event": "parked", "pid": os.getpid(), "reserved": reserved, "again": again}), flush=True)
     fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
     if take:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -72,8 +74,9 @@ class KvPoolOverHostGms(unittest.TestCase):
         self.gmsd.stop()
         self.tmp.cleanup()
 
-    def child(self, take=True):
-        c = subprocess.Popen([sys.executable, "-c", CHILD, self.lock, "lock" if take else "none"],
+    def child(self, take=True, ahead=False):
+        c = subprocess.Popen([sys.executable, "-c", CHILD, self.lock, "lock" if take else "none",
+                              "ahead" if ahead else "at-grant"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.gmsd.env())
         self.children.append(c)
         return c
@@ -103,6 +106,30 @@ class KvPoolOverHostGms(unittest.TestCase):
         self.assertTrue(second["carried"], "what the first engine wrote is in the pool")
         self.assertEqual(bytes.fromhex(second["index"]), b"mark", "and in its index")
         self.assertTrue(second["fenced"], "the fence opened once the first was gone")
+
+    def test_addresses_reserved_ahead_are_where_the_pool_is_granted(self):
+        """A parked engine reserves the pool's addresses before it holds
+        the lease (to capture work over them): the first, with no pool yet,
+        gets the pool made at its own reservation; the next, while the pool
+        exists, reserves exactly the pool's addresses and is granted the
+        pool there."""
+        a = self.child(ahead=True)
+        parked_a = self.event(a, "parked")
+        addr_a, placed_a = parked_a["reserved"]
+        self.assertFalse(placed_a, "no pool exists before the first grant")
+        self.assertEqual(parked_a["again"], parked_a["reserved"],
+                         "asked again with no pool, the reservation stays where work was captured over it")
+        first = self.event(a, "granted")
+        self.assertTrue(first["created"], first)
+        self.assertEqual(first["addr"], addr_a, "the pool is made where the first engine reserved it")
+        b = self.child(ahead=True)
+        addr_b, placed_b = self.event(b, "parked")["reserved"]
+        self.assertTrue(placed_b, "the pool exists: its own addresses are reserved")
+        self.assertEqual(addr_b, first["addr"])
+        a.kill()
+        second = self.event(b, "granted")
+        self.assertEqual(second["addr"], addr_b)
+        self.assertTrue(second["carried"], second)
 
 
 if __name__ == "__main__":
