@@ -26,6 +26,26 @@ format:
                 "id", "created"} (a stream's head, chosen once)
      …      …   answer: a plain answer's whole response bytes
 
+A stream whose engine carries its KV cache (``Stream(kv=True)``) has one
+more section, at ``KV_AT`` (16 MiB: past any record or answer; the memfd
+is sparse), written by the engine's decode loop:
+
+    offset size
+     0      8   magic b"SHDWTKSQ"
+     8      8   the KV pool's id (a pool made anew has another)
+    16      4   prompt tokens, as the engine cut the prompt
+    20      4   zero
+    24      8   tokens generated and committed: the commit word
+    32   1024   block ids, u32 each (the sequence's block table)
+  1056   1024   generated token ids, u32 each
+
+A token's id is written before the commit word that counts it, and the
+word only once the KV of every position before that token is written and
+synchronised in the pool, in the blocks the table names (the table entry
+is written when the block is taken, before anything is launched into
+it). A promoted engine reads the section once the store is fetched
+(``read_kv``) and goes on from the committed tokens (engine.py).
+
 The phase word is the commit point: the record, then the answer, are
 written before the phase that names them, and the phase is one 8-byte
 ``pwrite`` at a fixed offset of one page (SIGKILL does not split it).
@@ -66,6 +86,12 @@ REQUEST_MAX = 1 << 20
 # The most read back from a state memfd; more is no state of ours.
 STATE_MAX = 8 << 20
 MODEL = "shadow-torch"
+KV_AT = 16 << 20
+KV_MAGIC = b"SHDWTKSQ"
+KV_BLOCKS_MAX = 256
+KV_TOKENS_MAX = 256
+_KV_BLOCKS_AT = 32
+_KV_TOKENS_AT = _KV_BLOCKS_AT + 4 * KV_BLOCKS_MAX
 
 
 class State:
@@ -112,6 +138,73 @@ class State:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+class KvProgress:
+    """A stream's KV section in its state memfd (``KV_AT``), written by the
+    engine's decode loop. It owns a descriptor of its own (a duplicate), so
+    that the loop may write it after the connection's thread has closed the
+    state: it is closed by ``close()``."""
+
+    def __init__(self, fd, carried=None, name=None):
+        self.fd = os.dup(fd)
+        # What the engine before this one committed (read_kv), for a
+        # resumed stream; None for a new one.
+        self.carried = carried
+        # The connection's name in the store.
+        self.name = name
+
+    def clone(self):
+        """Another KvProgress over the same section, with a descriptor of
+        its own (the decode loop's, closed when its sequence ends)."""
+        return KvProgress(self.fd, self.carried, self.name)
+
+    def begin(self, pool, prompt_tokens):
+        """A new sequence in pool ``pool``: nothing committed yet."""
+        os.pwrite(self.fd, KV_MAGIC + struct.pack("<QIIQ", pool, prompt_tokens, 0, 0), KV_AT)
+
+    def block(self, ordinal, block):
+        """Block ``block`` is the sequence's ``ordinal``-th: written before
+        anything is launched into it."""
+        if ordinal >= KV_BLOCKS_MAX:
+            raise ValueError(f"block {ordinal} past the section's {KV_BLOCKS_MAX}")
+        os.pwrite(self.fd, struct.pack("<I", block), KV_AT + _KV_BLOCKS_AT + 4 * ordinal)
+
+    def commit(self, n, token):
+        """The ``n``-th generated token (1-based) is ``token``, and the KV of
+        every position before it is in the pool: its id, then the word."""
+        if n > KV_TOKENS_MAX:
+            raise ValueError(f"token {n} past the section's {KV_TOKENS_MAX}")
+        os.pwrite(self.fd, struct.pack("<I", token), KV_AT + _KV_TOKENS_AT + 4 * (n - 1))
+        os.pwrite(self.fd, struct.pack("<Q", n), KV_AT + 24)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def read_kv(fd):
+    """A state memfd's KV section: {"pool", "prompt", "committed",
+    "blocks", "tokens"} (the tokens committed, and every block the table
+    names), or None when there is none (or it is not whole)."""
+    try:
+        head = os.pread(fd, 32, KV_AT)
+        if len(head) < 32 or head[:8] != KV_MAGIC:
+            return None
+        pool, prompt, _, committed = struct.unpack_from("<QIIQ", head, 8)
+        if committed > KV_TOKENS_MAX or prompt == 0:
+            return None
+        blocks_used = min(KV_BLOCKS_MAX, -(-(prompt + KV_TOKENS_MAX) // 16))
+        raw = os.pread(fd, 4 * blocks_used, KV_AT + _KV_BLOCKS_AT)
+        toks = os.pread(fd, 4 * committed, KV_AT + _KV_TOKENS_AT)
+        if len(raw) != 4 * blocks_used or len(toks) != 4 * committed:
+            return None
+        return {"pool": pool, "prompt": prompt, "committed": committed,
+                "blocks": list(struct.unpack(f"<{blocks_used}I", raw)),
+                "tokens": list(struct.unpack(f"<{committed}I", toks))}
+    except OSError:
+        return None
 
 
 def read_state(fd):
@@ -265,10 +358,12 @@ class Stream:
     """A streamed completion: ``run(emit)`` generates it, calling
     ``emit(text)`` with each token's text as the token is decoded (each is
     one event on the wire at once); the prompt's token count goes into the
-    usage."""
+    usage. With ``kv``, ``run(emit, progress)``: ``progress`` is the
+    stream's ``KvProgress`` (None without a state), whose ``carried`` says
+    what the engine before committed when the stream is resumed."""
 
-    def __init__(self, prompt_tokens, run):
-        self.prompt_tokens, self.run = prompt_tokens, run
+    def __init__(self, prompt_tokens, run, kv=False):
+        self.prompt_tokens, self.run, self.kv = prompt_tokens, run, kv
 
 
 class Writer:
@@ -351,7 +446,7 @@ class Continuity:
         state.close()
         return None
 
-    def serve(self, conn, timeout=None):
+    def serve(self, conn, timeout=None, before=None):
         """Reads, records and answers the one request of a new connection."""
         try:
             raw = peek_request(conn.sock, timeout)
@@ -364,14 +459,16 @@ class Continuity:
                 method, path, body = parse(raw)
             except BadRequest as e:
                 self._consume(conn.sock, len(raw))
-                return self._write(conn, Plain(e.status, {"error": str(e)}), head, self._writer(conn.sock))
+                return self._write(conn, Plain(e.status, {"error": str(e)}), head,
+                                   self._writer(conn.sock, before=before))
             if conn.state is not None:
                 conn.state.record(raw, head)
             self._consume(conn.sock, len(raw))
-            self._write(conn, self.answer(method, path, body, head), head, self._writer(conn.sock))
+            self._write(conn, self.answer(method, path, body, head), head,
+                        self._writer(conn.sock, before=before))
         except BadRequest as e:
             try:
-                self._writer(conn.sock).write(plain_response(e.status, {"error": str(e)}))
+                self._writer(conn.sock, before=before).write(plain_response(e.status, {"error": str(e)}))
             except OSError:
                 pass
         except OSError:
@@ -428,7 +525,7 @@ class Continuity:
             out.append(Conn(sock, name, state, True))
         return out
 
-    def resume(self, conn, timeout=None):
+    def resume(self, conn, timeout=None, before=None):
         """Answers a connection the dead engine held: a request it had not
         recorded is read from the socket; one it had is answered again if
         nothing was written, else continued right after the client's last
@@ -445,7 +542,7 @@ class Continuity:
                 conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except OSError:
                 pass
-            return self.serve(conn, timeout)
+            return self.serve(conn, timeout, before)
         try:
             if phase == DONE:
                 self.stats["done"] += 1
@@ -457,11 +554,11 @@ class Continuity:
             skip = self.written(conn.sock) if phase == ANSWERING else 0
             self.stats["continued" if skip else "answered_again"] += 1
             if phase == ANSWERING and answer is not None:
-                self._writer(conn.sock, skip).write(answer)
+                self._writer(conn.sock, skip, before).write(answer)
                 conn.state.done()
                 return
             method, path, body = parse(raw)
-            self._write(conn, self.answer(method, path, body, head), head, self._writer(conn.sock, skip),
+            self._write(conn, self.answer(method, path, body, head), head, self._writer(conn.sock, skip, before),
                         resumed=phase == ANSWERING)
         except OSError:
             pass
@@ -470,8 +567,10 @@ class Continuity:
         finally:
             self.finish(conn)
 
-    def _writer(self, sock, skip=0):
-        return Writer(sock, skip, self.before_write)
+    def _writer(self, sock, skip=0, before=None):
+        """``before``: this connection's hook before its first byte, else
+        the engine's (``before_write``)."""
+        return Writer(sock, skip, before or self.before_write)
 
     def _write(self, conn, reply, head, w, resumed=False):
         state = conn.state
@@ -485,7 +584,17 @@ class Continuity:
                 w.write(token_event(head, text))
                 n[0] += 1
 
-            reply.run(emit)
+            if reply.kv:
+                progress = None
+                if state is not None:
+                    progress = KvProgress(state.fd, read_kv(state.fd) if resumed else None, conn.name)
+                try:
+                    reply.run(emit, progress)
+                finally:
+                    if progress is not None:
+                        progress.close()
+            else:
+                reply.run(emit)
             w.write(final_event(head, reply.prompt_tokens, n[0]))
             w.write(DONE_EVENT)
         else:
@@ -504,15 +613,23 @@ class Continuity:
         """Consumes ``n`` bytes of the request; ``waiting_only``: only what
         waits now (a request the dead engine recorded and may or may not
         have read)."""
-        flags = socket.MSG_DONTWAIT if waiting_only else 0
-        while n > 0:
-            try:
-                got = sock.recv(min(n, 65536), flags)
-            except (BlockingIOError, InterruptedError):
-                return
-            if not got:
-                return
-            n -= len(got)
+        # A socket with a timeout waits for data before any recv, whatever
+        # its flags: only-what-waits needs it non-blocking for the while.
+        saved = sock.gettimeout()
+        if waiting_only:
+            sock.settimeout(0.0)
+        try:
+            while n > 0:
+                try:
+                    got = sock.recv(min(n, 65536))
+                except (BlockingIOError, InterruptedError):
+                    return
+                if not got:
+                    return
+                n -= len(got)
+        finally:
+            if waiting_only:
+                sock.settimeout(saved)
 
     def finish(self, conn):
         """Ends a connection: the write side shut down (the client sees the

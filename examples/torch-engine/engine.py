@@ -82,11 +82,12 @@ import sys
 import threading
 import time
 
-# cuBLAS workspaces of 16 MiB per stream, not the 32 MiB torch gives Hopper,
+# cuBLAS workspaces of 8 MiB per stream, not the 32 MiB torch gives Hopper,
 # set before torch starts cuBLAS: a parked engine keeps one per stream it
-# ever ran a GEMM on (two here), and the parked shadow's budget is 800 MiB.
-# On an H200 this engine's requests took as long with 8 MiB as with 32.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:4")
+# ever ran a GEMM on (three here: the batch loop's, the decode graph's and
+# the weights check's), and the parked shadow's budget is 800 MiB. On an
+# H200 this engine's requests took as long with 8 MiB as with 32.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -98,10 +99,19 @@ from shadow_gms import (CORRUPT_EXIT, FailoverLock, FdStoreError, Gms, Watchdog,
 from heartbeat import Heartbeat  # noqa: E402
 import continuity  # noqa: E402
 from continuity import Continuity, Plain, Stream  # noqa: E402
+from jobs import KvUnavailable, SerialWorker, Worker  # noqa: E402
+from batching import MAX_CTX, Batcher  # noqa: E402
 
 VOCAB = 32000
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
+# The longest answer (batching.MAX_CTX is the longest sequence).
+MAX_TOKENS = 256
+# A connection's thread waits this long for the whole request, and the
+# serving loop hands out at most this many connections at once (the rest
+# wait in the listen backlog).
+CLIENT_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 256
 # Tests only: POST /test/hang. Never set in production.
 TEST_HANG = os.environ.get("SHADOW_TEST_HANG") == "1"
 
@@ -130,34 +140,26 @@ class Layer(torch.nn.Module):
         self.up = torch.nn.Parameter(torch.empty(4 * hidden, hidden, **kw))
         self.down = torch.nn.Parameter(torch.empty(hidden, 4 * hidden, **kw))
 
-    def forward(self, x, k_cache, v_cache, pos):
-        t, h = x.shape
+    def rows(self, x, k_cache, v_cache, blk, off, table, mask, shape):
+        """``S * Q`` rows (``shape``: S sequences of Q rows each) at their
+        positions: each row's K and V written at (``blk``, ``off``) of the
+        paged caches ([blocks, BLOCK, hidden]), then every row attends over
+        its sequence's blocks (``table``, [S, blocks]) as ``mask`` ([S, 1,
+        Q, L]) allows. No kernel here mixes rows: a row's result is the
+        same whatever the others hold."""
+        s_, q_ = shape
+        h = x.shape[1]
         heads = h // HEAD_DIM
         q, k, v = F.linear(F.rms_norm(x, (h,), self.norm1), self.qkv).split(h, dim=-1)
-        k_cache[pos:pos + t] = k
-        v_cache[pos:pos + t] = v
-        keys = k_cache[:pos + t].view(pos + t, heads, HEAD_DIM).transpose(0, 1)
-        vals = v_cache[:pos + t].view(pos + t, heads, HEAD_DIM).transpose(0, 1)
-        q = q.view(t, heads, HEAD_DIM).transpose(0, 1)
-        # Prefill from position 0 is causal; a one-token decode sees everything.
-        a = F.scaled_dot_product_attention(q, keys, vals, is_causal=(pos == 0 and t > 1))
-        x = x + F.linear(a.transpose(0, 1).reshape(t, h), self.out)
-        return x + F.linear(F.silu(F.linear(F.rms_norm(x, (h,), self.norm2), self.up)), self.down)
-
-    def decode(self, x, k_cache, v_cache, pos, mask):
-        """One token at position ``pos`` (a 1-element tensor) attending over
-        a fixed window of the cache, ``mask`` hiding the rows past ``pos``:
-        every shape and address fixed, as a CUDA graph needs."""
-        h = x.shape[1]
-        heads, window = h // HEAD_DIM, mask.shape[-1]
-        q, k, v = F.linear(F.rms_norm(x, (h,), self.norm1), self.qkv).split(h, dim=-1)
-        k_cache.index_copy_(0, pos, k)
-        v_cache.index_copy_(0, pos, v)
-        keys = k_cache[:window].view(window, heads, HEAD_DIM).transpose(0, 1)
-        vals = v_cache[:window].view(window, heads, HEAD_DIM).transpose(0, 1)
-        q = q.view(1, heads, HEAD_DIM).transpose(0, 1)
+        k_cache.index_put_((blk, off), k)
+        v_cache.index_put_((blk, off), v)
+        index = table.reshape(-1)
+        length = table.shape[1] * k_cache.shape[1]
+        keys = k_cache.index_select(0, index).view(s_, length, heads, HEAD_DIM).transpose(1, 2)
+        vals = v_cache.index_select(0, index).view(s_, length, heads, HEAD_DIM).transpose(1, 2)
+        q = q.view(s_, q_, heads, HEAD_DIM).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        x = x + F.linear(a.transpose(0, 1).reshape(1, h), self.out)
+        x = x + F.linear(a.transpose(1, 2).reshape(s_ * q_, h), self.out)
         return x + F.linear(F.silu(F.linear(F.rms_norm(x, (h,), self.norm2), self.up)), self.down)
 
 
@@ -179,321 +181,20 @@ class Model(torch.nn.Module):
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
 
     @torch.no_grad()
-    def forward(self, tokens, kv, pos):
+    def rows(self, tokens, caches, blk, off, table, pos, positions, shape):
+        """The next token (greedy) after each of ``S * Q`` rows: ``tokens``
+        at positions ``pos``, written into the paged ``caches`` (per layer
+        (K, V)) at (``blk``, ``off``), attending over ``table``'s blocks up
+        to their own position (``positions``: the attended positions,
+        0..L-1). A prompt chunk is one sequence of Q rows, a decode step S
+        sequences of one row (batching.py)."""
+        s_, q_ = shape
+        length = positions.shape[0]
+        mask = (positions.view(1, 1, length) <= pos.view(s_, q_, 1)).view(s_, 1, q_, length)
         x = self.embed[tokens]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, kv[i][0], kv[i][1], pos)
-        return F.linear(F.rms_norm(x[-1:], (self.hidden,), self.norm), self.embed)
-
-    @torch.no_grad()
-    def generate(self, tokens, max_tokens, kv, step=None, emit=None):
-        """``step`` is called after each decode step (its token read back:
-        the step is done on the GPU), for the watchdog; ``emit`` with each
-        token as it is decoded (a streamed answer's events)."""
-        max_seq = kv[0][0].shape[0]
-        tokens = tokens[-(max_seq - max_tokens):]
-        ids = torch.tensor(tokens, device="cuda")
-        logits = self.forward(ids, kv, 0)
-        out, pos = [], len(tokens)
-        for _ in range(max_tokens):
-            nxt = int(logits.argmax(-1)[0])
-            out.append(nxt)
-            if emit is not None:
-                emit(nxt)
-            if step is not None:
-                step()
-            logits = self.forward(torch.tensor([nxt], device="cuda"), kv, pos)
-            pos += 1
-        return out
-
-
-class FastPath:
-    """Short requests (prompt and answer within WINDOW tokens) on a KV window
-    of the engine's own, with each decode step one CUDA graph replay and one
-    host sync per request instead of one per token.
-
-    The graph is captured while parked, over the weights' GMS addresses
-    (the same in every engine of the pair) and this window; a promoted
-    engine replays what it captured, which is what the shadow pattern is
-    for. The window is ordinary device memory (8 MiB at 8 layers), zeroed
-    once: rows past a request's position are masked out of attention but
-    still multiplied by zero, so they must hold numbers. Longer requests
-    take the eager path over the KV cache, once the rows they need
-    are backed."""
-
-    WINDOW = 64
-    MAX_TOKENS = 256
-
-    def __init__(self, model, layers, hidden):
-        self.model, self.hidden = model, hidden
-        self.cache = torch.zeros(2 * layers * self.WINDOW * hidden, device="cuda", dtype=DTYPE)
-        self.caches = kv_views(self.cache, layers, hidden, self.WINDOW)
-        self.tok = torch.zeros(1, dtype=torch.long, device="cuda")
-        self.pos = torch.zeros(1, dtype=torch.long, device="cuda")
-        self.step = torch.zeros(1, dtype=torch.long, device="cuda")
-        self.out = torch.zeros(self.MAX_TOKENS, dtype=torch.long, device="cuda")
-        self.positions = torch.arange(self.WINDOW, device="cuda")
-        # Run before captured (torch's advice), on the stream that captures:
-        # each stream that runs a GEMM gets a cuBLAS workspace of its own,
-        # and a parked engine should hold one more, not two.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side), torch.no_grad():
-            self._step()
-        torch.cuda.synchronize()
-
-    def _step(self):
-        """Decodes self.tok at self.pos; writes the next token into self.out
-        at self.step and into self.tok, and moves pos and step on."""
-        m = self.model
-        mask = (self.positions <= self.pos).view(1, 1, self.WINDOW)
-        x = m.embed[self.tok]
-        for i, layer in enumerate(m.layers):
-            x = layer.decode(x, self.caches[i][0], self.caches[i][1], self.pos, mask)
-        nxt = F.linear(F.rms_norm(x, (self.hidden,), m.norm), m.embed).argmax(-1)
-        self.out.index_copy_(0, self.step, nxt)
-        self.tok.copy_(nxt)
-        self.pos.add_(1)
-        self.step.add_(1)
-
-    def fits(self, tokens, max_tokens):
-        return 0 < len(tokens) and len(tokens) + max_tokens <= self.WINDOW and max_tokens <= self.MAX_TOKENS
-
-    @torch.no_grad()
-    def generate(self, tokens, max_tokens):
-        """As Model.generate: the prefill eager, then max_tokens - 1 replays
-        (at most WINDOW: no step hook, the one sync is at the end)."""
-        logits = self.model.forward(torch.tensor(tokens, device="cuda"), self.caches, 0)
-        self.tok.copy_(logits.argmax(-1))
-        self.out[:1].copy_(self.tok)
-        self.pos.fill_(len(tokens))
-        self.step.fill_(1)
-        for _ in range(max_tokens - 1):
-            self.graph.replay()
-        return self.out[:max_tokens].tolist()
-
-
-def kv_views(base, layers, hidden, max_seq):
-    """Per-layer (K, V) tensors of [max_seq, hidden] carved from one range,
-    layer after layer (the CUDA-graph window)."""
-    per = max_seq * hidden
-    flat = base[: 2 * layers * per]
-    return [(flat[(2 * i) * per:(2 * i + 1) * per].view(max_seq, hidden),
-             flat[(2 * i + 1) * per:(2 * i + 2) * per].view(max_seq, hidden)) for i in range(layers)]
-
-
-def token_views(base, layers, hidden, max_seq):
-    """Per-layer (K, V) tensors of [max_seq, hidden] over one range laid out
-    token after token ([max_seq, layers, 2, hidden]): row r of every layer
-    lies in the range's r-th slice of ``row_bytes``, so a cache backed up to
-    byte b holds rows 0 .. b // row_bytes whole."""
-    rows = base[: max_seq * layers * 2 * hidden].view(max_seq, layers, 2, hidden)
-    return [(rows[:, i, 0], rows[:, i, 1]) for i in range(layers)]
-
-
-def row_bytes(layers, hidden):
-    """Bytes of one token's K and V in every layer (token_views)."""
-    return layers * 2 * hidden * torch.empty((), dtype=DTYPE).element_size()
-
-
-class KvUnavailable(Exception):
-    """The KV rows a request needs are not backed and the cache stopped growing."""
-
-
-class KvAdmission:
-    """Admits a request once the KV rows it needs are backed: at once when
-    they are, else after waiting (pinging the watchdog, since waiting for
-    memory is progress) until the cache has grown; fails with KvUnavailable
-    when the cache stopped growing short of them."""
-
-    SLICE_S = 0.05
-
-    def __init__(self, kv, row):
-        self.kv, self.row = kv, row
-
-    def admit(self, rows, step=None):
-        need = rows * self.row
-        if need > self.kv.nbytes:
-            raise KvUnavailable(f"{rows} rows exceed the KV cache of {self.kv.nbytes // self.row} rows")
-        if self.kv.backed >= need:
-            return
-        t0 = time.perf_counter()
-        while True:
-            if self.kv.wait(need, self.SLICE_S) >= need:
-                break
-            if step is not None:
-                step()
-            info = self.kv.info()
-            if info["growth"] != "growing" and info["backed"] < need:
-                raise KvUnavailable(f"{rows} KV rows needed, {info['backed'] // self.row} backed: {info}")
-        log(event="kv-admitted", rows=rows, waited_ms=round((time.perf_counter() - t0) * 1e3, 3),
-            backed=self.kv.backed)
-
-
-def main():
-    engine_id = os.environ.get("SHADOW_ENGINE_ID", "0")
-    port = int(os.environ.get("ENGINE_PORT", "8000"))
-    seed = int(os.environ.get("ENGINE_SEED", "1234"))
-    layers = int(os.environ.get("ENGINE_LAYERS", "8"))
-    hidden = int(os.environ.get("ENGINE_HIDDEN", "4096"))
-    kv_bytes = int(float(os.environ.get("ENGINE_KV_GIB", "8")) * (1 << 30))
-    tp = int(os.environ.get("ENGINE_TP", "1"))
-    if tp > 1 or "ENGINE_RANK" in os.environ:
-        import tp as tensor_parallel  # noqa: E402 (needs torch.distributed: only when asked for)
-        if "ENGINE_RANK" in os.environ:
-            return tensor_parallel.run_rank(os.path.abspath(__file__))
-    t_start = time.perf_counter()
-    # The watchdog (None of it without WATCHDOG_USEC), for the whole group.
-    heartbeat = Heartbeat(Watchdog(), ranks=max(0, tp - 1))
-    # The pair's socket, if handed down: held from now on, accepted on only
-    # once active.
-    inherited = listen_socket()
-    # The store's descriptors handed at start: fetched instead once this
-    # engine takes over (a parked engine holding copies of every stored
-    # connection would keep them open after they are answered).
-    for _, fd in fdstore_inherited():
-        os.close(fd)
-
-    if tp > 1:
-        # 1. initialise the group: ranks, shards through each GPU's GMS, NCCL.
-        # Rank 0's shard is checked here when mapped (ranks 1.. check theirs).
-        group = verify_or_exit(engine_id, lambda: tensor_parallel.Group(
-            tp, os.path.abspath(__file__), engine_id, layers, hidden, seed, kv_bytes, log, heartbeat), "mapped",
-            figures=False)
-        kv = group.kv
-        log(event="weights", engine=engine_id, lease=group.own.gms.lease, tp=tp,
-            source="generated+committed" if group.own.gms.lease == "rw" else "mapped read-only",
-            addr=hex(group.own.model.embed.data_ptr()))
-        log(event="parked", engine=engine_id, pid=os.getpid(), tp=tp, kv_addr=hex(kv.addr),
-            kv_bytes=kv.nbytes, init_s=round(time.perf_counter() - t_start, 3))
-        # The group checks every rank's shard on wake, before it accepts.
-        wake, hang = (lambda: Done(group.wake() or {})), group.hang
-
-        def generate(tokens, max_tokens, step=None, emit=None):
-            return emitted(group.generate(tokens, max_tokens, step), emit)
-    else:
-        kv, wake, generate = one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start)
-        hang = None
-    serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang)
-
-
-def hang_gpu():
-    """SHADOW_TEST_HANG's stuck step: a kernel that never ends (2**62 clock
-    cycles), and a host that waits for it (tp.py has the ranks' copy)."""
-    torch.cuda._sleep(2 ** 62)
-    torch.cuda.synchronize()
-
-
-SHORT_PROMPTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# The eager path's prompts up to the warm-up cache's rows (WARM_ROWS).
-LONG_PROMPTS = SHORT_PROMPTS + (48, 64, 96, 128, 192, 256, 384, 496)
-WARM_ROWS = 512
-
-
-def warm_up(generate, caches, prompts=SHORT_PROMPTS):
-    """Runs every shape a request of these prompt lengths meets: CUDA
-    loads a kernel on its first use, and cuBLAS and attention pick theirs
-    by shape, which costs milliseconds on the first request of each kind.
-    A parked engine pays that now, not its first request after a
-    promotion."""
-    for n in prompts:
-        generate(list(range(1, n + 1)), 16 if n > 32 else 4, caches)
-    torch.cuda.synchronize()
-
-
-def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
-    """TP=1: the model, its weights through GMS and its KV cache reserved;
-    returns (kv, wake, generate)."""
-    # 1. initialise: weights through GMS (rw_or_ro).
-    gms = Gms(mode="rw_or_ro", client=f"torch-engine-{engine_id}", timeout_s=300)
-    t0 = time.perf_counter()
-    if gms.lease == "rw":
-        with gms.weights_pool():
-            model = Model(layers, hidden, "cuda")
-            model.init_from_seed(seed)
-        generation = gms.commit_module(model)
-        source = "generated+committed"
-    else:
-        model = gms.load_module(Model(layers, hidden, "meta"))
-        generation = gms.layout()["generation"]
-        source = "mapped read-only"
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    log(event="weights", engine=engine_id, lease=gms.lease, source=source, generation=generation,
-        bytes=weight_bytes, ms=round((time.perf_counter() - t0) * 1e3, 2),
-        addr=hex(model.embed.data_ptr()))
-    if source == "mapped read-only":
-        verify_or_exit(engine_id, gms.verify_weights, "mapped")
-
-    kv = gms.kv_cache(kv_bytes)
-    row = row_bytes(layers, hidden)
-    max_seq = kv.nbytes // row
-    # Warm-up on a small scratch cache laid out as the KV cache is: kernels,
-    # cuBLAS handles, allocator.
-    scratch = torch.empty(2 * layers * WARM_ROWS * hidden, device="cuda", dtype=DTYPE)
-    warm_up(model.generate, token_views(scratch, layers, hidden, WARM_ROWS), LONG_PROMPTS)
-    del scratch
-    # Short requests: a decode step captured as a CUDA graph, while parked.
-    fast = FastPath(model, layers, hidden)
-    warm_up(lambda tokens, n, _caches: fast.generate(tokens, n), None)
-    # The promotion's weights check, recorded as one CUDA graph.
-    gms.prepare_verify_weights(capture=True)
-    # A parked engine holds what it needs and no cached leftovers.
-    torch.cuda.empty_cache()
-    log(event="parked", engine=engine_id, pid=os.getpid(), kv_addr=hex(kv.addr), kv_bytes=kv.nbytes,
-        init_s=round(time.perf_counter() - t_start, 3), torch_reserved_mib=torch.cuda.memory_reserved() >> 20)
-    caches = []
-    admission = KvAdmission(kv, row)
-
-    woke = []
-
-    def grow():
-        """Starts the KV cache growing, once: libgms backs what fits now
-        and the rest as memory comes back, off this thread."""
-        if not woke:
-            woke.append(time.perf_counter())
-            kv.wake(0)
-            watch_kv_growth(engine_id, kv, woke[0])
-
-    def wake():
-        """Launches the weights check on the GPU; returns it. Its verdict
-        is taken before the first answer, and then the KV cache starts
-        growing (or sooner, for the first request that needs KV rows):
-        during a failover libgms's driver calls are slowed by the dead
-        engine's teardown, and kept out of the first request."""
-        t0 = time.perf_counter()
-        pending = gms.begin_verify_weights()
-        t1 = time.perf_counter()
-        return Check(pending, then=grow, launch_ms=round((t1 - t0) * 1e3, 3))
-
-    def generate(tokens, max_tokens, step=None, emit=None):
-        if fast.fits(tokens, max_tokens):
-            return emitted(fast.generate(tokens, max_tokens), emit)
-        # The rows Model.generate uses: the prompt (cut to what leaves room
-        # for the answer) and the answer.
-        grow()
-        admission.admit(min(len(tokens), max_seq - max_tokens) + max_tokens, step)
-        if not caches:
-            # Made once the cache's start is backed: torch asks the driver
-            # where a pointer lives, and an address not mapped yet has no
-            # answer.
-            caches.extend(token_views(kv.tensor(DTYPE), layers, hidden, max_seq))
-        return model.generate(tokens, max_tokens, caches, step, emit)
-
-    return kv, wake, generate
-
-
-def emitted(out, emit):
-    """Tokens decoded all at once (the CUDA-graph path, a TP group): each
-    emitted once they are all there."""
-    if emit is not None:
-        for t in out:
-            emit(t)
-    return out
+        for (kc, vc), layer in zip(caches, self.layers):
+            x = layer.rows(x, kc, vc, blk, off, table, mask, shape)
+        return F.linear(F.rms_norm(x, (self.hidden,), self.norm), self.embed).argmax(-1)
 
 
 class Check:
@@ -520,18 +221,6 @@ class Done:
 
     def result(self):
         return self.figures
-
-
-def watch_kv_growth(engine_id, kv, since):
-    """Logs "kv-backed" once the KV cache stops growing (all of it backed,
-    or stalled), from a thread that waits in libgms (the GIL released)."""
-    def run():
-        while kv.wait(kv.nbytes, 1.0) < kv.nbytes:
-            if kv.info()["growth"] != "growing":
-                break
-        info = kv.info()
-        log(event="kv-backed", engine=engine_id, ms=round((time.perf_counter() - since) * 1e3, 3), **info)
-    threading.Thread(target=run, name="kv-growth", daemon=True).start()
 
 
 def verify_or_exit(engine_id, check, when, figures=True):
@@ -666,8 +355,11 @@ def listening(port, inherited):
 
 def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
     """Steps 2-5 of the contract, the same for one process and a group.
-    ``heartbeat`` paces the watchdog's pings; ``hang(rank)`` makes rank
-    ``rank`` of a group hang (SHADOW_TEST_HANG)."""
+    ``generate`` runs the model: a worker (jobs.py: the batch loop) or a
+    function ``generate(tokens, max_tokens, step, emit)`` run one request
+    at a time. ``heartbeat`` paces the watchdog's pings; ``hang(rank)``
+    makes rank ``rank`` of a group hang (SHADOW_TEST_HANG)."""
+    worker = generate if isinstance(generate, Worker) else SerialWorker(generate)
     # 2-3. park on the election lock, pinging while parked.
     notify(f"STATUS=parked engine {engine_id}", f"MAINPID={os.getpid()}")
     lock = FailoverLock().acquire(watchdog=heartbeat)
@@ -675,24 +367,23 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
     woke_at = time.time()
 
     # 4. wake: the weights check is launched (a group also backs every
-    # rank's KV cache and checks every shard first), then the port taken
-    # (the store is fetched once READY=1 is sent, on a thread of its own).
-    # The check runs on the GPU while the engine accepts and starts on its
-    # first request; nothing is written before it has passed, and the KV
-    # cache starts growing once the first answer is out.
+    # rank's KV cache and checks every shard first), the worker woken (the
+    # batch loop asks for the KV pool's lease), then the port taken (the
+    # store is fetched once READY=1 is sent, on a thread of its own). The
+    # check runs on the GPU while the engine accepts and starts on its
+    # first request; nothing is written before it has passed.
     check = verify_or_exit(engine_id, wake, "promoted", figures=False)
+    worker.wake(lock.fd)
     wake_ms = (time.perf_counter() - t_wake) * 1e3
-    serve_lock = threading.Lock()
     unchecked = [check]
-    # Run once the first answer is out (or at the first idle moment): the
-    # KV cache's growth, whose driver calls compete with the dead
+    settle_lock = threading.Lock()
+    # Run once the first answer is out (or at the first idle moment): a
+    # group's KV growth, whose driver calls compete with the dead
     # context's teardown.
     after_first = []
     # The promoted engine's path from the lock to its first answer, in ms
     # from the lock (logged with the first answer).
     path = {}
-    # What the serving loop has in hand: ("new" or "resumed", ms from the lock).
-    serving = (None, None)
 
     def since_lock():
         return round((time.perf_counter() - t_wake) * 1e3, 3)
@@ -701,26 +392,31 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
         """The weights check's verdict, before the first answer (or at the
         first idle moment): on a mismatch the engine exits (CORRUPT_EXIT)
         without answering."""
-        if unchecked:
-            check = unchecked.pop()
-            t0 = time.perf_counter()
-            verify_or_exit(engine_id, check.result, "promoted")
-            path["verdict_wait_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-            if check.then is not None:
-                after_first.append(check.then)
+        with settle_lock:
+            if unchecked:
+                check = unchecked[0]
+                t0 = time.perf_counter()
+                verify_or_exit(engine_id, check.result, "promoted")
+                path["verdict_wait_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+                if check.then is not None:
+                    after_first.append(check.then)
+                unchecked.pop()
 
     def grow_now():
         while after_first:
             after_first.pop()()
 
-    def before_write():
+    def before_write(serving):
         settle()
-        if "first_answer_ms" not in path:
+        with settle_lock:
+            if "first_answer_ms" in path:
+                return
             path["first_answer_ms"] = since_lock()
             # The connection this answer is on: new, or resumed from the store.
             path["first_conn"], path["first_conn_ms"] = serving
-            if takeover is not None:
-                fetch_done(takeover)
+            t = takeover
+            if t is not None:
+                fetch_done(t)
             path.setdefault("fetched_ms", None)
             path.setdefault("fetch_attempts", None)
             log(event="first-answer", engine=engine_id, ms=path["first_answer_ms"], **path)
@@ -731,8 +427,8 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
             path.setdefault("fetch_attempts", t.attempts)
 
     def test_hang(body):
-        """SHADOW_TEST_HANG=1 only: answers, then hangs a GPU step in the
-        serving path (rank 0), or has rank ``rank`` of a group hang."""
+        """SHADOW_TEST_HANG=1 only: answers, then hangs a GPU step of the
+        worker (rank 0), or has rank ``rank`` of a group hang."""
         try:
             rank = int(json.loads(body or b"{}").get("rank", 0))
         except (ValueError, TypeError, AttributeError) as e:
@@ -744,8 +440,7 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
         def hang_now():
             log(event="test-hang", engine=engine_id, rank=rank)
             if rank == 0:
-                with serve_lock:
-                    hang_gpu()
+                worker.run_stuck(hang_gpu)
             else:
                 hang(rank)
 
@@ -763,22 +458,34 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
         try:
             req = json.loads(body or b"{}")
             prompt = str(req.get("prompt", ""))
-            max_tokens = max(1, min(int(req.get("max_tokens", 8)), 256))
+            max_tokens = max(1, min(int(req.get("max_tokens", 8)), MAX_TOKENS))
             stream = bool(req.get("stream", False))
         except (ValueError, TypeError, AttributeError) as e:
             return Plain(400, {"error": f"bad request: {e}"})
-        tokens = [b % VOCAB for b in prompt.encode()] or [0]
+        tokens = tokenize(prompt, max_tokens)
         if stream:
-            def run(emit):
-                with serve_lock:
-                    generate(tokens, max_tokens, heartbeat.ping, lambda t: emit(chr(32 + t % 95)))
-            return Stream(len(tokens), run)
+            def run(emit, progress):
+                # What the engine before committed is sent first (the
+                # writer passes over what the client has): the worker
+                # hands only the tokens after it.
+                if progress is not None and progress.carried:
+                    for t in progress.carried["tokens"]:
+                        emit(token_text(t))
+                job = worker.submit(tokens, max_tokens, progress)
+                try:
+                    for t in job.tokens():
+                        emit(token_text(t))
+                finally:
+                    job.cancel()
+            return Stream(len(tokens), run, kv=True)
+        job = worker.submit(tokens, max_tokens)
         try:
-            with serve_lock:
-                out = generate(tokens, max_tokens, heartbeat.ping)
+            out = list(job.tokens())
         except KvUnavailable as e:
             return Plain(503, {"error": f"KV cache: {e}"})
-        text = "".join(chr(32 + t % 95) for t in out)
+        finally:
+            job.cancel()
+        text = "".join(token_text(t) for t in out)
         return Plain(200, {"id": head["id"], "object": "text_completion", "created": head["created"],
                            "model": continuity.MODEL, "engine": engine_id, "pid": os.getpid(),
                            "choices": [{"index": 0, "text": text, "tokens": out, "finish_reason": "length"}],
@@ -786,17 +493,39 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
                                      "total_tokens": len(tokens) + len(out)}})
 
     cont = Continuity(answer, fdstore_store, fdstore_remove, bytes_written, enabled=store_enabled(), log=log)
-    cont.before_write = before_write
-    # One connection at a time, on the loop that pings: with a watchdog a
-    # client that stalls mid-request loses it after a quarter interval
-    # rather than hold the pings back (without one it waits).
-    client_timeout = heartbeat.watchdog.interval / 4 if heartbeat.enabled else None
+    # A client that stalls in the middle of its request loses it after a
+    # while: each connection has a thread, and the pinging loop never waits
+    # on one.
+    client_timeout = CLIENT_TIMEOUT_S
     server = listening(port, inherited)
     # Handed its connections (the runtime accepts): `server` is the
     # hand-off socket, and the fetch once active is what makes them go here.
     handed = inherited is not None and accepted_by_runtime()
     port = port if handed else server.getsockname()[1]
     promote_ms = (time.perf_counter() - t_wake) * 1e3
+    active = [0]
+    active_lock = threading.Lock()
+
+    def on_thread(conn, serving, resumed, done=None):
+        """One connection on a thread of its own: answered (or resumed) and
+        finished there; then ``done()``."""
+        def run():
+            conn.sock.settimeout(client_timeout)
+            try:
+                if resumed:
+                    cont.resume(conn, timeout=client_timeout, before=lambda: before_write(serving))
+                else:
+                    cont.serve(conn, timeout=client_timeout, before=lambda: before_write(serving))
+            finally:
+                if resumed:
+                    worker.unpin(conn.name)
+                with active_lock:
+                    active[0] -= 1
+                if done is not None:
+                    done()
+        with active_lock:
+            active[0] += 1
+        threading.Thread(target=run, name="conn", daemon=True).start()
 
     # 5. ready.
     notify("READY=1", f"STATUS=active engine {engine_id}", f"MAINPID={os.getpid()}")
@@ -806,50 +535,196 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
         socket="handed" if handed else "inherited" if inherited is not None else "own", fdstore=cont.enabled)
     # What the dead engine was answering: fetched after READY=1 (which then
     # never waits on the runtime's answer), on a thread, while new
-    # connections are served; resumed first once in, since those clients
-    # have waited longest.
+    # connections are served; each resumed on a thread of its own once in.
     takeover = Takeover(engine_id, t_wake) if cont.enabled else None
+    if takeover is None:
+        worker.carried_done()
 
     def resume_fetched():
-        nonlocal takeover, serving
+        nonlocal takeover
         fetched = takeover.take()
         if fetched is None:
             return
         fetch_done(takeover)
         takeover = None
         conns = cont.take_over(fetched)
-        if conns:
-            t0 = time.perf_counter()
-            for conn in conns:
-                serving = ("resumed", since_lock())
-                conn.sock.settimeout(client_timeout)
-                cont.resume(conn, timeout=client_timeout)
-                heartbeat.ping()
-                grow_now()
-            log(event="resumed", engine=engine_id, connections=len(conns),
-                ms=round((time.perf_counter() - t0) * 1e3, 3), **cont.stats)
+        # Every carried stream's blocks are pinned before the worker may
+        # evict or reuse anything it finds in the pool.
+        for conn in conns:
+            if conn.state is not None:
+                worker.pin(conn.name, continuity.read_kv(conn.state.fd))
+        worker.carried_done()
+        left, t0 = [len(conns)], time.perf_counter()
+        left_lock = threading.Lock()
+
+        def one_done():
+            with left_lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    log(event="resumed", engine=engine_id, connections=len(conns),
+                        ms=round((time.perf_counter() - t0) * 1e3, 3), **cont.stats)
+        for conn in conns:
+            on_thread(conn, ("resumed", since_lock()), True, one_done)
 
     try:
-        # The serving loop: one request at a time, and between them (at
-        # least each time a ping is due) a ping if every rank beat.
+        # The serving loop: it accepts, hands each connection to a thread,
+        # and pings while the worker makes progress (a step stuck for half
+        # an interval stops the pings).
+        stuck_s = heartbeat.watchdog.interval / 2 if heartbeat.enabled else None
         while True:
-            waiting = [server] if takeover is None else [takeover, server]
+            # At MAX_CONNECTIONS the next ones wait in the backlog.
+            waiting = [server] if active[0] < MAX_CONNECTIONS else []
+            if takeover is not None:
+                waiting.insert(0, takeover)
             if unchecked and not select.select(waiting, [], [], 0)[0]:
                 settle()  # nobody waiting: the check's verdict now
                 grow_now()
-            ready = select.select(waiting, [], [], heartbeat.wait())[0]
+            wait = heartbeat.wait()
+            if server not in waiting:
+                wait = 0.05 if wait is None else min(wait, 0.05)
+            ready = select.select(waiting, [], [], wait)[0]
             if takeover is not None and takeover in ready:
                 resume_fetched()
             elif server in ready:
                 conn = next_connection(server, handed, cont)
                 if conn is not None:
-                    serving = ("new", since_lock())
-                    conn.sock.settimeout(client_timeout)
-                    cont.serve(conn, timeout=client_timeout)
-                    grow_now()
-            heartbeat.ping()
+                    on_thread(conn, ("new", since_lock()), False)
+            grow_now()
+            if stuck_s is None or not worker.stalled(stuck_s):
+                heartbeat.ping()
     finally:
         lock.release()
+
+
+def tokenize(prompt, max_tokens):
+    """The prompt's tokens (its bytes), keeping the end of one too long to
+    leave room for the answer within MAX_CTX."""
+    tokens = [b % VOCAB for b in prompt.encode()] or [0]
+    return tokens[-(MAX_CTX - max_tokens):]
+
+
+def token_text(t):
+    return chr(32 + t % 95)
+
+
+def main():
+    engine_id = os.environ.get("SHADOW_ENGINE_ID", "0")
+    port = int(os.environ.get("ENGINE_PORT", "8000"))
+    seed = int(os.environ.get("ENGINE_SEED", "1234"))
+    layers = int(os.environ.get("ENGINE_LAYERS", "8"))
+    hidden = int(os.environ.get("ENGINE_HIDDEN", "4096"))
+    kv_bytes = int(float(os.environ.get("ENGINE_KV_GIB", "8")) * (1 << 30))
+    tp = int(os.environ.get("ENGINE_TP", "1"))
+    if tp > 1 or "ENGINE_RANK" in os.environ:
+        import tp as tensor_parallel  # noqa: E402 (needs torch.distributed: only when asked for)
+        if "ENGINE_RANK" in os.environ:
+            return tensor_parallel.run_rank(os.path.abspath(__file__))
+    t_start = time.perf_counter()
+    # The watchdog (None of it without WATCHDOG_USEC), for the whole group.
+    heartbeat = Heartbeat(Watchdog(), ranks=max(0, tp - 1))
+    # The pair's socket, if handed down: held from now on, accepted on only
+    # once active.
+    inherited = listen_socket()
+    # The store's descriptors handed at start: fetched instead once this
+    # engine takes over (a parked engine holding copies of every stored
+    # connection would keep them open after they are answered).
+    for _, fd in fdstore_inherited():
+        os.close(fd)
+
+    if tp > 1:
+        # 1. initialise the group: ranks, shards through each GPU's GMS, NCCL.
+        # Rank 0's shard is checked here when mapped (ranks 1.. check theirs).
+        group = verify_or_exit(engine_id, lambda: tensor_parallel.Group(
+            tp, os.path.abspath(__file__), engine_id, layers, hidden, seed, kv_bytes, log, heartbeat), "mapped",
+            figures=False)
+        kv = group.kv
+        log(event="weights", engine=engine_id, lease=group.own.gms.lease, tp=tp,
+            source="generated+committed" if group.own.gms.lease == "rw" else "mapped read-only",
+            addr=hex(group.own.model.embed.data_ptr()))
+        log(event="parked", engine=engine_id, pid=os.getpid(), tp=tp, kv_addr=hex(kv.addr),
+            kv_bytes=kv.nbytes, init_s=round(time.perf_counter() - t_start, 3))
+        # The group checks every rank's shard on wake, before it accepts.
+        wake, hang = (lambda: Done(group.wake() or {})), group.hang
+
+        def generate(tokens, max_tokens, step=None, emit=None):
+            return emitted(group.generate(tokens, max_tokens, step), emit)
+        worker = generate
+    else:
+        kv, wake = one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start)
+        worker, hang = kv, None
+    serve(engine_id, port, inherited, kv, wake, worker, heartbeat, hang)
+
+
+def hang_gpu():
+    """SHADOW_TEST_HANG's stuck step: a kernel that never ends (2**62 clock
+    cycles), and a host that waits for it (tp.py has the ranks' copy)."""
+    torch.cuda._sleep(2 ** 62)
+    torch.cuda.synchronize()
+
+
+def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
+    """TP=1: the model, its weights through GMS, and the batch loop with
+    its decode graph captured over the KV pool's reserved addresses;
+    returns (batcher, wake)."""
+    # 1. initialise: weights through GMS (rw_or_ro).
+    gms = Gms(mode="rw_or_ro", client=f"torch-engine-{engine_id}", timeout_s=300)
+    t0 = time.perf_counter()
+    if gms.lease == "rw":
+        with gms.weights_pool():
+            model = Model(layers, hidden, "cuda")
+            model.init_from_seed(seed)
+        generation = gms.commit_module(model)
+        source = "generated+committed"
+    else:
+        model = gms.load_module(Model(layers, hidden, "meta"))
+        generation = gms.layout()["generation"]
+        source = "mapped read-only"
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    log(event="weights", engine=engine_id, lease=gms.lease, source=source, generation=generation,
+        bytes=weight_bytes, ms=round((time.perf_counter() - t0) * 1e3, 2),
+        addr=hex(model.embed.data_ptr()))
+    if source == "mapped read-only":
+        verify_or_exit(engine_id, gms.verify_weights, "mapped")
+
+    # Attention by the memory-efficient kernel only: the backend torch
+    # picks by default on an H200 gave different tokens for the same
+    # request run twice (measured with torch 2.11: the first difference
+    # came 46 to 158 tokens in), and an engine whose answers must match an
+    # undisturbed run's needs one kernel that gives the same bits.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_math_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(True)
+    # The batch loop: every shape warmed up on scratch memory, the decode
+    # step captured over the KV pool's addresses (reserved, not mapped).
+    batcher = Batcher(engine_id, gms, model, layers, hidden, kv_bytes, log)
+    batcher.prepare()
+    # The promotion's weights check, recorded as one CUDA graph.
+    gms.prepare_verify_weights(capture=True)
+    # A parked engine holds what it needs and no cached leftovers.
+    torch.cuda.empty_cache()
+    log(event="parked", engine=engine_id, pid=os.getpid(), kv_addr=hex(batcher.addr), kv_bytes=batcher.nbytes,
+        kv_placed=batcher.placed, init_s=round(time.perf_counter() - t_start, 3),
+        torch_reserved_mib=torch.cuda.memory_reserved() >> 20)
+
+    def wake():
+        """Launches the weights check on the GPU; returns it. Its verdict
+        is taken before the first answer."""
+        t0 = time.perf_counter()
+        pending = gms.begin_verify_weights()
+        t1 = time.perf_counter()
+        return Check(pending, launch_ms=round((t1 - t0) * 1e3, 3))
+
+    return batcher, wake
+
+
+def emitted(out, emit):
+    """Tokens decoded all at once (a TP group): each emitted once they are
+    all there."""
+    if emit is not None:
+        for t in out:
+            emit(t)
+    return out
 
 
 if __name__ == "__main__":

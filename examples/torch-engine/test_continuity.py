@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -325,6 +326,34 @@ class ContinuityTest(unittest.TestCase):
         os.write(other, b"x" * 100)
         self.assertEqual(continuity.read_state(other)[0], continuity.NEW)
         os.close(other)
+
+    def test_a_streams_kv_section_holds_what_was_committed_only(self):
+        st = continuity.State.create("kv")
+        self.assertIsNone(continuity.read_kv(st.fd), "no section before the engine begins one")
+        progress = continuity.KvProgress(st.fd, name="c-1")
+        progress.begin(pool=42, prompt_tokens=33)
+        for i, blk in enumerate([7, 9, 4]):
+            progress.block(i, blk)
+        progress.commit(1, 500)
+        progress.commit(2, 501)
+        # A token written but not committed (the engine died between the
+        # id and the word): not read.
+        os.pwrite(st.fd, struct.pack("<I", 999), continuity.KV_AT + continuity._KV_TOKENS_AT + 8)
+        kv = continuity.read_kv(st.fd)
+        self.assertEqual((kv["pool"], kv["prompt"], kv["committed"], kv["tokens"]), (42, 33, 2, [500, 501]))
+        self.assertEqual(kv["blocks"][:3], [7, 9, 4])
+        clone = progress.clone()
+        self.assertNotEqual(clone.fd, progress.fd)
+        self.assertEqual(clone.name, "c-1")
+        progress.close()
+        clone.commit(3, 502)
+        self.assertEqual(continuity.read_kv(st.fd)["tokens"], [500, 501, 502], "a clone outlives the original")
+        clone.close()
+        past = continuity.KvProgress(st.fd)
+        with self.assertRaises(ValueError):
+            past.commit(continuity.KV_TOKENS_MAX + 1, 0)
+        past.close()
+        st.close()
 
     def test_request_lengths(self):
         self.assertIsNone(continuity.request_length(b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nab"))

@@ -1,0 +1,640 @@
+"""The torch engine on one GPU as a batching engine: one thread runs the
+model over every request in flight (continuous batching), its KV cache
+paged in the pair's KV pool (gmsd's memory: it outlives this engine), a
+prefix cache of full blocks, and each decode step one CUDA graph replay
+captured while parked. A promoted engine takes up the blocks and the
+streams the dead one left (docs/engine-contract.md, "Carrying the KV
+cache").
+
+Why a module of its own: engine.py is the engine contract's steps and the
+HTTP side; this is the model's loop, and paged.py its bookkeeping.
+
+**One shape per token.** Every prompt token is computed in a chunk of
+``CHUNK`` rows attending over ``MAX_CTX`` positions, every generated token
+in a batch of ``BATCH`` rows attending over ``GRAPH_CTX`` positions (or
+``MAX_CTX`` past it), padded rows and masked positions included. A row's
+result depends on its own inputs only (no kernel mixes rows), so a
+request's tokens are the same whatever else is in the batch, whether its
+prefix came from the cache and whether its KV came from a dead engine:
+the answers of a failover are byte for byte an undisturbed run's.
+
+**Order of writes** (the commit rule, paged.py and continuity.py): a block
+is marked written in the index before work is launched into it; once the
+step's tokens are read back (the device is synchronised), each stream's
+new token id and then its commit word are written to its state memfd,
+full blocks enter the index, and only then is the token handed to the
+connection's thread to send.
+
+**The pool's addresses.** The pool is granted only to the lock holder,
+but the decode graph is captured while parked: the engine reserves the
+pool's addresses ahead (``Gms.kv_pool_reserve``, where the pool lives once
+one exists) and captures over them; the grant maps the pool there. While
+parked and not yet at the pool's address (the pool did not exist), the
+engine asks again every second and captures again once it is. A grant
+elsewhere (the pool made anew at another engine's addresses) captures
+again at the grant, and says so.
+"""
+
+import os
+import queue
+import sys
+import threading
+import time
+
+import torch
+
+import paged
+from jobs import Job, KvUnavailable, Worker
+from paged import BLOCK_TOKENS as BLOCK
+from paged import RESERVED_BLOCKS, SCRATCH_BLOCK, ZERO_BLOCK, Blocks, Index, NoBlocks, block_hash, prompt_hashes
+
+DTYPE = torch.bfloat16
+# The longest sequence (prompt and answer); a longer prompt keeps its end.
+MAX_CTX = 2048
+MAX_BLOCKS = MAX_CTX // BLOCK
+# Decode rows per step (padded): every generated token is computed in one.
+BATCH = 8
+# Prompt rows per chunk (padded): every prompt token is computed in one.
+CHUNK = 16
+# Positions the decode graph attends over; longer sequences decode eager
+# over MAX_CTX (both fixed: see "One shape per token").
+GRAPH_CTX = 384
+# Prompt chunks per step, at most: a long prompt delays the others'
+# next tokens by this much compute, not by its whole prefill.
+PREFILL_CHUNKS = 4
+# ENGINE_PREFIX_CACHE=0: no block is shared by prefix (every prompt is
+# computed); ENGINE_DECODE_GRAPH=0: every decode step eager. For comparing.
+PREFIX_CACHE = os.environ.get("ENGINE_PREFIX_CACHE", "1") != "0"
+DECODE_GRAPH = os.environ.get("ENGINE_DECODE_GRAPH", "1") != "0"
+# Ints per row of a launch: token, position, block, offset, then the table.
+_ROW = 4 + MAX_BLOCKS
+
+
+def _launch_rows(rows, pad_rows):
+    """rows: [(token, pos, block, offset, table)], each table padded with
+    the zero block; then rows up to ``pad_rows`` that write the scratch
+    block at distinct offsets and read the zero block. One flat list of
+    ints."""
+    flat = []
+    for tok, pos, blk, off, table in rows:
+        flat += [tok, pos, blk, off] + table + [ZERO_BLOCK] * (MAX_BLOCKS - len(table))
+    for r in range(len(rows), pad_rows):
+        flat += [0, r, SCRATCH_BLOCK, r] + [ZERO_BLOCK] * MAX_BLOCKS
+    return flat
+
+
+class Geometry:
+    """How the pool is cut: blocks of every layer's K and V of BLOCK
+    positions, contiguous."""
+
+    def __init__(self, layers, hidden, pool_bytes):
+        self.layers, self.hidden = layers, hidden
+        self.block_bytes = layers * 2 * BLOCK * hidden * torch.empty((), dtype=DTYPE).element_size()
+        self.blocks = pool_bytes // self.block_bytes
+        if self.blocks <= RESERVED_BLOCKS:
+            raise ValueError(f"a KV pool of {pool_bytes} bytes holds no block of {self.block_bytes}")
+        self.pool_bytes = self.blocks * self.block_bytes
+
+    def caches(self, flat):
+        """Per layer (K, V) views [blocks, BLOCK, hidden] of a flat pool."""
+        n = self.blocks if flat.numel() * flat.element_size() >= self.pool_bytes else \
+            flat.numel() * flat.element_size() // self.block_bytes
+        five = flat[: n * self.block_bytes // flat.element_size()].view(n, self.layers, 2, BLOCK, self.hidden)
+        return [(five[:, i, 0], five[:, i, 1]) for i in range(self.layers)]
+
+    def block_view(self, flat, block):
+        per = self.block_bytes // flat.element_size()
+        return flat[block * per:(block + 1) * per]
+
+
+class DecodeGraph:
+    """The decode step over GRAPH_CTX positions as one CUDA graph, with its
+    static inputs (one flat int64 buffer) and output."""
+
+    def __init__(self, model):
+        self.model = model
+        self.static = torch.zeros(BATCH * _ROW, dtype=torch.long, device="cuda")
+        self.out = torch.zeros(BATCH, dtype=torch.long, device="cuda")
+        self.positions = torch.arange(GRAPH_CTX, device="cuda")
+        self.graph = None
+        self.addr = None
+        self.side = torch.cuda.Stream()
+
+    def step(self, caches, static, positions, nblocks):
+        s = static.view(BATCH, _ROW)
+        return self.model.rows(s[:, 0], caches, s[:, 2], s[:, 3], s[:, 4:4 + nblocks], s[:, 1], positions,
+                               (BATCH, 1))
+
+    def warm(self, caches):
+        """Runs the step eagerly on the capture stream (lazy kernel loads,
+        the stream's cuBLAS workspace): torch's advice before a capture."""
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side), torch.no_grad():
+            for _ in range(2):
+                self.step(caches, self.static, self.positions, GRAPH_CTX // BLOCK)
+        torch.cuda.current_stream().wait_stream(self.side)
+        torch.cuda.synchronize()
+
+    def capture(self, caches, addr):
+        """Captures the step over ``caches`` (a pool at ``addr``, mapped or
+        only reserved: nothing runs now)."""
+        self.graph = None
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=self.side), torch.no_grad():
+            self.out.copy_(self.step(caches, self.static, self.positions, GRAPH_CTX // BLOCK))
+        torch.cuda.synchronize()
+        self.graph, self.addr = g, addr
+
+    def run(self, flat_host):
+        self.static.copy_(torch.tensor(flat_host, dtype=torch.long))
+        self.graph.replay()
+        return self.out.clone()
+
+
+class Seq:
+    """One request in the batch: its prompt, what it generated, its blocks
+    and how many positions of its KV are written (``kv_len``)."""
+
+    def __init__(self, job, name, need):
+        self.job, self.name, self.need = job, name, need
+        self.prompt, self.max_tokens = job.prompt, job.max_tokens
+        self.p = len(self.prompt)
+        self.out, self.blocks, self.hashes = [], [], []
+        self.kv_len = 0
+        # Tokens known already (a carried stream computed again): fed
+        # instead of the model's, and not handed to the thread again.
+        self.forced = []
+        self.emit_from = 0
+        self.progress = job.progress.clone() if job.progress is not None else None
+        self.phase = "prefill"
+        self.figures = {}
+
+    def token_at(self, j):
+        return self.prompt[j] if j < self.p else self.out[j - self.p]
+
+    def tokens_of_block(self, o):
+        return [self.token_at(j) for j in range(o * BLOCK, (o + 1) * BLOCK)]
+
+    def close(self):
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+
+
+class Batcher(Worker):
+    """The batch loop (one thread: the only one that launches work into
+    the pool or touches its bookkeeping). Connection threads ``submit``;
+    the serving loop sends ``pin``/``unpin``/``carried_done`` for the
+    streams a takeover fetched."""
+
+    def __init__(self, engine_id, gms, model, layers, hidden, pool_bytes, log):
+        super().__init__("batch-loop")
+        from shadow_gms import reserved_device_tensor
+        self.engine_id, self.gms, self.model, self.log = engine_id, gms, model, log
+        self.geo = Geometry(layers, hidden, pool_bytes)
+        self.nbytes = self.geo.pool_bytes
+        self.graph = DecodeGraph(model)
+        self.positions_all = torch.arange(MAX_CTX, device="cuda")
+        self._reserved_tensor = reserved_device_tensor
+        self.pool = self.flat = self.caches = self.blocks = None
+        self.pool_id = None
+        self.waiting, self.running = [], []
+        self.pins = {}
+        self._woken = threading.Event()
+        self.figures = {"carried": 0, "from_pool": 0, "computed_again": 0, "copied": 0}
+
+    # -- parked -----------------------------------------------------------
+    def prepare(self):
+        """Starts the loop's thread and waits until it is ready to park:
+        every shape it launches run once on scratch memory, on that very
+        thread (torch gives each thread its own cuBLAS handle, made at its
+        first GEMM: tens of milliseconds a promoted engine must not pay),
+        and the decode graph captured over the pool's addresses, reserved
+        ahead."""
+        self._prepared = threading.Event()
+        self._failed = []
+        self.start()
+        self._prepared.wait()
+        if self._failed:
+            raise self._failed[0]
+
+    def _prepare(self):
+        scratch = torch.zeros(RESERVED_BLOCKS * self.geo.block_bytes // 2, dtype=DTYPE, device="cuda")
+        caches = self.geo.caches(scratch)
+        with torch.no_grad():
+            for _ in range(2):
+                flat = torch.tensor(_launch_rows([], CHUNK), dtype=torch.long, device="cuda").view(CHUNK, _ROW)
+                self.model.rows(flat[:, 0], caches, flat[:, 2], flat[:, 3], flat[:1, 4:], flat[:, 1],
+                                self.positions_all, (1, CHUNK))
+                flat = torch.tensor(_launch_rows([], BATCH), dtype=torch.long, device="cuda").view(BATCH, _ROW)
+                self.model.rows(flat[:, 0], caches, flat[:, 2], flat[:, 3], flat[:, 4:], flat[:, 1],
+                                self.positions_all, (BATCH, 1))
+        self.graph.warm(caches)
+        del scratch, caches
+        t0 = time.perf_counter()
+        self.addr, self.placed = self.gms.kv_pool_reserve(self.geo.pool_bytes)
+        self._capture_reserved()
+        torch.cuda.empty_cache()
+        self.log(event="kv-pool-reserved", engine=self.engine_id, addr=hex(self.addr), placed=self.placed,
+                 bytes=self.geo.pool_bytes, blocks=self.geo.blocks, ms=round((time.perf_counter() - t0) * 1e3, 3))
+
+    def _capture_reserved(self):
+        flat = self._reserved_tensor(self.addr, DTYPE, self.geo.pool_bytes)
+        self.graph.capture(self.geo.caches(flat), self.addr)
+        self._reserved_flat = flat
+
+    def _park(self):
+        """Until woken. While the reservation is not at the pool's address
+        (no pool existed yet), asks again every second; once it is,
+        captures the graph again over it."""
+        while not self._woken.wait(None if self.placed else 1.0):
+            try:
+                addr, placed = self.gms.kv_pool_reserve(self.geo.pool_bytes)
+            except Exception as e:  # noqa: BLE001 (gmsd busy or gone: asked again)
+                self.log(event="kv-pool-reserve-failed", engine=self.engine_id, error=str(e))
+                continue
+            if placed:
+                t0 = time.perf_counter()
+                self.addr, self.placed = addr, True
+                self._capture_reserved()
+                torch.cuda.empty_cache()
+                self.log(event="kv-pool-reserved", engine=self.engine_id, addr=hex(addr), placed=True,
+                         recaptured_ms=round((time.perf_counter() - t0) * 1e3, 3))
+
+    # -- the serving side -------------------------------------------------
+    def wake(self, lock_fd):
+        self.lock_fd = lock_fd
+        self._woken.set()
+
+    def submit(self, prompt, max_tokens, progress=None):
+        job = Job(prompt, max_tokens, progress)
+        self.inbox.put(("job", job))
+        return job
+
+    def pin(self, name, carried):
+        self.inbox.put(("pin", name, carried))
+
+    def unpin(self, name):
+        self.inbox.put(("unpin", name))
+
+    def carried_done(self):
+        self.inbox.put(("carried_done",))
+
+    # -- the loop ---------------------------------------------------------
+    def _main(self):
+        try:
+            self._prepare()
+        except Exception as e:  # noqa: BLE001 (handed to prepare(), which raises it)
+            self._failed.append(e)
+            self._prepared.set()
+            return
+        self._prepared.set()
+        self._park()
+        try:
+            self._grant()
+            while True:
+                self._take_messages()
+                if not self.blocks.fenced and self.pool is not None and self.pool.fenced(0):
+                    self.blocks.fence_passed()
+                    self.log(event="kv-fence", engine=self.engine_id,
+                             ms=round((time.perf_counter() - self.t_grant) * 1e3, 3))
+                if self.waiting or self.running:
+                    self.stepping()
+                    self._step()
+        except Exception as e:  # noqa: BLE001 (a step that failed: the engine cannot serve on)
+            # A CUDA error leaves the context unusable, and a request
+            # waits on this loop: the engine ends, and the runtime fails
+            # over to the shadow.
+            self.log(event="batch-loop-failed", engine=self.engine_id, error=repr(e))
+            sys.stdout.flush()
+            os._exit(70)
+
+    def _take_messages(self):
+        """Everything in the inbox; waits for one while there is nothing to
+        do (a little while only, as long as the fence is still to pass)."""
+        if self.waiting or self.running:
+            wait = False
+        else:
+            self.idle()
+            wait = True
+        while True:
+            try:
+                if wait:
+                    msg = self.inbox.get(timeout=None if self.blocks.fenced else 0.01)
+                    wait = False
+                else:
+                    msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._message(msg)
+
+    def _message(self, msg):
+        kind = msg[0]
+        if kind == "job":
+            job = msg[1]
+            name = getattr(job.progress, "name", None) if job.progress is not None else None
+            need = -(-(len(job.prompt) + job.max_tokens) // BLOCK) + 1
+            if need > self.geo.blocks - RESERVED_BLOCKS:
+                job.end(KvUnavailable(f"{len(job.prompt)} + {job.max_tokens} tokens need {need} KV blocks, "
+                                      f"the pool has {self.geo.blocks - RESERVED_BLOCKS}"))
+                return
+            self.waiting.append(Seq(job, name, need))
+        elif kind == "call":
+            self.stepping()
+            msg[1]()
+        elif kind == "pin":
+            _, name, carried = msg
+            self.pins[name] = self._pin(carried)
+        elif kind == "unpin":
+            pinned = self.pins.pop(msg[1], None)
+            if pinned:
+                self.blocks.unpin(pinned)
+        elif kind == "carried_done":
+            self.blocks.carried_done()
+
+    def _pin(self, carried):
+        """A fetched stream's blocks, pinned until it is taken up; None when
+        they cannot be read (another pool, freed, or nothing committed)."""
+        if not carried or carried["pool"] != self.pool_id or carried["committed"] == 0:
+            return None
+        kv_len = carried["prompt"] + carried["committed"] - 1
+        blocks = carried["blocks"][:-(-kv_len // BLOCK)]
+        return blocks if self.blocks.pin(blocks) else None
+
+    # -- the grant ----------------------------------------------------------
+    def _grant(self):
+        t0 = time.perf_counter()
+        how, why = None, None
+        try:
+            pool = self.gms.kv_pool(self.lock_fd, self.geo.pool_bytes, paged.index_bytes(self.geo.blocks))
+            if pool.nbytes < self.geo.pool_bytes or pool.index_bytes < paged.index_bytes(self.geo.blocks):
+                pool.close()
+                raise ValueError(f"the pair's KV pool is {pool.nbytes} bytes with an index of {pool.index_bytes}: "
+                                 f"not this engine's geometry ({self.geo.pool_bytes}, "
+                                 f"{paged.index_bytes(self.geo.blocks)}; ENGINE_KV_GIB differs?)")
+        except Exception as e:  # noqa: BLE001 (served from a private cache instead, and said so)
+            pool, why = None, str(e)
+        self.t_grant = time.perf_counter()
+        grant_ms = round((self.t_grant - t0) * 1e3, 3)
+        recaptured = None
+        if pool is not None:
+            self.pool, self.pool_id = pool, pool.pool
+            if pool.addr == self.graph.addr:
+                flat = self._reserved_flat
+            else:
+                flat = pool.tensor(DTYPE)
+            index_fd = pool.index_fd
+            created, fenced = pool.created, pool.fenced(0)
+        else:
+            # No pool (a gmsd without --lock, outside a pair): this engine's
+            # own memory, carried nowhere.
+            flat = torch.empty(self.geo.pool_bytes // 2, dtype=DTYPE, device="cuda")
+            index_fd = os.memfd_create("torch-engine-kv-index", os.MFD_CLOEXEC)
+            os.ftruncate(index_fd, paged.index_bytes(self.geo.blocks))
+            self.pool_id, created, fenced = 0, True, True
+        self.flat, self.caches = flat, self.geo.caches(flat)
+        if self.graph.addr != flat.data_ptr():
+            t1 = time.perf_counter()
+            self.graph.capture(self.caches, flat.data_ptr())
+            recaptured = round((time.perf_counter() - t1) * 1e3, 3)
+        self.blocks = Blocks(Index(index_fd, self.geo.blocks, self.geo.block_bytes, self.pool_id))
+        how = self.blocks.start(created, fenced)
+        if how == "new":
+            # Device memory comes uncleared, and a masked position is
+            # still multiplied by zero: numbers from now on.
+            flat.zero_()
+        else:
+            # Nobody writes it; zeroed all the same (2 MiB). Both are in
+            # stream order before any step: no wait here.
+            self.geo.block_view(flat, ZERO_BLOCK).zero_()
+        self.log(event="kv-pool", engine=self.engine_id, how=how, pool=self.pool_id, grant_ms=grant_ms,
+                 addr=hex(flat.data_ptr()), bytes=self.geo.pool_bytes, blocks=self.geo.blocks,
+                 fenced=fenced, graph_recaptured_ms=recaptured, refused=why, **self.blocks.figures)
+
+    # -- one step -------------------------------------------------------------
+    def _step(self):
+        for seq in [s for s in self.waiting + self.running if s.job.cancelled]:
+            self._finish(seq)
+        self._admit()
+        launches = []
+        chunks = 0
+        for seq in self.running:
+            if seq.phase == "prefill" and chunks < PREFILL_CHUNKS:
+                launches.append(("prefill", seq, self._prefill(seq)))
+                chunks += 1
+        decoding = [s for s in self.running if s.phase == "decode"]
+        for graphed in (True, False):
+            group = [s for s in decoding if (DECODE_GRAPH and s.kv_len + 1 <= GRAPH_CTX) == graphed]
+            for i in range(0, len(group), BATCH):
+                part = group[i:i + BATCH]
+                launches.append(("decode", part, self._decode(part, graphed)))
+        if not launches:
+            return
+        results = torch.cat([r.view(-1) for _, _, (r, _) in launches]).tolist()
+        at = 0
+        for kind, what, (res, meta) in launches:
+            n = res.numel()
+            values, at = results[at:at + n], at + n
+            if kind == "prefill":
+                self._prefilled(what, values, meta)
+            else:
+                for seq, t in zip(what, values):
+                    self._decoded(seq, t)
+
+    def _admit(self):
+        """Waiting sequences, in order, while the pool has their blocks."""
+        while self.waiting:
+            seq = self.waiting[0]
+            owed = sum(max(0, s.need - len(s.blocks)) for s in self.running)
+            if self.blocks.available() - owed < seq.need:
+                return
+            self.waiting.pop(0)
+            self.running.append(seq)
+            carried = seq.progress.carried if seq.progress is not None else None
+            if carried and carried["committed"] > 0:
+                self.figures["carried"] += 1
+                if self._adopt(seq, carried):
+                    continue
+            self._start(seq, carried)
+
+    def _start(self, seq, carried):
+        """A sequence computed from its prompt: the prefix cache's blocks
+        first (only whole blocks before its last prompt token), then its
+        chunks. A carried one whose KV cannot be taken up feeds its known
+        tokens again."""
+        hashes = prompt_hashes(seq.prompt, ((seq.p - 1) // BLOCK) * BLOCK)
+        hits = self.blocks.lookup(hashes, seq.prompt) if PREFIX_CACHE else []
+        for b in hits:
+            self.blocks.share(b)
+        seq.blocks, seq.hashes = list(hits), hashes[:len(hits)]
+        seq.kv_len = len(hits) * BLOCK
+        seq.figures["prefix_hit"] = seq.kv_len
+        if carried:
+            seq.forced = list(carried["tokens"])
+            seq.emit_from = len(seq.forced)
+            why = self.pins.get(seq.name, "unpinned")
+            seq.figures["why"] = ("another pool" if carried["pool"] != self.pool_id else
+                                  "its blocks were not readable" if why is None else "not pinned")
+            seq.figures["computed_again"] = seq.p + len(seq.forced) - 1 - seq.kv_len
+            self.figures["computed_again"] += seq.figures["computed_again"]
+            self._unpin(seq)
+        if seq.progress is not None:
+            seq.progress.begin(self.pool_id, seq.p)
+            for i, b in enumerate(seq.blocks):
+                seq.progress.block(i, b)
+
+    def _unpin(self, seq):
+        pinned = self.pins.pop(seq.name, None) if seq.name is not None else None
+        if pinned:
+            self.blocks.unpin(pinned)
+
+    def _adopt(self, seq, carried):
+        """A stream the dead engine was decoding: its committed blocks taken
+        up as they are (a tail the dead engine may still be writing is
+        copied to a free block first, unless the fence passed), and it
+        goes on from its last committed token. False: it cannot be."""
+        pinned = self.pins.get(seq.name)
+        if not pinned or carried["prompt"] != seq.p or carried["committed"] > seq.max_tokens:
+            return False
+        n = carried["committed"]
+        kv_len = seq.p + n - 1
+        copies = []
+        for i, b in enumerate(pinned):
+            full = (i + 1) * BLOCK <= kv_len
+            if full or self.blocks.writable_in_place(b):
+                self.blocks.own_carried(b, full)
+                seq.blocks.append(b)
+            else:
+                nb = self.blocks.take()
+                self.geo.block_view(self.flat, nb).copy_(self.geo.block_view(self.flat, b))
+                copies.append((i, nb))
+                seq.blocks.append(nb)
+            if not full:
+                # Past the committed positions: what the dead engine wrote
+                # for steps it never committed, zeros in an undisturbed run.
+                self._zero_from(seq.blocks[-1], kv_len % BLOCK)
+        self._unpin(seq)
+        if copies:
+            # Committed once it is in the pool: then the table names it.
+            torch.cuda.synchronize()
+            for i, nb in copies:
+                seq.progress.block(i, nb)
+        seq.out = list(carried["tokens"])
+        seq.kv_len = kv_len
+        seq.emit_from = n
+        parent = 0
+        for o in range(kv_len // BLOCK):
+            parent = block_hash(parent, seq.tokens_of_block(o))
+            seq.hashes.append(parent)
+        seq.phase = "decode"
+        seq.figures.update(from_pool=kv_len, copied=bool(copies), fenced=self.blocks.fenced)
+        self.figures["from_pool"] += kv_len
+        self.figures["copied"] += len(copies)
+        self.log(event="kv-carried", engine=self.engine_id, name=seq.name, committed=n, **seq.figures)
+        if n >= seq.max_tokens:
+            self._finish(seq)
+        return True
+
+    def _take(self):
+        """A block to write, zeroed: positions a mask hides hold zeros,
+        whatever the block held before."""
+        b = self.blocks.take()
+        self.geo.block_view(self.flat, b).zero_()
+        return b
+
+    def _zero_from(self, block, offset):
+        """Zeroes positions ``offset``.. of ``block`` (what a carried tail
+        holds past its committed positions)."""
+        g = self.geo
+        self.geo.block_view(self.flat, block).view(g.layers, 2, BLOCK, g.hidden)[:, :, offset:].zero_()
+
+    def _block_for(self, seq, ordinal):
+        if ordinal == len(seq.blocks):
+            b = self._take()
+            seq.blocks.append(b)
+            if seq.progress is not None:
+                seq.progress.block(ordinal, b)
+        return seq.blocks[ordinal]
+
+    def _prefill(self, seq):
+        s = seq.kv_len
+        e = min(s + CHUNK, seq.p)
+        b = self._block_for(seq, s // BLOCK)
+        rows = [(seq.prompt[j], j, b, j % BLOCK, seq.blocks) for j in range(s, e)]
+        # Padded rows of a chunk sit after the real ones, at their positions.
+        flat = _launch_rows(rows, CHUNK)
+        for r in range(e - s, CHUNK):
+            flat[r * _ROW + 1] = s + r
+        t = torch.tensor(flat, dtype=torch.long, device="cuda").view(CHUNK, _ROW)
+        res = self.model.rows(t[:, 0], self.caches, t[:, 2], t[:, 3], t[:1, 4:], t[:, 1], self.positions_all,
+                              (1, CHUNK))
+        return res, (s, e)
+
+    def _decode(self, part, graphed):
+        rows = []
+        for seq in part:
+            j = seq.kv_len
+            b = self._block_for(seq, j // BLOCK)
+            rows.append((seq.out[-1], j, b, j % BLOCK, seq.blocks))
+        flat = _launch_rows(rows, BATCH)
+        if graphed:
+            return self.graph.run(flat), None
+        t = torch.tensor(flat, dtype=torch.long, device="cuda").view(BATCH, _ROW)
+        res = self.model.rows(t[:, 0], self.caches, t[:, 2], t[:, 3], t[:, 4:], t[:, 1], self.positions_all,
+                              (BATCH, 1))
+        return res, None
+
+    # -- after the step's sync: the commits ---------------------------------
+    def _prefilled(self, seq, values, meta):
+        s, e = meta
+        seq.kv_len = e
+        if e - s == BLOCK:
+            self._full(seq, s // BLOCK)
+        if e == seq.p:
+            seq.phase = "decode"
+            self._push(seq, values[e - s - 1])
+
+    def _decoded(self, seq, t):
+        seq.kv_len += 1
+        if seq.kv_len % BLOCK == 0:
+            self._full(seq, seq.kv_len // BLOCK - 1)
+        self._push(seq, t)
+
+    def _full(self, seq, o):
+        parent = seq.hashes[o - 1] if o > 0 else 0
+        toks = seq.tokens_of_block(o)
+        h = block_hash(parent, toks)
+        seq.hashes.append(h)
+        self.blocks.full(seq.blocks[o], h, parent, toks)
+
+    def _push(self, seq, t):
+        i = len(seq.out)
+        if i < len(seq.forced):
+            if t != seq.forced[i]:
+                seq.figures["differed"] = seq.figures.get("differed", 0) + 1
+            t = seq.forced[i]
+        seq.out.append(t)
+        if seq.progress is not None:
+            seq.progress.commit(len(seq.out), t)
+        if len(seq.out) > seq.emit_from:
+            seq.job.put(t)
+        if len(seq.out) >= seq.max_tokens:
+            self._finish(seq)
+
+    def _finish(self, seq):
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        for b in seq.blocks:
+            self.blocks.release(b)
+        seq.blocks = []
+        self._unpin(seq)
+        if seq.forced or seq.figures.get("from_pool"):
+            self.log(event="kv-stream-done", engine=self.engine_id, name=seq.name, tokens=len(seq.out),
+                     **seq.figures)
+        seq.close()
+        seq.job.end()
+
+
+__all__ = ["Batcher", "NoBlocks", "MAX_CTX"]

@@ -1,0 +1,352 @@
+"""The torch engine's paged KV cache, its bookkeeping: which block of the
+pair's KV pool holds what, the prefix cache, and the pool's index that
+outlives the engine (docs/engine-contract.md, "Carrying the KV cache").
+
+Why a module of its own: none of it needs torch or a GPU, so the rules a
+promoted engine lives by (what it may read at once, what it may write
+only after the fence, when a block enters the index) run in ``make test``
+(test_paged.py); engine.py launches the kernels and calls in here around
+them.
+
+The pool is ``blocks`` blocks of ``BLOCK_TOKENS`` tokens (every layer's K
+and V of 16 positions in one contiguous range). Block 0 is scratch: the
+padded rows of a batch write there and no real row reads it. Block 1 is
+zeros, written by nobody: a block table is padded with it. Every block
+an engine takes is zeroed first, so what a row's mask hides is zeros too,
+the same in every run. The index (the
+pool's memfd, gmsd's like the pool) holds a header and one record per
+block:
+
+    header, 64 bytes
+     0  8  magic b"SHDWTKIX"
+     8  4  version (1), little-endian like every field
+    12  4  tokens per block
+    16  4  blocks
+    20  4  block bytes / 4096
+    24  8  the pool's id
+    32 32  zero
+
+    then one state word per block (u32, from offset 64): 0 free, 1
+    written (someone may be writing it), 2 full; then, from the next 4 KiB
+    boundary, one record per block:
+
+    record, 128 bytes
+     0  8  prefix hash of a full block in the prefix cache (0: not cached)
+     8  8  its parent's hash (0 for a sequence's first block)
+    16 64  its 16 token ids (u32), for a full block in the cache
+    80 48  zero
+
+A state word is one aligned 4-byte ``pwrite``, and a record one of 128
+bytes that never crosses a page: a SIGKILL leaves either old or new, never
+half. A block's record is written before the state word that makes it
+full (the word is the commit point). The rules:
+
+- a block is marked written (1) before anything is launched into it;
+- it becomes full (2), with its hash when it enters the prefix cache, only
+  once all of its positions are written and synchronised;
+- it is marked free (0) only when nothing launched into it is pending.
+
+So a promoted engine may at once read (and share) full blocks, write into
+free ones, and must not write a block marked written before the fence
+passes: the dead engine may still be writing it. A sequence it carries
+whose tail lies in such a block gets the tail copied to a free block.
+"""
+
+import hashlib
+import operator
+import os
+import struct
+from collections import OrderedDict
+from itertools import compress
+
+BLOCK_TOKENS = 16
+SCRATCH_BLOCK, ZERO_BLOCK = 0, 1
+# Blocks no sequence ever holds.
+RESERVED_BLOCKS = 2
+MAGIC = b"SHDWTKIX"
+VERSION = 1
+HEADER = 64
+RECORD = 128
+FREE, WRITTEN, FULL = 0, 1, 2
+
+
+def _records_at(blocks):
+    return -(-(HEADER + 4 * blocks) // 4096) * 4096
+
+
+def index_bytes(blocks):
+    """Bytes of the index of a pool of ``blocks`` blocks."""
+    return _records_at(blocks) + RECORD * blocks
+
+
+def block_hash(parent, tokens):
+    """The prefix hash of a full block: its tokens and everything before
+    them (``parent``, the hash of the block before; 0 for the first).
+    Never 0."""
+    h = hashlib.blake2b(struct.pack("<Q", parent) + struct.pack(f"<{len(tokens)}I", *tokens),
+                        digest_size=8, person=b"shadow-kv-block")
+    return int.from_bytes(h.digest(), "little") or 1
+
+
+def prompt_hashes(tokens, upto):
+    """The chained hashes of the full blocks of ``tokens`` that end at or
+    before ``upto`` tokens."""
+    out, parent = [], 0
+    for b in range(upto // BLOCK_TOKENS):
+        parent = block_hash(parent, tokens[b * BLOCK_TOKENS:(b + 1) * BLOCK_TOKENS])
+        out.append(parent)
+    return out
+
+
+class Index:
+    """The pool's index over its memfd (pread/pwrite; the memfd is
+    libgms's). Writes go straight to the memfd: what is there is what a
+    promoted engine reads."""
+
+    def __init__(self, fd, blocks, block_bytes, pool):
+        self.fd, self.blocks, self.block_bytes, self.pool = fd, blocks, block_bytes, pool
+        self.records_at = _records_at(blocks)
+
+    def header(self):
+        return MAGIC + struct.pack("<IIIIQ", VERSION, BLOCK_TOKENS, self.blocks, self.block_bytes // 4096,
+                                   self.pool) + bytes(HEADER - 32)
+
+    def valid(self):
+        """Whether the memfd holds an index of this very pool and geometry."""
+        return os.pread(self.fd, HEADER, 0) == self.header()
+
+    def reset(self):
+        """Every block free, then the header: an index found without its
+        header is never trusted."""
+        os.pwrite(self.fd, bytes(HEADER), 0)
+        os.pwrite(self.fd, bytes(4 * self.blocks), HEADER)
+        os.pwrite(self.fd, self.header(), 0)
+
+    def set(self, block, state, hash_=0, parent=0, tokens=()):
+        """A block's state; a full one's record first (its state word is the
+        commit point)."""
+        if state == FULL:
+            rec = struct.pack("<QQ", hash_, parent)
+            if tokens:
+                rec += struct.pack(f"<{len(tokens)}I", *tokens)
+            os.pwrite(self.fd, rec + bytes(RECORD - len(rec)), self.records_at + RECORD * block)
+        os.pwrite(self.fd, struct.pack("<I", state), HEADER + 4 * block)
+
+    def records(self):
+        """(free blocks, [(block, state, hash, parent, tokens)] of the
+        others), of every block a sequence may hold. A promoted engine reads
+        this on its way to its first answer: the state words in one read,
+        and the records of the blocks in use only."""
+        raw = os.pread(self.fd, 4 * self.blocks, HEADER)
+        n = len(raw) // 4
+        states = memoryview(raw)[:4 * n].cast("I").tolist()
+        blocks = range(RESERVED_BLOCKS, n)
+        in_use = states[RESERVED_BLOCKS:n]
+        free = list(compress(blocks, map(operator.not_, in_use)))
+        used = []
+        for b in compress(blocks, in_use):
+            rec = os.pread(self.fd, RECORD, self.records_at + RECORD * b)
+            if len(rec) < RECORD:
+                break
+            h, parent = struct.unpack_from("<QQ", rec, 0)
+            toks = struct.unpack_from(f"<{BLOCK_TOKENS}I", rec, 16)
+            used.append((b, states[b], h, parent, toks))
+        return free, used
+
+
+class NoBlocks(Exception):
+    """The pool has no block for a sequence now (all are in use)."""
+
+
+class Blocks:
+    """Which block holds what, for the one thread that launches work into
+    the pool (engine.py's batch loop): free blocks, references, the prefix
+    cache (full blocks by hash, least recently used first when evicted),
+    the blocks set aside until the fence, and the index kept in step."""
+
+    def __init__(self, index):
+        self.index = index
+        self.free = []
+        self.refs = {}
+        self.cached = {}            # hash -> block
+        self.cached_of = {}         # block -> (hash, parent, tokens)
+        self.evictable = OrderedDict()  # block -> None: cached, unreferenced
+        self.aside = set()          # written by an engine before, not to be written before the fence
+        self.pinned = {}            # block -> pins: a carried sequence's, until it is taken up
+        self.fenced = True
+        # Evictions wait until every carried sequence has pinned its blocks.
+        self.may_evict = True
+        self.figures = {"adopted_full": 0, "adopted_cached": 0, "aside": 0}
+
+    # -- the start: a new pool, or one an engine wrote before -------------
+    def start(self, created, fenced):
+        """Takes the pool as granted: ``created`` (nothing in it) resets the
+        index; else it is adopted as the index says, and until ``fenced``
+        blocks marked written stay aside."""
+        self.fenced = fenced
+        if created or not self.index.valid():
+            self.index.reset()
+            self.free = list(range(self.index.blocks - 1, RESERVED_BLOCKS - 1, -1))
+            return "new"
+        self.may_evict = False
+        free, used = self.index.records()
+        for b, state, h, parent, toks in used:
+            if state == FULL and h and h not in self.cached:
+                self.cached[h] = b
+                self.cached_of[b] = (h, parent, toks)
+                self.evictable[b] = None
+                self.figures["adopted_cached"] += 1
+            elif state == FULL:
+                # Full but in no cache: a carried sequence's, or nobody's.
+                self.aside.add(b)
+                self.figures["adopted_full"] += 1
+            else:
+                # Written (or a state this engine does not know): someone
+                # may be writing it.
+                self.aside.add(b)
+                self.figures["aside"] += 1
+        free.reverse()
+        self.free = free
+        return "adopted"
+
+    def fence_passed(self):
+        """No engine before can write any more: once every carried sequence
+        has pinned its blocks too, the blocks set aside that none holds are
+        free."""
+        if not self.fenced:
+            self.fenced = True
+            self._release_aside()
+
+    def _settled(self):
+        return self.fenced and self.may_evict
+
+    def _release_aside(self):
+        if not self._settled():
+            return
+        for b in sorted(self.aside):
+            if b not in self.pinned and b not in self.refs:
+                self.aside.discard(b)
+                self.index.set(b, FREE)
+                self.free.append(b)
+
+    def carried_done(self):
+        """Every carried sequence pinned what it needs: the prefix cache may
+        be evicted from now on, and (past the fence) the blocks set aside
+        that none holds are free."""
+        self.may_evict = True
+        self._release_aside()
+
+    # -- pins: a carried sequence's blocks, between the fetch and its turn -
+    def pin(self, blocks):
+        """Pins a carried sequence's blocks until it takes them up: True
+        when every one may be read (full, or written by an engine before
+        and freed by none), else nothing is pinned."""
+        if not all(RESERVED_BLOCKS <= b < self.index.blocks and self.readable(b) for b in blocks):
+            return False
+        for b in blocks:
+            self.pinned[b] = self.pinned.get(b, 0) + 1
+            self.evictable.pop(b, None)
+        return True
+
+    def unpin(self, blocks):
+        for b in blocks:
+            n = self.pinned.get(b, 0) - 1
+            if n > 0:
+                self.pinned[b] = n
+                continue
+            self.pinned.pop(b, None)
+            self._maybe_release(b)
+
+    def readable(self, block):
+        """Whether a carried block may be read: in the prefix cache, or
+        written by an engine before and freed by none (the index said so at
+        the grant, and this engine has not reused it)."""
+        return block in self.cached_of or block in self.aside
+
+    def writable_in_place(self, block):
+        """Whether a carried tail block may be written where it is: no
+        engine before can write it any more."""
+        return self.fenced or block not in self.aside
+
+    # -- allocation -------------------------------------------------------
+    def available(self):
+        return len(self.free) + (len(self.evictable) if self.may_evict else 0)
+
+    def take(self):
+        """A block to write: a free one, else the least recently used
+        cached one nobody holds; marked written in the index first."""
+        if self.free:
+            b = self.free.pop()
+        elif self.may_evict and self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            h, _, _ = self.cached_of.pop(b)
+            del self.cached[h]
+        else:
+            raise NoBlocks(f"all {self.index.blocks - RESERVED_BLOCKS} blocks in use")
+        self.index.set(b, WRITTEN)
+        self.refs[b] = 1
+        return b
+
+    def share(self, block):
+        """One more reference to a full block (a prefix hit, a carried one)."""
+        self.refs[block] = self.refs.get(block, 0) + 1
+        self.evictable.pop(block, None)
+
+    def own_carried(self, block, full):
+        """A carried block taken up in place: referenced; a ``full`` one is
+        marked so (nobody writes it again: every position of it was
+        committed)."""
+        self.share(block)
+        if full and block not in self.cached_of:
+            self.index.set(block, FULL)
+
+    def release(self, block):
+        n = self.refs.get(block, 0) - 1
+        if n > 0:
+            self.refs[block] = n
+            return
+        self.refs.pop(block, None)
+        self._maybe_release(block)
+
+    def _maybe_release(self, b):
+        """A block nobody references or pins any more: a cached one stays
+        (evictable), one set aside waits for the fence, others are free.
+        Only called once nothing launched into it is pending."""
+        if b in self.refs or b in self.pinned:
+            return
+        if b in self.cached_of:
+            self.evictable[b] = None
+            return
+        if b in self.aside:
+            if not self._settled():
+                return
+            self.aside.discard(b)
+        self.index.set(b, FREE)
+        self.free.append(b)
+
+    # -- the prefix cache -------------------------------------------------
+    def lookup(self, hashes, tokens):
+        """The cached blocks of a prompt's first full blocks, in order, up
+        to the first miss (each checked against the tokens it holds)."""
+        hits = []
+        for i, h in enumerate(hashes):
+            b = self.cached.get(h)
+            if b is None:
+                break
+            _, _, toks = self.cached_of[b]
+            if list(toks) != list(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]):
+                break
+            hits.append(b)
+        return hits
+
+    def full(self, block, hash_, parent, tokens):
+        """All of ``block``'s positions are written and synchronised: it is
+        full, and enters the prefix cache under ``hash_`` unless another
+        block holds that prefix already."""
+        if hash_ in self.cached:
+            self.index.set(block, FULL)
+            return False
+        self.cached[hash_] = block
+        self.cached_of[block] = (hash_, parent, tuple(tokens))
+        self.index.set(block, FULL, hash_, parent, tokens)
+        return True
