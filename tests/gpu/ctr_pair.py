@@ -78,6 +78,11 @@ state_dir = "{self.state_dir}"
 metrics_dir = "{self.metrics_dir}"
 gmsd = "{self.bin}/gmsd"
 """)
+            # gmsd may hold the whole GPU: a KV pool sized to fill it is
+            # what the KV-fills-the-GPU test deploys (gmsd's default is 64G).
+            total = _gpu_total_bytes()
+            if total:
+                f.write(f"gms_max_bytes = {total}\n")
         self.log_path = os.path.join(base, "containerd.log")
         with open(self.log_path, "w") as log:
             self.p = subprocess.Popen([os.path.join(self.bin, "containerd"), "--config", config],
@@ -179,6 +184,16 @@ gmsd = "{self.bin}/gmsd"
             except subprocess.TimeoutExpired:
                 os.killpg(self.p.pid, signal.SIGKILL)
                 self.p.wait(10)
+
+
+def _gpu_total_bytes():
+    """GPU 0's memory in bytes (nvidia-smi), or None."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return int(out.split()[0]) << 20
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
 
 
 def engine_env(port, layers, kv_gib, bin_dir):
