@@ -55,9 +55,10 @@ nothing of the answer is written yet. ``answering``: some of it may be;
 how much, the socket says (``bytes_written``: what the peer acknowledged
 plus what is queued), and the promoted engine writes the rest. A plain
 answer's bytes are in the state; a stream's are a pure function of its
-head and its tokens, which the model recomputes from the prompt (the KV
-cache died with the engine), so every byte after the ones the client has
-is the byte the dead engine would have written.
+head and its tokens, which the engine either takes from the KV section
+below (the tokens committed, and the KV they need in the pair's KV pool)
+or computes again from the prompt, so every byte after the ones the
+client has is the byte the dead engine would have written.
 
 Each resumable connection carries one request (``Connection: close``): the
 answer ends with the connection, which the engine shuts down for writing

@@ -2,29 +2,27 @@
 """A small real PyTorch engine that follows the shadow engine contract.
 
 A few transformer-style layers (hidden 4096 by default) with random weights
-generated from a seed, a real forward pass on the GPU with a KV cache, and
-an HTTP server (POST /v1/completions, GET /health). Weights come through
-GMS: the first engine (lease rw) generates and commits them, every later
-engine (lease ro) maps the committed weights read-only at the same
-addresses. Then, per docs/engine-contract.md:
+generated from a seed, a real forward pass on the GPU, and an HTTP server
+(POST /v1/completions, GET /health). Weights come through GMS: the first
+engine (lease rw) generates and commits them, every later engine (lease ro)
+maps the committed weights read-only at the same addresses. On one GPU it
+is a batching engine (batching.py): one thread runs the model over every
+request in flight, its KV cache paged in the pair's KV pool (gmsd's memory,
+which outlives the engine), with a prefix cache and each decode step one
+CUDA graph replay. Then, per docs/engine-contract.md:
 
-  1. initialise (weights, a warm-up forward that loads the kernels);
+  1. initialise (weights; the batch loop's thread runs every shape once on
+     scratch memory, reserves the KV pool's addresses and captures the
+     decode step over them);
   2. STATUS=parked on NOTIFY_SOCKET;
   3. flock(LOCK_EX) on SHADOW_LOCK_PATH;
   4. wake: launch the check of the mapped weights against the digest
-     their writer recorded (on the GPU), and bind the port (or, with an
-     inherited listening socket, start accepting on it);
+     their writer recorded (on the GPU), have the batch loop ask for the
+     KV pool's lease (it maps the pool where the graph expects it, and
+     takes up what the engine before left in it), and bind the port (or,
+     with an inherited listening socket, start accepting on it);
   5. READY=1, then serve; the check's verdict is awaited before the first
-     answer is sent (it overlaps the first request), and once that answer
-     is out the KV cache starts growing at its reserved address (libgms backs what fits now
-     and the rest as the dead engine's memory comes back; the engine does
-     not wait for it; a request that needs KV rows starts it sooner): a request whose KV rows are backed runs at once,
-     one whose rows are not yet waits until the cache has grown (those
-     behind it wait in the listen backlog). The KV cache is laid out token
-     after token (every layer's K and V of token 0, then of token 1, ...),
-     so that its backed prefix holds whole tokens: a request of n tokens
-     needs the first n rows. Short requests run on the CUDA-graph path,
-     whose window is the engine's own, and need none of it.
+     answer is sent (it overlaps the first request).
 
 A reader checks the weights once more right after mapping them. Weights
 that changed since their commit (on CUDA any holder of the handle can
@@ -39,34 +37,41 @@ in its backlog instead of being refused. Without it, it binds ENGINE_PORT.
 With the pair's fd store (NOTIFY_SOCKET and SHADOW_FDSTORE_SOCKET, unless
 ENGINE_NO_FDSTORE=1) every connection is stored the moment it is accepted,
 with a memfd of what its request needs to be resumed (continuity.py), and
-removed once answered; one request per connection (Connection: close). A
-promoted engine fetches the store once READY=1 is sent, on a thread of its
-own while it serves new connections, and then finishes every answer the
-dead engine had begun before the next new one: a request
-not yet answered is answered, a streamed completion continues right after
-the last byte the client has (the socket counts what was written), with
-the same tokens, recomputed from the prompt. POST /v1/completions speaks
-OpenAI's completions API, "stream": true as server-sent events ending with
-``data: [DONE]``. With SHADOW_ACCEPT=runtime (shadow.dev/accept: runtime) the
-inherited socket is a hand-off socket: the runtime accepts, keeps each
-connection in the store from the moment it exists, and hands it to the
-serving engine, which stores only the state memfd beside it.
+removed once answered; one request per connection (Connection: close).
+Each connection is served on a thread of its own. A promoted engine
+fetches the store once READY=1 is sent, on a thread of its own while it
+serves new connections, pins the pool's blocks every fetched stream
+names, and resumes each connection on a thread: a request not yet
+answered is answered, a streamed completion continues right after the
+last byte the client has (the socket counts what was written), from the
+last token whose KV the dead engine committed to the pool, with nothing
+computed again (a stream whose KV cannot be taken up, from another pool,
+is computed again from its prompt, the same tokens). POST /v1/completions
+speaks OpenAI's completions API, "stream": true as server-sent events
+ending with ``data: [DONE]``. With SHADOW_ACCEPT=runtime
+(shadow.dev/accept: runtime) the inherited socket is a hand-off socket:
+the runtime accepts, keeps each connection in the store from the moment
+it exists, and hands it to the serving engine, which stores only the
+state memfd beside it.
 
 With a watchdog (WATCHDOG_USEC, shadow.dev/watchdog) the main process pings
 WATCHDOG=1 each half interval from the loops that work, never from a timer:
 while parked from its wait for the lock (the flock waits in a thread; the
 lock taken, the wake goes on without waiting for a ping), while serving
-from the serving loop and from each decode step. In a TP group it pings
+from the serving loop, as long as the worker that runs the model is not
+stuck in one step for half an interval (jobs.py). In a TP group it pings
 only while every rank beats (tp.py, heartbeat.py). A stuck step, or a rank
 stuck in a kernel or a collective, stops the pings and the runtime ends the
 engine. SHADOW_TEST_HANG=1 adds POST /test/hang for tests: it answers, then
-starts a GPU kernel that never ends and waits for it in the serving path
+has the worker start a GPU kernel that never ends and wait for it
 (``{"rank": r}``: on rank r of a group instead, which stops beating).
 
 Environment: SHADOW_ENGINE_ID, SHADOW_LOCK_PATH, NOTIFY_SOCKET,
 GMS_SOCKET_DIR, LISTEN_FDS/LISTEN_PID/LISTEN_FDNAMES (as the shim sets
 them); ENGINE_PORT (default 8000),
-ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB (per GPU), GMS_LIB,
+ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB (the KV pool, per
+GPU), GMS_LIB, ENGINE_PREFIX_CACHE=0 and ENGINE_DECODE_GRAPH=0 (for
+comparisons: no prefix cache, every decode step eager),
 ENGINE_TP (default 1: N > 1 runs N ranks, one per GPU, tp.py),
 WATCHDOG_USEC/WATCHDOG_PID (as the shim sets them), SHADOW_FDSTORE_SOCKET
 (as the shim sets it), ENGINE_NO_FDSTORE, SHADOW_TEST_HANG.
@@ -86,7 +91,8 @@ import time
 # set before torch starts cuBLAS: a parked engine keeps one per stream it
 # ever ran a GEMM on (three here: the batch loop's, the decode graph's and
 # the weights check's), and the parked shadow's budget is 800 MiB. On an
-# H200 this engine's requests took as long with 8 MiB as with 32.
+# H200 the serial version of this engine took as long with 8 MiB as with
+# 32; the batching one was measured with 8 only.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
 
 import torch  # noqa: E402
