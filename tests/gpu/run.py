@@ -1620,7 +1620,7 @@ def continuity_through_kills(accept):
                     gaps = []
                     h, e, gap = stream_completion(port, prompt, n, gaps=gaps)
                     text, why = stream_text(h, e)
-                    if not loaded or len(loaded) < 4096:
+                    if len(loaded) < 4096:
                         loaded.extend(gaps[2:])
                 else:
                     text, why, gap = request(port, prompt, max_tokens=n, timeout=30)["choices"][0]["text"], None, 0.0
