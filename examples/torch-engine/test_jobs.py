@@ -9,6 +9,16 @@ import unittest
 from jobs import SerialWorker
 
 
+def until(cond, timeout=10.0):
+    """Whether ``cond()`` became true within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 class SerialWorkerTest(unittest.TestCase):
     def test_tokens_arrive_in_order_and_a_failure_is_raised_in_the_reader(self):
         def generate(tokens, max_tokens, step, emit):
@@ -28,13 +38,17 @@ class SerialWorkerTest(unittest.TestCase):
         w = SerialWorker(lambda *a: None)
         w.start()
         self.assertFalse(w.stalled(0.0), "idle is not stalled")
-        release = threading.Event()
-        w.run_stuck(release.wait)
-        time.sleep(0.1)
-        self.assertTrue(w.stalled(0.05))
+        release, inside = threading.Event(), threading.Event()
+
+        def stuck():
+            inside.set()
+            release.wait()
+
+        w.run_stuck(stuck)
+        self.assertTrue(inside.wait(10))
+        self.assertTrue(until(lambda: w.stalled(0.05)), "in one step for longer than 50 ms")
         release.set()
-        time.sleep(0.05)
-        self.assertFalse(w.stalled(0.05))
+        self.assertTrue(until(lambda: not w.stalled(0.05)), "the step ended")
 
     def test_a_job_cancelled_before_its_turn_is_not_run(self):
         ran = []
