@@ -14,8 +14,8 @@ padded rows of a batch write there and no real row reads it. Block 1 is
 zeros, written by nobody: a block table is padded with it. Every block
 an engine takes is zeroed first, so what a row's mask hides is zeros too,
 the same in every run. The index (the
-pool's memfd, gmsd's like the pool) holds a header and one record per
-block:
+pool's memfd, gmsd's like the pool) holds a header, one state word per
+block and one record per block:
 
     header, 64 bytes
      0  8  magic b"SHDWTKIX"
