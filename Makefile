@@ -277,7 +277,7 @@ vllm-model: vllm-env
 
 test-vllm-unit: vllm-env vllm-model
 	$(VLLM_VENV)/bin/python -m unittest discover -s integrations/vllm/tests -v
-	# The torch engine's paged model on the CPU (this venv has torch).
+	# The torch engine's paged model and batch loop on the CPU (this venv has torch).
 	PYTHONDONTWRITEBYTECODE=1 $(VLLM_VENV)/bin/python -m unittest discover -s examples/torch-engine -p test_model.py -v
 
 # vLLM as a shadow pair against a cold restart of the same engine under

@@ -1,9 +1,12 @@
-"""The torch engine's paged model on the CPU (with torch; ``make test``
-runs it in the vLLM venv, and skips it where torch is missing): a prompt
-computed in chunks and decoded in padded batches over blocks of the pool
-gives the tokens of plain causal attention over the whole sequence, and
-the same tokens whatever else is in the batch and whether the prompt's
-first blocks came from the prefix cache."""
+"""The torch engine's paged model and batch loop on the CPU (with torch;
+``make test`` runs it in the vLLM venv, and skips it where torch is
+missing): a prompt computed in chunks and decoded in padded batches over
+blocks of the pool gives the tokens of plain causal attention over the
+whole sequence, and the same tokens whatever else is in the batch and
+whether the prompt's first blocks came from the prefix cache; and the
+batch loop's steps carry streams across an engine's death through the
+pool and its index. What needs the GPU (the decode graph, the pool's
+grant, the fence) is `make test-gpu`'s."""
 
 import math
 import os
@@ -112,3 +115,227 @@ class PagedModelTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class _CpuTorch:
+    """torch as batching.py sees it in these tests: the same, on the CPU
+    (its calls name the device "cuda"; nothing here has one)."""
+
+    class cuda:
+        synchronize = staticmethod(lambda *a, **k: None)
+        empty_cache = staticmethod(lambda: None)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(fn):
+        def call(*a, device=None, **kw):
+            return fn(*a, **kw)
+        return call
+
+    def __init__(self):
+        for name in ("tensor", "zeros", "empty", "arange"):
+            setattr(self, name, self._cpu(getattr(torch, name)))
+
+
+class _EagerGraph:
+    """The decode graph's stand-in: the same step, run eagerly."""
+
+    def __init__(self, b, model):
+        self.b, self.model, self.addr = b, model, None
+        self.positions = torch.arange(b.GRAPH_CTX)
+
+    def capture(self, caches, addr):
+        self.caches, self.addr = caches, addr
+
+    def run(self, flat):
+        b = self.b
+        t = torch.tensor(flat).view(b.BATCH, b._ROW)
+        return self.model.rows(t[:, 0], self.caches, t[:, 2], t[:, 3], t[:, 4:4 + b.GRAPH_CTX // b.BLOCK], t[:, 1],
+                               self.positions, (b.BATCH, 1))
+
+
+@unittest.skipIf(torch is None, "needs torch")
+class BatchLoopTest(unittest.TestCase):
+    """The batch loop's steps (batching.Batcher, without its thread) on the
+    CPU, over a pool and an index that outlive the engine: engine A serves
+    three streams and dies mid-way (its last writes past what it committed
+    left in the pool); engine B, on the same pool, takes them up from what
+    the streams' state says, before the fence, and every stream ends with
+    the tokens of an undisturbed run, with nothing computed again."""
+
+    PROMPTS = ["a stream that outlives its engine, and more", "a stream that outlives its engine, and less",
+               "another prompt entirely, not sharing blocks with the first two"]
+    TOKENS = 40
+
+    @classmethod
+    def setUpClass(cls):
+        import batching
+        import continuity
+        import engine
+        import jobs
+        import paged
+        cls.b, cls.continuity, cls.engine, cls.jobs, cls.paged = batching, continuity, engine, jobs, paged
+        cls.saved_torch = batching.torch
+        batching.torch = _CpuTorch()
+        torch.manual_seed(1)
+        m = engine.Model(LAYERS, HIDDEN, "cpu")
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+        cls.model = m
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.b.torch = cls.saved_torch
+
+    def setUp(self):
+        self.fds = []
+
+    def tearDown(self):
+        for fd in self.fds:
+            os.close(fd)
+
+    def pool(self, blocks=96, pool_id=7):
+        geo = self.b.Geometry(LAYERS, HIDDEN, blocks * LAYERS * 2 * self.b.BLOCK * HIDDEN * 2)
+        fd = os.memfd_create("test-index", os.MFD_CLOEXEC)
+        os.ftruncate(fd, self.paged.index_bytes(geo.blocks))
+        self.fds.append(fd)
+        return {"geo": geo, "flat": torch.zeros(geo.pool_bytes // 2, dtype=torch.bfloat16), "index": fd,
+                "id": pool_id}
+
+    def engine_on(self, pool, created, fenced):
+        """A Batcher over ``pool``, as its grant leaves it (no thread)."""
+        b = object.__new__(self.b.Batcher)
+        self.jobs.Worker.__init__(b, "test-batch-loop")
+        b.engine_id, b.gms, b.model, b.log = "t", None, self.model, (lambda **kw: self.events.append(kw))
+        b.geo, b.nbytes = pool["geo"], pool["geo"].pool_bytes
+        b.graph = _EagerGraph(self.b, self.model)
+        b.positions_all = torch.arange(self.b.MAX_CTX)
+        b.pool, b.pool_id, b.flat = None, pool["id"], pool["flat"]
+        b.caches = b.geo.caches(b.flat)
+        b.graph.capture(b.caches, 0)
+        b.waiting, b.running, b.pins = [], [], {}
+        b.figures = {"carried": 0, "from_pool": 0, "computed_again": 0, "copied": 0}
+        b.blocks = self.paged.Blocks(self.paged.Index(pool["index"], b.geo.blocks, b.geo.block_bytes, pool["id"]))
+        b.blocks.start(created, fenced)
+        return b
+
+    def streams(self):
+        out = []
+        for i, text in enumerate(self.PROMPTS):
+            st = self.continuity.State.create(f"s{i}")
+            self.fds.append(st.fd)
+            out.append((f"c-test-{i}", st, self.engine.tokenize(text, self.TOKENS)))
+        return out
+
+    def submit(self, b, name, prompt, state, carried=None):
+        progress = self.continuity.KvProgress(state.fd, carried, name)
+        job = b.submit(prompt, self.TOKENS, progress)
+        b._message(b.inbox.get_nowait())
+        progress.close()
+        return job
+
+    def drain(self, job):
+        out = []
+        while True:
+            try:
+                t = job.q.get_nowait()
+            except Exception:  # noqa: BLE001 (queue.Empty: nothing more yet)
+                return out
+            if t is self.jobs.END:
+                out.append(t)
+                return out
+            out.append(t)
+
+    def run_to_end(self, b, jobs, got, steps=500):
+        with torch.no_grad():
+            for _ in range(steps):
+                if not (b.waiting or b.running):
+                    break
+                b._step()
+        for name, job in jobs.items():
+            got[name] += [t for t in self.drain(job) if t is not self.jobs.END]
+
+    def test_streams_go_on_from_the_pool_after_their_engine_dies(self):
+        self.events = []
+        # Undisturbed, on a pool of its own.
+        ref = self.engine_on(self.pool(), created=True, fenced=True)
+        ref_streams = self.streams()
+        ref_jobs = {name: self.submit(ref, name, prompt, st) for name, st, prompt in ref_streams}
+        want = {name: [] for name in ref_jobs}
+        self.run_to_end(ref, ref_jobs, want)
+        self.assertTrue(all(len(t) == self.TOKENS for t in want.values()), want)
+
+        # Engine A serves the same streams and dies 12 steps in.
+        pool = self.pool()
+        a = self.engine_on(pool, created=True, fenced=True)
+        streams = self.streams()
+        a_jobs = {name: self.submit(a, name, prompt, st) for name, st, prompt in streams}
+        with torch.no_grad():
+            for _ in range(12):
+                a._step()
+        sent = {name: [t for t in self.drain(job) if t is not self.jobs.END] for name, job in a_jobs.items()}
+        self.assertTrue(all(0 < len(t) < self.TOKENS for t in sent.values()), "killed mid-stream")
+        # What it wrote for steps it never committed: past each stream's
+        # committed positions, in its tail block.
+        for seq in a.running:
+            tail = seq.blocks[seq.kv_len // self.b.BLOCK]
+            view = a.geo.block_view(pool["flat"], tail).view(LAYERS, 2, self.b.BLOCK, HIDDEN)
+            view[:, :, seq.kv_len % self.b.BLOCK:].normal_(0.0, 5.0)
+
+        # Engine B on the same pool, before the fence: pins what each
+        # stream's state names, then takes the streams up.
+        b = self.engine_on(pool, created=False, fenced=False)
+        carried = {name: self.continuity.read_kv(st.fd) for name, st, _ in streams}
+        for name, kv in carried.items():
+            b._message(("pin", name, kv))
+            self.assertTrue(b.pins[name], f"{name}: its blocks are readable")
+        b._message(("carried_done",))
+        b_jobs = {name: self.submit(b, name, prompt, st, carried[name]) for name, st, prompt in streams}
+        got = {name: list(carried[name]["tokens"]) for name in b_jobs}
+        self.run_to_end(b, b_jobs, got)
+        self.assertEqual(got, want, "every stream ends as an undisturbed one")
+        self.assertEqual(b.figures["carried"], 3)
+        self.assertEqual(b.figures["computed_again"], 0)
+        self.assertGreater(b.figures["from_pool"], 0)
+        self.assertGreater(b.figures["copied"], 0, "the tails the dead engine may still write were copied")
+        # The fence passes: what was set aside is free, nothing is held.
+        b.blocks.fence_passed()
+        self.assertFalse(b.blocks.aside - set(b.blocks.cached_of), b.blocks.aside)
+        self.assertEqual(b.blocks.refs, {})
+
+    def test_a_stream_of_another_pool_is_computed_again_to_the_same_tokens(self):
+        self.events = []
+        pool = self.pool()
+        a = self.engine_on(pool, created=True, fenced=True)
+        (name, st, prompt), = self.streams()[:1]
+        job = self.submit(a, name, prompt, st)
+        with torch.no_grad():
+            for _ in range(10):
+                a._step()
+        sent = [t for t in self.drain(job) if t is not self.jobs.END]
+        # A cold restart: a new pool (another id); the stream's state names
+        # the old one.
+        b = self.engine_on(self.pool(pool_id=8), created=True, fenced=True)
+        kv = self.continuity.read_kv(st.fd)
+        self.assertEqual(kv["tokens"], sent)
+        b._message(("pin", name, kv))
+        self.assertIsNone(b.pins[name])
+        b._message(("carried_done",))
+        job = self.submit(b, name, prompt, st, kv)
+        got = {name: list(kv["tokens"])}
+        self.run_to_end(b, {name: job}, got)
+        ref = self.engine_on(self.pool(), created=True, fenced=True)
+        st2 = self.continuity.State.create("ref")
+        self.fds.append(st2.fd)
+        want = {name: []}
+        self.run_to_end(ref, {name: self.submit(ref, name, prompt, st2)}, want)
+        self.assertEqual(got, want)
+        done = [e for e in self.events if e.get("event") == "kv-stream-done" and e.get("name") == name]
+        self.assertEqual(done[-1]["why"], "another pool")
+        self.assertGreater(done[-1]["computed_again"], 0)
