@@ -23,6 +23,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 LAYERS, HIDDEN = 2, 256
 
 
+def random_model(engine, seed):
+    """engine.Model on the CPU with random weights, as the engine makes
+    them from its seed on the GPU (norms at one)."""
+    torch.manual_seed(seed)
+    m = engine.Model(LAYERS, HIDDEN, "cpu")
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    return m
+
+
 @unittest.skipIf(torch is None, "needs torch")
 class PagedModelTest(unittest.TestCase):
     @classmethod
@@ -30,15 +44,7 @@ class PagedModelTest(unittest.TestCase):
         import batching
         import engine
         cls.b, cls.engine = batching, engine
-        torch.manual_seed(0)
-        m = engine.Model(LAYERS, HIDDEN, "cpu")
-        with torch.no_grad():
-            for name, p in m.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-        cls.model = m
+        cls.model = random_model(engine, seed=0)
         cls.geo = batching.Geometry(LAYERS, HIDDEN, 64 * LAYERS * 2 * batching.BLOCK * HIDDEN * 2)
         cls.flat = torch.zeros(cls.geo.pool_bytes // 2, dtype=torch.bfloat16)
         cls.caches = cls.geo.caches(cls.flat)
@@ -179,15 +185,7 @@ class BatchLoopTest(unittest.TestCase):
         cls.b, cls.continuity, cls.engine, cls.jobs, cls.paged = batching, continuity, engine, jobs, paged
         cls.saved_torch = batching.torch
         batching.torch = _CpuTorch()
-        torch.manual_seed(1)
-        m = engine.Model(LAYERS, HIDDEN, "cpu")
-        with torch.no_grad():
-            for name, p in m.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-        cls.model = m
+        cls.model = random_model(engine, seed=1)
 
     @classmethod
     def tearDownClass(cls):
