@@ -171,6 +171,11 @@ typedef struct {
 int gms_kv_pool_open(int proof_fd, uint64_t bytes, uint64_t index_bytes, gms_kv_pool *out);
 int gms_kv_pool_close(void);
 
+/* Where the KV pool's grant spent its time, in microseconds: gmsd's
+ * answer (request sent -> answer read) and the mapping (import, map,
+ * access). 0, or -1 without a pool. */
+int gms_kv_pool_grant_us(uint64_t *answer_us, uint64_t *map_us);
+
 /* Reserves addresses for the KV pool before this process holds its lease
  * (a parked engine): the existing pool's (returns 1), or `bytes` wherever
  * the device puts them (returns 0: no pool yet, where this process makes

@@ -18,7 +18,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
@@ -130,8 +130,17 @@ pub struct KvPool<R: Range> {
     index: File,
     index_bytes: u64,
     fence: Fence,
+    grant: GrantTimes,
     /// The lease: dropped last.
     _lease: UnixStream,
+}
+
+/// Where a grant's time went: gmsd's answer (the request sent → the
+/// answer read) and the mapping (import, map and access of the pool).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GrantTimes {
+    pub answer: Duration,
+    pub map: Duration,
 }
 
 /// A `kv_pool` request sent, its answer not read yet ([`KvPool::ask`]).
@@ -139,6 +148,7 @@ pub struct Asked<R: Range> {
     range: R,
     sock: UnixStream,
     req: Request,
+    sent: Instant,
 }
 
 impl<R: Range> Asked<R> {
@@ -148,8 +158,10 @@ impl<R: Range> Asked<R> {
             mut range,
             sock,
             req,
+            sent,
         } = self;
         let (granted, fds) = receive_response(&sock)?;
+        let answered = Instant::now();
         let Response::KvGranted {
             pool,
             size: got,
@@ -178,6 +190,10 @@ impl<R: Range> Asked<R> {
             }
         }
         range.map(memory.as_fd(), Access::ReadWrite)?;
+        let grant = GrantTimes {
+            answer: answered.duration_since(sent),
+            map: answered.elapsed(),
+        };
         Ok(KvPool {
             pool,
             created,
@@ -189,6 +205,7 @@ impl<R: Range> Asked<R> {
                 fd: fence,
                 passed: AtomicBool::new(false),
             },
+            grant,
             _lease: sock,
         })
     }
@@ -263,7 +280,12 @@ impl<R: Range> KvPool<R> {
             },
             other => other,
         })?;
-        Ok(Asked { range, sock, req })
+        Ok(Asked {
+            range,
+            sock,
+            req,
+            sent: Instant::now(),
+        })
     }
 
     /// The pool's id: another pool (after a reset, or in another gmsd)
@@ -301,6 +323,11 @@ impl<R: Range> KvPool<R> {
 
     pub fn fence(&self) -> &Fence {
         &self.fence
+    }
+
+    /// Where the grant's time went.
+    pub fn grant_times(&self) -> GrantTimes {
+        self.grant
     }
 
     /// The pool's descriptor (for a device API that imports it).

@@ -804,6 +804,35 @@ pub unsafe extern "C" fn gms_kv_pool_reserve(bytes: u64, out_addr: *mut u64) -> 
     })
 }
 
+/// Where the KV pool's grant spent its time, in microseconds: gmsd's
+/// answer (request sent → answer read) into `*answer_us`, the mapping
+/// (import, map, access) into `*map_us`. 0, or -1 without a pool.
+///
+/// # Safety
+/// `answer_us` and `map_us` are valid pointers.
+#[no_mangle]
+pub unsafe extern "C" fn gms_kv_pool_grant_us(answer_us: *mut u64, map_us: *mut u64) -> c_int {
+    guarded("gms_kv_pool_grant_us", -1, || {
+        if answer_us.is_null() || map_us.is_null() {
+            return Err("answer_us or map_us is NULL".into());
+        }
+        with_session!(|s| {
+            let t = s
+                .kv_pool
+                .as_ref()
+                .ok_or("this process holds no KV pool")?
+                .grant_times();
+            let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+            // SAFETY: both non-NULL and valid per the header.
+            unsafe {
+                answer_us.write(us(t.answer));
+                map_us.write(us(t.map));
+            }
+            Ok(0)
+        })
+    })
+}
+
 /// Gives the KV pool's write lease back (the pool stays gmsd's): the
 /// device is synchronised, the pool unmapped, its descriptors closed.
 /// 0 or -1.

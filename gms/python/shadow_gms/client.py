@@ -251,6 +251,7 @@ def _bind(path):
         "gms_kv_release": (c.c_int, [c.c_int64]),
         "gms_kv_pool_open": (c.c_int, [c.c_int, c.c_uint64, c.c_uint64, c.POINTER(_KvPoolDesc)]),
         "gms_kv_pool_close": (c.c_int, []),
+        "gms_kv_pool_grant_us": (c.c_int, [c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]),
         "gms_kv_pool_reserve": (c.c_int, [c.c_uint64, c.POINTER(c.c_uint64)]),
         "gms_weights_sleep": (c.c_int, [c.c_int]),
         "gms_disconnect": (None, []),
@@ -383,6 +384,14 @@ class KvPool:
         if shape is None:
             shape = ((self.nbytes - offset) // size,)
         return self._gms.tensor_at(self.addr + offset, dtype, shape)
+
+    def grant_ms(self):
+        """Where the grant's time went: ``{"answer": gmsd's answer,
+        "map": import, map and access}``, in ms."""
+        answer, mapped = ctypes.c_uint64(), ctypes.c_uint64()
+        self._gms._check(self._gms.lib.gms_kv_pool_grant_us(ctypes.byref(answer), ctypes.byref(mapped)),
+                         "gms_kv_pool_grant_us")
+        return {"answer": answer.value / 1e3, "map": mapped.value / 1e3}
 
     def close(self):
         """Gives the write lease back (the pool stays gmsd's)."""

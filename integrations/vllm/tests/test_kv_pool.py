@@ -47,7 +47,7 @@ CHILD = textwrap.dedent("""
         head.copy_(want)
     print(json.dumps({"event": "granted", "created": pool.created, "pool": pool.pool, "addr": pool.addr,
                       "carried": bool(torch.equal(head, want)), "index": os.pread(pool.index_fd, 4, 0).hex(),
-                      "fenced": pool.fenced(10.0)}), flush=True)
+                      "fenced": pool.fenced(10.0), "grant_ms": pool.grant_ms()}), flush=True)
     if pool.created:
         os.pwrite(pool.index_fd, b"mark", 0)
     sys.stdin.read()
@@ -106,6 +106,9 @@ class KvPoolOverHostGms(unittest.TestCase):
         self.assertTrue(second["carried"], "what the first engine wrote is in the pool")
         self.assertEqual(bytes.fromhex(second["index"]), b"mark", "and in its index")
         self.assertTrue(second["fenced"], "the fence opened once the first was gone")
+        # The grant says where its time went (gmsd's answer, the mapping).
+        self.assertEqual(set(second["grant_ms"]), {"answer", "map"})
+        self.assertTrue(all(v >= 0 for v in second["grant_ms"].values()), second["grant_ms"])
 
     def test_addresses_reserved_ahead_are_where_the_pool_is_granted(self):
         """A parked engine reserves the pool's addresses before it holds
