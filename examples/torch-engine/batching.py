@@ -1,8 +1,8 @@
 """The torch engine on one GPU as a batching engine: one thread runs the
 model over every request in flight (continuous batching), its KV cache
 paged in the pair's KV pool (gmsd's memory: it outlives this engine), a
-prefix cache of full blocks, and each decode step one CUDA graph replay
-captured while parked. A promoted engine takes up the blocks and the
+prefix cache of full blocks, and each prompt chunk and decode batch one
+CUDA graph replay captured while parked. A promoted engine takes up the blocks and the
 streams the dead one left (docs/engine-contract.md, "Carrying the KV
 cache").
 
@@ -26,7 +26,7 @@ full blocks enter the index, and only then is the token handed to the
 connection's thread to send.
 
 **The pool's addresses.** The pool is granted only to the lock holder,
-but the decode graph is captured while parked: the engine reserves the
+but the graphs are captured while parked: the engine reserves the
 pool's addresses ahead (``Gms.kv_pool_reserve``, where the pool lives once
 one exists) and captures over them; the grant maps the pool there. While
 parked and not yet at the pool's address (the pool did not exist), the
@@ -63,9 +63,12 @@ GRAPH_CTX = 384
 # next tokens by this much compute, not by its whole prefill.
 PREFILL_CHUNKS = 4
 # ENGINE_PREFIX_CACHE=0: no block is shared by prefix (every prompt is
-# computed); ENGINE_DECODE_GRAPH=0: every decode step eager. For comparing.
+# computed); ENGINE_CUDA_GRAPHS=0: every step eager (the same shapes, so
+# the same tokens). For comparing.
 PREFIX_CACHE = os.environ.get("ENGINE_PREFIX_CACHE", "1") != "0"
-DECODE_GRAPH = os.environ.get("ENGINE_DECODE_GRAPH", "1") != "0"
+CUDA_GRAPHS = os.environ.get("ENGINE_CUDA_GRAPHS", "1") != "0"
+# The promoted engine's first steps are timed and logged (``first-steps``).
+FIRST_STEPS = 8
 # Ints per row of a launch: token, position, block, offset, then the table.
 _ROW = 4 + MAX_BLOCKS
 
@@ -107,48 +110,154 @@ class Geometry:
         return flat[block * per:(block + 1) * per]
 
 
-class DecodeGraph:
-    """The decode step over GRAPH_CTX positions as one CUDA graph, with its
-    static inputs (one flat int64 buffer) and output."""
+class Shape:
+    """One launch's shape: ``s`` sequences of ``q`` rows each, attending
+    over ``ctx`` positions (every table cut to ``ctx // BLOCK`` blocks)."""
 
-    def __init__(self, model):
-        self.model = model
-        self.static = torch.zeros(BATCH * _ROW, dtype=torch.long, device="cuda")
-        self.out = torch.zeros(BATCH, dtype=torch.long, device="cuda")
-        self.positions = torch.arange(GRAPH_CTX, device="cuda")
+    def __init__(self, name, s, q, ctx):
+        self.name, self.s, self.q, self.ctx = name, s, q, ctx
+        self.rows = s * q
+
+
+# A prompt chunk: one sequence of CHUNK rows over MAX_CTX positions.
+PREFILL = Shape("prefill", 1, CHUNK, MAX_CTX)
+# A decode batch: BATCH sequences of one row, over GRAPH_CTX positions, or
+# over MAX_CTX once a sequence is past GRAPH_CTX.
+DECODE = Shape("decode", BATCH, 1, GRAPH_CTX)
+DECODE_LONG = Shape("decode-long", BATCH, 1, MAX_CTX)
+SHAPES = (PREFILL, DECODE, DECODE_LONG)
+# Each one CUDA graph (captured while parked); DECODE_LONG runs eager.
+GRAPHED = (PREFILL, DECODE)
+
+
+def run_shape(model, caches, t, shape, positions):
+    """``shape``'s rows (``t``: [rows, _ROW] ints on the device) through
+    the model: each row's next token."""
+    return model.rows(t[:, 0], caches, t[:, 2], t[:, 3], t[::shape.q, 4:4 + shape.ctx // BLOCK], t[:, 1],
+                      positions[:shape.ctx], (shape.s, shape.q))
+
+
+class Graph:
+    """One shape's step as a CUDA graph, with its static input (one flat
+    int64 buffer) and output."""
+
+    def __init__(self, shape, device):
+        self.shape = shape
+        self.static = torch.zeros(shape.rows * _ROW, dtype=torch.long, device=device)
+        self.out = torch.zeros(shape.rows, dtype=torch.long, device=device)
         self.graph = None
-        self.addr = None
-        self.side = torch.cuda.Stream()
 
-    def step(self, caches, static, positions, nblocks):
-        s = static.view(BATCH, _ROW)
-        return self.model.rows(s[:, 0], caches, s[:, 2], s[:, 3], s[:, 4:4 + nblocks], s[:, 1], positions,
-                               (BATCH, 1))
+
+class Launcher:
+    """Runs a step's launches with nothing allocated and one sync: the
+    step's rows go to the device in one copy (from pinned memory), each
+    launch is a graph replay (or the same shape eagerly), every result is
+    gathered on the device and comes back in one copy. A promoted engine's
+    first steps run while the driver tears the dead engine's context down,
+    when an allocation or a pageable copy waits on the driver: none is on
+    this path. ``graphs=False`` (or a CPU ``device``) runs every shape
+    eagerly: the same shapes, so the same tokens."""
+
+    def __init__(self, model, device="cuda", graphs=True):
+        self.model, self.device = model, device
+        self.cuda = device == "cuda"
+        self.use_graphs = graphs and self.cuda
+        self.positions = torch.arange(MAX_CTX, device=device)
+        self.graphs = {s.name: Graph(s, device) for s in GRAPHED} if self.use_graphs else {}
+        # One memory pool for every graph: they replay one at a time, on
+        # one stream, and each keeps its output outside the pool.
+        self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.side = torch.cuda.Stream() if self.use_graphs else None
+        self.caches = self.addr = None
+        self.cap = 0
+        self._grow(PREFILL_CHUNKS * CHUNK + 4 * BATCH)
+
+    def _grow(self, rows):
+        """Staging for ``rows`` rows (a step with more sequences in flight
+        than ever before grows it: an allocation, then, and only then)."""
+        pin = self.cuda
+        self.h_in = torch.empty(rows * _ROW, dtype=torch.long, pin_memory=pin)
+        self.d_in = torch.empty(rows * _ROW, dtype=torch.long, device=self.device)
+        self.d_out = torch.empty(rows, dtype=torch.long, device=self.device)
+        self.h_out = torch.empty(rows, dtype=torch.long, pin_memory=pin)
+        self.cap = rows
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
 
     def warm(self, caches):
-        """Runs the step eagerly on the capture stream (lazy kernel loads,
-        the stream's cuBLAS workspace): torch's advice before a capture."""
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side), torch.no_grad():
-            for _ in range(2):
-                self.step(caches, self.static, self.positions, GRAPH_CTX // BLOCK)
-        torch.cuda.current_stream().wait_stream(self.side)
-        torch.cuda.synchronize()
+        """Every shape run eagerly on this thread (its cuBLAS handle is made
+        at its first GEMM, and lazy kernels load) and the graphed ones on
+        the capture stream, as torch advises before a capture."""
+        with torch.no_grad():
+            for shape in SHAPES:
+                t = torch.tensor(_launch_rows([], shape.rows), dtype=torch.long, device=self.device)
+                for _ in range(2):
+                    run_shape(self.model, caches, t.view(shape.rows, _ROW), shape, self.positions)
+            if self.use_graphs:
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    for shape in GRAPHED:
+                        g = self.graphs[shape.name]
+                        for _ in range(2):
+                            run_shape(self.model, caches, g.static.view(shape.rows, _ROW), shape, self.positions)
+                torch.cuda.current_stream().wait_stream(self.side)
+        self.sync()
 
     def capture(self, caches, addr):
-        """Captures the step over ``caches`` (a pool at ``addr``, mapped or
-        only reserved: nothing runs now)."""
-        self.graph = None
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=self.side), torch.no_grad():
-            self.out.copy_(self.step(caches, self.static, self.positions, GRAPH_CTX // BLOCK))
+        """The graphs over ``caches`` (a pool at ``addr``, mapped or only
+        reserved: nothing runs now); the eager shapes use them too."""
+        self.caches, self.addr = caches, addr
+        if not self.use_graphs:
+            return
+        for g in self.graphs.values():
+            g.graph = None
+        for g in self.graphs.values():
+            cg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cg, pool=self.mempool, stream=self.side), torch.no_grad():
+                g.out.copy_(run_shape(self.model, caches, g.static.view(g.shape.rows, _ROW), g.shape,
+                                      self.positions))
+            g.graph = cg
         torch.cuda.synchronize()
-        self.graph, self.addr = g, addr
 
-    def run(self, flat_host):
-        self.static.copy_(torch.tensor(flat_host, dtype=torch.long))
-        self.graph.replay()
-        return self.out.clone()
+    def run(self, launches, times=None):
+        """``launches``: [(shape, flat ints of its rows)]. Each launch's
+        tokens, one list per launch. ``times`` (a dict) gets the host's
+        part (``launch_ms``) and the wait for the device (``sync_ms``)."""
+        t0 = time.perf_counter()
+        rows = sum(shape.rows for shape, _ in launches)
+        if rows > self.cap:
+            self._grow(max(rows, 2 * self.cap))
+        flat = [v for _, f in launches for v in f]
+        n = len(flat)
+        self.h_in[:n].copy_(torch.tensor(flat, dtype=torch.long))
+        self.d_in[:n].copy_(self.h_in[:n], non_blocking=True)
+        at_in = at_out = 0
+        with torch.no_grad():
+            for shape, _ in launches:
+                t = self.d_in[at_in:at_in + shape.rows * _ROW]
+                g = self.graphs.get(shape.name)
+                if g is not None:
+                    g.static.copy_(t)
+                    g.graph.replay()
+                    res = g.out
+                else:
+                    res = run_shape(self.model, self.caches, t.view(shape.rows, _ROW), shape, self.positions)
+                self.d_out[at_out:at_out + shape.rows].copy_(res)
+                at_in, at_out = at_in + shape.rows * _ROW, at_out + shape.rows
+        self.h_out[:rows].copy_(self.d_out[:rows], non_blocking=True)
+        t1 = time.perf_counter()
+        self.sync()
+        values = self.h_out[:rows].tolist()
+        if times is not None:
+            times["launch_ms"] = round((t1 - t0) * 1e3, 3)
+            times["sync_ms"] = round((time.perf_counter() - t1) * 1e3, 3)
+        out, at = [], 0
+        for shape, _ in launches:
+            out.append(values[at:at + shape.rows])
+            at += shape.rows
+        return out
 
 
 class Seq:
@@ -193,11 +302,12 @@ class Batcher(Worker):
         self.engine_id, self.gms, self.model, self.log = engine_id, gms, model, log
         self.geo = Geometry(layers, hidden, pool_bytes)
         self.nbytes = self.geo.pool_bytes
-        self.graph = DecodeGraph(model)
-        self.positions_all = torch.arange(MAX_CTX, device="cuda")
+        self.launch = Launcher(model, graphs=CUDA_GRAPHS)
         self._reserved_tensor = reserved_device_tensor
         self.pool = self.flat = self.caches = self.blocks = None
         self.pool_id = None
+        # The promoted engine's first steps' figures, from the grant on.
+        self.first_steps = None
         self.waiting, self.running = [], []
         self.pins = {}
         self._woken = threading.Event()
@@ -209,7 +319,7 @@ class Batcher(Worker):
         every shape it launches run once on scratch memory, on that very
         thread (torch gives each thread its own cuBLAS handle, made at its
         first GEMM: tens of milliseconds a promoted engine must not pay),
-        and the decode graph captured over the pool's addresses, reserved
+        and the graphs captured over the pool's addresses, reserved
         ahead."""
         self._prepared = threading.Event()
         self._failed = []
@@ -220,17 +330,8 @@ class Batcher(Worker):
 
     def _prepare(self):
         scratch = torch.zeros(RESERVED_BLOCKS * self.geo.block_bytes // 2, dtype=DTYPE, device="cuda")
-        caches = self.geo.caches(scratch)
-        with torch.no_grad():
-            for _ in range(2):
-                flat = torch.tensor(_launch_rows([], CHUNK), dtype=torch.long, device="cuda").view(CHUNK, _ROW)
-                self.model.rows(flat[:, 0], caches, flat[:, 2], flat[:, 3], flat[:1, 4:], flat[:, 1],
-                                self.positions_all, (1, CHUNK))
-                flat = torch.tensor(_launch_rows([], BATCH), dtype=torch.long, device="cuda").view(BATCH, _ROW)
-                self.model.rows(flat[:, 0], caches, flat[:, 2], flat[:, 3], flat[:, 4:], flat[:, 1],
-                                self.positions_all, (BATCH, 1))
-        self.graph.warm(caches)
-        del scratch, caches
+        self.launch.warm(self.geo.caches(scratch))
+        del scratch
         t0 = time.perf_counter()
         self.addr, self.placed = self.gms.kv_pool_reserve(self.geo.pool_bytes)
         self._capture_reserved()
@@ -240,13 +341,13 @@ class Batcher(Worker):
 
     def _capture_reserved(self):
         flat = self._reserved_tensor(self.addr, DTYPE, self.geo.pool_bytes)
-        self.graph.capture(self.geo.caches(flat), self.addr)
+        self.launch.capture(self.geo.caches(flat), self.addr)
         self._reserved_flat = flat
 
     def _park(self):
         """Until woken. While the reservation is not at the pool's address
         (no pool existed yet), asks again every second; once it is,
-        captures the graph again over it."""
+        captures the graphs again over it."""
         while not self._woken.wait(None if self.placed else 1.0):
             try:
                 addr, placed = self.gms.kv_pool_reserve(self.geo.pool_bytes)
@@ -315,6 +416,7 @@ class Batcher(Worker):
         if self.waiting or self.running:
             wait = False
         else:
+            self._first_steps_done()
             self.idle()
             wait = True
         while True:
@@ -375,11 +477,14 @@ class Batcher(Worker):
         except Exception as e:  # noqa: BLE001 (served from a private cache instead, and said so)
             pool, why = None, str(e)
         self.t_grant = time.perf_counter()
+        self.first_steps = []
         grant_ms = round((self.t_grant - t0) * 1e3, 3)
         recaptured = None
+        parts = None
         if pool is not None:
             self.pool, self.pool_id = pool, pool.pool
-            if pool.addr == self.graph.addr:
+            parts = pool.grant_ms()
+            if pool.addr == self.launch.addr:
                 flat = self._reserved_flat
             else:
                 flat = pool.tensor(DTYPE)
@@ -393,12 +498,12 @@ class Batcher(Worker):
             os.ftruncate(index_fd, paged.index_bytes(self.geo.blocks))
             self.pool_id, created, fenced = 0, True, True
         self.flat, self.caches = flat, self.geo.caches(flat)
-        if self.graph.addr != flat.data_ptr():
+        if self.launch.addr != flat.data_ptr():
             t1 = time.perf_counter()
-            self.graph.capture(self.caches, flat.data_ptr())
+            self.launch.capture(self.caches, flat.data_ptr())
             recaptured = round((time.perf_counter() - t1) * 1e3, 3)
         self.blocks = Blocks(Index(index_fd, self.geo.blocks, self.geo.block_bytes, self.pool_id))
-        how = self.blocks.start(created, fenced)
+        how = self.how = self.blocks.start(created, fenced)
         if how == "new":
             # Device memory comes uncleared, and a masked position is
             # still multiplied by zero: numbers from now on.
@@ -408,11 +513,13 @@ class Batcher(Worker):
             # stream order before any step: no wait here.
             self.geo.block_view(flat, ZERO_BLOCK).zero_()
         self.log(event="kv-pool", engine=self.engine_id, how=how, pool=self.pool_id, grant_ms=grant_ms,
+                 grant_parts_ms=parts,
                  addr=hex(flat.data_ptr()), bytes=self.geo.pool_bytes, blocks=self.geo.blocks,
                  fenced=fenced, graph_recaptured_ms=recaptured, refused=why, **self.blocks.figures)
 
     # -- one step -------------------------------------------------------------
     def _step(self):
+        t0 = time.perf_counter()
         for seq in [s for s in self.waiting + self.running if s.job.cancelled]:
             self._finish(seq)
         self._admit()
@@ -420,26 +527,42 @@ class Batcher(Worker):
         chunks = 0
         for seq in self.running:
             if seq.phase == "prefill" and chunks < PREFILL_CHUNKS:
-                launches.append(("prefill", seq, self._prefill(seq)))
+                flat, chunk = self._prefill(seq)
+                launches.append((PREFILL, flat, "prefill", (seq, chunk)))
                 chunks += 1
         decoding = [s for s in self.running if s.phase == "decode"]
-        for graphed in (True, False):
-            group = [s for s in decoding if (DECODE_GRAPH and s.kv_len + 1 <= GRAPH_CTX) == graphed]
+        for shape in (DECODE, DECODE_LONG):
+            group = [s for s in decoding if (s.kv_len + 1 <= GRAPH_CTX) == (shape is DECODE)]
             for i in range(0, len(group), BATCH):
                 part = group[i:i + BATCH]
-                launches.append(("decode", part, self._decode(part, graphed)))
+                launches.append((shape, self._decode(part), "decode", part))
         if not launches:
             return
-        results = torch.cat([r.view(-1) for _, _, (r, _) in launches]).tolist()
-        at = 0
-        for kind, what, (res, meta) in launches:
-            n = res.numel()
-            values, at = results[at:at + n], at + n
+        times = {} if self.first_steps is not None else None
+        results = self.launch.run([(shape, flat) for shape, flat, _, _ in launches], times)
+        for (shape, flat, kind, what), values in zip(launches, results):
             if kind == "prefill":
-                self._prefilled(what, values, meta)
+                self._prefilled(*what, values)
             else:
                 for seq, t in zip(what, values):
                     self._decoded(seq, t)
+        if times is not None:
+            self._first_step(t0, launches, times)
+
+    def _first_step(self, t0, launches, times):
+        """The figures of one of this engine's first steps after its grant;
+        logged at FIRST_STEPS of them or when the loop first goes idle."""
+        t1 = time.perf_counter()
+        self.first_steps.append(dict(
+            times, at_ms=round((t0 - self.t_grant) * 1e3, 3), ms=round((t1 - t0) * 1e3, 3),
+            launches="+".join(shape.name for shape, _, _, _ in launches)))
+        if len(self.first_steps) >= FIRST_STEPS:
+            self._first_steps_done()
+
+    def _first_steps_done(self):
+        if self.first_steps:
+            self.log(event="first-steps", engine=self.engine_id, how=self.how, steps=self.first_steps)
+            self.first_steps = None
 
     def _admit(self):
         """Waiting sequences, in order, while the pool has their blocks."""
@@ -516,7 +639,7 @@ class Batcher(Worker):
         self._unpin(seq)
         if copies:
             # Committed once it is in the pool: then the table names it.
-            torch.cuda.synchronize()
+            self.launch.sync()
             for i, nb in copies:
                 seq.progress.block(i, nb)
         seq.out = list(carried["tokens"])
@@ -557,6 +680,8 @@ class Batcher(Worker):
         return seq.blocks[ordinal]
 
     def _prefill(self, seq):
+        """The rows of ``seq``'s next prompt chunk (a PREFILL launch), and
+        the positions they compute."""
         s = seq.kv_len
         e = min(s + CHUNK, seq.p)
         b = self._block_for(seq, s // BLOCK)
@@ -565,28 +690,20 @@ class Batcher(Worker):
         flat = _launch_rows(rows, CHUNK)
         for r in range(e - s, CHUNK):
             flat[r * _ROW + 1] = s + r
-        t = torch.tensor(flat, dtype=torch.long, device="cuda").view(CHUNK, _ROW)
-        res = self.model.rows(t[:, 0], self.caches, t[:, 2], t[:, 3], t[:1, 4:], t[:, 1], self.positions_all,
-                              (1, CHUNK))
-        return res, (s, e)
+        return flat, (s, e)
 
-    def _decode(self, part, graphed):
+    def _decode(self, part):
+        """The rows of one decode batch (a DECODE or DECODE_LONG launch)."""
         rows = []
         for seq in part:
             j = seq.kv_len
             b = self._block_for(seq, j // BLOCK)
             rows.append((seq.out[-1], j, b, j % BLOCK, seq.blocks))
-        flat = _launch_rows(rows, BATCH)
-        if graphed:
-            return self.graph.run(flat), None
-        t = torch.tensor(flat, dtype=torch.long, device="cuda").view(BATCH, _ROW)
-        res = self.model.rows(t[:, 0], self.caches, t[:, 2], t[:, 3], t[:, 4:], t[:, 1], self.positions_all,
-                              (BATCH, 1))
-        return res, None
+        return _launch_rows(rows, BATCH)
 
     # -- after the step's sync: the commits ---------------------------------
-    def _prefilled(self, seq, values, meta):
-        s, e = meta
+    def _prefilled(self, seq, chunk, values):
+        s, e = chunk
         seq.kv_len = e
         if e - s == BLOCK:
             self._full(seq, s // BLOCK)

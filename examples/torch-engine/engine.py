@@ -13,12 +13,12 @@ CUDA graph replay. Then, per docs/engine-contract.md:
 
   1. initialise (weights; the batch loop's thread runs every shape once on
      scratch memory, reserves the KV pool's addresses and captures the
-     decode step over them);
+     prompt chunk and the decode step over them);
   2. STATUS=parked on NOTIFY_SOCKET;
   3. flock(LOCK_EX) on SHADOW_LOCK_PATH;
   4. wake: launch the check of the mapped weights against the digest
      their writer recorded (on the GPU), have the batch loop ask for the
-     KV pool's lease (it maps the pool where the graph expects it, and
+     KV pool's lease (it maps the pool where the graphs expect it, and
      takes up what the engine before left in it), and bind the port (or,
      with an inherited listening socket, start accepting on it);
   5. READY=1, then serve; the check's verdict is awaited before the first
@@ -70,8 +70,8 @@ Environment: SHADOW_ENGINE_ID, SHADOW_LOCK_PATH, NOTIFY_SOCKET,
 GMS_SOCKET_DIR, LISTEN_FDS/LISTEN_PID/LISTEN_FDNAMES (as the shim sets
 them); ENGINE_PORT (default 8000),
 ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB (the KV pool, per
-GPU), GMS_LIB, ENGINE_PREFIX_CACHE=0 and ENGINE_DECODE_GRAPH=0 (for
-comparisons: no prefix cache, every decode step eager),
+GPU), GMS_LIB, ENGINE_PREFIX_CACHE=0 and ENGINE_CUDA_GRAPHS=0 (for
+comparisons: no prefix cache, every step eager),
 ENGINE_TP (default 1: N > 1 runs N ranks, one per GPU, tp.py),
 WATCHDOG_USEC/WATCHDOG_PID (as the shim sets them), SHADOW_FDSTORE_SOCKET
 (as the shim sets it), ENGINE_NO_FDSTORE, SHADOW_TEST_HANG.
@@ -89,8 +89,8 @@ import time
 
 # cuBLAS workspaces of 8 MiB per stream, not the 32 MiB torch gives Hopper,
 # set before torch starts cuBLAS: a parked engine keeps one per stream it
-# ever ran a GEMM on (three here: the batch loop's, the decode graph's and
-# the weights check's), and the parked shadow's budget is 800 MiB. On an
+# ever ran a GEMM on (three here: the batch loop's, the graphs' and the
+# weights check's), and the parked shadow's budget is 800 MiB. On an
 # H200 the serial version of this engine took as long with 8 MiB as with
 # 32; the batching one was measured with 8 only.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
@@ -670,7 +670,7 @@ def hang_gpu():
 
 def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
     """TP=1: the model, its weights through GMS, and the batch loop with
-    its decode graph captured over the KV pool's reserved addresses;
+    its graphs captured over the KV pool's reserved addresses;
     returns (batcher, wake)."""
     # 1. initialise: weights through GMS (rw_or_ro).
     gms = Gms(mode="rw_or_ro", client=f"torch-engine-{engine_id}", timeout_s=300)
@@ -701,8 +701,9 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
     torch.backends.cuda.enable_flash_sdp(False)
     torch.backends.cuda.enable_math_sdp(False)
     torch.backends.cuda.enable_mem_efficient_sdp(True)
-    # The batch loop: every shape warmed up on scratch memory, the decode
-    # step captured over the KV pool's addresses (reserved, not mapped).
+    # The batch loop: every shape warmed up on scratch memory, the prompt
+    # chunk and the decode step captured over the KV pool's addresses
+    # (reserved, not mapped).
     batcher = Batcher(engine_id, gms, model, layers, hidden, kv_bytes, log)
     batcher.prepare()
     # The promotion's weights check, recorded as one CUDA graph.

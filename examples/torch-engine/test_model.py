@@ -5,12 +5,13 @@ blocks of the pool gives the tokens of plain causal attention over the
 whole sequence, and the same tokens whatever else is in the batch and
 whether the prompt's first blocks came from the prefix cache; and the
 batch loop's steps carry streams across an engine's death through the
-pool and its index. What needs the GPU (the decode graph, the pool's
+pool and its index. What needs the GPU (the CUDA graphs, the pool's
 grant, the fence) is `make test-gpu`'s."""
 
 import math
 import os
 import sys
+import time
 import unittest
 
 try:
@@ -105,6 +106,29 @@ class PagedModelTest(unittest.TestCase):
         with torch.no_grad():
             self.assertEqual(self.generate(prompt, list(range(2, 7)), 20), self.dense(prompt, 20))
 
+    def test_a_step_of_several_launches_gives_each_its_own_tokens(self):
+        # The launcher puts every launch's rows in one buffer and gathers
+        # every result in another: each launch still gets its own tokens,
+        # also when the step outgrows the buffers.
+        b = self.b
+        launcher = b.Launcher(self.model, device="cpu", graphs=False)
+        launcher.capture(self.caches, 0)
+        launcher._grow(4)
+        prompt = [ord(c) for c in "one chunk of a prompt"][:b.CHUNK]
+        chunk = b._launch_rows([(t, j, 50, j, [50, 51]) for j, t in enumerate(prompt)], b.CHUNK)
+        for r in range(len(prompt), b.CHUNK):
+            chunk[r * b._ROW + 1] = r
+        batch = b._launch_rows([(7, 3, 52, 3, [52]), (9, 0, 53, 0, [53])], b.BATCH)
+        alone = []
+        with torch.no_grad():
+            for shape, flat in ((b.PREFILL, chunk), (b.DECODE, batch)):
+                t = torch.tensor(flat).view(shape.rows, b._ROW)
+                alone.append(b.run_shape(self.model, self.caches, t, shape, launcher.positions).tolist())
+            together = launcher.run([(b.PREFILL, chunk), (b.DECODE, batch)], times := {})
+        self.assertEqual(together, alone)
+        self.assertGreaterEqual(launcher.cap, b.CHUNK + b.BATCH)
+        self.assertEqual(set(times), {"launch_ms", "sync_ms"})
+
     def test_the_same_tokens_alone_batched_and_from_the_prefix_cache(self):
         prompt = [ord(c) for c in "a prompt of three blocks, more or less"]
         other = [ord(c) for c in "something else entirely, a longer prompt here"]
@@ -117,49 +141,6 @@ class PagedModelTest(unittest.TestCase):
             hit = self.generate(prompt, [10, 11] + list(range(40, 43)), 24, start=2 * self.b.BLOCK)
         self.assertEqual(batched, alone)
         self.assertEqual(hit, alone)
-
-
-if __name__ == "__main__":
-    unittest.main()
-
-
-class _CpuTorch:
-    """torch as batching.py sees it in these tests: the same, on the CPU
-    (its calls name the device "cuda"; nothing here has one)."""
-
-    class cuda:
-        synchronize = staticmethod(lambda *a, **k: None)
-        empty_cache = staticmethod(lambda: None)
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def _cpu(fn):
-        def call(*a, device=None, **kw):
-            return fn(*a, **kw)
-        return call
-
-    def __init__(self):
-        for name in ("tensor", "zeros", "empty", "arange"):
-            setattr(self, name, self._cpu(getattr(torch, name)))
-
-
-class _EagerGraph:
-    """The decode graph's stand-in: the same step, run eagerly."""
-
-    def __init__(self, b, model):
-        self.b, self.model, self.addr = b, model, None
-        self.positions = torch.arange(b.GRAPH_CTX)
-
-    def capture(self, caches, addr):
-        self.caches, self.addr = caches, addr
-
-    def run(self, flat):
-        b = self.b
-        t = torch.tensor(flat).view(b.BATCH, b._ROW)
-        return self.model.rows(t[:, 0], self.caches, t[:, 2], t[:, 3], t[:, 4:4 + b.GRAPH_CTX // b.BLOCK], t[:, 1],
-                               self.positions, (b.BATCH, 1))
 
 
 @unittest.skipIf(torch is None, "needs torch")
@@ -183,13 +164,7 @@ class BatchLoopTest(unittest.TestCase):
         import jobs
         import paged
         cls.b, cls.continuity, cls.engine, cls.jobs, cls.paged = batching, continuity, engine, jobs, paged
-        cls.saved_torch = batching.torch
-        batching.torch = _CpuTorch()
         cls.model = random_model(engine, seed=1)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.b.torch = cls.saved_torch
 
     def setUp(self):
         self.fds = []
@@ -212,11 +187,12 @@ class BatchLoopTest(unittest.TestCase):
         self.jobs.Worker.__init__(b, "test-batch-loop")
         b.engine_id, b.gms, b.model, b.log = "t", None, self.model, (lambda **kw: self.events.append(kw))
         b.geo, b.nbytes = pool["geo"], pool["geo"].pool_bytes
-        b.graph = _EagerGraph(self.b, self.model)
-        b.positions_all = torch.arange(self.b.MAX_CTX)
+        # Every shape eager on the CPU: the graphs' shapes, so their tokens.
+        b.launch = self.b.Launcher(self.model, device="cpu", graphs=False)
         b.pool, b.pool_id, b.flat = None, pool["id"], pool["flat"]
         b.caches = b.geo.caches(b.flat)
-        b.graph.capture(b.caches, 0)
+        b.launch.capture(b.caches, 0)
+        b.first_steps = None
         b.waiting, b.running, b.pins = [], [], {}
         b.figures = {"carried": 0, "from_pool": 0, "computed_again": 0, "copied": 0}
         b.blocks = self.paged.Blocks(self.paged.Index(pool["index"], b.geo.blocks, b.geo.block_bytes, pool["id"]))
@@ -289,6 +265,8 @@ class BatchLoopTest(unittest.TestCase):
         # Engine B on the same pool, before the fence: pins what each
         # stream's state names, then takes the streams up.
         b = self.engine_on(pool, created=False, fenced=False)
+        # Its first steps are timed, as after a grant.
+        b.first_steps, b.t_grant, b.how = [], time.perf_counter(), "adopted"
         carried = {name: self.continuity.read_kv(st.fd) for name, st, _ in streams}
         for name, kv in carried.items():
             b._message(("pin", name, kv))
@@ -302,6 +280,10 @@ class BatchLoopTest(unittest.TestCase):
         self.assertEqual(b.figures["computed_again"], 0)
         self.assertGreater(b.figures["from_pool"], 0)
         self.assertGreater(b.figures["copied"], 0, "the tails the dead engine may still write were copied")
+        first, = [e for e in self.events if e.get("event") == "first-steps"]
+        self.assertEqual((first["how"], len(first["steps"])), ("adopted", self.b.FIRST_STEPS), first)
+        self.assertEqual(set(first["steps"][0]), {"at_ms", "ms", "launch_ms", "sync_ms", "launches"})
+        self.assertEqual(first["steps"][0]["launches"], "decode", "carried streams decode at once")
         # The fence passes: what was set aside is free, nothing is held.
         b.blocks.fence_passed()
         self.assertFalse(b.blocks.aside - set(b.blocks.cached_of), b.blocks.aside)
@@ -337,3 +319,7 @@ class BatchLoopTest(unittest.TestCase):
         done = [e for e in self.events if e.get("event") == "kv-stream-done" and e.get("name") == name]
         self.assertEqual(done[-1]["why"], "another pool")
         self.assertGreater(done[-1]["computed_again"], 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
