@@ -24,7 +24,9 @@
 //! - [`weights`]: the digest of committed weights and the exit status of
 //!   an engine that found them changed;
 //! - [`oci`]: what both paths read out of an OCI spec (its rootfs, its
-//!   init's PID namespace), read one way.
+//!   init's PID namespace), read one way;
+//! - [`lockfile`]: the election lock file's identity, as the kernel's lock
+//!   records print it (the shim and gmsd both match them against it).
 //!
 //! Names only: the launcher of the GMS daemon, which lived here, is the
 //! crate `gmsd-launch` (gms/launch), and the engine's side of the contract
@@ -42,6 +44,7 @@ pub mod handoff;
 pub mod hang;
 pub mod host;
 pub mod listen;
+pub mod lockfile;
 pub mod oci;
 pub mod paths;
 pub mod state;

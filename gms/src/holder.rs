@@ -15,33 +15,9 @@
 
 use std::os::unix::fs::MetadataExt;
 
-/// A file as lock records name it: the device's major and minor, the inode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct LockFile {
-    pub major: u32,
-    pub minor: u32,
-    pub inode: u64,
-}
-
-impl LockFile {
-    /// From `st_dev`/`st_ino` of a `stat` of the file.
-    pub fn from_stat(dev: u64, ino: u64) -> LockFile {
-        // glibc's gnu_dev_major/minor encoding.
-        let major = (((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0000_0fff)) as u32;
-        let minor = (((dev >> 12) & 0xffff_ff00) | (dev & 0x0000_00ff)) as u32;
-        LockFile {
-            major,
-            minor,
-            inode: ino,
-        }
-    }
-
-    /// The file at `path`, as its `stat` says.
-    pub fn of_path(path: &std::path::Path) -> std::io::Result<LockFile> {
-        let md = std::fs::metadata(path)?;
-        Ok(LockFile::from_stat(md.dev(), md.ino()))
-    }
-}
+/// The lock file's identity (one definition, with the shim's: the
+/// contract's).
+pub use shadow_contract::lockfile::FileId;
 
 /// The most descriptors (or children) looked at in one process: a process
 /// with more is not proven this way (`None`).
@@ -58,7 +34,7 @@ pub const FDS_LOOKED_AT: usize = 4096;
 /// holder forked first thing in `main` is one of them, and is found
 /// without reading the children of every thread of a busy engine (those
 /// reads were most of a proof's 0.2 to 0.4 ms).
-pub fn held_by(pid: u32, file: LockFile) -> Option<bool> {
+pub fn held_by(pid: u32, file: FileId) -> Option<bool> {
     if let Some(first) = thread_children(pid, pid) {
         if first
             .into_iter()
@@ -122,7 +98,7 @@ fn children(pid: u32) -> Option<Vec<u32>> {
 /// Whether `pid` holds `file`'s exclusive flock through a descriptor of
 /// its own (a process that is gone holds nothing); None when its
 /// descriptors cannot all be looked at.
-fn holds_through_fd(pid: u32, file: LockFile) -> Option<bool> {
+fn holds_through_fd(pid: u32, file: FileId) -> Option<bool> {
     let fds = match std::fs::read_dir(format!("/proc/{pid}/fd")) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Some(false),
@@ -136,7 +112,7 @@ fn holds_through_fd(pid: u32, file: LockFile) -> Option<bool> {
         let Ok(md) = std::fs::metadata(fd.path()) else {
             continue;
         };
-        if LockFile::from_stat(md.dev(), md.ino()) != file {
+        if FileId::from_stat(md.dev(), md.ino()) != file {
             continue;
         }
         let info = format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy());
@@ -152,7 +128,7 @@ fn holds_through_fd(pid: u32, file: LockFile) -> Option<bool> {
 /// Whether an fdinfo text lists an exclusive `flock` of `file`: its
 /// `lock:` lines are `/proc/locks` records, `1: FLOCK  ADVISORY  WRITE
 /// 1234 00:1a:5678 0 EOF`.
-pub fn fdinfo_holds(text: &str, file: LockFile) -> bool {
+pub fn fdinfo_holds(text: &str, file: FileId) -> bool {
     text.lines()
         .filter_map(|l| l.strip_prefix("lock:"))
         .any(|record| {
@@ -162,12 +138,12 @@ pub fn fdinfo_holds(text: &str, file: LockFile) -> bool {
 }
 
 /// `maj:min:inode`, majors and minors in hex as the kernel prints them.
-fn record_file(field: &str) -> Option<LockFile> {
+fn record_file(field: &str) -> Option<FileId> {
     let mut parts = field.splitn(3, ':');
     let major = u32::from_str_radix(parts.next()?, 16).ok()?;
     let minor = u32::from_str_radix(parts.next()?, 16).ok()?;
     let inode = parts.next()?.parse::<u64>().ok()?;
-    Some(LockFile {
+    Some(FileId {
         major,
         minor,
         inode,
@@ -179,16 +155,16 @@ mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
 
-    fn lock_file(dir: &std::path::Path) -> (std::path::PathBuf, LockFile) {
+    fn lock_file(dir: &std::path::Path) -> (std::path::PathBuf, FileId) {
         let path = dir.join("lock");
         std::fs::write(&path, b"").expect("lock file");
-        let file = LockFile::of_path(&path).expect("stat");
+        let file = FileId::of_path(&path).expect("stat");
         (path, file)
     }
 
     #[test]
     fn an_fdinfo_lock_line_of_the_file_proves_the_holder() {
-        let file = LockFile {
+        let file = FileId {
             major: 0,
             minor: 0x2d,
             inode: 42,

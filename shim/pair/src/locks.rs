@@ -5,27 +5,8 @@
 //! so host pids for the shim) and the file's device and inode. Matching the
 //! lock file's identity tells the shim which engine serves.
 
-/// A file's identity as `/proc/locks` prints it: `major:minor:inode`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct FileId {
-    pub major: u32,
-    pub minor: u32,
-    pub inode: u64,
-}
-
-impl FileId {
-    /// From `st_dev`/`st_ino` of a `stat` of the lock file.
-    pub fn from_stat(dev: u64, ino: u64) -> FileId {
-        // glibc's gnu_dev_major/minor encoding.
-        let major = (((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0000_0fff)) as u32;
-        let minor = (((dev >> 12) & 0xffff_ff00) | (dev & 0x0000_00ff)) as u32;
-        FileId {
-            major,
-            minor,
-            inode: ino,
-        }
-    }
-}
+/// The lock file's identity (one definition, with gmsd's: the contract's).
+pub use shadow_contract::lockfile::FileId;
 
 /// One active exclusive or shared `flock`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

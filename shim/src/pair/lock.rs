@@ -58,16 +58,7 @@ pub fn slot_in_cgroup_text(text: &str, engine_cgroups: &[String]) -> Option<Slot
 /// `/proc/locks` (see [`gms::holder`], which gmsd asks too, for the write
 /// lease of the pair's KV pool).
 pub fn held_by(pid: u32, file: FileId) -> Option<bool> {
-    gms::holder::held_by(pid, lock_file(file))
-}
-
-/// The lock file as [`gms::holder`] names it.
-pub fn lock_file(file: FileId) -> gms::holder::LockFile {
-    gms::holder::LockFile {
-        major: file.major,
-        minor: file.minor,
-        inode: file.inode,
-    }
+    gms::holder::held_by(pid, file)
 }
 
 /// What one look at `/proc/locks` says about the election lock.

@@ -171,7 +171,7 @@ fn main() -> ExitCode {
             };
             let lock = match lock
                 .as_deref()
-                .map(gms::holder::LockFile::of_path)
+                .map(gms::holder::FileId::of_path)
                 .transpose()
             {
                 Ok(lock) => lock,

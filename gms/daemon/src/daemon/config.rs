@@ -116,5 +116,5 @@ pub struct Config {
     /// The pair's election lock, as its `stat` said when the daemon started
     /// (`--lock`): only the engine that holds it is granted the KV pool's
     /// write lease. Without it no engine is.
-    pub lock: Option<gms::holder::LockFile>,
+    pub lock: Option<gms::holder::FileId>,
 }

@@ -41,7 +41,7 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::memfd::{memfd_create, MFdFlags};
 use nix::unistd::ftruncate;
 
-use gms::holder::{self, LockFile};
+use gms::holder::{self, FileId};
 use gms::protocol::Response;
 use gms::status::KvReport;
 use gms::{Access, Error, Result};
@@ -253,10 +253,10 @@ impl State {
 /// exclusive flock is held: its identity by `fstat`, the lock by this
 /// process's own `fdinfo` of it (the kernel lists there the flocks held
 /// through that open file). Err: what it is instead.
-fn proves_the_lock(proof: &OwnedFd, lock: LockFile) -> std::result::Result<(), String> {
+fn proves_the_lock(proof: &OwnedFd, lock: FileId) -> std::result::Result<(), String> {
     use std::os::fd::AsRawFd;
     let st = nix::sys::stat::fstat(proof.as_fd()).map_err(|e| format!("fstat: {e}"))?;
-    let file = LockFile::from_stat(st.st_dev, st.st_ino);
+    let file = FileId::from_stat(st.st_dev, st.st_ino);
     if file != lock {
         return Err("a descriptor of another file".into());
     }
