@@ -65,6 +65,13 @@ impl Gmsd {
     fn status(&self) -> StatusReport {
         client::status(&self.socket).expect("status")
     }
+
+    /// gmsd's open descriptors.
+    fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .expect("gmsd's fd directory")
+            .count()
+    }
 }
 
 impl Drop for Gmsd {
@@ -224,6 +231,8 @@ fn a_reset_makes_the_next_pool_a_new_one() {
     let dir = tempfile::tempdir().expect("temp dir");
     let lock = lock_file(dir.path());
     let gmsd = Gmsd::start(Some(&lock));
+    let _ = gmsd.status();
+    let fds_without_pool = gmsd.open_fds();
 
     let mut first = Probe::spawn(&gmsd, &lock, &[]);
     let before = first.expect("ready");
@@ -237,6 +246,13 @@ fn a_reset_makes_the_next_pool_a_new_one() {
     client::reset(&gmsd.socket).expect("reset");
     assert!(gmsd.status().kv.is_none(), "the pool went with the reset");
     assert_eq!(gmsd.status().bytes, 0);
+    // Its memory, its export, its index and the fence's pidfds are closed.
+    until(
+        "gmsd's descriptors back to none of the pool's",
+        DEADLINE,
+        STEP,
+        || (gmsd.open_fds() == fds_without_pool).then_some(()),
+    );
 
     let mut next = Probe::spawn(&gmsd, &lock, &[]);
     let after = next.expect("ready");

@@ -119,7 +119,10 @@ impl Daemon {
             .kv
             .as_mut()
             .ok_or_else(|| Error::Backend("the KV pool vanished".into()))?;
-        let memory = pool.memory.export(Access::ReadWrite)?;
+        let memory = pool
+            .exported
+            .try_clone()
+            .map_err(|e| Error::Backend(format!("dup of the exported KV pool: {e}")))?;
         let index = pool
             .index
             .try_clone()
@@ -202,6 +205,7 @@ impl Daemon {
             )));
         }
         let memory = self.backend.allocate(size, "kv")?;
+        let exported = memory.export(Access::ReadWrite)?;
         let index = memfd_create(c"gms-kv-index", MFdFlags::MFD_CLOEXEC)
             .map_err(|e| Error::sys("memfd_create(gms-kv-index)", e))?;
         let len = i64::try_from(index_bytes)
@@ -212,6 +216,7 @@ impl Daemon {
             size,
             va,
             index_bytes,
+            exported,
             memory,
             index,
             grants: 0,

@@ -16,6 +16,11 @@ pub(super) struct Pool {
     pub(super) size: u64,
     pub(super) va: u64,
     pub(super) index_bytes: u64,
+    /// The memory exported once, read-write, when the pool was made: each
+    /// grant sends a duplicate of it. A grant comes on a failover's path,
+    /// while the driver tears the dead engine's context down, and an export
+    /// is a driver call; a `dup` is not. Closed before the memory goes.
+    pub(super) exported: OwnedFd,
     pub(super) memory: Box<dyn Memory>,
     pub(super) index: OwnedFd,
     pub(super) grants: u64,
