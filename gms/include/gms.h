@@ -171,6 +171,19 @@ typedef struct {
 int gms_kv_pool_open(int proof_fd, uint64_t bytes, uint64_t index_bytes, gms_kv_pool *out);
 int gms_kv_pool_close(void);
 
+/* gms_kv_pool_open, mapping before it returns only the pool's allocations
+ * that hold its first `first_bytes` (the first one at least): a thread of
+ * libgms maps the others, in order. Until they are all mapped, use only
+ * the first gms_kv_pool_mapped() bytes. gms_kv_pool_mapped: bytes mapped
+ * from the pool's start (its size once all are); -1 without a pool, or
+ * once mapping the rest failed (what is mapped stays usable).
+ * gms_kv_pool_wait_mapped waits, up to timeout_ms, for `bytes` of it;
+ * returns the bytes mapped then, or -1. */
+int gms_kv_pool_open_first(int proof_fd, uint64_t bytes, uint64_t index_bytes, uint64_t first_bytes,
+                           gms_kv_pool *out);
+int64_t gms_kv_pool_mapped(void);
+int64_t gms_kv_pool_wait_mapped(uint64_t bytes, uint64_t timeout_ms);
+
 /* Where the KV pool's grant spent its time, in microseconds: gmsd's
  * answer (request sent -> answer read) and the mapping (import, map,
  * access). 0, or -1 without a pool. */

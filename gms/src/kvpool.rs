@@ -10,21 +10,26 @@
 //! still have been writing are written only after [`Fence::passed`].
 //!
 //! Ownership: a [`KvPool`] owns the lease's connection (dropping it ends
-//! the lease), the range the pool is mapped over (unmapped before the
-//! descriptor closes), the index's descriptor and the fence's.
+//! the lease), the range the pool is mapped over, the index's descriptor
+//! and the fence's, and the thread that maps the pool's allocations the
+//! grant left to it (stopped and joined before the range is unmapped).
+//! Each allocation's descriptor is closed once it is mapped: the mapping
+//! keeps the memory.
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
 use crate::client::{open, receive_response, send_request, unexpected};
 use crate::mapper::{Access, Mapper, Range};
-use crate::protocol::{Request, Response};
+use crate::protocol::{kv_chunks, Request, Response};
 use crate::{Error, Result};
 
 /// Addresses for the pair's KV pool, reserved before this engine holds
@@ -120,27 +125,153 @@ impl Fence {
     }
 }
 
-/// The pool's write lease and its memory, mapped read-write.
-pub struct KvPool<R: Range> {
+/// The pool's write lease and its memory, mapped read-write: all of it
+/// ([`Asked::granted`]), or its first allocations at the grant and the
+/// rest on a thread of libgms while the engine serves
+/// ([`Asked::granted_first`], [`KvPool::mapped`]).
+pub struct KvPool<R: Range + 'static> {
     pool: u64,
     created: bool,
-    // Field order: the range is unmapped before the descriptor closes.
-    range: R,
-    memory: OwnedFd,
+    addr: u64,
+    len: u64,
+    // Field order: the mapping thread is stopped and joined before the
+    // range (its last reference) is unmapped, then the descriptors close.
+    mapping: Mapping,
+    _range: Arc<Mutex<R>>,
     index: File,
     index_bytes: u64,
     fence: Fence,
     grant: GrantTimes,
+    mapped_at_grant: u64,
     /// The lease: dropped last.
     _lease: UnixStream,
 }
 
 /// Where a grant's time went: gmsd's answer (the request sent → the
-/// answer read) and the mapping (import, map and access of the pool).
+/// answer read) and the mapping of what was mapped before the grant
+/// returned (import, map and access).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GrantTimes {
     pub answer: Duration,
     pub map: Duration,
+}
+
+/// How much of the pool is mapped, from its start; shared with the thread
+/// that maps the rest. Cloned handles watch one pool.
+#[derive(Clone, Debug)]
+pub struct MapWatch(Arc<(Mutex<MapState>, Condvar)>);
+
+#[derive(Debug)]
+struct MapState {
+    mapped: u64,
+    error: Option<String>,
+    /// When the whole pool was mapped, after the grant returned.
+    done_after: Option<Duration>,
+}
+
+impl MapWatch {
+    fn new(mapped: u64) -> MapWatch {
+        let state = MapState {
+            mapped,
+            error: None,
+            done_after: None,
+        };
+        MapWatch(Arc::new((Mutex::new(state), Condvar::new())))
+    }
+
+    fn state(&self) -> MutexGuard<'_, MapState> {
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn update(&self, f: impl FnOnce(&mut MapState)) {
+        f(&mut self.state());
+        self.0 .1.notify_all();
+    }
+
+    /// Bytes mapped from the pool's start.
+    pub fn mapped(&self) -> u64 {
+        self.state().mapped
+    }
+
+    /// Why the rest of the pool could not be mapped (the mapped part stays
+    /// usable; the rest never will be).
+    pub fn error(&self) -> Option<String> {
+        self.state().error.clone()
+    }
+
+    /// How long the rest took, once the whole pool is mapped.
+    pub fn done_after(&self) -> Option<Duration> {
+        self.state().done_after
+    }
+
+    /// Waits up to `timeout` until `bytes` are mapped or the mapping
+    /// failed; the bytes mapped then.
+    pub fn wait_mapped(&self, bytes: u64, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state();
+        while st.mapped < bytes && st.error.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            st = self
+                .0
+                 .1
+                .wait_timeout(st, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+        st.mapped
+    }
+}
+
+/// The thread that maps what the grant did not, and how to stop it.
+struct Mapping {
+    watch: MapWatch,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            // It ends after the allocation it is mapping, if any.
+            let _ = t.join();
+        }
+    }
+}
+
+/// One allocation of the pool: its offset, its length, its descriptor.
+type Part = (u64, u64, OwnedFd);
+
+/// Maps `parts` into `range` in order, saying so in `watch` after each.
+fn map_rest<R: Range>(range: &Mutex<R>, parts: Vec<Part>, watch: &MapWatch, stop: &AtomicBool) {
+    let t0 = Instant::now();
+    for (offset, len, fd) in parts {
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let mapped = range.lock().unwrap_or_else(|p| p.into_inner()).map_part(
+            offset,
+            len,
+            fd.as_fd(),
+            Access::ReadWrite,
+        );
+        drop(fd);
+        match mapped {
+            Ok(()) => watch.update(|st| st.mapped = offset + len),
+            Err(e) => {
+                watch.update(|st| {
+                    st.error = Some(format!(
+                        "mapping the KV pool's {len} bytes at +{offset:#x}: {e}"
+                    ))
+                });
+                return;
+            }
+        }
+    }
+    watch.update(|st| st.done_after = Some(t0.elapsed()));
 }
 
 /// A `kv_pool` request sent, its answer not read yet ([`KvPool::ask`]).
@@ -151,16 +282,28 @@ pub struct Asked<R: Range> {
     sent: Instant,
 }
 
-impl<R: Range> Asked<R> {
-    /// Waits for gmsd's answer and maps the pool (see [`KvPool::open`]).
+impl<R: Range + 'static> Asked<R> {
+    /// Waits for gmsd's answer and maps the whole pool (see
+    /// [`KvPool::open`]).
     pub fn granted<M: Mapper<Range = R>>(self, mapper: &M) -> Result<KvPool<R>> {
+        self.granted_first(mapper, u64::MAX)
+    }
+
+    /// Waits for gmsd's answer and maps the pool's allocations that hold
+    /// its first `first` bytes (the first one at least); a thread of
+    /// libgms maps the others, in order, while the engine goes on: use
+    /// only the first [`KvPool::mapped`] bytes until they are all mapped.
+    /// A pool that fills a GPU is tens of milliseconds of driver calls to
+    /// map, on a failover's path, while the driver tears the dead
+    /// engine's context down; its first allocation is one or two.
+    pub fn granted_first<M: Mapper<Range = R>>(self, mapper: &M, first: u64) -> Result<KvPool<R>> {
         let Asked {
             mut range,
             sock,
             req,
             sent,
         } = self;
-        let (granted, fds) = receive_response(&sock)?;
+        let (granted, mut fds) = receive_response(&sock)?;
         let answered = Instant::now();
         let Response::KvGranted {
             pool,
@@ -169,13 +312,26 @@ impl<R: Range> Asked<R> {
             va,
             created,
             fenced: _,
+            chunk,
         } = granted
         else {
             return Err(unexpected(&req, &granted));
         };
-        let [memory, index, fence]: [OwnedFd; 3] = fds
-            .try_into()
-            .map_err(|_| Error::Malformed("kv_granted without its three descriptors".into()))?;
+        let chunks = kv_chunks(got, chunk);
+        if fds.len() != chunks + 2 {
+            return Err(Error::Malformed(format!(
+                "kv_granted of {chunks} allocations with {} descriptors",
+                fds.len()
+            )));
+        }
+        let (fence, index) = match (fds.pop(), fds.pop()) {
+            (Some(fence), Some(index)) => (fence, index),
+            _ => {
+                return Err(Error::Malformed(
+                    "kv_granted without its index and fence".into(),
+                ))
+            }
+        };
         if got != range.len() || va != range.addr() {
             // The pool was made by an engine before this one: map it where
             // that one did.
@@ -189,16 +345,48 @@ impl<R: Range> Asked<R> {
                 )));
             }
         }
-        range.map(memory.as_fd(), Access::ReadWrite)?;
+        let chunk = if chunks == 1 { got } else { chunk };
+        let mut parts = fds
+            .into_iter()
+            .enumerate()
+            .map(|(i, fd)| {
+                let offset = i as u64 * chunk;
+                (offset, chunk.min(got - offset), fd)
+            })
+            .peekable();
+        let mut mapped = 0;
+        while let Some((offset, len, fd)) =
+            parts.next_if(|(offset, _, _)| *offset == 0 || *offset < first)
+        {
+            range.map_part(offset, len, fd.as_fd(), Access::ReadWrite)?;
+            mapped = offset + len;
+        }
         let grant = GrantTimes {
             answer: answered.duration_since(sent),
             map: answered.elapsed(),
         };
+        let rest: Vec<Part> = parts.collect();
+        let range = Arc::new(Mutex::new(range));
+        let mut mapping = Mapping {
+            watch: MapWatch::new(mapped),
+            stop: Arc::new(AtomicBool::new(false)),
+            thread: None,
+        };
+        if !rest.is_empty() {
+            let (r, w, stop) = (range.clone(), mapping.watch.clone(), mapping.stop.clone());
+            let spawned = std::thread::Builder::new()
+                .name("gms-kv-pool-map".into())
+                .spawn(move || map_rest(&r, rest, &w, &stop));
+            mapping.thread =
+                Some(spawned.map_err(|e| Error::io("spawning the KV pool's mapper", e))?);
+        }
         Ok(KvPool {
             pool,
             created,
-            range,
-            memory,
+            addr: va,
+            len: got,
+            mapping,
+            _range: range,
             index: File::from(index),
             index_bytes,
             fence: Fence {
@@ -206,12 +394,13 @@ impl<R: Range> Asked<R> {
                 passed: AtomicBool::new(false),
             },
             grant,
+            mapped_at_grant: mapped,
             _lease: sock,
         })
     }
 }
 
-impl<R: Range> KvPool<R> {
+impl<R: Range + 'static> KvPool<R> {
     /// Asks the gmsd at `socket` for the write lease of the pair's KV pool,
     /// showing `proof`, a descriptor through which the pair's election
     /// lock is held (the engine kit's `LockProof`), and maps the pool
@@ -300,15 +489,32 @@ impl<R: Range> KvPool<R> {
     }
 
     pub fn addr(&self) -> u64 {
-        self.range.addr()
+        self.addr
     }
 
     pub fn len(&self) -> u64 {
-        self.range.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.range.is_empty()
+        self.len == 0
+    }
+
+    /// Bytes mapped from the pool's start (all of it once the mapping
+    /// thread is done, or a grant that mapped it all).
+    pub fn mapped(&self) -> u64 {
+        self.mapping.watch.mapped()
+    }
+
+    /// Bytes mapped before the grant returned (the rest by the mapping
+    /// thread).
+    pub fn mapped_at_grant(&self) -> u64 {
+        self.mapped_at_grant
+    }
+
+    /// The mapping's progress, to watch without holding the pool.
+    pub fn map_watch(&self) -> MapWatch {
+        self.mapping.watch.clone()
     }
 
     /// The index: a memfd of [`Self::index_bytes`], shared by every engine
@@ -328,16 +534,6 @@ impl<R: Range> KvPool<R> {
     /// Where the grant's time went.
     pub fn grant_times(&self) -> GrantTimes {
         self.grant
-    }
-
-    /// The pool's descriptor (for a device API that imports it).
-    pub fn memory_fd(&self) -> BorrowedFd<'_> {
-        self.memory.as_fd()
-    }
-
-    /// The range the pool is mapped over.
-    pub fn range(&self) -> &R {
-        &self.range
     }
 }
 
@@ -367,10 +563,11 @@ impl KvPool<crate::mapper::HostRange> {
     fn checked(&self, offset: u64, len: usize) -> Result<u64> {
         let end = offset.checked_add(len as u64);
         match end {
-            Some(end) if end <= self.range.len() => Ok(self.range.addr() + offset),
+            Some(end) if end <= self.mapped() => Ok(self.addr + offset),
             _ => Err(Error::Invalid(format!(
-                "{len} bytes at {offset} of a KV pool of {} bytes",
-                self.range.len()
+                "{len} bytes at {offset} of a KV pool of {} bytes, {} of them mapped",
+                self.len,
+                self.mapped()
             ))),
         }
     }

@@ -52,6 +52,11 @@ pub trait Range: Send {
     fn state(&self) -> RangeState;
     /// Maps an allocation's descriptor over the whole range.
     fn map(&mut self, fd: BorrowedFd<'_>, access: Access) -> Result<()>;
+    /// Maps an allocation of `len` bytes at `offset` of the range, where
+    /// nothing is mapped yet (a KV pool made of several allocations, mapped
+    /// one after another; the range then says `Mapped` from the first).
+    fn map_part(&mut self, offset: u64, len: u64, fd: BorrowedFd<'_>, access: Access)
+        -> Result<()>;
     /// Back to a bare reservation; the addresses stay ours.
     fn unmap(&mut self) -> Result<()>;
     /// The size KV memory is backed in: one allocation per chunk (the last
@@ -357,6 +362,32 @@ impl Range for HostRange {
             Access::ReadOnly => libc::PROT_READ,
         };
         self.replace(prot, libc::MAP_SHARED, fd.as_raw_fd())?;
+        self.state = RangeState::Mapped(access);
+        Ok(())
+    }
+
+    fn map_part(
+        &mut self,
+        offset: u64,
+        len: u64,
+        fd: BorrowedFd<'_>,
+        access: Access,
+    ) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) || len == 0 {
+            return Err(Error::Invalid(format!(
+                "{len} bytes at +{offset:#x} of a range of {} bytes",
+                self.len
+            )));
+        }
+        check_host_memory(fd, len, access)?;
+        if !matches!(self.state, RangeState::Mapped(_)) {
+            self.give_back();
+        }
+        let prot = match access {
+            Access::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
+            Access::ReadOnly => libc::PROT_READ,
+        };
+        self.replace_part(offset, len, prot, libc::MAP_SHARED, fd.as_raw_fd())?;
         self.state = RangeState::Mapped(access);
         Ok(())
     }

@@ -154,13 +154,15 @@ pub enum Response {
     ResetDone {
         generation: u64,
     },
-    /// The KV pool's write lease. Carries three fds: the pool's memory
-    /// (read-write, map it at `va`), its index (a memfd of `index_bytes`,
-    /// read-write) and the fence (an eventfd, readable once every engine
-    /// that held this lease before is gone, so no write of theirs can land
-    /// any more; readable at once when there was none). `pool` names this
-    /// pool for its whole life (a new pool, after a reset or in a new gmsd,
-    /// has a new one); `created`: made by this grant, so nothing is in it.
+    /// The KV pool's write lease. Carries the pool's memory, one fd per
+    /// allocation it is made of ([`kv_chunks`]: `chunk` bytes each, the
+    /// last one shorter; read-write, mapped one after another from `va`
+    /// on), then its index (a memfd of `index_bytes`, read-write) and the
+    /// fence (an eventfd, readable once every engine that held this lease
+    /// before is gone, so no write of theirs can land any more; readable
+    /// at once when there was none). `pool` names this pool for its whole
+    /// life (a new pool, after a reset or in a new gmsd, has a new one);
+    /// `created`: made by this grant, so nothing is in it.
     KvGranted {
         pool: u64,
         size: u64,
@@ -168,6 +170,9 @@ pub enum Response {
         va: u64,
         created: bool,
         fenced: bool,
+        /// 0 (a gmsd that made pools of one allocation): one allocation.
+        #[serde(default)]
+        chunk: u64,
     },
     /// Always the last message on a connection: the daemon closes it next.
     Error {
@@ -198,7 +203,7 @@ impl Response {
         match self {
             Response::Allocated { .. } => 1,
             Response::Exported { ids } => ids.len(),
-            Response::KvGranted { .. } => 3,
+            Response::KvGranted { size, chunk, .. } => kv_chunks(*size, *chunk).saturating_add(2),
             _ => 0,
         }
     }
@@ -304,6 +309,20 @@ fn validate(req: &Request) -> Result<()> {
     }
 }
 
+/// The allocations a KV pool of `size` bytes is made of, `chunk` bytes
+/// each, the last one shorter (one when `chunk` is 0 or covers it all).
+pub fn kv_chunks(size: u64, chunk: u64) -> usize {
+    if chunk == 0 || chunk >= size {
+        1
+    } else {
+        usize::try_from(size.div_ceil(chunk)).unwrap_or(usize::MAX)
+    }
+}
+
+/// The most allocations a KV pool is made of: its grant carries one
+/// descriptor for each, and its index's and its fence's.
+pub const MAX_KV_CHUNKS: usize = MAX_FDS_PER_MESSAGE - 2;
+
 pub fn valid_tag(tag: &str) -> bool {
     !tag.is_empty()
         && tag.len() <= 64
@@ -365,6 +384,25 @@ pub fn sample_requests() -> Vec<Request> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kv_grant_carries_one_descriptor_per_allocation() {
+        assert_eq!(kv_chunks(10, 3), 4);
+        assert_eq!(kv_chunks(9, 3), 3);
+        assert_eq!(kv_chunks(10, 0), 1);
+        assert_eq!(kv_chunks(10, 10), 1);
+        assert_eq!(kv_chunks(10, 64), 1);
+        // A gmsd that made pools of one allocation sends no `chunk`.
+        let old = br#"{"version":1,"op":"kv_granted","pool":1,"size":8,"index_bytes":4,"va":4096,"created":true,"fenced":true}"#;
+        let resp = decode_response(old, 3).unwrap();
+        assert_eq!(resp.fd_count(), 3);
+        let chunked = br#"{"version":1,"op":"kv_granted","pool":1,"size":8,"index_bytes":4,"va":4096,"created":true,"fenced":true,"chunk":2}"#;
+        assert_eq!(decode_response(chunked, 6).unwrap().fd_count(), 6);
+        assert!(
+            decode_response(chunked, 3).is_err(),
+            "fewer descriptors than allocations"
+        );
+    }
 
     #[test]
     fn every_request_round_trips() {

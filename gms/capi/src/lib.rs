@@ -28,7 +28,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use gms_core::client::{host_socket, Client, Imported, KvCache, KvWatch, Weights};
-use gms_core::kvpool::KvPool;
+use gms_core::kvpool::{KvPool, MapWatch};
 use gms_core::mapper::{HostRange, Mapper, Range};
 use gms_core::protocol::{LeaseKind, Mode};
 use gms_cuda::mapper::{connect_wait, CudaMapper};
@@ -729,7 +729,58 @@ pub unsafe extern "C" fn gms_kv_pool_open(
     index_bytes: u64,
     out: *mut GmsKvPool,
 ) -> c_int {
-    guarded("gms_kv_pool_open", -1, || {
+    // SAFETY: as the caller promised.
+    unsafe {
+        kv_pool_open(
+            "gms_kv_pool_open",
+            proof_fd,
+            bytes,
+            index_bytes,
+            u64::MAX,
+            out,
+        )
+    }
+}
+
+/// `gms_kv_pool_open`, mapping only the pool's allocations that hold its
+/// first `first_bytes` (the first one at least) before it returns; a
+/// thread of libgms maps the others, in order. Use the first
+/// `gms_kv_pool_mapped()` bytes only, until they are all mapped. 0 or -1.
+///
+/// # Safety
+/// `out` is a valid pointer.
+#[no_mangle]
+pub unsafe extern "C" fn gms_kv_pool_open_first(
+    proof_fd: c_int,
+    bytes: u64,
+    index_bytes: u64,
+    first_bytes: u64,
+    out: *mut GmsKvPool,
+) -> c_int {
+    // SAFETY: as the caller promised.
+    unsafe {
+        kv_pool_open(
+            "gms_kv_pool_open_first",
+            proof_fd,
+            bytes,
+            index_bytes,
+            first_bytes,
+            out,
+        )
+    }
+}
+
+/// # Safety
+/// `out` is NULL or valid.
+unsafe fn kv_pool_open(
+    what: &str,
+    proof_fd: c_int,
+    bytes: u64,
+    index_bytes: u64,
+    first_bytes: u64,
+    out: *mut GmsKvPool,
+) -> c_int {
+    guarded(what, -1, || {
         if out.is_null() {
             return Err("out is NULL".into());
         }
@@ -749,7 +800,7 @@ pub unsafe extern "C" fn gms_kv_pool_open(
                 None => KvPool::ask(&s.mapper, &s.socket, proof, bytes, index_bytes, gran),
             };
             let pool = asked
-                .and_then(|a| a.granted(&s.mapper))
+                .and_then(|a| a.granted_first(&s.mapper, first_bytes))
                 .map_err(|e| e.to_string())?;
             let desc = GmsKvPool {
                 addr: pool.addr(),
@@ -765,6 +816,42 @@ pub unsafe extern "C" fn gms_kv_pool_open(
             s.kv_pool = Some(pool);
             Ok(0)
         })
+    })
+}
+
+fn kv_pool_watch() -> Result<MapWatch, String> {
+    with_session!(|s| {
+        s.kv_pool
+            .as_ref()
+            .map(KvPool::map_watch)
+            .ok_or_else(|| "this process holds no KV pool".to_string())
+    })
+}
+
+/// Bytes of the KV pool mapped from its start (its size once all of it
+/// is); -1 without a pool, or once mapping the rest failed (the mapped
+/// part stays usable; `gms_last_error()` says why).
+#[no_mangle]
+pub extern "C" fn gms_kv_pool_mapped() -> i64 {
+    guarded("gms_kv_pool_mapped", -1, || {
+        let watch = kv_pool_watch()?;
+        match watch.error() {
+            Some(e) => Err(e),
+            None => Ok(to_i64(watch.mapped())),
+        }
+    })
+}
+
+/// Waits (without holding libgms's lock) until `bytes` of the KV pool are
+/// mapped, mapping the rest failed, or `timeout_ms` pass; the bytes mapped
+/// then, or -1.
+#[no_mangle]
+pub extern "C" fn gms_kv_pool_wait_mapped(bytes: u64, timeout_ms: u64) -> i64 {
+    guarded("gms_kv_pool_wait_mapped", -1, || {
+        let watch = kv_pool_watch()?;
+        Ok(to_i64(
+            watch.wait_mapped(bytes, Duration::from_millis(timeout_ms)),
+        ))
     })
 }
 

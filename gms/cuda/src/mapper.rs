@@ -505,6 +505,43 @@ impl Range for CudaRange {
         Ok(())
     }
 
+    fn map_part(
+        &mut self,
+        offset: u64,
+        len: u64,
+        fd: BorrowedFd<'_>,
+        access: Access,
+    ) -> Result<()> {
+        self.check(offset, len as usize)?;
+        if !matches!(self.state, RangeState::Mapped(_) | RangeState::Reserved) {
+            self.unmap_all()?;
+        }
+        self.current()?;
+        let owned = fd
+            .try_clone_to_owned()
+            .map_err(|e| Error::io("dup of a GMS descriptor for import", e))?;
+        let memory = PhysicalMemory::import(&owned, len as usize).map_err(cuda_error(format!(
+            "importing {len} bytes for +{offset:#x} of {:#x}",
+            self.addr()
+        )))?;
+        let cuda_access = match access {
+            Access::ReadOnly => crate::Access::ReadOnly,
+            Access::ReadWrite => crate::Access::ReadWrite,
+        };
+        let at = self.start() + offset as usize;
+        let what = format!(
+            "mapping {len} bytes at +{offset:#x} of {:#x} {access:?}",
+            self.addr()
+        );
+        lock(&self.window)
+            .reservation
+            .map(at, &memory, &self.device, cuda_access)
+            .map_err(cuda_error(what))?;
+        self.memory.push((at, memory));
+        self.state = RangeState::Mapped(access);
+        Ok(())
+    }
+
     fn unmap(&mut self) -> Result<()> {
         self.unmap_all()
     }

@@ -231,7 +231,7 @@ fn a_reset_makes_the_next_pool_a_new_one() {
     let dir = tempfile::tempdir().expect("temp dir");
     let lock = lock_file(dir.path());
     let gmsd = Gmsd::start(Some(&lock));
-    let _ = gmsd.status();
+    // Before any connection: a status call's lingers a moment after it.
     let fds_without_pool = gmsd.open_fds();
 
     let mut first = Probe::spawn(&gmsd, &lock, &[]);
@@ -314,4 +314,69 @@ fn the_pool_counts_against_the_daemons_byte_limit() {
         said.contains(&ErrorCode::LimitExceeded.to_string()),
         "a writer over the limit with the pool: {said}"
     );
+}
+
+#[test]
+fn a_pool_of_several_allocations_is_mapped_first_part_first_and_carried_whole() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let lock = lock_file(dir.path());
+    // 1 MiB in allocations of 256 KiB: four of them.
+    let gmsd = Gmsd::start_with(Some(&lock), &["--kv-chunk", "256K"]);
+
+    let mut first = Probe::spawn(&gmsd, &lock, &["--first", "1"]);
+    let granted = first.expect("ready");
+    assert_eq!(granted["created"], true, "{granted}");
+    assert_eq!(
+        granted["mapped_at_grant"],
+        256 << 10,
+        "the grant maps the first allocation only: {granted}"
+    );
+    assert_eq!(
+        granted["mapped"],
+        1 << 20,
+        "the rest is mapped after it: {granted}"
+    );
+    assert_eq!(
+        (granted["first"].clone(), granted["last"].clone()),
+        (0.into(), 0.into())
+    );
+    first.tell("write 5");
+    first.expect("written");
+
+    // The next holder maps it whole before its grant returns, and finds
+    // what was written in the first allocation and in the last.
+    let mut second = Probe::spawn(&gmsd, &lock, &[]);
+    first.kill();
+    let carried = second.expect("ready");
+    assert_eq!(carried["created"], false, "{carried}");
+    assert_eq!(carried["pool"], granted["pool"]);
+    assert_eq!(carried["va"], granted["va"], "at the same address");
+    assert_eq!(carried["mapped_at_grant"], 1 << 20, "{carried}");
+    assert_eq!(
+        (carried["first"].clone(), carried["last"].clone()),
+        (5.into(), 5.into())
+    );
+    drop(second);
+    // gmsd kept each allocation once: its status counts the pool's bytes.
+    assert_eq!(gmsd.status().kv.expect("pool").size, 1 << 20);
+}
+
+#[test]
+fn a_pool_that_would_need_too_many_allocations_gets_larger_ones() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let lock = lock_file(dir.path());
+    // 1 MiB in 4 KiB allocations would be 256 descriptors in one grant:
+    // gmsd makes fewer, larger ones, and the grant still fits a message.
+    let gmsd = Gmsd::start_with(Some(&lock), &["--kv-chunk", "4K"]);
+    let mut probe = Probe::spawn(&gmsd, &lock, &["--first", "1"]);
+    let granted = probe.expect("ready");
+    let part = granted["mapped_at_grant"]
+        .as_u64()
+        .expect("mapped_at_grant");
+    let parts = (1u64 << 20).div_ceil(part);
+    assert!(
+        part > 4096 && parts as usize <= gms::protocol::MAX_KV_CHUNKS,
+        "{part} bytes per allocation, {parts} of them: {granted}"
+    );
+    assert_eq!(granted["mapped"], 1 << 20, "{granted}");
 }

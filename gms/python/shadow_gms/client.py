@@ -251,6 +251,9 @@ def _bind(path):
         "gms_kv_release": (c.c_int, [c.c_int64]),
         "gms_kv_pool_open": (c.c_int, [c.c_int, c.c_uint64, c.c_uint64, c.POINTER(_KvPoolDesc)]),
         "gms_kv_pool_close": (c.c_int, []),
+        "gms_kv_pool_open_first": (c.c_int, [c.c_int, c.c_uint64, c.c_uint64, c.c_uint64, c.POINTER(_KvPoolDesc)]),
+        "gms_kv_pool_mapped": (c.c_int64, []),
+        "gms_kv_pool_wait_mapped": (c.c_int64, [c.c_uint64, c.c_uint64]),
         "gms_kv_pool_grant_us": (c.c_int, [c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]),
         "gms_kv_pool_reserve": (c.c_int, [c.c_uint64, c.POINTER(c.c_uint64)]),
         "gms_weights_sleep": (c.c_int, [c.c_int]),
@@ -384,6 +387,18 @@ class KvPool:
         if shape is None:
             shape = ((self.nbytes - offset) // size,)
         return self._gms.tensor_at(self.addr + offset, dtype, shape)
+
+    def mapped(self):
+        """Bytes of the pool mapped from its start (``nbytes`` once all
+        are). Raises GmsError once mapping the rest failed (what is mapped
+        stays usable)."""
+        return self._gms._check(self._gms.lib.gms_kv_pool_mapped(), "gms_kv_pool_mapped")
+
+    def wait_mapped(self, nbytes, timeout_s):
+        """Waits up to ``timeout_s`` for ``nbytes`` of the pool to be
+        mapped; the bytes mapped then."""
+        return self._gms._check(self._gms.lib.gms_kv_pool_wait_mapped(int(nbytes), int(timeout_s * 1000)),
+                                "gms_kv_pool_wait_mapped")
 
     def grant_ms(self):
         """Where the grant's time went: ``{"answer": gmsd's answer,
@@ -651,13 +666,21 @@ class Gms:
         return module
 
     # -- KV ---------------------------------------------------------------
-    def kv_pool(self, proof_fd, nbytes, index_bytes):
+    def kv_pool(self, proof_fd, nbytes, index_bytes, first_bytes=None):
         """The write lease of the pair's KV pool (a ``KvPool``), showing
         ``proof_fd``: a descriptor through which this engine holds the
-        pair's election lock (``FailoverLock.fd``)."""
+        pair's election lock (``FailoverLock.fd``). With ``first_bytes``,
+        only the pool's allocations that hold its first ``first_bytes`` are
+        mapped when this returns, and libgms maps the rest while the engine
+        goes on: use the first ``KvPool.mapped()`` bytes only."""
         desc = _KvPoolDesc()
-        self._check(self.lib.gms_kv_pool_open(int(proof_fd), int(nbytes), int(index_bytes), ctypes.byref(desc)),
-                    "gms_kv_pool_open")
+        if first_bytes is None:
+            self._check(self.lib.gms_kv_pool_open(int(proof_fd), int(nbytes), int(index_bytes), ctypes.byref(desc)),
+                        "gms_kv_pool_open")
+        else:
+            self._check(self.lib.gms_kv_pool_open_first(int(proof_fd), int(nbytes), int(index_bytes),
+                                                        int(first_bytes), ctypes.byref(desc)),
+                        "gms_kv_pool_open_first")
         return KvPool(self, desc)
 
     def kv_pool_reserve(self, nbytes):

@@ -27,6 +27,7 @@ CHILD = textwrap.dedent("""
     import torch
     from shadow_gms.client import Gms
     lock_path, take, ahead = sys.argv[1], sys.argv[2] == "lock", sys.argv[3] == "ahead"
+    first = int(sys.argv[4]) if len(sys.argv) > 4 else None
     gms = Gms(mode="rw_or_ro", client="kv-pool-test", device="host", timeout_s=20)
     if gms.lease == "rw":
         gms.commit()
@@ -37,17 +38,23 @@ CHILD = textwrap.dedent("""
     if take:
         fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        pool = gms.kv_pool(fd, 8 << 20, 4096)
+        pool = gms.kv_pool(fd, 8 << 20, 4096, first_bytes=first)
     except Exception as e:
         print(json.dumps({"event": "refused", "error": str(e)}), flush=True)
         sys.exit(0)
+    mapped_at_grant = pool.mapped()
+    mapped = pool.wait_mapped(pool.nbytes, 10.0)
     head = pool.tensor(torch.int64, shape=(1024,))
+    tail = pool.tensor(torch.int64, shape=(1024,), offset=pool.nbytes - 8192)
     want = torch.arange(1024, dtype=torch.int64) * 5 + 1
     if pool.created:
         head.copy_(want)
+        tail.copy_(want * 3)
     print(json.dumps({"event": "granted", "created": pool.created, "pool": pool.pool, "addr": pool.addr,
                       "carried": bool(torch.equal(head, want)), "index": os.pread(pool.index_fd, 4, 0).hex(),
-                      "fenced": pool.fenced(10.0), "grant_ms": pool.grant_ms()}), flush=True)
+                      "fenced": pool.fenced(10.0), "grant_ms": pool.grant_ms(), "mapped_at_grant": mapped_at_grant,
+                      "mapped": mapped, "size": pool.nbytes, "tail_carried": bool(torch.equal(tail, want * 3))}),
+          flush=True)
     if pool.created:
         os.pwrite(pool.index_fd, b"mark", 0)
     sys.stdin.read()
@@ -56,11 +63,13 @@ CHILD = textwrap.dedent("""
 
 
 class KvPoolOverHostGms(unittest.TestCase):
+    GMSD_ARGS = []
+
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory(prefix="shadow-kv-pool-")
         self.lock = os.path.join(self.tmp.name, "lock")
         open(self.lock, "w").close()
-        self.gmsd = Gmsd(extra=["--lock", self.lock])
+        self.gmsd = Gmsd(extra=["--lock", self.lock] + self.GMSD_ARGS)
         self.children = []
 
     def tearDown(self):
@@ -74,9 +83,9 @@ class KvPoolOverHostGms(unittest.TestCase):
         self.gmsd.stop()
         self.tmp.cleanup()
 
-    def child(self, take=True, ahead=False):
+    def child(self, take=True, ahead=False, first=None):
         c = subprocess.Popen([sys.executable, "-c", CHILD, self.lock, "lock" if take else "none",
-                              "ahead" if ahead else "at-grant"],
+                              "ahead" if ahead else "at-grant"] + ([str(first)] if first is not None else []),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.gmsd.env())
         self.children.append(c)
         return c
@@ -133,6 +142,29 @@ class KvPoolOverHostGms(unittest.TestCase):
         second = self.event(b, "granted")
         self.assertEqual(second["addr"], addr_b)
         self.assertTrue(second["carried"], second)
+
+
+class KvPoolInAllocations(KvPoolOverHostGms):
+    """A pool gmsd makes of several allocations (``--kv-chunk``): a grant
+    asked to map its first bytes only (``first_bytes``, what a promoted
+    engine does) maps the first allocation, libgms maps the rest, and the
+    whole pool is carried to the next engine; the tests above run over it
+    too."""
+
+    GMSD_ARGS = ["--kv-chunk", "1M"]
+
+    def test_the_first_allocation_at_the_grant_and_the_rest_after(self):
+        a = self.child(first=1)
+        first = self.event(a, "granted")
+        self.assertGreaterEqual(first["mapped_at_grant"], 1 << 20, first)
+        self.assertEqual((first["mapped"], first["size"]), (8 << 20, 8 << 20), first)
+        b = self.child(first=1)
+        self.event(b, "parked")
+        a.kill()
+        second = self.event(b, "granted")
+        self.assertEqual((second["pool"], second["addr"]), (first["pool"], first["addr"]))
+        self.assertTrue(second["carried"] and second["tail_carried"],
+                        f"the first and the last allocations' contents are carried: {second}")
 
 
 if __name__ == "__main__":

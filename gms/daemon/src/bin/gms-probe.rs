@@ -13,8 +13,11 @@
 //! - `kv`: take the flock of `--lock` (waiting for it, as a parked engine
 //!   does; `--no-lock` asks without it), then the KV pool's write lease,
 //!   showing the locked descriptor as its proof;
-//!   prints `ready {...}` with the pool's first byte; on stdin `write B`
-//!   fills the pool's first page with byte B, `fence MS` waits that long
+//!   prints `ready {...}` with the pool's first and last bytes and how
+//!   much of it the grant mapped (`--first BYTES`: the allocations that
+//!   hold those bytes, the rest by libgms's thread, waited for before the
+//!   last byte is read); on stdin `write B` fills the pool's first and
+//!   last pages with byte B, `fence MS` waits that long
 //!   for the fence and prints `fence {"passed": …}`, `unlock` drops the
 //!   flock and stays alive.
 //!
@@ -68,6 +71,8 @@ enum Command {
         no_lock: bool,
         #[arg(long, default_value = "4M", value_parser = gmsd::parse_bytes)]
         size: u64,
+        #[arg(long, value_parser = gmsd::parse_bytes)]
+        first: Option<u64>,
     },
 }
 
@@ -223,7 +228,8 @@ fn run(cli: Cli) -> gms::Result<()> {
             lock,
             no_lock,
             size,
-        } => kv(&socket, &lock, no_lock, size),
+            first,
+        } => kv(&socket, &lock, no_lock, size, first.unwrap_or(u64::MAX)),
         Command::Import => {
             let started = Instant::now();
             let client = Client::connect(&socket, Mode::Ro, "gms-probe import")?;
@@ -251,6 +257,7 @@ fn kv(
     lock: &std::path::Path,
     no_lock: bool,
     size: u64,
+    first_bytes: u64,
 ) -> gms::Result<()> {
     use std::os::fd::AsRawFd;
     let file = std::fs::File::open(lock)
@@ -265,9 +272,16 @@ fn kv(
     use std::os::fd::AsFd;
     // The proof is the descriptor the lock is held through (with
     // `--no-lock`, one through which nothing is held).
-    let pool = gms::kvpool::KvPool::open(&mapper, socket, file.as_fd(), size, 1 << 16, 4096)?;
+    let pool = gms::kvpool::KvPool::ask(&mapper, socket, file.as_fd(), size, 1 << 16, 4096)?
+        .granted_first(&mapper, first_bytes)?;
+    let mapped_at_grant = pool.mapped_at_grant();
     let mut first = [0u8; 1];
     pool.read_at(0, &mut first)?;
+    let mapped = pool
+        .map_watch()
+        .wait_mapped(pool.len(), std::time::Duration::from_secs(10));
+    let mut last = [0u8; 1];
+    pool.read_at(pool.len() - 1, &mut last)?;
     say(
         "ready",
         json!({
@@ -276,6 +290,9 @@ fn kv(
             "created": pool.created(),
             "fenced": pool.fence().passed(),
             "first": first[0],
+            "last": last[0],
+            "mapped_at_grant": mapped_at_grant,
+            "mapped": mapped,
             "va": pool.addr(),
             "size": pool.len(),
         }),
@@ -287,6 +304,7 @@ fn kv(
             (Some("write"), Some(b)) => {
                 let b: u8 = b.parse().unwrap_or(0);
                 pool.write_at(0, &[b; 4096])?;
+                pool.write_at(pool.len() - 4096, &[b; 4096])?;
                 say("written", json!({ "byte": b }));
             }
             (Some("fence"), Some(ms)) => {

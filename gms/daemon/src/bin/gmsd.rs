@@ -22,6 +22,8 @@ struct Cli {
     command: Command,
 }
 
+// One value, parsed once at start: the size of its variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Serve one device until SIGTERM/SIGINT.
@@ -79,6 +81,10 @@ enum Command {
         /// identity is read once, at start.
         #[arg(long)]
         lock: Option<PathBuf>,
+        /// Bytes per allocation of the KV pool: a promoted engine maps the
+        /// first one before it serves and the rest while it serves.
+        #[arg(long, default_value = "2G", value_parser = gmsd::parse_bytes)]
+        kv_chunk: u64,
         /// error, warn, info, debug or trace (or a tracing filter).
         #[arg(long, default_value = "info")]
         log_level: String,
@@ -117,6 +123,7 @@ fn main() -> ExitCode {
             allow_gids,
             socket_group,
             lock,
+            kv_chunk,
             log_level,
         } => {
             let filter = tracing_subscriber::EnvFilter::try_new(&log_level)
@@ -182,6 +189,7 @@ fn main() -> ExitCode {
             };
             let config = Config {
                 lock,
+                kv_chunk: kv_chunk.max(1),
                 socket_dir,
                 limits: Limits {
                     max_bytes,

@@ -117,4 +117,8 @@ pub struct Config {
     /// (`--lock`): only the engine that holds it is granted the KV pool's
     /// write lease. Without it no engine is.
     pub lock: Option<gms::holder::FileId>,
+    /// Bytes per allocation of the KV pool (`--kv-chunk`, rounded up to
+    /// the granularity; larger where a pool would need more than
+    /// [`gms::protocol::MAX_KV_CHUNKS`]).
+    pub kv_chunk: u64,
 }

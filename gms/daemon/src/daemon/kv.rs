@@ -42,7 +42,7 @@ use nix::sys::memfd::{memfd_create, MFdFlags};
 use nix::unistd::ftruncate;
 
 use gms::holder::{self, FileId};
-use gms::protocol::Response;
+use gms::protocol::{Response, MAX_KV_CHUNKS};
 use gms::status::KvReport;
 use gms::{Access, Error, Result};
 
@@ -119,10 +119,14 @@ impl Daemon {
             .kv
             .as_mut()
             .ok_or_else(|| Error::Backend("the KV pool vanished".into()))?;
-        let memory = pool
+        let mut fds = pool
             .exported
-            .try_clone()
-            .map_err(|e| Error::Backend(format!("dup of the exported KV pool: {e}")))?;
+            .iter()
+            .map(|fd| {
+                fd.try_clone()
+                    .map_err(|e| Error::Backend(format!("dup of the exported KV pool: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let index = pool
             .index
             .try_clone()
@@ -165,6 +169,7 @@ impl Daemon {
             waits_for = pool.earlier.len(),
             "KV pool write lease granted"
         );
+        fds.extend([index, fence]);
         Ok((
             Response::KvGranted {
                 pool: pool.id,
@@ -173,8 +178,9 @@ impl Daemon {
                 va: pool.va,
                 created,
                 fenced,
+                chunk: pool.chunk,
             },
-            vec![memory, index, fence],
+            fds,
         ))
     }
 
@@ -204,8 +210,24 @@ impl Daemon {
                 self.config.limits.max_bytes
             )));
         }
-        let memory = self.backend.allocate(size, "kv")?;
-        let exported = memory.export(Access::ReadWrite)?;
+        // Allocations of the configured size, fewer and larger where the
+        // grant's descriptors would not fit one message.
+        let chunk = self
+            .config
+            .kv_chunk
+            .max(size.div_ceil(MAX_KV_CHUNKS as u64))
+            .checked_next_multiple_of(gran)
+            .ok_or_else(|| Error::Invalid(format!("KV pool chunk for {size} bytes overflows")))?
+            .min(size);
+        let (mut memory, mut exported) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        while at < size {
+            let len = chunk.min(size - at);
+            let m = self.backend.allocate(len, "kv")?;
+            exported.push(m.export(Access::ReadWrite)?);
+            memory.push(m);
+            at += len;
+        }
         let index = memfd_create(c"gms-kv-index", MFdFlags::MFD_CLOEXEC)
             .map_err(|e| Error::sys("memfd_create(gms-kv-index)", e))?;
         let len = i64::try_from(index_bytes)
@@ -216,6 +238,7 @@ impl Daemon {
             size,
             va,
             index_bytes,
+            chunk,
             exported,
             memory,
             index,
@@ -248,9 +271,10 @@ impl State {
 
     /// Bytes of the pool's memory, resident as the kernel counts them.
     pub(super) fn kv_bytes(&self) -> (u64, u64) {
-        self.kv
-            .as_ref()
-            .map_or((0, 0), |p| (p.size, p.memory.resident_bytes().unwrap_or(0)))
+        self.kv.as_ref().map_or((0, 0), |p| {
+            let resident = p.memory.iter().map(|m| m.resident_bytes().unwrap_or(0));
+            (p.size, resident.sum())
+        })
     }
 }
 

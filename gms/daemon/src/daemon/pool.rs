@@ -16,12 +16,17 @@ pub(super) struct Pool {
     pub(super) size: u64,
     pub(super) va: u64,
     pub(super) index_bytes: u64,
-    /// The memory exported once, read-write, when the pool was made: each
-    /// grant sends a duplicate of it. A grant comes on a failover's path,
+    /// Bytes per allocation: the pool is allocations of `chunk` bytes, the
+    /// last one shorter, so that an engine maps the first one first and
+    /// the rest while it serves (a pool that fills a GPU takes tens of
+    /// milliseconds to map whole on a failover's path).
+    pub(super) chunk: u64,
+    /// The allocations exported once, read-write, when the pool was made:
+    /// each grant sends duplicates. A grant comes on a failover's path,
     /// while the driver tears the dead engine's context down, and an export
     /// is a driver call; a `dup` is not. Closed before the memory goes.
-    pub(super) exported: OwnedFd,
-    pub(super) memory: Box<dyn Memory>,
+    pub(super) exported: Vec<OwnedFd>,
+    pub(super) memory: Vec<Box<dyn Memory>>,
     pub(super) index: OwnedFd,
     pub(super) grants: u64,
     pub(super) writer: Option<Writer>,
