@@ -32,7 +32,10 @@ one exists) and captures over them; the grant maps the pool there. While
 parked and not yet at the pool's address (the pool did not exist), the
 engine asks again every second and captures again once it is. A grant
 elsewhere (the pool made anew at another engine's addresses) captures
-again at the grant, and says so.
+again at the grant, and says so. The grant maps the pool's first
+allocation only and libgms the rest while the loop runs: until all is
+mapped, paged.Blocks hands out and finds blocks of the mapped part only,
+and a carried stream whose blocks lie past it waits.
 """
 
 import os
@@ -395,6 +398,8 @@ class Batcher(Worker):
             self._grant()
             while True:
                 self._take_messages()
+                if self._mapping():
+                    self._track_mapping()
                 if not self.blocks.fenced and self.pool is not None and self.pool.fenced(0):
                     self.blocks.fence_passed()
                     self.log(event="kv-fence", engine=self.engine_id,
@@ -412,17 +417,21 @@ class Batcher(Worker):
 
     def _take_messages(self):
         """Everything in the inbox; waits for one while there is nothing to
-        do (a little while only, as long as the fence is still to pass)."""
-        if self.waiting or self.running:
+        do (a little while only, as long as the fence is still to pass or
+        the pool still being mapped; a millisecond while the only sequences
+        wait for the mapping)."""
+        if self.running or (self.waiting and not self._mapping()):
             wait = False
         else:
             self._first_steps_done()
             self.idle()
             wait = True
+        settled = self.blocks.fenced and not self._mapping()
+        timeout = 0.001 if self.waiting else None if settled else 0.01
         while True:
             try:
                 if wait:
-                    msg = self.inbox.get(timeout=None if self.blocks.fenced else 0.01)
+                    msg = self.inbox.get(timeout=timeout)
                     wait = False
                 else:
                     msg = self.inbox.get_nowait()
@@ -468,7 +477,11 @@ class Batcher(Worker):
         t0 = time.perf_counter()
         how, why = None, None
         try:
-            pool = self.gms.kv_pool(self.lock_fd, self.geo.pool_bytes, paged.index_bytes(self.geo.blocks))
+            # Only the pool's first allocation before the first step (the
+            # scratch and zero blocks are there): libgms maps the rest
+            # while this engine serves.
+            pool = self.gms.kv_pool(self.lock_fd, self.geo.pool_bytes, paged.index_bytes(self.geo.blocks),
+                                    first_bytes=RESERVED_BLOCKS * self.geo.block_bytes)
             if pool.nbytes < self.geo.pool_bytes or pool.index_bytes < paged.index_bytes(self.geo.blocks):
                 pool.close()
                 raise ValueError(f"the pair's KV pool is {pool.nbytes} bytes with an index of {pool.index_bytes}: "
@@ -504,18 +517,42 @@ class Batcher(Worker):
             recaptured = round((time.perf_counter() - t1) * 1e3, 3)
         self.blocks = Blocks(Index(index_fd, self.geo.blocks, self.geo.block_bytes, self.pool_id))
         how = self.how = self.blocks.start(created, fenced)
+        mapped = pool.mapped() if pool is not None else self.geo.pool_bytes
         if how == "new":
             # Device memory comes uncleared, and a masked position is
-            # still multiplied by zero: numbers from now on.
+            # still multiplied by zero: numbers from now on, over all of
+            # it (the pair's first engine: no failover waits on this).
+            if mapped < self.geo.pool_bytes:
+                mapped = pool.wait_mapped(self.geo.pool_bytes, 120.0)
+                if mapped < self.geo.pool_bytes:
+                    pool.mapped()  # raises why, if mapping failed
+                    raise RuntimeError(f"{mapped} of the KV pool's {self.geo.pool_bytes} bytes mapped after 120 s")
             flat.zero_()
         else:
             # Nobody writes it; zeroed all the same (2 MiB). Both are in
             # stream order before any step: no wait here.
             self.geo.block_view(flat, ZERO_BLOCK).zero_()
+        self.blocks.set_mapped(mapped // self.geo.block_bytes)
         self.log(event="kv-pool", engine=self.engine_id, how=how, pool=self.pool_id, grant_ms=grant_ms,
-                 grant_parts_ms=parts,
+                 grant_parts_ms=parts, mapped_at_grant=mapped,
                  addr=hex(flat.data_ptr()), bytes=self.geo.pool_bytes, blocks=self.geo.blocks,
                  fenced=fenced, graph_recaptured_ms=recaptured, refused=why, **self.blocks.figures)
+
+    def _mapping(self):
+        """Whether libgms is still mapping the pool (its blocks from
+        ``blocks.limit`` on are not usable yet)."""
+        return self.blocks.limit is not None
+
+    def _track_mapping(self):
+        """How much of the pool libgms has mapped so far: blocks below it
+        may be used. Once all of it is, says when. A pool whose rest cannot
+        be mapped raises (GmsError, saying why): the engine ends, and the
+        runtime fails over."""
+        mapped = self.pool.mapped()
+        self.blocks.set_mapped(mapped // self.geo.block_bytes)
+        if self.blocks.limit is None:
+            self.log(event="kv-pool-mapped", engine=self.engine_id, bytes=mapped,
+                     ms=round((time.perf_counter() - self.t_grant) * 1e3, 3))
 
     # -- one step -------------------------------------------------------------
     def _step(self):
@@ -565,13 +602,17 @@ class Batcher(Worker):
             self.first_steps = None
 
     def _admit(self):
-        """Waiting sequences, in order, while the pool has their blocks."""
-        while self.waiting:
-            seq = self.waiting[0]
+        """Waiting sequences, in order, while the pool has their blocks. A
+        carried one whose blocks are not mapped yet waits for them (the
+        others go past it)."""
+        for seq in list(self.waiting):
+            pinned = self.pins.get(seq.name) if seq.name is not None else None
+            if pinned and self._mapping() and not all(self.blocks.mapped(b) for b in pinned):
+                continue
             owed = sum(max(0, s.need - len(s.blocks)) for s in self.running)
             if self.blocks.available() - owed < seq.need:
                 return
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self.running.append(seq)
             carried = seq.progress.carried if seq.progress is not None else None
             if carried and carried["committed"] > 0:

@@ -176,6 +176,9 @@ class Blocks:
         self.fenced = True
         # Evictions wait until every carried sequence has pinned its blocks.
         self.may_evict = True
+        # Blocks from this one on are not mapped yet (a pool granted with
+        # its first part mapped, the rest coming): None once all are.
+        self.limit = None
         self.figures = {"adopted_full": 0, "adopted_cached": 0, "aside": 0}
 
     # -- the start: a new pool, or one an engine wrote before -------------
@@ -268,24 +271,47 @@ class Blocks:
         engine before can write it any more."""
         return self.fenced or block not in self.aside
 
+    # -- the part of the pool that is mapped -------------------------------
+    def mapped(self, block):
+        """Whether ``block`` lies in the part of the pool mapped so far."""
+        return self.limit is None or block < self.limit
+
+    def set_mapped(self, blocks):
+        """The first ``blocks`` blocks are mapped (all of them: no limit)."""
+        self.limit = None if blocks >= self.index.blocks else blocks
+
     # -- allocation -------------------------------------------------------
     def available(self):
-        return len(self.free) + (len(self.evictable) if self.may_evict else 0)
+        if self.limit is None:
+            return len(self.free) + (len(self.evictable) if self.may_evict else 0)
+        return (sum(1 for b in self.free if b < self.limit)
+                + (sum(1 for b in self.evictable if b < self.limit) if self.may_evict else 0))
 
     def take(self):
         """A block to write: a free one, else the least recently used
-        cached one nobody holds; marked written in the index first."""
-        if self.free:
-            b = self.free.pop()
-        elif self.may_evict and self.evictable:
-            b, _ = self.evictable.popitem(last=False)
-            h, _, _ = self.cached_of.pop(b)
-            del self.cached[h]
-        else:
-            raise NoBlocks(f"all {self.index.blocks - RESERVED_BLOCKS} blocks in use")
+        cached one nobody holds; marked written in the index first. While
+        only part of the pool is mapped, one of that part."""
+        b = self._free_one()
+        if b is None and self.may_evict:
+            b = next((e for e in self.evictable if self.mapped(e)), None)
+            if b is not None:
+                del self.evictable[b]
+                h, _, _ = self.cached_of.pop(b)
+                del self.cached[h]
+        if b is None:
+            raise NoBlocks(f"all {self.index.blocks - RESERVED_BLOCKS} blocks in use"
+                           + (f" (the first {self.limit} mapped so far)" if self.limit is not None else ""))
         self.index.set(b, WRITTEN)
         self.refs[b] = 1
         return b
+
+    def _free_one(self):
+        if self.free and self.mapped(self.free[-1]):
+            return self.free.pop()
+        for i in range(len(self.free) - 2, -1, -1):
+            if self.mapped(self.free[i]):
+                return self.free.pop(i)
+        return None
 
     def share(self, block):
         """One more reference to a full block (a prefix hit, a carried one)."""
@@ -327,11 +353,12 @@ class Blocks:
     # -- the prefix cache -------------------------------------------------
     def lookup(self, hashes, tokens):
         """The cached blocks of a prompt's first full blocks, in order, up
-        to the first miss (each checked against the tokens it holds)."""
+        to the first miss (each checked against the tokens it holds; one
+        not mapped yet is a miss)."""
         hits = []
         for i, h in enumerate(hashes):
             b = self.cached.get(h)
-            if b is None:
+            if b is None or not self.mapped(b):
                 break
             _, _, toks = self.cached_of[b]
             if list(toks) != list(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]):

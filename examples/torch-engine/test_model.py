@@ -245,9 +245,11 @@ class BatchLoopTest(unittest.TestCase):
         self.run_to_end(ref, ref_jobs, want)
         self.assertTrue(all(len(t) == self.TOKENS for t in want.values()), want)
 
-        # Engine A serves the same streams and dies 12 steps in.
+        # Engine A serves the same streams and dies 12 steps in; it takes
+        # the pool's last blocks first.
         pool = self.pool()
         a = self.engine_on(pool, created=True, fenced=True)
+        a.blocks.free.reverse()
         streams = self.streams()
         a_jobs = {name: self.submit(a, name, prompt, st) for name, st, prompt in streams}
         with torch.no_grad():
@@ -272,7 +274,19 @@ class BatchLoopTest(unittest.TestCase):
             b._message(("pin", name, kv))
             self.assertTrue(b.pins[name], f"{name}: its blocks are readable")
         b._message(("carried_done",))
+        # Only the pool's first half is mapped yet (libgms maps the rest
+        # after the grant): room enough, but the streams' blocks lie past
+        # it, so they wait.
+        half = b.geo.blocks // 2
+        self.assertTrue(all(min(filter(None, kv["blocks"])) >= half for kv in carried.values()), carried)
+        b.blocks.set_mapped(half)
         b_jobs = {name: self.submit(b, name, prompt, st, carried[name]) for name, st, prompt in streams}
+        with torch.no_grad():
+            for _ in range(3):
+                b._step()
+        self.assertEqual((len(b.waiting), b.running), (3, []), "carried streams wait for their blocks")
+        self.assertTrue(all(not self.drain(job) for job in b_jobs.values()))
+        b.blocks.set_mapped(b.geo.blocks)
         got = {name: list(carried[name]["tokens"]) for name in b_jobs}
         self.run_to_end(b, b_jobs, got)
         self.assertEqual(got, want, "every stream ends as an undisturbed one")

@@ -88,6 +88,31 @@ class IndexTest(unittest.TestCase):
             b.take()
 
 
+    def test_while_part_of_the_pool_is_mapped_only_that_part_is_used(self):
+        # A pool granted with its first part mapped (the rest on libgms's
+        # thread): new blocks come from that part, a cached block past it
+        # is a miss, and once all is mapped every block is usable again.
+        b = Blocks(self.ix(blocks=16))
+        b.start(True, True)
+        far = [b.take() for _ in range(14)][-1]
+        self.assertEqual(far, 15)
+        h = paged.block_hash(0, toks(0))
+        b.full(far, h, 0, toks(0))
+        for blk in range(RESERVED_BLOCKS, 15):
+            b.release(blk)
+        b.release(far)
+        b.set_mapped(6)
+        self.assertEqual(b.lookup([h], toks(0)), [], "a cached block not mapped yet is a miss")
+        self.assertEqual(b.available(), 6 - RESERVED_BLOCKS)
+        got = [b.take() for _ in range(6 - RESERVED_BLOCKS)]
+        self.assertTrue(all(blk < 6 for blk in got), got)
+        with self.assertRaisesRegex(NoBlocks, "first 6 mapped"):
+            b.take()
+        b.set_mapped(16)
+        self.assertIsNone(b.limit)
+        self.assertEqual(b.lookup([h], toks(0)), [far])
+        self.assertEqual(b.take(), 14, "free blocks past the old limit")
+
 class AdoptionTest(unittest.TestCase):
     """What a promoted engine finds: a cached full block (1), a full block
     of a carried sequence in no cache (2), a tail the dead engine was
@@ -148,7 +173,6 @@ class AdoptionTest(unittest.TestCase):
         self.assertNotIn(self.full, b.free, "still referenced")
         b.release(self.full)
         self.assertIn(self.full, b.free)
-
 
 if __name__ == "__main__":
     unittest.main()
