@@ -842,6 +842,10 @@ def first_steps_figures(what, events):
     figure(f"{what}: the promoted engines' grant of the KV pool in parts (total, gmsd's answer, map), per wake",
            [(o.get("grant_ms"), *(round(v, 2) for v in (o.get("grant_parts_ms") or {}).values()))
             for o in pools], "ms")
+    figure(f"{what}: the KV pool mapped when the promoted engine's grant returned, per wake",
+           [o.get("mapped_at_grant", 0) >> 20 for o in pools], "MiB")
+    figure(f"{what}: the rest of the KV pool mapped by libgms, ms after the grant (engines that saw it happen)",
+           [e.get("ms") for e in list(events) if e.get("event") == "kv-pool-mapped"], "ms")
     steps = [o["steps"] for o in list(events) if o.get("event") == "first-steps" and o.get("how") == "adopted"]
     figure(f"{what}: the promoted engines' first steps (launches, ms from the grant, launch ms, device wait ms), "
            "per wake", [[(st["launches"], st["at_ms"], st["launch_ms"], st["sync_ms"]) for st in w[:5]]
