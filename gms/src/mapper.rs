@@ -355,15 +355,7 @@ impl Range for HostRange {
     }
 
     fn map(&mut self, fd: BorrowedFd<'_>, access: Access) -> Result<()> {
-        check_host_memory(fd, self.len, access)?;
-        self.give_back();
-        let prot = match access {
-            Access::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
-            Access::ReadOnly => libc::PROT_READ,
-        };
-        self.replace(prot, libc::MAP_SHARED, fd.as_raw_fd())?;
-        self.state = RangeState::Mapped(access);
-        Ok(())
+        self.map_part(0, self.len, fd, access)
     }
 
     fn map_part(

@@ -478,31 +478,7 @@ impl Range for CudaRange {
         if self.state != RangeState::Reserved {
             self.unmap_all()?;
         }
-        self.current()?;
-        let owned = fd
-            .try_clone_to_owned()
-            .map_err(|e| Error::io("dup of a GMS descriptor for import", e))?;
-        let memory = PhysicalMemory::import(&owned, self.len as usize).map_err(cuda_error(
-            format!("importing {} bytes for {:#x}", self.len(), self.addr()),
-        ))?;
-        let cuda_access = match access {
-            Access::ReadOnly => crate::Access::ReadOnly,
-            Access::ReadWrite => crate::Access::ReadWrite,
-        };
-        let at = self.start();
-        // Computed before taking the window lock: `addr` takes it too.
-        let what = format!(
-            "mapping {} bytes at {:#x} {access:?}",
-            self.len(),
-            self.addr()
-        );
-        lock(&self.window)
-            .reservation
-            .map(at, &memory, &self.device, cuda_access)
-            .map_err(cuda_error(what))?;
-        self.memory.push((at, memory));
-        self.state = RangeState::Mapped(access);
-        Ok(())
+        self.map_part(0, self.len, fd, access)
     }
 
     fn map_part(
