@@ -72,6 +72,9 @@ PREFIX_CACHE = os.environ.get("ENGINE_PREFIX_CACHE", "1") != "0"
 CUDA_GRAPHS = os.environ.get("ENGINE_CUDA_GRAPHS", "1") != "0"
 # The promoted engine's first steps are timed and logged (``first-steps``).
 FIRST_STEPS = 8
+# Records of full blocks a promoted engine reads per turn of its loop once
+# its first steps are done (paged.Blocks.read_some): about a millisecond.
+RECORDS_PER_TURN = 1024
 # Ints per row of a launch: token, position, block, offset, then the table.
 _ROW = 4 + MAX_BLOCKS
 
@@ -400,6 +403,8 @@ class Batcher(Worker):
                 self._take_messages()
                 if self._mapping():
                     self._track_mapping()
+                if self.blocks.unread and (self.first_steps is None or not (self.waiting or self.running)):
+                    self._read_records()
                 if not self.blocks.fenced and self.pool is not None and self.pool.fenced(0):
                     self.blocks.fence_passed()
                     self.log(event="kv-fence", engine=self.engine_id,
@@ -427,7 +432,7 @@ class Batcher(Worker):
             self.idle()
             wait = True
         settled = self.blocks.fenced and not self._mapping()
-        timeout = 0.001 if self.waiting else None if settled else 0.01
+        timeout = (0 if self.blocks.unread else 0.001 if self.waiting else None if settled else 0.01)
         while True:
             try:
                 if wait:
@@ -538,6 +543,14 @@ class Batcher(Worker):
                  addr=hex(flat.data_ptr()), bytes=self.geo.pool_bytes, blocks=self.geo.blocks,
                  fenced=fenced, graph_recaptured_ms=recaptured, refused=why, **self.blocks.figures)
 
+    def _read_records(self):
+        """The next records of the full blocks the pool held at the grant
+        (the prefix cache the engine before left); once all are read, says
+        when and what they held."""
+        if self.blocks.read_some(RECORDS_PER_TURN) == 0:
+            self.log(event="kv-prefix-read", engine=self.engine_id,
+                     ms=round((time.perf_counter() - self.t_grant) * 1e3, 3), **self.blocks.figures)
+
     def _mapping(self):
         """Whether libgms is still mapping the pool (its blocks from
         ``blocks.limit`` on are not usable yet)."""
@@ -610,7 +623,7 @@ class Batcher(Worker):
             if pinned and self._mapping() and not all(self.blocks.mapped(b) for b in pinned):
                 continue
             owed = sum(max(0, s.need - len(s.blocks)) for s in self.running)
-            if self.blocks.available() - owed < seq.need:
+            if not self.blocks.has_available(owed + seq.need):
                 return
             self.waiting.remove(seq)
             self.running.append(seq)

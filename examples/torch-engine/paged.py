@@ -53,11 +53,10 @@ whose tail lies in such a block gets the tail copied to a free block.
 """
 
 import hashlib
-import operator
 import os
+import re
 import struct
 from collections import OrderedDict
-from itertools import compress
 
 BLOCK_TOKENS = 16
 SCRATCH_BLOCK, ZERO_BLOCK = 0, 1
@@ -98,6 +97,10 @@ def prompt_hashes(tokens, upto):
     return out
 
 
+# A run of blocks in use (state words whose low byte is not zero).
+_IN_USE = re.compile(rb"[^\x00]+")
+
+
 class Index:
     """The pool's index over its memfd (pread/pwrite; the memfd is
     libgms's). Writes go straight to the memfd: what is there is what a
@@ -132,26 +135,46 @@ class Index:
             os.pwrite(self.fd, rec + bytes(RECORD - len(rec)), self.records_at + RECORD * block)
         os.pwrite(self.fd, struct.pack("<I", state), HEADER + 4 * block)
 
-    def records(self):
-        """(free blocks, [(block, state, hash, parent, tokens)] of the
-        others), of every block a sequence may hold. A promoted engine reads
-        this on its way to its first answer: the state words in one read,
-        and the records of the blocks in use only."""
+    def states(self):
+        """(free blocks, full blocks, {block: state} of the others), each in
+        ascending order, of every block a sequence may hold, from the state
+        words in one read (a word's low byte is its state: they are 0 to
+        2). A promoted engine reads this on its way to its first answer,
+        and a pool that fills a GPU has 67,000 blocks: the runs of blocks
+        in use are found in C, the free list is built of the ranges
+        between them, and only blocks in use are looked at one by one."""
         raw = os.pread(self.fd, 4 * self.blocks, HEADER)
         n = len(raw) // 4
-        states = memoryview(raw)[:4 * n].cast("I").tolist()
-        blocks = range(RESERVED_BLOCKS, n)
-        in_use = states[RESERVED_BLOCKS:n]
-        free = list(compress(blocks, map(operator.not_, in_use)))
-        used = []
-        for b in compress(blocks, in_use):
-            rec = os.pread(self.fd, RECORD, self.records_at + RECORD * b)
-            if len(rec) < RECORD:
-                break
-            h, parent = struct.unpack_from("<QQ", rec, 0)
-            toks = struct.unpack_from(f"<{BLOCK_TOKENS}I", rec, 16)
-            used.append((b, states[b], h, parent, toks))
-        return free, used
+        low = raw[0:4 * n:4]
+        free, full, other = [], [], {}
+        at = RESERVED_BLOCKS
+        for m in _IN_USE.finditer(low, RESERVED_BLOCKS):
+            free.extend(range(at, m.start()))
+            for b in range(m.start(), m.end()):
+                if low[b] == FULL:
+                    full.append(b)
+                else:
+                    other[b] = low[b]
+            at = m.end()
+        free.extend(range(at, n))
+        return free, full, other
+
+    def read_records(self, blocks):
+        """[(block, hash, parent, tokens)] of ``blocks`` (ascending): one
+        read per run of consecutive blocks."""
+        out, i = [], 0
+        while i < len(blocks):
+            j = i + 1
+            while j < len(blocks) and blocks[j] == blocks[j - 1] + 1:
+                j += 1
+            first, count = blocks[i], j - i
+            raw = os.pread(self.fd, RECORD * count, self.records_at + RECORD * first)
+            for k in range(min(count, len(raw) // RECORD)):
+                h, parent = struct.unpack_from("<QQ", raw, RECORD * k)
+                toks = struct.unpack_from(f"<{BLOCK_TOKENS}I", raw, RECORD * k + 16)
+                out.append((first + k, h, parent, toks))
+            i = j
+        return out
 
 
 class NoBlocks(Exception):
@@ -173,6 +196,8 @@ class Blocks:
         self.evictable = OrderedDict()  # block -> None: cached, unreferenced
         self.aside = set()          # written by an engine before, not to be written before the fence
         self.pinned = {}            # block -> pins: a carried sequence's, until it is taken up
+        self.unread = []            # full blocks found at the start whose records are not read yet
+        self.unread_set = set()
         self.fenced = True
         # Evictions wait until every carried sequence has pinned its blocks.
         self.may_evict = True
@@ -185,32 +210,53 @@ class Blocks:
     def start(self, created, fenced):
         """Takes the pool as granted: ``created`` (nothing in it) resets the
         index; else it is adopted as the index says, and until ``fenced``
-        blocks marked written stay aside."""
+        blocks marked written stay aside. Only the state words are read
+        now: the full blocks' records (the prefix cache) are read after,
+        ``read_some`` at a time, off the first answer's path (a pool that
+        fills a GPU after hours of serving holds tens of thousands). Until
+        its record is read, a full block may be pinned and taken up by a
+        carried stream, is no prefix hit, and is neither freed nor
+        evicted."""
         self.fenced = fenced
         if created or not self.index.valid():
             self.index.reset()
             self.free = list(range(self.index.blocks - 1, RESERVED_BLOCKS - 1, -1))
             return "new"
         self.may_evict = False
-        free, used = self.index.records()
-        for b, state, h, parent, toks in used:
-            if state == FULL and h and h not in self.cached:
-                self.cached[h] = b
-                self.cached_of[b] = (h, parent, toks)
-                self.evictable[b] = None
-                self.figures["adopted_cached"] += 1
-            elif state == FULL:
-                # Full but in no cache: a carried sequence's, or nobody's.
-                self.aside.add(b)
-                self.figures["adopted_full"] += 1
-            else:
-                # Written (or a state this engine does not know): someone
-                # may be writing it.
-                self.aside.add(b)
-                self.figures["aside"] += 1
+        free, full, other = self.index.states()
+        # Written (or a state this engine does not know): someone may be
+        # writing it.
+        self.aside.update(other)
+        self.figures["aside"] = len(other)
+        self.unread = full
+        self.unread.reverse()
+        self.unread_set = set(self.unread)
+        self.figures["unread"] = len(self.unread)
         free.reverse()
         self.free = free
         return "adopted"
+
+    def read_some(self, n):
+        """Reads the records of up to ``n`` full blocks found at the start
+        (lowest first): each one holding a prefix not cached yet enters the
+        prefix cache (evictable unless a sequence holds it); one without a
+        hash, or a copy of a cached prefix, is set aside as any block
+        nobody may reuse before the fence. Returns how many are left."""
+        batch = [self.unread.pop() for _ in range(min(n, len(self.unread)))]
+        self.unread_set.difference_update(batch)
+        for b, h, parent, toks in self.index.read_records(batch):
+            if h and h not in self.cached:
+                self.cached[h] = b
+                self.cached_of[b] = (h, parent, toks)
+                if b not in self.refs and b not in self.pinned:
+                    self.evictable[b] = None
+                self.figures["adopted_cached"] += 1
+            else:
+                # Full but in no cache: a carried sequence's, or nobody's.
+                self.aside.add(b)
+                self.figures["adopted_full"] += 1
+                self._maybe_release(b)
+        return len(self.unread)
 
     def fence_passed(self):
         """No engine before can write any more: once every carried sequence
@@ -264,7 +310,7 @@ class Blocks:
         """Whether a carried block may be read: in the prefix cache, or
         written by an engine before and freed by none (the index said so at
         the grant, and this engine has not reused it)."""
-        return block in self.cached_of or block in self.aside
+        return block in self.cached_of or block in self.aside or block in self.unread_set
 
     def writable_in_place(self, block):
         """Whether a carried tail block may be written where it is: no
@@ -286,6 +332,26 @@ class Blocks:
             return len(self.free) + (len(self.evictable) if self.may_evict else 0)
         return (sum(1 for b in self.free if b < self.limit)
                 + (sum(1 for b in self.evictable if b < self.limit) if self.may_evict else 0))
+
+    def has_available(self, n):
+        """Whether ``n`` blocks can be taken now. While part of the pool is
+        mapped, counts only until it has ``n``, from the top of the free
+        stack (where the lowest blocks are): a pool that fills a GPU has
+        tens of thousands of free blocks, and this is asked on the first
+        answer's path."""
+        if self.limit is None:
+            return self.available() >= n
+        got = 0
+        for b in reversed(self.free):
+            got += b < self.limit
+            if got >= n:
+                return True
+        if self.may_evict:
+            for b in self.evictable:
+                got += b < self.limit
+                if got >= n:
+                    return True
+        return got >= n
 
     def take(self):
         """A block to write: a free one, else the least recently used
@@ -323,7 +389,7 @@ class Blocks:
         marked so (nobody writes it again: every position of it was
         committed)."""
         self.share(block)
-        if full and block not in self.cached_of:
+        if full and block not in self.cached_of and block not in self.unread_set:
             self.index.set(block, FULL)
 
     def release(self, block):
@@ -338,7 +404,7 @@ class Blocks:
         """A block nobody references or pins any more: a cached one stays
         (evictable), one set aside waits for the fence, others are free.
         Only called once nothing launched into it is pending."""
-        if b in self.refs or b in self.pinned:
+        if b in self.refs or b in self.pinned or b in self.unread_set:
             return
         if b in self.cached_of:
             self.evictable[b] = None

@@ -298,6 +298,12 @@ class BatchLoopTest(unittest.TestCase):
         self.assertEqual((first["how"], len(first["steps"])), ("adopted", self.b.FIRST_STEPS), first)
         self.assertEqual(set(first["steps"][0]), {"at_ms", "ms", "launch_ms", "sync_ms", "launches"})
         self.assertEqual(first["steps"][0]["launches"], "decode", "carried streams decode at once")
+        # The streams were taken up before any record of the pool's full
+        # blocks was read (off the first answer's path); read now, they
+        # hold the dead engine's prefix cache.
+        self.assertGreater(b.blocks.figures["unread"], 0)
+        self.assertEqual(b.blocks.read_some(1 << 20), 0)
+        self.assertGreater(b.blocks.figures["adopted_cached"], 0)
         # The fence passes: what was set aside is free, nothing is held.
         b.blocks.fence_passed()
         self.assertFalse(b.blocks.aside - set(b.blocks.cached_of), b.blocks.aside)

@@ -104,6 +104,8 @@ class IndexTest(unittest.TestCase):
         b.set_mapped(6)
         self.assertEqual(b.lookup([h], toks(0)), [], "a cached block not mapped yet is a miss")
         self.assertEqual(b.available(), 6 - RESERVED_BLOCKS)
+        self.assertTrue(b.has_available(6 - RESERVED_BLOCKS))
+        self.assertFalse(b.has_available(6 - RESERVED_BLOCKS + 1), "blocks past the limit do not count")
         got = [b.take() for _ in range(6 - RESERVED_BLOCKS)]
         self.assertTrue(all(blk < 6 for blk in got), got)
         with self.assertRaisesRegex(NoBlocks, "first 6 mapped"):
@@ -127,6 +129,7 @@ class AdoptionTest(unittest.TestCase):
         dead.full(self.full, 11, 0, toks(0))  # the same prefix: not cached twice
         self.b = Blocks(self.ix)
         self.assertEqual(self.b.start(created=False, fenced=False), "adopted")
+        self.assertEqual(self.b.read_some(1 << 20), 0)
 
     def tearDown(self):
         os.close(self.ix.fd)
@@ -138,7 +141,7 @@ class AdoptionTest(unittest.TestCase):
         self.assertFalse(b.writable_in_place(self.tail), "the dead engine may still be writing it")
         self.assertNotIn(self.tail, b.free)
         self.assertNotIn(self.full, b.free)
-        self.assertEqual(b.figures, {"adopted_full": 1, "adopted_cached": 1, "aside": 1})
+        self.assertEqual(b.figures, {"adopted_full": 1, "adopted_cached": 1, "aside": 1, "unread": 2})
 
     def test_nothing_is_evicted_or_freed_until_every_carried_stream_pinned(self):
         b = self.b
@@ -173,6 +176,31 @@ class AdoptionTest(unittest.TestCase):
         self.assertNotIn(self.full, b.free, "still referenced")
         b.release(self.full)
         self.assertIn(self.full, b.free)
+
+    def test_full_blocks_records_are_read_after_the_start_and_kept_till_then(self):
+        # The start reads the state words only; until a full block's record
+        # is read it is no prefix hit, may be pinned and taken up, and is
+        # neither freed nor evicted, whatever the fence and the pins say.
+        b = Blocks(self.ix)
+        b.start(created=False, fenced=False)
+        self.assertEqual((b.figures["unread"], b.cached), (2, {}))
+        self.assertEqual(b.lookup([11], toks(0)), [], "no prefix hit before its record is read")
+        self.assertTrue(b.pin([self.cached]) and b.readable(self.full))
+        b.own_carried(self.cached, full=True)
+        b.unpin([self.cached])
+        b.fence_passed()
+        b.carried_done()
+        self.assertFalse({self.cached, self.full} & set(b.free), "unread full blocks are kept")
+        self.assertEqual(b.read_some(1), 1)
+        (_, h, _, _), = self.ix.read_records([self.cached])
+        self.assertEqual(h, 11, "taking it up did not overwrite its record")
+        self.assertEqual(b.lookup([11], toks(0)), [self.cached], "read: a prefix hit")
+        self.assertNotIn(self.cached, b.evictable, "held by the stream that took it up")
+        self.assertEqual(b.read_some(10), 0)
+        self.assertIn(self.full, b.free, "a copy of a cached prefix nobody holds: free, past the fence")
+        b.release(self.cached)
+        self.assertIn(self.cached, b.evictable)
+
 
 if __name__ == "__main__":
     unittest.main()
