@@ -8,6 +8,7 @@
 #   make demo        SIGKILL under load: cold restart (runc-v2) vs shadow pair, table + chart
 #   make bench-shim  `ctr run --rm` through our shim vs io.containerd.runc.v2, and shim RSS
 #   make bench-vllm  vLLM: SIGKILLs of a shadow pair vs cold restarts under runc-v2, and memory
+#   make bench-kv-index  the torch engine's KV index read by a promoted engine (67,000 blocks)
 #   make soak        1000+ SIGKILLs and 50+ hangs of a pair under load: no wrong answer, no leak (long)
 #   make install     shim, shadowctl, gmsd, hook to $(PREFIX)/bin (+ /etc/containerd/shadow.toml if absent)
 #   make uninstall   remove them again
@@ -196,6 +197,12 @@ fuzz: check-cargo
 bench-gms: check-cargo
 	$(CARGO) build -q -p gmsd --release --bins
 	$(TARGET)/release/gms-bench --gib 16
+
+# How long a promoted torch engine reads the KV pool's index before its
+# first step, and its prefix cache after it (67,000 blocks; no GPU).
+.PHONY: bench-kv-index
+bench-kv-index:
+	PYTHONDONTWRITEBYTECODE=1 python3 examples/torch-engine/bench_index.py
 
 # --- GPU targets (gpu-bundle, test-gpu) ---
 .PHONY: gpu-bundle test-gpu
