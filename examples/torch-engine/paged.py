@@ -299,12 +299,7 @@ class Blocks:
 
     def unpin(self, blocks):
         for b in blocks:
-            n = self.pinned.get(b, 0) - 1
-            if n > 0:
-                self.pinned[b] = n
-                continue
-            self.pinned.pop(b, None)
-            self._maybe_release(b)
+            self._drop(self.pinned, b)
 
     def readable(self, block):
         """Whether a carried block may be read: in the prefix cache, or
@@ -393,12 +388,16 @@ class Blocks:
             self.index.set(block, FULL)
 
     def release(self, block):
-        n = self.refs.get(block, 0) - 1
+        self._drop(self.refs, block)
+
+    def _drop(self, counts, b):
+        """One reference (or pin) fewer on ``b``; at none, it may go."""
+        n = counts.get(b, 0) - 1
         if n > 0:
-            self.refs[block] = n
+            counts[b] = n
             return
-        self.refs.pop(block, None)
-        self._maybe_release(block)
+        counts.pop(b, None)
+        self._maybe_release(b)
 
     def _maybe_release(self, b):
         """A block nobody references or pins any more: a cached one stays
