@@ -309,6 +309,34 @@ class BatchLoopTest(unittest.TestCase):
         self.assertFalse(b.blocks.aside - set(b.blocks.cached_of), b.blocks.aside)
         self.assertEqual(b.blocks.refs, {})
 
+    def test_the_mapped_part_follows_libgms_and_a_failed_mapping_ends_the_loop(self):
+        self.events = []
+        b = self.engine_on(self.pool(), created=True, fenced=True)
+        b.t_grant = 0.0
+
+        class Pool:
+            def __init__(self, answers):
+                self.answers = answers
+
+            def mapped(self):
+                got = self.answers.pop(0)
+                if isinstance(got, Exception):
+                    raise got
+                return got
+
+        block = b.geo.block_bytes
+        b.pool = Pool([10 * block + 5, b.geo.pool_bytes])
+        b.blocks.set_mapped(4)
+        b._track_mapping()
+        self.assertEqual(b.blocks.limit, 10, "whole blocks of what libgms mapped so far")
+        b._track_mapping()
+        self.assertIsNone(b.blocks.limit)
+        self.assertEqual([e["event"] for e in self.events], ["kv-pool-mapped"])
+        b.pool = Pool([RuntimeError("mapping the KV pool's 2097152 bytes at +0x800000: refused")])
+        b.blocks.set_mapped(4)
+        with self.assertRaisesRegex(RuntimeError, "refused"):
+            b._track_mapping()  # raised out of the loop: the engine exits 70
+
     def test_a_stream_of_another_pool_is_computed_again_to_the_same_tokens(self):
         self.events = []
         pool = self.pool()

@@ -572,3 +572,117 @@ impl KvPool<crate::mapper::HostRange> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mapper::HostMapper;
+    use crate::protocol::{decode, encode_response, MAX_REQUEST_BYTES};
+    use nix::sys::memfd::{memfd_create, MFdFlags};
+    use std::os::unix::net::UnixListener;
+
+    const CHUNK: u64 = 64 << 10;
+
+    fn memfd(len: u64) -> OwnedFd {
+        let fd = memfd_create(c"kv-pool-test", MFdFlags::MFD_CLOEXEC).expect("memfd");
+        nix::unistd::ftruncate(&fd, len as i64).expect("ftruncate");
+        fd
+    }
+
+    /// A gmsd stand-in: grants one `kv_pool` request a pool of allocations
+    /// of CHUNK bytes whose memfds hold `sizes` bytes, where the engine
+    /// asked for it, and holds the lease until the engine closes it.
+    fn grant_once(listener: UnixListener, sizes: Vec<u64>) -> JoinHandle<()> {
+        std::thread::spawn(move || {
+            let (sock, _) = listener.accept().expect("accept");
+            let frame = crate::wire::recv(&sock, MAX_REQUEST_BYTES).expect("request");
+            let Ok(Request::KvPool { size, va, .. }) = decode(&frame.body, frame.fds.len()) else {
+                panic!("not a kv_pool request");
+            };
+            let mut fds: Vec<OwnedFd> = sizes.iter().map(|&n| memfd(n)).collect();
+            fds.extend([memfd(4096), memfd(0)]);
+            let resp = Response::KvGranted {
+                pool: 9,
+                size,
+                index_bytes: 4096,
+                va,
+                created: true,
+                fenced: true,
+                chunk: CHUNK,
+            };
+            let body = encode_response(&resp).expect("encode");
+            let lent: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+            crate::wire::send(sock.as_fd(), &body, &lent).expect("answer");
+            let _ = crate::wire::recv(&sock, MAX_REQUEST_BYTES);
+        })
+    }
+
+    fn granted(sizes: Vec<u64>, first: u64) -> (KvPool<crate::mapper::HostRange>, JoinHandle<()>) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("gms.sock");
+        let server = grant_once(UnixListener::bind(&socket).expect("bind"), sizes.clone());
+        let mapper = HostMapper::default();
+        let proof = memfd(0);
+        let size: u64 = CHUNK * sizes.len() as u64;
+        let pool = KvPool::ask(&mapper, &socket, proof.as_fd(), size, 4096, 4096)
+            .and_then(|a| a.granted_first(&mapper, first))
+            .expect("granted");
+        (pool, server)
+    }
+
+    #[test]
+    fn the_first_allocation_at_the_grant_the_rest_after_it() {
+        let (pool, server) = granted(vec![CHUNK; 4], 1);
+        assert_eq!(pool.mapped_at_grant(), CHUNK);
+        let all = pool
+            .map_watch()
+            .wait_mapped(4 * CHUNK, Duration::from_secs(10));
+        assert_eq!(all, 4 * CHUNK);
+        assert!(pool.map_watch().done_after().is_some());
+        pool.write_at(4 * CHUNK - 8, &[7; 8])
+            .expect("the last allocation is writable");
+        let mut back = [0; 8];
+        pool.read_at(4 * CHUNK - 8, &mut back).expect("read");
+        assert_eq!(back, [7; 8]);
+        drop(pool);
+        server.join().expect("stand-in");
+    }
+
+    #[test]
+    fn an_allocation_that_cannot_be_mapped_stops_the_mapping_and_says_why() {
+        // The third memfd is shorter than an allocation: mapping it would
+        // fault, so the mapping thread refuses it and stops there.
+        let (pool, server) = granted(vec![CHUNK, CHUNK, CHUNK / 2, CHUNK], 1);
+        let got = pool
+            .map_watch()
+            .wait_mapped(4 * CHUNK, Duration::from_secs(10));
+        assert_eq!(got, 2 * CHUNK, "the two allocations before it stay mapped");
+        let why = pool.map_watch().error().expect("the failure is said");
+        assert!(why.contains(&format!("+{:#x}", 2 * CHUNK)), "{why}");
+        assert!(
+            pool.write_at(2 * CHUNK, &[1]).is_err(),
+            "nothing is written past what is mapped"
+        );
+        pool.write_at(2 * CHUNK - 1, &[1])
+            .expect("what is mapped is usable");
+        drop(pool);
+        server.join().expect("stand-in");
+    }
+
+    #[test]
+    fn a_grant_asked_to_map_everything_fails_on_such_an_allocation() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("gms.sock");
+        let server = grant_once(
+            UnixListener::bind(&socket).expect("bind"),
+            vec![CHUNK, CHUNK / 2],
+        );
+        let mapper = HostMapper::default();
+        let proof = memfd(0);
+        let got = KvPool::ask(&mapper, &socket, proof.as_fd(), 2 * CHUNK, 4096, 4096)
+            .and_then(|a| a.granted(&mapper));
+        assert!(got.is_err(), "granted a pool it could not map");
+        drop(got);
+        server.join().expect("stand-in");
+    }
+}
