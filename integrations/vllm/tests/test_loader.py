@@ -205,7 +205,12 @@ class TwoVllmEnginesShareTheWeights(unittest.TestCase):
         self.addCleanup(clean)
         weightless = os.path.join(gmsd.tmp.name, "model-without-weights")
         shutil.copytree(model, weightless, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt"))
-        env = dict(gmsd.env(), VLLM_CPU_KVCACHE_SPACE="1")
+        # vLLM makes its ZMQ sockets and rendezvous files in the temp
+        # directory and leaves them when it is killed: the test's own,
+        # removed with it, not the machine's /tmp.
+        engine_tmp = os.path.join(gmsd.tmp.name, "tmp")
+        os.mkdir(engine_tmp)
+        env = dict(gmsd.env(), VLLM_CPU_KVCACHE_SPACE="1", TMPDIR=engine_tmp)
         bench = HERE.parent / "bench" / "gms_memory.py"
         results = []
         for i, path in enumerate((model, weightless)):
