@@ -83,6 +83,16 @@ impl GmsdCommand {
         self.arg("--max-allocations").arg(count.to_string())
     }
 
+    /// `--kv-chunk N`, unless 0 (gmsd's default): the bytes of each
+    /// allocation of the KV pool, the part a promoted engine maps before
+    /// its first step.
+    pub fn kv_chunk(self, bytes: u64) -> GmsdCommand {
+        if bytes == 0 {
+            return self;
+        }
+        self.arg("--kv-chunk").arg(bytes.to_string())
+    }
+
     /// `--lock PATH`: the pair's election lock, whose holder alone gets the
     /// KV pool's write lease.
     pub fn lock(self, path: Option<&Path>) -> GmsdCommand {
@@ -160,6 +170,8 @@ mod tests {
         let cmd = GmsdCommand::new("/usr/bin/gmsd", "/run/pair/gms", "host")
             .max_bytes(0)
             .max_allocations(8)
+            .kv_chunk(0)
+            .kv_chunk(1 << 20)
             .arg("--verbose")
             .command();
         assert_eq!(cmd.get_program(), "/usr/bin/gmsd");
@@ -174,6 +186,8 @@ mod tests {
                 "host",
                 "--max-allocations",
                 "8",
+                "--kv-chunk",
+                "1048576",
                 "--verbose"
             ]
         );

@@ -34,6 +34,10 @@ pub struct PairConfig {
     pub gms_max_bytes: u64,
     /// `gmsd --max-allocations` (0: gmsd's own default).
     pub gms_max_allocations: u64,
+    /// `gmsd --kv-chunk`: bytes per allocation of the pair's KV pool, the
+    /// part a promoted engine maps before its first step (0: gmsd's own
+    /// default, 2 GiB).
+    pub gms_kv_chunk: u64,
     /// How long a fresh gmsd may take to create its socket.
     pub gms_start_timeout_ms: u64,
     /// The NVIDIA driver's per-GPU directory: maps the minor of each
@@ -98,6 +102,7 @@ impl Default for PairConfig {
             gms: GmsMode::Auto,
             gms_max_bytes: 0,
             gms_max_allocations: 0,
+            gms_kv_chunk: 0,
             gms_start_timeout_ms: 5000,
             nvidia_gpus_dir: PathBuf::from("/proc/driver/nvidia/gpus"),
             gms_gpus_on_host: false,

@@ -40,6 +40,7 @@ pub struct GmsDaemon {
     name: String,
     max_bytes: u64,
     max_allocations: u64,
+    kv_chunk: u64,
     start_timeout: Duration,
     /// The pair's gmsd cgroup (`cgroup.procs` files), joined before exec.
     cgroup: Vec<PathBuf>,
@@ -64,6 +65,7 @@ impl GmsDaemon {
             device,
             max_bytes: config.gms_max_bytes,
             max_allocations: config.gms_max_allocations,
+            kv_chunk: config.gms_kv_chunk,
             start_timeout: config.gms_start_timeout(),
             cgroup: Vec::new(),
             oom_score_adj: 0,
@@ -120,6 +122,7 @@ impl GmsDaemon {
         let command = GmsdCommand::new(&self.binary, &self.dir, &self.device)
             .max_bytes(self.max_bytes)
             .max_allocations(self.max_allocations)
+            .kv_chunk(self.kv_chunk)
             .cgroup(self.cgroup.clone())
             .oom_score_adj(self.oom_score_adj)
             .lock(self.lock.as_deref())
