@@ -182,6 +182,8 @@ int gms_kv_pool_close(void);
 int gms_kv_pool_open_first(int proof_fd, uint64_t bytes, uint64_t index_bytes, uint64_t first_bytes,
                            gms_kv_pool *out);
 int64_t gms_kv_pool_mapped(void);
+/* Bytes of the KV pool mapped before the grant returned; -1 without a pool. */
+int64_t gms_kv_pool_mapped_at_grant(void);
 int64_t gms_kv_pool_wait_mapped(uint64_t bytes, uint64_t timeout_ms);
 
 /* Where the KV pool's grant spent its time, in microseconds: gmsd's

@@ -842,6 +842,18 @@ pub extern "C" fn gms_kv_pool_mapped() -> i64 {
     })
 }
 
+/// Bytes of the KV pool mapped before the grant returned (the rest is
+/// the mapping thread's); -1 without a pool.
+#[no_mangle]
+pub extern "C" fn gms_kv_pool_mapped_at_grant() -> i64 {
+    guarded("gms_kv_pool_mapped_at_grant", -1, || {
+        with_session!(|s| {
+            let pool = s.kv_pool.as_ref().ok_or("this process holds no KV pool")?;
+            Ok(to_i64(pool.mapped_at_grant()))
+        })
+    })
+}
+
 /// Waits (without holding libgms's lock) until `bytes` of the KV pool are
 /// mapped, mapping the rest failed, or `timeout_ms` pass; the bytes mapped
 /// then, or -1.

@@ -253,6 +253,7 @@ def _bind(path):
         "gms_kv_pool_close": (c.c_int, []),
         "gms_kv_pool_open_first": (c.c_int, [c.c_int, c.c_uint64, c.c_uint64, c.c_uint64, c.POINTER(_KvPoolDesc)]),
         "gms_kv_pool_mapped": (c.c_int64, []),
+        "gms_kv_pool_mapped_at_grant": (c.c_int64, []),
         "gms_kv_pool_wait_mapped": (c.c_int64, [c.c_uint64, c.c_uint64]),
         "gms_kv_pool_grant_us": (c.c_int, [c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]),
         "gms_kv_pool_reserve": (c.c_int, [c.c_uint64, c.POINTER(c.c_uint64)]),
@@ -394,6 +395,11 @@ class KvPool:
         stays usable)."""
         return self._gms._check(self._gms.lib.gms_kv_pool_mapped(), "gms_kv_pool_mapped")
 
+    def mapped_at_grant(self):
+        """Bytes of the pool mapped before the grant returned (the rest
+        libgms maps while the engine goes on)."""
+        return self._gms._check(self._gms.lib.gms_kv_pool_mapped_at_grant(), "gms_kv_pool_mapped_at_grant")
+
     def wait_mapped(self, nbytes, timeout_s):
         """Waits up to ``timeout_s`` for ``nbytes`` of the pool to be
         mapped; the bytes mapped then."""
@@ -457,10 +463,23 @@ class Gms:
 
     def tensor_at(self, ptr, dtype, shape, stride=None):
         """A tensor over GMS memory of this backend at ``ptr`` (no copy):
-        the one step that differs between the CUDA and the host backend."""
+        with ``reserved_tensor``, what differs between the CUDA and the
+        host backend."""
         if self.host:
             return host_tensor(ptr, dtype, shape, stride)
         return device_tensor(ptr, dtype, shape, stride)
+
+    def reserved_tensor(self, ptr, dtype, nbytes):
+        """A flat tensor over addresses reserved for the KV pool and maybe
+        not mapped yet (``kv_pool_reserve``): nothing may read or write
+        it before the pool is mapped there. On CUDA, work captured over it
+        (a CUDA graph) may; on the host backend the tensor is only where
+        the pool will be."""
+        if self.host:
+            dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+            size = torch.empty((), dtype=dtype).element_size()
+            return host_tensor(ptr, dtype, (int(nbytes) // size,))
+        return reserved_device_tensor(ptr, dtype, nbytes, self.device)
 
     def _synchronize(self):
         if not self.host:
