@@ -304,12 +304,13 @@ class Batcher(Worker):
 
     def __init__(self, engine_id, gms, model, layers, hidden, pool_bytes, log):
         super().__init__("batch-loop")
-        from shadow_gms import reserved_device_tensor
         self.engine_id, self.gms, self.model, self.log = engine_id, gms, model, log
         self.geo = Geometry(layers, hidden, pool_bytes)
         self.nbytes = self.geo.pool_bytes
-        self.launch = Launcher(model, graphs=CUDA_GRAPHS)
-        self._reserved_tensor = reserved_device_tensor
+        # Where the model runs follows the GMS backend: the GPU for a CUDA
+        # gmsd, the CPU for a host one (ENGINE_DEVICE=cpu, engine.py).
+        self.device = "cpu" if gms.host else "cuda"
+        self.launch = Launcher(model, device=self.device, graphs=CUDA_GRAPHS)
         self.pool = self.flat = self.caches = self.blocks = None
         self.pool_id = None
         # The promoted engine's first steps' figures, from the grant on.
@@ -335,20 +336,25 @@ class Batcher(Worker):
             raise self._failed[0]
 
     def _prepare(self):
-        scratch = torch.zeros(RESERVED_BLOCKS * self.geo.block_bytes // 2, dtype=DTYPE, device="cuda")
+        scratch = torch.zeros(RESERVED_BLOCKS * self.geo.block_bytes // 2, dtype=DTYPE, device=self.device)
         self.launch.warm(self.geo.caches(scratch))
         del scratch
         t0 = time.perf_counter()
         self.addr, self.placed = self.gms.kv_pool_reserve(self.geo.pool_bytes)
         self._capture_reserved()
-        torch.cuda.empty_cache()
+        self._empty_cache()
         self.log(event="kv-pool-reserved", engine=self.engine_id, addr=hex(self.addr), placed=self.placed,
                  bytes=self.geo.pool_bytes, blocks=self.geo.blocks, ms=round((time.perf_counter() - t0) * 1e3, 3))
 
     def _capture_reserved(self):
-        flat = self._reserved_tensor(self.addr, DTYPE, self.geo.pool_bytes)
+        flat = self.gms.reserved_tensor(self.addr, DTYPE, self.geo.pool_bytes)
         self.launch.capture(self.geo.caches(flat), self.addr)
         self._reserved_flat = flat
+
+    def _empty_cache(self):
+        """A parked engine keeps no cached device memory it does not use."""
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
 
     def _park(self):
         """Until woken. While the reservation is not at the pool's address
@@ -364,7 +370,7 @@ class Batcher(Worker):
                 t0 = time.perf_counter()
                 self.addr, self.placed = addr, True
                 self._capture_reserved()
-                torch.cuda.empty_cache()
+                self._empty_cache()
                 self.log(event="kv-pool-reserved", engine=self.engine_id, addr=hex(addr), placed=True,
                          recaptured_ms=round((time.perf_counter() - t0) * 1e3, 3))
 
@@ -511,7 +517,7 @@ class Batcher(Worker):
         else:
             # No pool (a gmsd without --lock, outside a pair): this engine's
             # own memory, carried nowhere.
-            flat = torch.empty(self.geo.pool_bytes // 2, dtype=DTYPE, device="cuda")
+            flat = torch.empty(self.geo.pool_bytes // 2, dtype=DTYPE, device=self.device)
             index_fd = os.memfd_create("torch-engine-kv-index", os.MFD_CLOEXEC)
             os.ftruncate(index_fd, paged.index_bytes(self.geo.blocks))
             self.pool_id, created, fenced = 0, True, True
@@ -537,9 +543,10 @@ class Batcher(Worker):
             # Nobody writes it; zeroed all the same (2 MiB). Both are in
             # stream order before any step: no wait here.
             self.geo.block_view(flat, ZERO_BLOCK).zero_()
-        self.blocks.set_mapped(mapped // self.geo.block_bytes)
+        self._set_mapped(mapped)
         self.log(event="kv-pool", engine=self.engine_id, how=how, pool=self.pool_id, grant_ms=grant_ms,
-                 grant_parts_ms=parts, mapped_at_grant=mapped,
+                 grant_parts_ms=parts,
+                 mapped_at_grant=pool.mapped_at_grant() if pool is not None else self.geo.pool_bytes,
                  addr=hex(flat.data_ptr()), bytes=self.geo.pool_bytes, blocks=self.geo.blocks,
                  fenced=fenced, graph_recaptured_ms=recaptured, refused=why, **self.blocks.figures)
 
@@ -561,9 +568,13 @@ class Batcher(Worker):
         may be used. Once all of it is, says when. A pool whose rest cannot
         be mapped raises (GmsError, saying why): the engine ends, and the
         runtime fails over."""
-        mapped = self.pool.mapped()
+        self._set_mapped(self.pool.mapped())
+
+    def _set_mapped(self, mapped):
+        """Blocks below ``mapped`` bytes may be used; once that is all of
+        the pool, says when (at the grant, if libgms was that quick)."""
         self.blocks.set_mapped(mapped // self.geo.block_bytes)
-        if self.blocks.limit is None:
+        if self.blocks.limit is None and self.pool is not None:
             self.log(event="kv-pool-mapped", engine=self.engine_id, bytes=mapped,
                      ms=round((time.perf_counter() - self.t_grant) * 1e3, 3))
 

@@ -2,7 +2,8 @@
 """A small real PyTorch engine that follows the shadow engine contract.
 
 A few transformer-style layers (hidden 4096 by default) with random weights
-generated from a seed, a real forward pass on the GPU, and an HTTP server
+generated from a seed, a real forward pass on the GPU (or the CPU,
+ENGINE_DEVICE=cpu), and an HTTP server
 (POST /v1/completions, GET /health). Weights come through GMS: the first
 engine (lease rw) generates and commits them, every later engine (lease ro)
 maps the committed weights read-only at the same addresses. On one GPU it
@@ -70,7 +71,7 @@ Environment: SHADOW_ENGINE_ID, SHADOW_LOCK_PATH, NOTIFY_SOCKET,
 GMS_SOCKET_DIR, LISTEN_FDS/LISTEN_PID/LISTEN_FDNAMES (as the shim sets
 them); ENGINE_PORT (default 8000),
 ENGINE_SEED, ENGINE_LAYERS, ENGINE_HIDDEN, ENGINE_KV_GIB (the KV pool, per
-GPU), GMS_LIB, ENGINE_PREFIX_CACHE=0 and ENGINE_CUDA_GRAPHS=0 (for
+GPU), ENGINE_DEVICE (cuda, the default, or cpu), GMS_LIB, ENGINE_PREFIX_CACHE=0 and ENGINE_CUDA_GRAPHS=0 (for
 comparisons: no prefix cache, every step eager),
 ENGINE_TP (default 1: N > 1 runs N ranks, one per GPU, tp.py),
 WATCHDOG_USEC/WATCHDOG_PID (as the shim sets them), SHADOW_FDSTORE_SOCKET
@@ -120,6 +121,13 @@ CLIENT_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 256
 # Tests only: POST /test/hang. Never set in production.
 TEST_HANG = os.environ.get("SHADOW_TEST_HANG") == "1"
+# Where the model runs: "cuda" (GPU 0, weights and KV pool in a CUDA
+# gmsd's memory) or "cpu" (weights and KV pool in a host gmsd's memfds,
+# `gmsd --device host`): the same engine and the same hand-over, on a
+# machine without a GPU. No CUDA graphs and one process (no ENGINE_TP) on
+# the CPU.
+DEVICES = ("cuda", "cpu")
+DEVICE = os.environ.get("ENGINE_DEVICE", "cuda")
 
 
 _LOG_LOCK = threading.Lock()
@@ -179,7 +187,7 @@ class Model(torch.nn.Module):
 
     @torch.no_grad()
     def init_from_seed(self, seed):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+        gen = torch.Generator(device=self.embed.device).manual_seed(seed)
         for name, p in self.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
@@ -446,7 +454,7 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
         def hang_now():
             log(event="test-hang", engine=engine_id, rank=rank)
             if rank == 0:
-                worker.run_stuck(hang_gpu)
+                worker.run_stuck(hang_step)
             else:
                 hang(rank)
 
@@ -621,6 +629,12 @@ def main():
     hidden = int(os.environ.get("ENGINE_HIDDEN", "4096"))
     kv_bytes = int(float(os.environ.get("ENGINE_KV_GIB", "8")) * (1 << 30))
     tp = int(os.environ.get("ENGINE_TP", "1"))
+    if DEVICE not in DEVICES or (DEVICE == "cpu" and tp > 1):
+        # A configuration error: the runtime's restart cannot mend it.
+        log(event="config-error", engine=engine_id,
+            error=f"ENGINE_DEVICE={DEVICE!r} with ENGINE_TP={tp}: the device is one of {DEVICES}, "
+                  f"and a CPU engine is one process (ENGINE_TP=1)")
+        sys.exit(2)
     if tp > 1 or "ENGINE_RANK" in os.environ:
         import tp as tensor_parallel  # noqa: E402 (needs torch.distributed: only when asked for)
         if "ENGINE_RANK" in os.environ:
@@ -656,30 +670,44 @@ def main():
             return emitted(group.generate(tokens, max_tokens, step), emit)
         worker = generate
     else:
-        kv, wake = one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start)
+        kv, wake = one_device(engine_id, layers, hidden, seed, kv_bytes, t_start)
         worker, hang = kv, None
     serve(engine_id, port, inherited, kv, wake, worker, heartbeat, hang)
 
 
-def hang_gpu():
-    """SHADOW_TEST_HANG's stuck step: a kernel that never ends (2**62 clock
-    cycles), and a host that waits for it (tp.py has the ranks' copy)."""
-    torch.cuda._sleep(2 ** 62)
-    torch.cuda.synchronize()
+def hang_step():
+    """SHADOW_TEST_HANG's stuck step: on the GPU a kernel that never ends
+    (2**62 clock cycles) and a host that waits for it (tp.py has the
+    ranks' copy); on the CPU a step that never returns."""
+    if DEVICE == "cuda":
+        torch.cuda._sleep(2 ** 62)
+        torch.cuda.synchronize()
+    else:
+        threading.Event().wait()
 
 
-def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
+def one_device(engine_id, layers, hidden, seed, kv_bytes, t_start):
     """TP=1: the model, its weights through GMS, and the batch loop with
-    its graphs captured over the KV pool's reserved addresses;
-    returns (batcher, wake)."""
+    its graphs captured over the KV pool's reserved addresses (on the
+    GPU; on the CPU, DEVICE "cpu", everything runs eagerly); returns
+    (batcher, wake)."""
     # 1. initialise: weights through GMS (rw_or_ro).
-    gms = Gms(mode="rw_or_ro", client=f"torch-engine-{engine_id}", timeout_s=300)
+    cuda = DEVICE == "cuda"
+    gms = Gms(mode="rw_or_ro", client=f"torch-engine-{engine_id}", timeout_s=300,
+              device=0 if cuda else "host")
     t0 = time.perf_counter()
     if gms.lease == "rw":
-        with gms.weights_pool():
-            model = Model(layers, hidden, "cuda")
+        if cuda:
+            # Made in GMS memory directly (torch's allocator pointed there).
+            with gms.weights_pool():
+                model = Model(layers, hidden, "cuda")
+                model.init_from_seed(seed)
+            generation = gms.commit_module(model)
+        else:
+            # Host memory has no allocator to point: made, then copied in.
+            model = Model(layers, hidden, "cpu")
             model.init_from_seed(seed)
-        generation = gms.commit_module(model)
+            generation = gms.publish_module(model)
         source = "generated+committed"
     else:
         model = gms.load_module(Model(layers, hidden, "meta"))
@@ -697,10 +725,11 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
     # request run twice (measured with torch 2.11: the first difference
     # came 46 to 158 tokens in), and an engine whose answers must match an
     # undisturbed run's needs one kernel that gives the same bits.
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_math_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(True)
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_math_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
     # The batch loop: every shape warmed up on scratch memory, the prompt
     # chunk and the decode step captured over the KV pool's addresses
     # (reserved, not mapped).
@@ -709,10 +738,11 @@ def one_gpu(engine_id, layers, hidden, seed, kv_bytes, t_start):
     # The promotion's weights check, recorded as one CUDA graph.
     gms.prepare_verify_weights(capture=True)
     # A parked engine holds what it needs and no cached leftovers.
-    torch.cuda.empty_cache()
-    log(event="parked", engine=engine_id, pid=os.getpid(), kv_addr=hex(batcher.addr), kv_bytes=batcher.nbytes,
-        kv_placed=batcher.placed, init_s=round(time.perf_counter() - t_start, 3),
-        torch_reserved_mib=torch.cuda.memory_reserved() >> 20)
+    if cuda:
+        torch.cuda.empty_cache()
+    log(event="parked", engine=engine_id, pid=os.getpid(), device=DEVICE, kv_addr=hex(batcher.addr),
+        kv_bytes=batcher.nbytes, kv_placed=batcher.placed, init_s=round(time.perf_counter() - t_start, 3),
+        torch_reserved_mib=(torch.cuda.memory_reserved() >> 20) if cuda else None)
 
     def wake():
         """Launches the weights check on the GPU; returns it. Its verdict

@@ -844,7 +844,7 @@ def first_steps_figures(what, events):
             for o in pools], "ms")
     figure(f"{what}: the KV pool mapped when the promoted engine's grant returned, per wake",
            [o.get("mapped_at_grant", 0) >> 20 for o in pools], "MiB")
-    figure(f"{what}: the rest of the KV pool mapped by libgms, ms after the grant (engines that saw it happen)",
+    figure(f"{what}: the whole KV pool mapped, ms after the grant, per grant (the pair's first engine's too)",
            [e.get("ms") for e in list(events) if e.get("event") == "kv-pool-mapped"], "ms")
     steps = [o["steps"] for o in list(events) if o.get("event") == "first-steps" and o.get("how") == "adopted"]
     figure(f"{what}: the promoted engines' first steps (launches, ms from the grant, launch ms, device wait ms), "
