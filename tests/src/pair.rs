@@ -138,6 +138,14 @@ impl PairEnv {
         install_binary(cd.rootfs(), engine, "/bin/test-engine")
     }
 
+    /// A pair container `id` under this config (the shim's, and
+    /// `shadow.dev/pair`), for the caller to add to and spawn.
+    pub fn container<'a>(&self, cd: &'a Containerd, id: &str) -> crate::Container<'a> {
+        cd.container(Runtime::Shadow, id)
+            .flags(&["--runtime-config-path", &self.config.display().to_string()])
+            .annotation(shadow_contract::annotations::PAIR, "true")
+    }
+
     /// `ctr run -d`-less background run of a pair (ctr stays attached, as a
     /// user's `ctr run` does), host network.
     pub fn run(
@@ -148,11 +156,7 @@ impl PairEnv {
         flags: &[&str],
         cmd: &[&str],
     ) -> Result<Spawned> {
-        let mut c = cd
-            .container(Runtime::Shadow, id)
-            .flags(&["--runtime-config-path", &self.config.display().to_string()])
-            .annotation(shadow_contract::annotations::PAIR, "true")
-            .flags(flags);
+        let mut c = self.container(cd, id).flags(flags);
         for (k, v) in annotations {
             c = c.annotation(k, v);
         }

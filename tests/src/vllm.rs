@@ -76,6 +76,21 @@ pub struct Install {
 }
 
 impl Install {
+    /// What `make vllm-env vllm-model` made under the build dir of the
+    /// binary `exe` (a test's `env!("CARGO_BIN_EXE_…")`: `<target>/debug/…`),
+    /// or None when a test is to be skipped, having said so. Under `CI`
+    /// or `make test` (`SHADOW_VLLM_REQUIRED=1`) a missing one fails it.
+    pub fn for_test(exe: &Path) -> Option<Install> {
+        match Install::find(&build_dir(exe)) {
+            Ok(install) => Some(install),
+            Err(msg) => {
+                assert!(!required(), "{msg} (required under CI and `make test`)");
+                eprintln!("SKIPPED: {msg}");
+                None
+            }
+        }
+    }
+
     /// Under the build dir `target`; Err says what is missing and how to
     /// make it.
     pub fn find(target: &Path) -> Result<Install, String> {
@@ -130,6 +145,25 @@ impl Install {
         cmd.extend(SERVE_ARGS.iter().chain(extra).map(|s| (*s).to_owned()));
         cmd
     }
+}
+
+/// The build dir (`target`, or `$CARGO_TARGET_DIR`) of a binary of it,
+/// `<target>/debug/<exe>`.
+pub fn build_dir(exe: &Path) -> PathBuf {
+    exe.parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("target"))
+}
+
+/// Whether a missing virtualenv fails a test rather than skips it.
+fn required() -> bool {
+    let set = |k: &str| {
+        std::env::var(k)
+            .ok()
+            .is_some_and(|v| !v.is_empty() && v != "0" && v != "false")
+    };
+    set("CI") || set("SHADOW_VLLM_REQUIRED")
 }
 
 /// `--env K=V` for each of [`ENV`].

@@ -21,7 +21,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -30,7 +30,7 @@ use shadow_tests::bench::signal;
 use shadow_tests::pair::{free_port, PairEnv};
 use shadow_tests::vllm::{self, protected, Install, LogOnPanic};
 use shadow_tests::wait::until;
-use shadow_tests::{Containerd, Runtime};
+use shadow_tests::Containerd;
 
 const ENGINE: &str = env!("CARGO_BIN_EXE_test-engine");
 /// Only something broken takes this long: an engine starts in seconds
@@ -46,24 +46,6 @@ const UNDER_WAY: usize = 16;
 const KV_GIB: &str = "0.03125";
 const KV_BYTES: u64 = 32 << 20;
 const KV_CHUNK: u64 = 1 << 20;
-
-/// The build dir (`target`, or `$CARGO_TARGET_DIR`).
-fn target_dir() -> PathBuf {
-    let exe = Path::new(ENGINE);
-    exe.parent()
-        .and_then(Path::parent)
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("target"))
-}
-
-fn required() -> bool {
-    let set = |k: &str| {
-        std::env::var(k)
-            .ok()
-            .is_some_and(|v| !v.is_empty() && v != "0" && v != "false")
-    };
-    set("CI") || set("SHADOW_VLLM_REQUIRED")
-}
 
 /// One streamed completion as its client saw it.
 struct Seen {
@@ -181,17 +163,12 @@ fn events<'a>(log: &'a str, event: &'a str) -> impl Iterator<Item = Value> + 'a 
 
 #[test]
 fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
-    let install = match Install::find(&target_dir()) {
-        Ok(install) => install,
-        Err(msg) => {
-            assert!(!required(), "{msg} (required under CI and `make test`)");
-            eprintln!("SKIPPED: {msg}");
-            return;
-        }
+    let Some(install) = Install::for_test(Path::new(ENGINE)) else {
+        return;
     };
     let repo = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
         .expect("the repository");
-    let libgms = target_dir().join("debug/libgms.so");
+    let libgms = vllm::build_dir(Path::new(ENGINE)).join("debug/libgms.so");
     assert!(
         libgms.is_file(),
         "{} missing: `cargo build --workspace` (make test's build) makes it",
@@ -233,11 +210,9 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
             .display()
             .to_string(),
     ];
-    let ctr = cd
-        .container(Runtime::Shadow, id)
+    let ctr = env
+        .container(&cd, id)
         .rootfs(&root)
-        .flags(&["--runtime-config-path", &env.config.display().to_string()])
-        .annotation(shadow_contract::annotations::PAIR, "true")
         .annotation(LISTEN, &listen)
         .flags(&flags)
         .cmd(&cmd)

@@ -20,7 +20,7 @@
 //! or `make test` runs it (`SHADOW_VLLM_REQUIRED=1`): there it fails.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use shadow_contract::annotations::{ACCEPT, LISTEN};
@@ -30,7 +30,7 @@ use shadow_tests::vllm::{
     self, engine_group, gone_within, protected, Install, LogOnPanic, Outcome, Proc, Stream,
 };
 use shadow_tests::wait::until;
-use shadow_tests::{Containerd, Runtime};
+use shadow_tests::Containerd;
 
 const ENGINE: &str = env!("CARGO_BIN_EXE_test-engine");
 /// Two vLLMs starting side by side on two cores: 35–90 s each alone,
@@ -50,38 +50,6 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const PAUSE: Duration = Duration::from_millis(250);
 const PROMPT: &str = "The shadow engine answers while the other one";
 const MAX_TOKENS: u32 = 12;
-
-/// The build dir (`target`, or `$CARGO_TARGET_DIR`): the test engine is
-/// `<target>/debug/test-engine`.
-fn target_dir() -> PathBuf {
-    let exe = Path::new(ENGINE);
-    exe.parent()
-        .and_then(Path::parent)
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("target"))
-}
-
-/// Whether a missing virtualenv is a failure rather than a skip.
-fn required() -> bool {
-    let set = |k: &str| {
-        std::env::var(k)
-            .ok()
-            .is_some_and(|v| !v.is_empty() && v != "0" && v != "false")
-    };
-    set("CI") || set("SHADOW_VLLM_REQUIRED")
-}
-
-/// The virtualenv and the model, or None when the test is to be skipped.
-fn installed() -> Option<Install> {
-    match Install::find(&target_dir()) {
-        Ok(install) => Some(install),
-        Err(msg) => {
-            assert!(!required(), "{msg} (required under CI and `make test`)");
-            eprintln!("SKIPPED: {msg}");
-            None
-        }
-    }
-}
 
 /// A tmpfs at `dir`, as CRI makes a sandbox's `/dev/shm`; unmounted when
 /// dropped. It lives outside the containerd's dir, whose leftovers check
@@ -148,7 +116,7 @@ struct KillRecord {
 
 #[test]
 fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
-    let Some(install) = installed() else {
+    let Some(install) = Install::for_test(Path::new(ENGINE)) else {
         return;
     };
     let test_started = Instant::now();
@@ -167,11 +135,9 @@ fn vllm_pair_serves_through_sigkills_and_leaves_nothing() {
     flags.extend(vllm::env_flags());
     flags.extend(["--rm".into(), "--net-host".into()]);
     let id = "vllm";
-    let ctr = cd
-        .container(Runtime::Shadow, id)
+    let ctr = env
+        .container(&cd, id)
         .rootfs(&root)
-        .flags(&["--runtime-config-path", &env.config.display().to_string()])
-        .annotation(shadow_contract::annotations::PAIR, "true")
         .annotation(LISTEN, &listen)
         // As an operator writes it: the shipped config's default is the
         // runtime accepting, which vLLM's server cannot take.
