@@ -2,7 +2,9 @@
 before its first step (paged.Blocks.start: the state words only), and how
 long the prefix cache's records take after it (Blocks.read_some), for a
 pool that fills an H200 (67,000 blocks of 2 MiB) with few blocks in use
-and with most of them in use (hours of serving). No GPU, no torch:
+and with most of them in use (hours of serving), and what the first
+prefix lookup costs while those records are still unread (it reads every
+record's hash at once, Blocks.lookup). No GPU, no torch:
 ``make bench-kv-index``. Medians over repeats; one run compares nothing
 with an older version (check one out and run its paged.py the same way).
 """
@@ -37,7 +39,7 @@ def filled(in_use):
 def main():
     for in_use in (500, 60000):
         fd = filled(in_use)
-        starts, reads = [], []
+        starts, reads, lookups = [], [], []
         for _ in range(REPEATS):
             b = paged.Blocks(paged.Index(fd, BLOCKS, 2 << 20, 7))
             t0 = time.perf_counter()
@@ -48,10 +50,20 @@ def main():
             t2 = time.perf_counter()
             starts.append((t1 - t0) * 1e3)
             reads.append((t2 - t1) * 1e3)
+            # A prompt whose first block is the last one filled, asked for
+            # before any record is read.
+            b = paged.Blocks(paged.Index(fd, BLOCKS, 2 << 20, 7))
+            b.start(False, False)
+            last = in_use - 1 if (in_use - 1) % 7 else in_use - 2
+            t3 = time.perf_counter()
+            hit = b.lookup([1000 + last], list(range(paged.BLOCK_TOKENS)))
+            lookups.append((time.perf_counter() - t3) * 1e3)
+            assert len(hit) == 1, hit
         os.close(fd)
         print(f"index of {BLOCKS} blocks, {in_use} in use: before the first step (state words) "
               f"{statistics.median(starts):.2f} ms, after it (every record, 1024 a turn) "
-              f"{statistics.median(reads):.1f} ms, medians of {REPEATS}")
+              f"{statistics.median(reads):.1f} ms, a prefix hit before the records are read "
+              f"{statistics.median(lookups):.2f} ms, medians of {REPEATS}")
 
 
 if __name__ == "__main__":

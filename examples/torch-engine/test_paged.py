@@ -179,12 +179,11 @@ class AdoptionTest(unittest.TestCase):
 
     def test_full_blocks_records_are_read_after_the_start_and_kept_till_then(self):
         # The start reads the state words only; until a full block's record
-        # is read it is no prefix hit, may be pinned and taken up, and is
-        # neither freed nor evicted, whatever the fence and the pins say.
+        # is read it may be pinned and taken up, and is neither freed nor
+        # evicted, whatever the fence and the pins say.
         b = Blocks(self.ix)
         b.start(created=False, fenced=False)
         self.assertEqual((b.figures["unread"], b.cached), (2, {}))
-        self.assertEqual(b.lookup([11], toks(0)), [], "no prefix hit before its record is read")
         self.assertTrue(b.pin([self.cached]) and b.readable(self.full))
         b.own_carried(self.cached, full=True)
         b.unpin([self.cached])
@@ -200,6 +199,22 @@ class AdoptionTest(unittest.TestCase):
         self.assertIn(self.full, b.free, "a copy of a cached prefix nobody holds: free, past the fence")
         b.release(self.cached)
         self.assertIn(self.cached, b.evictable)
+
+    def test_a_prefix_in_a_block_not_read_yet_is_a_hit_all_the_same(self):
+        # A request that shares the dead engine's prefix and comes before
+        # the records are read: its lookup finds the block by the hashes,
+        # read at once, reads that one record, and the block is cached from
+        # then on; the records read after skip it.
+        b = Blocks(self.ix)
+        b.start(created=False, fenced=True)
+        self.assertEqual(b.lookup([11], toks(0)), [self.cached], "a hit before the records are read")
+        self.assertEqual(b.lookup([11], toks(1)), [], "its tokens are checked as any hit's")
+        self.assertEqual(b.lookup([12], toks(0)), [], "a prefix no block holds")
+        self.assertEqual((b.figures["adopted_cached"], b.figures["unread_hashed"]), (1, 2))
+        self.assertEqual(b.read_some(10), 0)
+        self.assertEqual((b.figures["adopted_cached"], b.figures["adopted_full"]), (1, 1),
+                         "each record adopted once: the one read by the lookup skipped")
+        self.assertEqual(b.cached, {11: self.cached})
 
 
 if __name__ == "__main__":
