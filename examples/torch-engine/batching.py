@@ -656,7 +656,7 @@ class Batcher(Worker):
             self.blocks.share(b)
         seq.blocks, seq.hashes = list(hits), hashes[:len(hits)]
         seq.kv_len = len(hits) * BLOCK
-        seq.figures["prefix_hit"] = seq.kv_len
+        seq.figures["prefix_hit"] = seq.job.cached = seq.kv_len
         if carried:
             seq.forced = list(carried["tokens"])
             seq.emit_from = len(seq.forced)

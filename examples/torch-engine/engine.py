@@ -504,7 +504,8 @@ def serve(engine_id, port, inherited, kv, wake, generate, heartbeat, hang=None):
                            "model": continuity.MODEL, "engine": engine_id, "pid": os.getpid(),
                            "choices": [{"index": 0, "text": text, "tokens": out, "finish_reason": "length"}],
                            "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(out),
-                                     "total_tokens": len(tokens) + len(out)}})
+                                     "total_tokens": len(tokens) + len(out),
+                                     "prompt_tokens_details": {"cached_tokens": job.cached}}})
 
     cont = Continuity(answer, fdstore_store, fdstore_remove, bytes_written, enabled=store_enabled(), log=log)
     # A client that stalls in the middle of its request loses it after a

@@ -30,6 +30,10 @@ class Job:
         self.prompt, self.max_tokens, self.progress = prompt, max_tokens, progress
         self.q = queue.SimpleQueue()
         self.cancelled = False
+        # Prompt tokens whose KV came from the prefix cache, as the worker
+        # found them when it started the job (OpenAI's
+        # usage.prompt_tokens_details.cached_tokens).
+        self.cached = 0
 
     def put(self, token):
         self.q.put(token)

@@ -11,7 +11,12 @@
 //! up (`adopted`), having mapped only the pool's first allocation before
 //! its first step (`pair.gms_kv_chunk` makes the pool several), and the
 //! rest after; every cut stream must go on from the pool with no token
-//! computed again. Then Delete, and nothing may be left.
+//! computed again. A request that shares a prefix of 400 tokens with
+//! earlier ones, sent right after each kill while the carried streams
+//! run (before the promoted engine has read the dead one's prefix cache
+//! in full), must get the undisturbed answer with its prefix from the
+//! cache (`usage.prompt_tokens_details.cached_tokens`). Then Delete, and
+//! nothing may be left.
 //!
 //! torch comes from `make vllm-env`'s virtualenv (the vLLM pair test's):
 //! without it the test says so and passes, unless `CI` is set or `make
@@ -42,6 +47,9 @@ const STREAMS: usize = 4;
 const TOKENS: usize = 256;
 /// Events every stream must have had for a kill to cut them all.
 const UNDER_WAY: usize = 16;
+/// The prefix the plain requests share: 400 tokens (one per byte), 25
+/// blocks of 16.
+const PREFIX_TOKENS: usize = 400;
 /// The pool: 32 MiB in allocations of 1 MiB (`gms_kv_chunk`).
 const KV_GIB: &str = "0.03125";
 const KV_BYTES: u64 = 32 << 20;
@@ -118,6 +126,39 @@ fn stream(
         done,
         longest_gap,
     })
+}
+
+/// A plain completion of `prompt`: its text and the prompt tokens its
+/// usage says came from the prefix cache.
+fn plain(port: u16, prompt: &str) -> Result<(String, u64), String> {
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 16}).to_string();
+    let mut c = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    c.set_read_timeout(Some(Duration::from_secs(60)))
+        .map_err(|e| format!("set timeout: {e}"))?;
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| format!("send: {e}"))?;
+    let mut raw = String::new();
+    c.read_to_string(&mut raw)
+        .map_err(|e| format!("read: {e}"))?;
+    let (head, body) = raw
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("no header end in {raw:?}"))?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(format!("{head:?} {body:?}"));
+    }
+    let v: Value = serde_json::from_str(body).map_err(|e| format!("{body:?}: {e}"))?;
+    let text = v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .ok_or_else(|| format!("no cached_tokens in {body}"))?;
+    Ok((text, cached))
 }
 
 /// The streams of `prompts`, concurrently; `then` runs once every one has
@@ -234,6 +275,19 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
         })
         .collect();
     assert!(want.iter().all(|t| t.chars().count() == TOKENS), "{want:?}");
+    let prefix: String = "the prefix all these requests share. "
+        .chars()
+        .cycle()
+        .take(PREFIX_TOKENS)
+        .collect();
+    let shared = format!("{prefix}which engine answers?");
+    plain(port, &format!("{prefix}a first question")).expect("the prefix's first request");
+    let (want_shared, cached) = plain(port, &shared).expect("a request sharing the prefix");
+    let prefix_blocks = (PREFIX_TOKENS / 16 * 16) as u64;
+    assert!(
+        cached >= prefix_blocks,
+        "{cached} prompt tokens from the cache, before any kill"
+    );
 
     let mut gaps = Vec::new();
     for round in 0..KILLS {
@@ -241,13 +295,26 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
             env.state(&cd, id).filter(|s| protected(s).is_some())
         });
         let (_, pid, _) = protected(&st).expect("protected");
+        let mut after = None;
         let seen = streams_together(port, &prompts, || {
             assert!(
                 signal(pid, libc::SIGKILL),
                 "round {round}: kill {pid}: {}",
                 std::io::Error::last_os_error()
             );
+            after = Some(plain(port, &shared));
         });
+        let (text, cached) = after
+            .expect("asked")
+            .unwrap_or_else(|why| panic!("round {round}: the request sharing the prefix: {why}"));
+        assert_eq!(
+            text, want_shared,
+            "round {round}: the request sharing the prefix"
+        );
+        assert!(
+            cached >= prefix_blocks,
+            "round {round}: only {cached} prompt tokens from the cache right after the kill"
+        );
         for (i, s) in seen.iter().enumerate() {
             assert!(s.done, "round {round}, stream {i}: no [DONE]");
             assert_eq!(
@@ -330,6 +397,13 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
             .map(|g| g["grant_ms"].clone())
             .collect::<Vec<_>>()
     );
+
+    for r in events(&out, "kv-prefix-read") {
+        println!("torch engine on the CPU: the dead engine's prefix cache read: {r}");
+    }
+    for a in events(&out, "first-answer") {
+        println!("torch engine on the CPU: first answer after the lock, in parts (ms): {a}");
+    }
 
     drop(log);
     cd.ctr()
