@@ -275,6 +275,9 @@ class Seq:
         self.prompt, self.max_tokens = job.prompt, job.max_tokens
         self.p = len(self.prompt)
         self.out, self.blocks, self.hashes = [], [], []
+        # The hashes of the prompt's full blocks before its last token (what
+        # the prefix cache may hold of it).
+        self.prompt_hashes = prompt_hashes(self.prompt, ((self.p - 1) // BLOCK) * BLOCK) if PREFIX_CACHE else []
         self.kv_len = 0
         # Tokens known already (a carried stream computed again): fed
         # instead of the model's, and not handed to the thread again.
@@ -627,11 +630,13 @@ class Batcher(Worker):
 
     def _admit(self):
         """Waiting sequences, in order, while the pool has their blocks. A
-        carried one whose blocks are not mapped yet waits for them (the
-        others go past it)."""
+        carried one whose blocks are not mapped yet waits for them, and so
+        does one whose cached prefix runs into blocks not mapped yet (the
+        others go past them)."""
         for seq in list(self.waiting):
             pinned = self.pins.get(seq.name) if seq.name is not None else None
-            if pinned and self._mapping() and not all(self.blocks.mapped(b) for b in pinned):
+            if self._mapping() and (not all(self.blocks.mapped(b) for b in pinned) if pinned else
+                                    self.blocks.prefix_unmapped(seq.prompt_hashes, seq.prompt)):
                 continue
             owed = sum(max(0, s.need - len(s.blocks)) for s in self.running)
             if not self.blocks.has_available(owed + seq.need):
@@ -650,7 +655,7 @@ class Batcher(Worker):
         first (only whole blocks before its last prompt token), then its
         chunks. A carried one whose KV cannot be taken up feeds its known
         tokens again."""
-        hashes = prompt_hashes(seq.prompt, ((seq.p - 1) // BLOCK) * BLOCK)
+        hashes = seq.prompt_hashes
         hits = self.blocks.lookup(hashes, seq.prompt) if PREFIX_CACHE else []
         for b in hits:
             self.blocks.share(b)

@@ -461,19 +461,34 @@ class Blocks:
     def lookup(self, hashes, tokens):
         """The cached blocks of a prompt's first full blocks, in order, up
         to the first miss (each checked against the tokens it holds; one
-        not mapped yet is a miss)."""
+        not mapped yet is a miss: ``prefix_unmapped`` says when waiting
+        for it would do better)."""
         hits = []
+        for b in self._prefix(hashes, tokens):
+            if not self.mapped(b):
+                break
+            hits.append(b)
+        return hits
+
+    def prefix_unmapped(self, hashes, tokens):
+        """Whether a prompt's cached prefix runs into a block not mapped
+        yet: the prompt would rather wait for the mapping (milliseconds)
+        than compute that part again."""
+        return self.limit is not None and any(not self.mapped(b) for b in self._prefix(hashes, tokens))
+
+    def _prefix(self, hashes, tokens):
+        """The cached blocks of a prompt's first full blocks, in order, up
+        to the first miss, mapped or not."""
         for i, h in enumerate(hashes):
             b = self.cached.get(h)
             if b is None:
                 b = self._unread_hit(h)
-            if b is None or not self.mapped(b):
-                break
+            if b is None:
+                return
             _, _, toks = self.cached_of[b]
             if list(toks) != list(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]):
-                break
-            hits.append(b)
-        return hits
+                return
+            yield b
 
     def full(self, block, hash_, parent, tokens):
         """All of ``block``'s positions are written and synchronised: it is

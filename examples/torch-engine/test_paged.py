@@ -103,6 +103,8 @@ class IndexTest(unittest.TestCase):
         b.release(far)
         b.set_mapped(6)
         self.assertEqual(b.lookup([h], toks(0)), [], "a cached block not mapped yet is a miss")
+        self.assertTrue(b.prefix_unmapped([h], toks(0)), "which the prompt may wait for")
+        self.assertFalse(b.prefix_unmapped([h], toks(1)), "a prefix not cached: nothing to wait for")
         self.assertEqual(b.available(), 6 - RESERVED_BLOCKS)
         self.assertTrue(b.has_available(6 - RESERVED_BLOCKS))
         self.assertFalse(b.has_available(6 - RESERVED_BLOCKS + 1), "blocks past the limit do not count")
@@ -113,6 +115,7 @@ class IndexTest(unittest.TestCase):
         b.set_mapped(16)
         self.assertIsNone(b.limit)
         self.assertEqual(b.lookup([h], toks(0)), [far])
+        self.assertFalse(b.prefix_unmapped([h], toks(0)))
         self.assertEqual(b.take(), 14, "free blocks past the old limit")
 
 class AdoptionTest(unittest.TestCase):
