@@ -65,6 +65,8 @@ GRAPH_CTX = 384
 # Prompt chunks per step, at most: a long prompt delays the others'
 # next tokens by this much compute, not by its whole prefill.
 PREFILL_CHUNKS = 4
+# Sequences in flight the launcher's staging holds without growing.
+STAGED_SEQUENCES = 256
 # ENGINE_PREFIX_CACHE=0: no block is shared by prefix (every prompt is
 # computed); ENGINE_CUDA_GRAPHS=0: every step eager (the same shapes, so
 # the same tokens). For comparing.
@@ -176,7 +178,11 @@ class Launcher:
         self.side = torch.cuda.Stream() if self.use_graphs else None
         self.caches = self.addr = None
         self.cap = 0
-        self._grow(PREFILL_CHUNKS * CHUNK + 4 * BATCH)
+        # A step's rows at most, with STAGED_SEQUENCES in flight (engine.py
+        # serves 256 connections at once): 330 KiB pinned and as much on
+        # the device, so that a promoted engine's first steps grow nothing
+        # however many streams it carries.
+        self._grow(PREFILL_CHUNKS * CHUNK + STAGED_SEQUENCES)
 
     def _grow(self, rows):
         """Staging for ``rows`` rows (a step with more sequences in flight
