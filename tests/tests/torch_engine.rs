@@ -6,13 +6,15 @@
 //! logic under `make test`, where every CI run sees it.
 //!
 //! Streams of 256 tokens are under way, concurrently, when the serving
-//! engine is SIGKILLed, three times. Each must end whole and identical to
+//! engine is SIGKILLed, three times, and once more when its model loop
+//! hangs (`POST /test/hang`: the pair's watchdog finds it, the runtime
+//! kills it). Each must end whole and identical to
 //! the same streams undisturbed; the promoted engine must take the pool
 //! up (`adopted`), having mapped only the pool's first allocation before
 //! its first step (`pair.gms_kv_chunk` makes the pool several), and the
 //! rest after; every cut stream must go on from the pool with no token
 //! computed again. A request that shares a prefix of 400 tokens with
-//! earlier ones, sent right after each kill while the carried streams
+//! earlier ones, sent right after each kill (and the hang) while the carried streams
 //! run (before the promoted engine has read the dead one's prefix cache
 //! in full), must get the undisturbed answer with its prefix from the
 //! cache (`usage.prompt_tokens_details.cached_tokens`). Then Delete, and
@@ -30,7 +32,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use shadow_contract::annotations::LISTEN;
+use shadow_contract::annotations::{LISTEN, WATCHDOG};
 use shadow_tests::bench::signal;
 use shadow_tests::pair::{free_port, PairEnv};
 use shadow_tests::vllm::{self, protected, Install, LogOnPanic};
@@ -43,6 +45,9 @@ const ENGINE: &str = env!("CARGO_BIN_EXE_test-engine");
 const LONG: Duration = Duration::from_secs(240);
 const STEP: Duration = Duration::from_millis(5);
 const KILLS: usize = 3;
+/// The pair's watchdog (`shadow.dev/watchdog`): generous, for two engines
+/// on two cores; the engine pings each half of it.
+const WATCHDOG_S: &str = "2s";
 const STREAMS: usize = 4;
 const TOKENS: usize = 256;
 /// Events every stream must have had for a kill to cut them all.
@@ -128,16 +133,14 @@ fn stream(
     })
 }
 
-/// A plain completion of `prompt`: its text and the prompt tokens its
-/// usage says came from the prefix cache.
-fn plain(port: u16, prompt: &str) -> Result<(String, u64), String> {
-    let body = serde_json::json!({"prompt": prompt, "max_tokens": 16}).to_string();
+/// POST `path` with `body`: the status line and the body.
+fn post(port: u16, path: &str, body: &str) -> Result<(String, String), String> {
     let mut c = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
     c.set_read_timeout(Some(Duration::from_secs(60)))
         .map_err(|e| format!("set timeout: {e}"))?;
     write!(
         c,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .map_err(|e| format!("send: {e}"))?;
@@ -147,10 +150,19 @@ fn plain(port: u16, prompt: &str) -> Result<(String, u64), String> {
     let (head, body) = raw
         .split_once("\r\n\r\n")
         .ok_or_else(|| format!("no header end in {raw:?}"))?;
-    if !head.starts_with("HTTP/1.1 200") {
-        return Err(format!("{head:?} {body:?}"));
+    let status = head.lines().next().unwrap_or_default().to_owned();
+    Ok((status, body.to_owned()))
+}
+
+/// A plain completion of `prompt`: its text and the prompt tokens its
+/// usage says came from the prefix cache.
+fn plain(port: u16, prompt: &str) -> Result<(String, u64), String> {
+    let request = serde_json::json!({"prompt": prompt, "max_tokens": 16}).to_string();
+    let (status, body) = post(port, "/v1/completions", &request)?;
+    if !status.starts_with("HTTP/1.1 200") {
+        return Err(format!("{status:?} {body:?}"));
     }
-    let v: Value = serde_json::from_str(body).map_err(|e| format!("{body:?}: {e}"))?;
+    let v: Value = serde_json::from_str(&body).map_err(|e| format!("{body:?}: {e}"))?;
     let text = v["choices"][0]["text"]
         .as_str()
         .unwrap_or_default()
@@ -238,6 +250,8 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
         "PYTHONDONTWRITEBYTECODE=1".to_owned(),
         "PYTHONUNBUFFERED=1".to_owned(),
         "HOME=/tmp".to_owned(),
+        // POST /test/hang, for the last round.
+        "SHADOW_TEST_HANG=1".to_owned(),
     ] {
         flags.extend(["--env".to_owned(), kv]);
     }
@@ -255,6 +269,7 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
         .container(&cd, id)
         .rootfs(&root)
         .annotation(LISTEN, &listen)
+        .annotation(WATCHDOG, WATCHDOG_S)
         .flags(&flags)
         .cmd(&cmd)
         .spawn(false)
@@ -290,18 +305,28 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
     );
 
     let mut gaps = Vec::new();
-    for round in 0..KILLS {
+    // The last round hangs the serving engine's model loop instead: the
+    // watchdog finds it, the runtime kills it.
+    let mut hang_gaps = Vec::new();
+    for round in 0..=KILLS {
+        let hang = round == KILLS;
         let st = until("the pair protected", LONG, STEP, || {
             env.state(&cd, id).filter(|s| protected(s).is_some())
         });
         let (_, pid, _) = protected(&st).expect("protected");
         let mut after = None;
         let seen = streams_together(port, &prompts, || {
-            assert!(
-                signal(pid, libc::SIGKILL),
-                "round {round}: kill {pid}: {}",
-                std::io::Error::last_os_error()
-            );
+            if hang {
+                let (status, body) = post(port, "/test/hang", "{}")
+                    .unwrap_or_else(|why| panic!("round {round}: POST /test/hang: {why}"));
+                assert!(status.starts_with("HTTP/1.1 200"), "{status} {body}");
+            } else {
+                assert!(
+                    signal(pid, libc::SIGKILL),
+                    "round {round}: kill {pid}: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
             after = Some(plain(port, &shared));
         });
         let (text, cached) = after
@@ -321,7 +346,11 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
                 s.text, want[i],
                 "round {round}, stream {i}: not the undisturbed text"
             );
-            gaps.push(s.longest_gap);
+            if hang {
+                hang_gaps.push(s.longest_gap);
+            } else {
+                gaps.push(s.longest_gap);
+            }
         }
         until("the killed slot parked again", LONG, STEP, || {
             env.state(&cd, id)
@@ -330,9 +359,15 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
     }
     gaps.sort();
     println!(
-        "torch engine on the CPU: longest silence of a cut stream, p50 / max: {:?} / {:?}",
+        "torch engine on the CPU: longest silence of a cut stream, p50 / max: {:?} / {:?}; \
+         through the hang (watchdog {WATCHDOG_S}): {hang_gaps:?}",
         gaps[gaps.len() / 2],
         gaps[gaps.len() - 1]
+    );
+    let st = env.state(&cd, id).expect("the pair's state");
+    assert_eq!(
+        st.pair.hangs.watchdog, 1,
+        "the hang was the watchdog's to find"
     );
 
     let out = ctr.stdout_so_far();
@@ -342,12 +377,12 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
     let adopted: Vec<&Value> = grants.iter().filter(|g| g["how"] == "adopted").collect();
     assert_eq!(
         grants.len(),
-        KILLS + 1,
+        KILLS + 2,
         "one grant per engine that served: {grants:?}"
     );
     assert_eq!(
         adopted.len(),
-        KILLS,
+        KILLS + 1,
         "every promoted engine took the pool up: {grants:?}"
     );
     for g in &adopted {
@@ -372,7 +407,7 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
     let carried: Vec<Value> = events(&out, "kv-carried").collect();
     assert_eq!(
         carried.len(),
-        KILLS * STREAMS,
+        (KILLS + 1) * STREAMS,
         "every stream cut by a kill was taken up from the pool: {carried:?}"
     );
     assert!(
