@@ -77,15 +77,7 @@ fn stream(
 ) -> Result<Seen, String> {
     let body =
         serde_json::json!({"prompt": prompt, "max_tokens": TOKENS, "stream": true}).to_string();
-    let mut c = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
-    c.set_read_timeout(Some(Duration::from_secs(60)))
-        .map_err(|e| format!("set timeout: {e}"))?;
-    write!(
-        c,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .map_err(|e| format!("send: {e}"))?;
+    let mut c = send(port, "/v1/completions", &body)?;
     let (mut raw, mut buf) = (Vec::new(), [0u8; 4096]);
     let (mut events, mut last, mut longest_gap) = (0, Instant::now(), Duration::ZERO);
     loop {
@@ -133,8 +125,9 @@ fn stream(
     })
 }
 
-/// POST `path` with `body`: the status line and the body.
-fn post(port: u16, path: &str, body: &str) -> Result<(String, String), String> {
+/// A connection to the pair with the request `POST path` and `body` sent
+/// (the engine closes it after its answer).
+fn send(port: u16, path: &str, body: &str) -> Result<TcpStream, String> {
     let mut c = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
     c.set_read_timeout(Some(Duration::from_secs(60)))
         .map_err(|e| format!("set timeout: {e}"))?;
@@ -144,6 +137,12 @@ fn post(port: u16, path: &str, body: &str) -> Result<(String, String), String> {
         body.len()
     )
     .map_err(|e| format!("send: {e}"))?;
+    Ok(c)
+}
+
+/// POST `path` with `body`: the status line and the body.
+fn post(port: u16, path: &str, body: &str) -> Result<(String, String), String> {
+    let mut c = send(port, path, body)?;
     let mut raw = String::new();
     c.read_to_string(&mut raw)
         .map_err(|e| format!("read: {e}"))?;
