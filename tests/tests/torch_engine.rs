@@ -440,10 +440,6 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
     }
 
     drop(log);
-    cd.ctr()
-        .run(&["task", "kill", "-s", "SIGKILL", id])
-        .expect("ctr task kill")
-        .assert_success();
-    ctr.wait(LONG).expect("ctr run ends");
-    cd.assert_no_leftovers();
+    // Delete: nothing of containerd's, no pair dir, no metrics file left.
+    env.stop(&cd, id, "SIGKILL", ctr, LONG);
 }
