@@ -217,7 +217,7 @@ GPU_TEST_ARGS ?=
 # libseccomp from this machine's Debian packages, with the release shim,
 # shadowctl and gmsd, so that test-gpu runs pairs through containerd there.
 GPU_RUNTIME_TOOLS = containerd ctr runc containerd-shim-runc-v2
-gpu-bundle: check-cargo
+gpu-bundle: check-cargo deps
 	$(CARGO) build --release -p gmsd -p gms-capi -p shadow-shim
 	@mkdir -p $(GPU_BIN_DIR)
 	cp $(TARGET)/release/gmsd $(TARGET)/release/gms-cuda-bench $(TARGET)/release/gms-cuda-probe \
