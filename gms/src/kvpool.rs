@@ -42,6 +42,10 @@ use crate::{Error, Result};
 /// moves addresses work was captured over for nothing. A pool that lives
 /// at an address this process cannot reserve is not placed: the grant
 /// then maps it where it lives (and fails if that is taken).
+///
+/// It also makes room in this process's descriptor table for the grant's
+/// descriptors ([`GRANT_ROOM`]), so that receiving them, on a failover's
+/// path, never waits for the table to grow ([`crate::wire::make_room`]).
 pub fn reserve_ahead<M: Mapper>(
     mapper: &M,
     socket: &Path,
@@ -52,6 +56,7 @@ pub fn reserve_ahead<M: Mapper>(
     let size = size
         .checked_next_multiple_of(granularity.max(1))
         .ok_or_else(|| Error::Invalid(format!("KV pool size {size} overflows")))?;
+    crate::wire::make_room(GRANT_ROOM)?;
     let pool = crate::client::status(socket)?.kv;
     let current = match (&pool, current) {
         (Some(kv), Some(range)) if range.addr() == kv.va && range.len() == kv.size => {
@@ -81,6 +86,13 @@ pub fn reserve_ahead<M: Mapper>(
         placed: false,
     })
 }
+
+/// The descriptors [`reserve_ahead`] makes room for: the most one answer
+/// carries (a grant: an allocation's each, the index's and the fence's),
+/// and as many again for what the engine opens before its grant (the
+/// lock's descriptor from its holder, handed connections), which take the
+/// lowest free slots first.
+pub const GRANT_ROOM: usize = 2 * crate::protocol::MAX_FDS_PER_MESSAGE;
 
 /// What [`reserve_ahead`] reserved.
 pub struct Reserved<R: Range> {

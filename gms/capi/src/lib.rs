@@ -875,7 +875,10 @@ pub extern "C" fn gms_kv_pool_wait_mapped(bytes: u64, timeout_ms: u64) -> i64 {
 /// them now (a CUDA graph) runs on the pool once it is granted, if the
 /// pool is there (`gms_kv_pool_open`'s `addr` says). A later call moves
 /// the reservation to the pool's address once a pool exists, and keeps it
-/// where it is otherwise. `*out_addr` gets the address; returns 1 when it
+/// where it is otherwise. Each call also makes room in this process's
+/// descriptor table for the grant's descriptors, so that receiving them
+/// never waits for the table to grow (an RCU grace period, tens of
+/// milliseconds). `*out_addr` gets the address; returns 1 when it
 /// is the existing pool's, 0 when not (no pool yet, or its address was
 /// taken here), -1 on error (the reservation is then dropped).
 ///
