@@ -81,6 +81,21 @@ RECORDS_PER_TURN = 1024
 _ROW = 4 + MAX_BLOCKS
 
 
+def fd_table_size():
+    """This process's descriptor table's size (``FDSize``): libgms grows it
+    while the engine is parked, so that the grant's descriptors need no
+    growth, which waits for an RCU grace period (15-50 ms), on the
+    failover's path. Logged at park and at the grant to show it held."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("FDSize:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def _launch_rows(rows, pad_rows):
     """rows: [(token, pos, block, offset, table)], each table padded with
     the zero block; then rows up to ``pad_rows`` that write the scratch
@@ -563,7 +578,8 @@ class Batcher(Worker):
                  grant_parts_ms=parts,
                  mapped_at_grant=pool.mapped_at_grant() if pool is not None else self.geo.pool_bytes,
                  addr=hex(flat.data_ptr()), bytes=self.geo.pool_bytes, blocks=self.geo.blocks,
-                 fenced=fenced, graph_recaptured_ms=recaptured, refused=why, **self.blocks.figures)
+                 fenced=fenced, graph_recaptured_ms=recaptured, refused=why, fd_table=fd_table_size(),
+                 **self.blocks.figures)
 
     def _read_records(self):
         """The next records of the full blocks the pool held at the grant

@@ -107,7 +107,7 @@ from heartbeat import Heartbeat  # noqa: E402
 import continuity  # noqa: E402
 from continuity import Continuity, Plain, Stream  # noqa: E402
 from jobs import KvUnavailable, SerialWorker, Worker  # noqa: E402
-from batching import MAX_CTX, Batcher  # noqa: E402
+from batching import MAX_CTX, Batcher, fd_table_size  # noqa: E402
 
 VOCAB = 32000
 HEAD_DIM = 128
@@ -743,7 +743,7 @@ def one_device(engine_id, layers, hidden, seed, kv_bytes, t_start):
         torch.cuda.empty_cache()
     log(event="parked", engine=engine_id, pid=os.getpid(), device=DEVICE, kv_addr=hex(batcher.addr),
         kv_bytes=batcher.nbytes, kv_placed=batcher.placed, init_s=round(time.perf_counter() - t_start, 3),
-        torch_reserved_mib=(torch.cuda.memory_reserved() >> 20) if cuda else None)
+        fd_table=fd_table_size(), torch_reserved_mib=(torch.cuda.memory_reserved() >> 20) if cuda else None)
 
     def wake():
         """Launches the weights check on the GPU; returns it. Its verdict

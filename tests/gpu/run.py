@@ -1365,6 +1365,9 @@ def test_containerd_pair_kv_fills_the_gpu():
     figure("KV pool fills the GPU: parked shadow device memory (nvidia-smi), per kill", parked, "MiB",
            "unchanged, <= 800 MiB")
     figure("KV pool fills the GPU: the promoted engines' grant of the pool", [p["grant_ms"] for p in pools[1:]], "ms")
+    tables = [(o.get("fd_table"), o.get("how")) for o in list(events) if o.get("event") in ("parked", "kv-pool")]
+    figure("KV pool fills the GPU: descriptor table size at each park and grant, in order", tables, "",
+           "unchanged from park to grant")
     first_steps_figures("KV pool fills the GPU", events)
     figure("KV pool fills the GPU: the promoted engines' graphs captured again at the grant",
            [p["graph_recaptured_ms"] for p in pools[1:]], "ms", "none (null)")

@@ -55,9 +55,12 @@ const UNDER_WAY: usize = 16;
 /// The prefix the plain requests share: 400 tokens (one per byte), 25
 /// blocks of 16.
 const PREFIX_TOKENS: usize = 400;
-/// The pool: 32 MiB in allocations of 1 MiB (`gms_kv_chunk`).
-const KV_GIB: &str = "0.03125";
-const KV_BYTES: u64 = 32 << 20;
+/// The pool: 62 MiB in allocations of 1 MiB (`gms_kv_chunk`): the most
+/// one grant carries (64 descriptors with the index's and the fence's), as
+/// a pool that fills a GPU has, so that a promoted engine's descriptor
+/// table would grow at its grant if it had not been made room in.
+const KV_GIB: &str = "0.060546875";
+const KV_BYTES: u64 = 62 << 20;
 const KV_CHUNK: u64 = 1 << 20;
 
 /// One streamed completion as its client saw it.
@@ -391,6 +394,24 @@ fn torch_engine_pair_on_the_cpu_carries_streams_through_sigkills() {
             Some(KV_CHUNK),
             "only the first allocation mapped at the grant: {g}"
         );
+    }
+    // The descriptor table was made room in while parked: the grant's
+    // descriptors did not grow it (a growth waits for an RCU grace period
+    // on the failover's path).
+    let mut parked_table = std::collections::HashMap::new();
+    for e in out
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l.trim()).ok())
+    {
+        if e["event"] == "parked" {
+            parked_table.insert(e["engine"].to_string(), e["fd_table"].clone());
+        } else if e["event"] == "kv-pool" && e["how"] == "adopted" {
+            let parked = parked_table.get(&e["engine"].to_string());
+            assert!(
+                e["fd_table"].as_u64().is_some() && parked == Some(&e["fd_table"]),
+                "the descriptor table grew between park ({parked:?}) and the grant: {e}"
+            );
+        }
     }
     let mapped: Vec<Value> = events(&out, "kv-pool-mapped").collect();
     assert_eq!(
