@@ -1709,6 +1709,19 @@ def continuity_through_kills(accept):
     figure(f"continuity ({accept} accepts): streams carried (positions from the pool / tail blocks copied)",
            f"{len(carried)} ({sum(e.get('from_pool', 0) for e in carried)} / "
            f"{sum(1 for e in carried if e.get('copied'))})", "")
+    # Where a cut stream's stall went, per kill: when each was taken up
+    # from the pool (ms after the kill), and the stalls of the streams it
+    # cut; the promoted engines' first answers and first steps.
+    per_kill = []
+    for i, at in enumerate(kills):
+        until = kills[i + 1] if i + 1 < len(kills) else float("inf")
+        per_kill.append((sorted(round((e["t"] - at) * 1e3, 1) for e in carried if at < e.get("t", 0) < until),
+                         sorted(round(r[5] * 1e3, 1) for r in cut if r[2] and r[0] < at < r[1])))
+    figure(f"continuity ({accept} accepts): per kill, cut streams taken up from the pool (ms after the kill) / "
+           "their stalls", per_kill, "ms")
+    figure(f"continuity ({accept} accepts): the promoted engine's lock -> first answer in parts (ms from the lock), "
+           "per wake", first_answer_parts(evs), "")
+    first_steps_figures(f"continuity ({accept} accepts)", evs)
     figure(f"continuity ({accept} accepts): streams computed again (positions, why)",
            [(e.get("computed_again"), e.get("why")) for e in again], "", "none")
     rt.ctr("task", "kill", "--signal", "SIGKILL", cid)
