@@ -1721,6 +1721,10 @@ def continuity_through_kills(accept):
            "their stalls", per_kill, "ms")
     figure(f"continuity ({accept} accepts): the promoted engine's lock -> first answer in parts (ms from the lock), "
            "per wake", first_answer_parts(evs), "")
+    figure(f"continuity ({accept} accepts): the promoted engine's wait for the cut streams before its first step "
+           "(waited ms, sequences waiting, streams still missing), per wake",
+           [(e.get("waited_ms"), e.get("streams"), e.get("missing")) for e in evs
+            if e.get("event") == "carried-gathered"], "")
     first_steps_figures(f"continuity ({accept} accepts)", evs)
     figure(f"continuity ({accept} accepts): streams computed again (positions, why)",
            [(e.get("computed_again"), e.get("why")) for e in again], "", "none")
