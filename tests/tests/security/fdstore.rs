@@ -90,17 +90,21 @@ fn what_the_store_must_not_keep_costs_it_nothing_past_its_bound() {
     assert_eq!(st.pair.hangs.total(), 0, "{:#?}", st.pair);
 }
 
-/// 1 500 stores and 1 500 removes a second for 3 s from a shadow whose
+/// 1 500 stores and 1 500 removes a second for 2 s from a shadow whose
 /// watchdog (200 ms) it pings from the same loop: the store's budget is
 /// its own, so no ping is pushed out and nobody is ended; the store is
-/// empty at the end.
+/// empty at the end. Two seconds, not three: this traffic is served, not
+/// dropped, and the test build's shim spends about 115 us of CPU on each
+/// datagram, so three seconds of it (9 000 datagrams) cost 1.03-1.06 s on
+/// the 2-core CI machine, at the 1 s that `survive_checking` allows any
+/// attack; two cost about 0.7 s.
 #[test]
 fn a_busy_engines_store_traffic_never_pushes_out_its_pings() {
     let id = "fdchurn";
     let st = survive_checking(
         id,
         "fdstore-churn",
-        &["3", "1500"],
+        &["2", "1500"],
         &[("shadow.dev/watchdog", "200ms")],
         |cd, env, _, _| {
             let f = store_when(cd, env, id, "the churn stored and removed", |f| {
